@@ -1,0 +1,120 @@
+"""Backend registry: every implementation the conformance suite can check against the reference.
+
+A backend is a ``Backend`` object. Built-in ones live in sub-packages of ``backends/`` (``torch``, ``triton``,
+``deep_gemm``, ``cuda``); an installed package registers its own under the entry-point group
+``moe_conformance.backends`` (``name = "pkg.module:attribute"``), and any importable ``module:attribute`` works
+with ``--backend`` without registration. Backends import ``reference`` (ABCs, configs, enums), never each other.
+
+Resolution happens in one place, ``load_backend``; a backend whose dependencies are missing still loads and reports
+*why* it is unavailable through ``unavailable_reason()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Callable, Mapping, Sequence
+
+__all__ = ["Backend", "BackendNotFound", "load_backend", "registered_backends", "ENTRY_POINT_GROUP", "BUILTIN"]
+
+ENTRY_POINT_GROUP = "moe_conformance.backends"
+
+BUILTIN: dict[str, str] = {
+    "torch": "backends.torch:backend",
+    "triton": "backends.triton:backend",
+    "deep_gemm": "backends.deep_gemm:backend",
+    "cuda": "backends.cuda:backend",
+}
+
+
+class BackendNotFound(LookupError):
+    """``--backend`` named nothing loadable; the message lists the registered names."""
+
+
+@dataclass
+class Backend:
+    """What a backend offers the harness.
+
+    Attributes:
+        name: registry name (``--backend NAME``).
+        version: version string of the implementation (package version, git hash...).
+        ops: implementations keyed by the reference name they replace (``"fused_topk"``,
+            ``"per_token_group_quant_fp8"``, ``"moe_align_block_size"``, ...), with the reference's signature.
+        experts: ``reference.modular.FusedMoEExpertsModular`` subclasses, each declaring support through the
+            seed's ``_supports_*`` predicates.
+        recipes: quantizer recipe per op name (``{"per_token_group_quant_fp8": "vllm"}``); ops not listed use
+            the reference default (``"vllm"``).
+        availability: callable returning None when usable here, else the reason (missing package, no GPU, compute
+            capability) — shown as the skip reason of every case.
+        device: ``"cpu"`` or ``"cuda"``: where the harness places inputs.
+        deterministic: repeated runs are bitwise equal (checked by the hygiene tests).
+        gate_platform: callable returning the ``reference.gate.Platform`` whose tiers the backend implements, or
+            None if it implements no gate tier.
+        description: one line for the report header.
+    """
+
+    name: str
+    version: str
+    ops: Mapping[str, Callable] = field(default_factory=dict)
+    experts: Sequence[type] = ()
+    recipes: Mapping[str, str] = field(default_factory=dict)
+    availability: Callable[[], str | None] = lambda: None
+    device: str = "cpu"
+    deterministic: bool = True
+    gate_platform: Callable | None = None
+    description: str = ""
+
+    def unavailable_reason(self) -> str | None:
+        """None if the backend can run on this machine, else why not (never raises)."""
+        try:
+            return self.availability()
+        except Exception as exc:  # an availability probe must never crash the harness
+            return f"availability check of backend {self.name!r} failed: {type(exc).__name__}: {exc}"
+
+    def recipe(self, op: str) -> str:
+        return self.recipes.get(op, "vllm")
+
+
+def registered_backends() -> dict[str, str]:
+    """Name -> ``module:attribute`` of every built-in and entry-point backend (entry points may not shadow
+    built-ins)."""
+    names = dict(BUILTIN)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        names.setdefault(ep.name, ep.value)
+    return names
+
+
+def _import_target(target: str) -> Backend:
+    module_name, _, attr = target.partition(":")
+    if not attr:
+        raise BackendNotFound(f"{target!r} is not of the form 'module:attribute'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendNotFound(f"cannot import backend module {module_name!r}: {exc}") from exc
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise BackendNotFound(f"module {module_name!r} has no attribute {attr!r}") from None
+    if callable(obj) and not isinstance(obj, Backend):
+        obj = obj()
+    if not isinstance(obj, Backend):
+        raise BackendNotFound(f"{target!r} is a {type(obj).__name__}, not a backends.Backend")
+    return obj
+
+
+def load_backend(spec: str) -> Backend:
+    """Resolve ``--backend``: a registered name or an importable ``module:attribute`` (a ``Backend`` or a
+    zero-argument callable returning one).
+
+    Raises:
+        BackendNotFound: unknown name or failed import; the message lists the registered backends.
+    """
+    names = registered_backends()
+    target = names.get(spec, spec if ":" in spec else None)
+    if target is None:
+        raise BackendNotFound(
+            f"unknown backend {spec!r}; registered: {', '.join(sorted(names))}, or pass 'module:attribute'"
+        )
+    return _import_target(target)

@@ -1,0 +1,30 @@
+"""The ``torch`` backend: vectorized PyTorch implementations, independent of the reference, on any device.
+
+The default backend on a machine without a GPU. It exists so the conformance suite compares two independent
+implementations of the same definitions (and so the suite itself is exercised on every commit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends import Backend
+from backends.torch import routing
+from backends.torch.experts import TorchExperts, torch_activation
+
+backend = Backend(
+    name="torch",
+    version=f"torch {torch.__version__}",
+    ops={
+        "fused_topk": routing.fused_topk,
+        "grouped_topk": routing.grouped_topk,
+        "fused_topk_bias": routing.fused_topk_bias,
+        "topk_softmax": routing.topk_softmax,
+        "llama4_routing": routing.llama4_routing,
+        "apply_moe_activation": lambda act, x, *, alpha=None, beta=None, limit=None: torch_activation(
+            act, x, alpha, beta, limit),
+    },
+    experts=[TorchExperts],
+    device="cuda" if torch.cuda.is_available() else "cpu",
+    description="vectorized PyTorch (sort by expert, padded bmm, scatter-add)",
+)

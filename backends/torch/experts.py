@@ -1,0 +1,158 @@
+"""``TorchExperts``: a vectorized PyTorch MoE experts step, independent of the reference's per-expert loop.
+
+Algorithm (how a real grouped-GEMM kernel works, in torch ops): map global ids to local ids, stable-sort the
+(token, k) routes by local expert, gather the routed rows, run both GEMMs as one padded ``torch.bmm`` each over the
+experts that received tokens, apply the activation, multiply each row by its router weight in fp32, and
+scatter-add the rows back to their tokens (``index_add_``). The output is ``(M, K)``, already weighted and reduced,
+so the finalize step is ``TopKWeightAndReduceNoOP``. Runs on any device torch supports.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from reference.activation import MoEActivation
+from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, TopKWeightAndReduceNoOP
+
+_GATED = {
+    MoEActivation.SILU,
+    MoEActivation.GELU,
+    MoEActivation.GELU_TANH,
+    MoEActivation.SWIGLUOAI,
+    MoEActivation.SWIGLUOAI_UNINTERLEAVE,
+    MoEActivation.SWIGLUSTEP,
+}
+_NO_MUL = {MoEActivation.SILU_NO_MUL, MoEActivation.GELU_NO_MUL, MoEActivation.RELU2_NO_MUL}
+
+
+def torch_activation(act: MoEActivation, h: torch.Tensor, alpha=None, beta=None, limit=None) -> torch.Tensor:
+    """The activations in fp32, rounded once to ``h.dtype`` (own code; see reference.activation for the spec)."""
+    x = h.float()
+    if act in _NO_MUL:
+        y = {MoEActivation.SILU_NO_MUL: F.silu, MoEActivation.GELU_NO_MUL: F.gelu,
+             MoEActivation.RELU2_NO_MUL: lambda v: F.relu(v) ** 2}[act](x)
+        return y.to(h.dtype)
+    if act is MoEActivation.SWIGLUOAI:
+        gate, up = x[..., ::2], x[..., 1::2]
+    else:
+        gate, up = x.chunk(2, dim=-1)
+    if act is MoEActivation.SWIGLUOAI or (limit is not None and act is not MoEActivation.SWIGLUSTEP):
+        lim = 7.0 if limit is None else limit
+        gate, up = gate.clamp(max=lim), up.clamp(-lim, lim)
+    if act is MoEActivation.SILU:
+        y = gate * torch.sigmoid(gate) * up
+    elif act is MoEActivation.GELU:
+        y = F.gelu(gate) * up
+    elif act is MoEActivation.GELU_TANH:
+        y = F.gelu(gate, approximate="tanh") * up
+    elif act is MoEActivation.SWIGLUOAI:
+        a = 1.702 if alpha is None else alpha
+        y = gate * torch.sigmoid(a * gate) * (up + 1)
+    elif act is MoEActivation.SWIGLUOAI_UNINTERLEAVE:
+        y = gate * torch.sigmoid((1.0 if alpha is None else alpha) * gate) * (up + (0.0 if beta is None else beta))
+    elif act is MoEActivation.SWIGLUSTEP:
+        lim = 7.0 if limit is None else limit
+        y = torch.minimum(F.silu(gate), torch.tensor(lim)) * up.clamp(-lim, lim)
+    else:
+        raise ValueError(f"TorchExperts does not implement activation {act}")
+    return y.to(h.dtype)
+
+
+def padded_grouped_mm(rows: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor, w: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """Grouped GEMM ``rows[i] @ w[e(i)].T`` for rows sorted by expert: pad to ``(E_active, max_rows, K)``, one bmm.
+
+    rows: ``(R, K)``; counts: rows per active expert (sum R); experts: ``(E_active,)`` indices into ``w (E, N, K)``.
+    The bmm accumulates in fp32 and returns ``(R, N)`` rounded once to ``out_dtype``.
+    """
+    n_exp = counts.numel()
+    max_rows = int(counts.max())
+    offsets = torch.cumsum(counts, 0) - counts
+    group = torch.repeat_interleave(torch.arange(n_exp, device=rows.device), counts)
+    pos = torch.arange(rows.shape[0], device=rows.device) - offsets[group]
+    padded = rows.new_zeros(n_exp, max_rows, rows.shape[1])
+    padded[group, pos] = rows
+    wsel = w if n_exp == w.shape[0] and bool((experts == torch.arange(n_exp, device=experts.device)).all()) \
+        else w.index_select(0, experts)
+    if rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16):
+        out = torch.bmm(padded, wsel.transpose(1, 2), out_dtype=torch.float32)
+    else:  # CPU has no bf16 -> fp32 bmm: upcast (exact) and accumulate in fp32
+        out = torch.bmm(padded.float(), wsel.transpose(1, 2).float())
+    return out[group, pos].to(out_dtype)
+
+
+class TorchExperts(FusedMoEExpertsModular):
+    """Vectorized experts for unquantized bf16/fp16/fp32 (quantized schemes: see ``supports``)."""
+
+    @staticmethod
+    def activation_format():
+        return FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return weight_key is None and activation_key is None
+
+    @staticmethod
+    def _supports_activation(activation) -> bool:
+        return activation in _GATED or activation in _NO_MUL
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return True
+
+    def supports_chunking(self) -> bool:
+        return True
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOP()
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
+        n_act = N // 2 if activation.is_gated else N
+        return (M * topk, max(N, K)), (M * topk, n_act), (M, K)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        if self.quant_config.is_quantized:
+            raise NotImplementedError("TorchExperts: quantized schemes are not implemented")
+        M, topk = topk_ids.shape
+        E_local = w1.shape[0]
+        ids = topk_ids.reshape(-1).long()
+        if expert_map is not None:
+            in_range = (ids >= 0) & (ids < expert_map.numel())
+            local = torch.where(in_range, expert_map.long()[ids.clamp(0, expert_map.numel() - 1)], -1)
+        else:
+            local = torch.where((ids >= 0) & (ids < E_local), ids, -1)
+        acc = torch.zeros(M, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
+        keep = (local >= 0).nonzero().squeeze(1)
+        if keep.numel():
+            order = keep[torch.argsort(local[keep], stable=True)]
+            experts, counts = torch.unique_consecutive(local[order], return_counts=True)
+            tokens = order // topk
+            rows = hidden_states[tokens]
+            qc = self.quant_config
+            h = padded_grouped_mm(rows, counts, experts, w1, torch.float32)
+            if qc.w1_bias is not None:  # the bias joins the fp32 accumulator before the store rounds it
+                h = h + qc.w1_bias[torch.repeat_interleave(experts, counts)].float()
+            h = h.to(hidden_states.dtype)
+            g = torch_activation(activation, h, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
+            y = padded_grouped_mm(g, counts, experts, w2, torch.float32)
+            if qc.w2_bias is not None:
+                y = y + qc.w2_bias[torch.repeat_interleave(experts, counts)].float()
+            y = y.to(hidden_states.dtype).float()  # GEMM2 output rounds to the activation dtype, like a kernel's store
+            if not apply_router_weight_on_input:
+                y = y * topk_weights.reshape(-1)[order].float().unsqueeze(1)
+            acc.index_add_(0, tokens, y)
+        output.copy_(acc)

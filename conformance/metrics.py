@@ -1,0 +1,219 @@
+"""Every comparison the conformance suite makes, in one module.
+
+- ``assert_exact``: ids, counts, layouts, quantized codes (bitwise; NaN equals NaN at the same place).
+- ``assert_close``: GEMM outputs against the reference with tolerances from ``specs/tolerances.toml``, reporting
+  ``max_norm`` (max|out-ref| / max|ref|), ``rms_norm`` (RMS error / RMS of ref) and ``calc_diff`` (DeepGEMM's
+  ``1 - 2 sum(xy) / sum(x^2 + y^2)`` in float64).
+- ``assert_routing``: per-token expert sets (ties accepted either way) and their weights.
+
+Every failure raises ``ConformanceFailure`` whose message names the case, the metric and its bound, the worst
+coordinates with both values, and the one-line command that reproduces it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ConformanceFailure", "ErrorStats", "error_stats", "calc_diff", "assert_close", "assert_exact",
+           "assert_routing", "assert_ulps"]
+
+
+class ConformanceFailure(AssertionError):
+    """A backend's result disagrees with the reference (message: case, metric, worst coordinates, repro)."""
+
+
+def _fmt_idx(idx: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, idx)) + "]"
+
+
+def _footer(case: str, repro: str | None) -> str:
+    return f"\n  case: {case}" + (f"\n  reproduce: {repro}" if repro else "")
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's similarity measure ``1 - 2 sum(x*y) / sum(x*x + y*y)`` in float64 (0 = identical)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    if denom == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)
+
+
+@dataclass
+class ErrorStats:
+    max_norm: float
+    rms_norm: float
+    calc_diff: float
+    worst_index: tuple[int, ...] | None
+    worst_out: float
+    worst_ref: float
+    nonfinite: int
+
+    def as_dict(self) -> dict:
+        return dict(max_norm=self.max_norm, rms_norm=self.rms_norm, calc_diff=self.calc_diff,
+                    nonfinite=self.nonfinite)
+
+
+def error_stats(out: torch.Tensor, ref: torch.Tensor) -> ErrorStats:
+    """Normalized error statistics of ``out`` against ``ref`` (same shape), computed in float64 on the CPU."""
+    o = out.detach().double().cpu()
+    r = ref.detach().double().cpu()
+    nonfinite = int((~torch.isfinite(o) & torch.isfinite(r)).sum())
+    diff = (o - r).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+    if diff.numel() == 0:
+        return ErrorStats(0.0, 0.0, 0.0, None, 0.0, 0.0, 0)
+    scale = float(r.abs().max())
+    rms_ref = float(r.pow(2).mean().sqrt())
+    flat = int(diff.argmax())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    finite = torch.isfinite(diff)
+    rms_err = float(diff[finite].pow(2).mean().sqrt()) if finite.any() else math.inf
+    return ErrorStats(
+        max_norm=float(diff.max()) / scale if scale > 0 else float(diff.max()),
+        rms_norm=(rms_err / rms_ref if rms_ref > 0 else rms_err) if nonfinite == 0 else math.inf,
+        calc_diff=calc_diff(torch.nan_to_num(o), r) if nonfinite == 0 else math.inf,
+        worst_index=idx,
+        worst_out=float(o[idx]),
+        worst_ref=float(r[idx]),
+        nonfinite=nonfinite,
+    )
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: dict, *, case: str, what: str = "output",
+                 repro: str | None = None) -> ErrorStats:
+    """Check ``out`` against ``ref`` with the ``max_norm`` / ``rms_norm`` / ``calc_diff`` bounds in ``tol``.
+
+    Raises:
+        ConformanceFailure: shape/dtype mismatch, any non-finite element where the reference is finite (the
+            harness poisons outputs with NaN, so unwritten elements land here), or a metric over its bound.
+    """
+    if out.shape != ref.shape:
+        raise ConformanceFailure(f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}" +
+                                 _footer(case, repro))
+    if out.dtype != ref.dtype:
+        raise ConformanceFailure(f"{what}: dtype {out.dtype} != reference {ref.dtype}" + _footer(case, repro))
+    s = error_stats(out, ref)
+    problems = []
+    if s.nonfinite:
+        problems.append(f"{s.nonfinite} non-finite elements where the reference is finite (unwritten or overflow)")
+    for metric in ("max_norm", "rms_norm", "calc_diff"):
+        value, bound = getattr(s, metric), tol.get(metric)
+        if bound is not None and not value <= bound:
+            problems.append(f"{metric} = {value:.3e} > {bound:.1e}")
+    if problems:
+        worst = (f"worst at {_fmt_idx(s.worst_index)}: got {s.worst_out!r}, expected {s.worst_ref!r}"
+                 if s.worst_index is not None else "")
+        raise ConformanceFailure(
+            f"{what} differs from the reference: " + "; ".join(problems)
+            + f"\n  {worst}\n  max_norm={s.max_norm:.3e} rms_norm={s.rms_norm:.3e} calc_diff={s.calc_diff:.3e}"
+            + _footer(case, repro)
+        )
+    return s
+
+
+def assert_exact(out: torch.Tensor, ref: torch.Tensor, *, case: str, what: str, repro: str | None = None,
+                 pre_rounding: torch.Tensor | None = None, max_report: int = 5) -> None:
+    """Bitwise equality (floating tensors compared through their bit patterns; NaN == NaN at the same place).
+
+    Raises:
+        ConformanceFailure: shape/dtype mismatch or differing elements: the count, the first coordinates, both
+            values, and the pre-rounding value when ``pre_rounding`` is given.
+    """
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        raise ConformanceFailure(
+            f"{what}: got {tuple(out.shape)} {out.dtype}, reference {tuple(ref.shape)} {ref.dtype}" +
+            _footer(case, repro))
+    o, r = out.detach().cpu(), ref.detach().cpu()
+    if o.is_floating_point():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[o.element_size()]
+        both_nan = torch.isnan(o.float()) & torch.isnan(r.float())
+        neq = (o.view(bits) != r.view(bits)) & ~both_nan
+    else:
+        neq = o != r
+    n = int(neq.sum())
+    if n:
+        lines = []
+        for idx in neq.nonzero()[:max_report].tolist():
+            idx = tuple(idx)
+            line = f"    at {_fmt_idx(idx)}: got {o[idx].item()!r}, expected {r[idx].item()!r}"
+            if pre_rounding is not None:
+                line += f" (value before rounding {pre_rounding.detach().cpu()[idx].item()!r})"
+            lines.append(line)
+        raise ConformanceFailure(f"{what}: {n} of {neq.numel()} elements differ\n" + "\n".join(lines) +
+                                 _footer(case, repro))
+
+
+def assert_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: int, *, case: str, what: str,
+                repro: str | None = None) -> None:
+    """Elementwise: ``|out - ref| <= ulps * ulp(ref)`` in ``ref``'s dtype (for single-rounding elementwise ops)."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        raise ConformanceFailure(
+            f"{what}: got {tuple(out.shape)} {out.dtype}, reference {tuple(ref.shape)} {ref.dtype}" +
+            _footer(case, repro))
+    o, r = out.detach().cpu().double(), ref.detach().cpu().double()
+    finfo = torch.finfo(ref.dtype)
+    # ulp of each reference value: 2^(exponent - mantissa bits), at least the smallest subnormal step.
+    exp = torch.floor(torch.log2(r.abs().clamp(min=finfo.tiny)))
+    ulp = torch.pow(2.0, exp - (finfo.bits - 1 - {torch.bfloat16: 8, torch.float16: 5, torch.float32: 8}[ref.dtype]))
+    bad = ~((o - r).abs() <= ulps * ulp) & ~(torch.isnan(o) & torch.isnan(r))
+    n = int(bad.sum())
+    if n:
+        idx = tuple(bad.nonzero()[0].tolist())
+        raise ConformanceFailure(
+            f"{what}: {n} elements beyond {ulps} ulp; first at {_fmt_idx(idx)}: got {o[idx].item()!r}, "
+            f"expected {r[idx].item()!r}" + _footer(case, repro))
+
+
+def assert_routing(out_w: torch.Tensor, out_ids: torch.Tensor, ref_w: torch.Tensor, ref_ids: torch.Tensor,
+                   selection_key: torch.Tensor, tol: dict, *, case: str, repro: str | None = None) -> None:
+    """Compare top-k routing per token as sets of (expert, weight).
+
+    A token passes when its expert set equals the reference's and the weights (matched by expert) agree within
+    ``weights_atol`` / ``weights_rtol``; or, where the sets differ only by experts whose ``selection_key`` ties (within
+    ``tie_tolerance``) with the reference's weakest selected expert, when the sorted weights agree.
+
+    Raises:
+        ConformanceFailure: wrong shapes/dtypes, an id out of ``[0, E)``, a differing set without a tie, or weights
+            out of tolerance; names the first bad token with both rows.
+    """
+    E = selection_key.shape[1]
+    if out_ids.shape != ref_ids.shape or out_w.shape != ref_w.shape:
+        raise ConformanceFailure(f"routing: got ids {tuple(out_ids.shape)} weights {tuple(out_w.shape)}, expected "
+                                 f"{tuple(ref_ids.shape)}" + _footer(case, repro))
+    if out_w.dtype != torch.float32:
+        raise ConformanceFailure(f"routing: topk_weights must be float32, got {out_w.dtype}" + _footer(case, repro))
+    if out_ids.is_floating_point():
+        raise ConformanceFailure(f"routing: topk_ids must be integer, got {out_ids.dtype}" + _footer(case, repro))
+    ow, oi = out_w.detach().cpu().float(), out_ids.detach().cpu().long()
+    rw, ri = ref_w.detach().cpu().float(), ref_ids.detach().cpu().long()
+    key = selection_key.detach().cpu().float()
+    bad_range = (oi < 0) | (oi >= E)
+    if bool(bad_range.any()):
+        t = int(bad_range.any(1).nonzero()[0])
+        raise ConformanceFailure(f"routing: token {t} has expert ids {oi[t].tolist()} outside [0, {E})" +
+                                 _footer(case, repro))
+    atol, rtol, tie = tol["weights_atol"], tol["weights_rtol"], tol["tie_tolerance"]
+    for t in range(oi.shape[0]):
+        o_order, r_order = torch.argsort(oi[t]), torch.argsort(ri[t])
+        o_ids, r_ids = oi[t][o_order], ri[t][r_order]
+        o_w, r_w = ow[t][o_order], rw[t][r_order]
+        if torch.equal(o_ids, r_ids):
+            if not torch.allclose(o_w, r_w, atol=atol, rtol=rtol):
+                raise ConformanceFailure(
+                    f"routing: token {t} weights differ\n    experts {r_ids.tolist()}\n    got      {o_w.tolist()}"
+                    f"\n    expected {r_w.tolist()}" + _footer(case, repro))
+            continue
+        extra = sorted(set(o_ids.tolist()) - set(r_ids.tolist()))
+        weakest = float(key[t, r_ids].min())
+        if len(set(o_ids.tolist())) != len(o_ids) or any(abs(float(key[t, e]) - weakest) > tie for e in extra):
+            raise ConformanceFailure(
+                f"routing: token {t} selects experts {o_ids.tolist()}, expected {r_ids.tolist()} "
+                f"(not a tie: selection scores of the extra experts {[float(key[t, e]) for e in extra]} vs the "
+                f"weakest expected {weakest})" + _footer(case, repro))
+        if not torch.allclose(o_w.sort().values, r_w.sort().values, atol=atol, rtol=rtol):
+            raise ConformanceFailure(f"routing: token {t} tie resolved differently and weights differ: got "
+                                     f"{o_w.tolist()}, expected {r_w.tolist()}" + _footer(case, repro))

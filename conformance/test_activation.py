@@ -1,0 +1,28 @@
+"""Activation conformance: the backend's ``apply_moe_activation`` against the reference, within 1 ulp of the
+output dtype (both compute in fp32 and round once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.cases import ActivationCase, activation_cases
+from conformance.inputs import _gen
+from conformance.metrics import assert_ulps
+from reference.activation import apply_moe_activation
+
+
+@pytest.mark.parametrize("case", activation_cases(), ids=lambda c: c.id)
+def test_activation(backend, case: ActivationCase, tolerances, repro, record):
+    op = backend.ops.get("apply_moe_activation")
+    if op is None:
+        pytest.skip(f"backend {backend.name} does not implement apply_moe_activation")
+    record(component="activation", scheme=case.activation.value, tokens=case.tokens)
+    g = _gen(case.seed)
+    # Spread over [-12, 12] so clamps (limit 7) and saturation regions are exercised.
+    x = (torch.randn(case.tokens, case.width, generator=g) * 4).to(case.dtype)
+    params = dict(case.params)
+    expected = apply_moe_activation(case.activation, x, **params)
+    out = op(case.activation, x.to(backend.device), **params)
+    assert_ulps(out, expected, tolerances["activation"]["ulps"][str(case.dtype).removeprefix("torch.")], case=f"activation[{case.id}]",
+                what="activation output", repro=repro)

@@ -1,0 +1,157 @@
+"""MoE activation functions (vLLM ``MoEActivation``) with their exact formulas.
+
+Mirrors ``vllm/model_executor/layers/fused_moe/activation.py`` and the kernels in
+``vllm/model_executor/layers/activation.py`` (vLLM 0.17-0.33).
+
+Numerics: every activation reads its input in the input dtype, computes in fp32 and rounds the result once to
+the input dtype, as vLLM's CUDA activation kernels (``silu_and_mul`` etc.) do.
+
+Gated layout: for gated activations the input is ``(..., 2d)`` and the output ``(..., d)``. The gate ``g`` is the
+first half and the up projection ``u`` the second half (vLLM's packed ``w13`` = [w1; w3]), except SWIGLUOAI, whose
+gate/up are *interleaved*: ``g = x[..., 0::2]``, ``u = x[..., 1::2]`` (gpt-oss checkpoints; vLLM #44893 shows
+what mixing the two layouts costs).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "MoEActivation",
+    "apply_moe_activation",
+    "adjust_N_for_activation",
+    "SWIGLUOAI_DEFAULT_ALPHA",
+    "SWIGLUOAI_DEFAULT_LIMIT",
+    "SWIGLUSTEP_LIMIT",
+]
+
+SWIGLUOAI_DEFAULT_ALPHA = 1.702
+SWIGLUOAI_DEFAULT_LIMIT = 7.0
+SWIGLUSTEP_LIMIT = 7.0
+
+
+class MoEActivation(enum.Enum):
+    """The activation applied between the two expert GEMMs (vLLM ``MoEActivation``).
+
+    ``is_gated`` is False exactly for the ``*_NO_MUL`` members (their w1 is ``(E, I, K)``, not ``(E, 2I, K)``).
+    """
+
+    SILU = "silu"
+    GELU = "gelu"
+    GELU_TANH = "gelu_tanh"
+    RELU2 = "relu2"  # in vLLM's enum, but apply_moe_activation raises for the gated form
+    SWIGLUOAI = "swigluoai"
+    SWIGLUOAI_UNINTERLEAVE = "swigluoai_uninterleave"
+    SWIGLUSTEP = "swiglustep"
+    SILU_NO_MUL = "silu_no_mul"
+    GELU_NO_MUL = "gelu_no_mul"
+    RELU2_NO_MUL = "relu2_no_mul"
+
+    @property
+    def is_gated(self) -> bool:
+        return not self.value.endswith("_no_mul")
+
+    @classmethod
+    def from_str(cls, name: str) -> "MoEActivation":
+        try:
+            return cls(name.lower())
+        except ValueError:
+            valid = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown MoE activation {name!r}; valid: {valid}") from None
+
+
+def adjust_N_for_activation(N: int, activation: MoEActivation) -> int:
+    """Width of the activation output for a GEMM1 output of width ``N``.
+
+    ``N // 2`` for gated activations, ``N`` for ``*_NO_MUL``. Mirrors
+    ``FusedMoEExpertsModular.adjust_N_for_activation`` (seed 002).
+    """
+    return N // 2 if activation.is_gated else N
+
+
+def _split_gated(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.shape[-1] % 2:
+        raise ValueError(f"a gated activation needs an even last dimension, got {tuple(x.shape)}")
+    if interleaved:
+        return x[..., 0::2], x[..., 1::2]
+    d = x.shape[-1] // 2
+    return x[..., :d], x[..., d:]
+
+
+def apply_moe_activation(
+    activation: MoEActivation,
+    x: torch.Tensor,
+    *,
+    alpha: float | None = None,
+    beta: float | None = None,
+    limit: float | None = None,
+) -> torch.Tensor:
+    """Apply ``activation`` to the GEMM1 output ``x``.
+
+    Args:
+        activation: the ``MoEActivation``.
+        x: ``(..., N)`` floating tensor (bf16/fp16/fp32). Gated activations need ``N`` even.
+        alpha, beta, limit: ``gemm1_alpha`` / ``gemm1_beta`` / ``gemm1_clamp_limit`` of the quant config (seed 001).
+            SILU with ``limit`` clamps ``g <= limit`` and ``|u| <= limit`` first. SWIGLUOAI defaults to
+            alpha 1.702, limit 7.0; SWIGLUOAI_UNINTERLEAVE defaults to alpha 1.0, beta 0.0 (== SILU) and applies
+            the clamp only when ``limit`` is given.
+
+    Returns:
+        ``(..., adjust_N_for_activation(N))`` tensor in ``x.dtype``; computed in fp32, rounded once.
+
+    Formulas (g = gate, u = up):
+        SILU           silu(g) * u
+        GELU           gelu_erf(g) * u;  GELU_TANH: gelu_tanh(g) * u
+        SWIGLUOAI      g = min(g, L); u = clamp(u, -L, L); (u + 1) * g * sigmoid(alpha * g)   [interleaved g/u]
+        SWIGLUOAI_UNINTERLEAVE  same clamps (if L given); g * sigmoid(alpha * g) * (u + beta)   [packed halves]
+        SWIGLUSTEP     min(silu(g), 7) * clamp(u, -7, 7)
+        SILU_NO_MUL    silu(x);  GELU_NO_MUL: gelu_erf(x);  RELU2_NO_MUL: relu(x)^2
+
+    Raises:
+        ValueError: RELU2 (gated; vLLM raises too), odd width for a gated activation, non-floating input.
+    """
+    if not x.is_floating_point():
+        raise ValueError(f"activation input must be floating point, got {x.dtype}")
+    xf = x.float()
+    A = MoEActivation
+    if activation is A.RELU2:
+        raise ValueError("gated RELU2 is not supported (vLLM raises too); use RELU2_NO_MUL")
+    if activation is A.SILU_NO_MUL:
+        y = F.silu(xf)
+    elif activation is A.GELU_NO_MUL:
+        y = F.gelu(xf)
+    elif activation is A.RELU2_NO_MUL:
+        y = torch.square(F.relu(xf))
+    else:
+        g, u = _split_gated(xf, interleaved=activation is A.SWIGLUOAI)
+        if activation is A.SILU:
+            if limit is not None:
+                g = g.clamp(max=limit)
+                u = u.clamp(-limit, limit)
+            y = F.silu(g) * u
+        elif activation is A.GELU:
+            y = F.gelu(g) * u
+        elif activation is A.GELU_TANH:
+            y = F.gelu(g, approximate="tanh") * u
+        elif activation is A.SWIGLUOAI:
+            a = SWIGLUOAI_DEFAULT_ALPHA if alpha is None else alpha
+            L = SWIGLUOAI_DEFAULT_LIMIT if limit is None else limit
+            g = g.clamp(max=L)
+            u = u.clamp(-L, L)
+            y = (u + 1.0) * g * torch.sigmoid(a * g)
+        elif activation is A.SWIGLUOAI_UNINTERLEAVE:
+            a = 1.0 if alpha is None else alpha
+            b = 0.0 if beta is None else beta
+            if limit is not None:
+                g = g.clamp(max=limit)
+                u = u.clamp(-limit, limit)
+            y = g * torch.sigmoid(a * g) * (u + b)
+        elif activation is A.SWIGLUSTEP:
+            L = SWIGLUSTEP_LIMIT if limit is None else limit
+            y = F.silu(g).clamp(max=L) * u.clamp(-L, L)
+        else:  # pragma: no cover - every member is handled above
+            raise ValueError(f"unhandled activation {activation}")
+    return y.to(x.dtype)

@@ -1,0 +1,679 @@
+"""Token -> expert alignment: the layouts the grouped expert GEMMs read.
+
+Two layouts are defined here, both pure functions of ``topk_ids`` (and ``expert_map`` under expert parallelism):
+
+1. The Triton / block layout of ``moe_align_block_size`` (mirrors
+   ``vllm/model_executor/layers/fused_moe/moe_align_block_size.py`` and its CUDA kernel
+   ``csrc/moe/moe_align_sum_kernels.cu``): a list of *flat route indices* ``i = token * topk + k`` grouped by
+   expert, each expert's group padded to a multiple of ``block_size`` with the sentinel ``numel``, and one expert id
+   per block of ``block_size`` entries. ``count_expert_num_tokens`` (``fused_moe/utils.py``) counts routes per
+   local expert.
+2. The DeepGEMM *contiguous* layout (mirrors ``vllm/model_executor/layers/fused_moe/deep_gemm_utils.py``:
+   ``compute_aligned_M_and_alignment``, ``deepgemm_moe_permute`` = ``ep_scatter``, ``deepgemm_unpermute_and_reduce``
+   = ``ep_gather``; used by ``DeepGemmExperts.apply`` of seed 001): activation rows copied so that each local
+   expert's rows are contiguous and start at a multiple of the alignment, with a per-row expert id (``m_indices``)
+   that is -1 on padding rows, and ``_valid_deep_gemm`` (seed 001), the shape/dtype gate of that path.
+
+Route validity, one rule for every function of this module (vLLM's kernels disagree, see below):
+
+- ``-1`` is the "no route" sentinel (EP masking, padding): the route is dropped. Always allowed.
+- An id outside ``[0, num_ids)`` other than -1 (``num_ids`` = ``num_experts``, ``len(expert_map)`` or
+  ``local_num_experts``, as each function says) raises ``ValueError`` by default: it is what NaN router logits
+  produce (vLLM #39391) and what the ``expert_map[-1]`` / ``expert_map[E]`` out-of-bounds reads of vLLM #48371 feed
+  on. With ``drop_out_of_range_ids=True`` such routes are dropped instead, as vLLM's current CUDA align kernel does
+  (``if (expert_id >= num_experts) continue``; negative ids are skipped since vLLM's invalid-id test): use this for
+  "zero experts" (ids ``>= E`` whose contribution the caller adds separately) and fused shared experts.
+- With ``expert_map`` (global id -> local id, -1 where the expert lives on another rank) a route whose expert maps
+  to -1 is *non-local* and is dropped; every kept route is labelled with its *local* id.
+- Dropped routes never appear in any layout; ``sorted_token_ids`` keeps their flat index only as "absent".
+
+Integer widths: every index tensor is int32, as in vLLM; a layout whose size does not fit in int32 raises
+``ValueError`` (int32 stride overflow is vLLM #5938 / #34279).
+
+Order: within one expert, routes are listed in increasing flat index. vLLM's kernels fill positions with atomics,
+so their order within an expert is not deterministic; a conformance check of a kernel compares, per expert (per
+block), the *set* of routes, and everything else (block expert ids, counts, padding, totals) exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "moe_align_block_size",
+    "max_num_tokens_padded",
+    "count_expert_num_tokens",
+    "compute_aligned_M_and_alignment",
+    "deepgemm_moe_permute",
+    "deepgemm_unpermute_and_reduce",
+    "_valid_deep_gemm_shape",
+    "valid_deep_gemm",
+    "DEEP_GEMM_M_ALIGNMENT",
+    "DEEP_GEMM_BLOCK_K",
+]
+
+#: DeepGEMM's ``get_mk_alignment_for_contiguous_layout()`` on SM90/SM100: ``(block_m, block_k) = (128, 128)``.
+DEEP_GEMM_M_ALIGNMENT = 128
+DEEP_GEMM_BLOCK_K = 128
+
+_INT32_MAX = 2**31 - 1
+_SIGNED_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return _cdiv(x, multiple) * multiple
+
+
+def _check_positive_int(name: str, value: Any, fn: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{fn}: {name} must be a positive int, got {value!r}")
+
+
+def _check_nonnegative_int(name: str, value: Any, fn: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{fn}: {name} must be a non-negative int, got {value!r}")
+
+
+def _check_topk_ids(topk_ids: Any, fn: str) -> None:
+    if not isinstance(topk_ids, torch.Tensor):
+        raise ValueError(f"{fn}: topk_ids must be a torch.Tensor of shape (M, topk), got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2:
+        raise ValueError(
+            f"{fn}: topk_ids must be 2-D (M, topk), got shape {tuple(topk_ids.shape)}; "
+            "reshape it to (num_tokens, topk)"
+        )
+    if topk_ids.dtype not in _SIGNED_INT_DTYPES:
+        raise ValueError(
+            f"{fn}: topk_ids must have a signed integer dtype (int8/16/32/64; -1 marks a dropped route), got "
+            f"{topk_ids.dtype}; convert it with topk_ids.to(torch.int32)"
+        )
+
+
+def _check_expert_map(expert_map: Any, num_local: int | None, fn: str) -> torch.Tensor:
+    """Validate ``expert_map`` and return it as a CPU int64 tensor."""
+    if not isinstance(expert_map, torch.Tensor) or expert_map.dim() != 1:
+        raise ValueError(f"{fn}: expert_map must be a 1-D tensor (global_num_experts,), got {expert_map!r:.80}")
+    if expert_map.dtype not in _SIGNED_INT_DTYPES:
+        raise ValueError(f"{fn}: expert_map must have a signed integer dtype (-1 = not on this rank), got "
+                         f"{expert_map.dtype}")
+    emap = expert_map.detach().to("cpu", torch.int64)
+    upper = num_local if num_local is not None else emap.numel()
+    bad = (emap < -1) | (emap >= upper)
+    if bool(bad.any()):
+        g = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{fn}: expert_map[{g}] = {int(emap[g])} is not a local expert id in [0, {upper}) nor -1; build the map "
+            "with reference.routing.determine_expert_map"
+        )
+    local = emap[emap >= 0]
+    if local.numel() != torch.unique(local).numel():
+        raise ValueError(f"{fn}: expert_map maps two global experts to the same local expert: {emap.tolist()}")
+    return emap
+
+
+def _local_ids(
+    topk_ids: torch.Tensor,
+    num_ids: int | None,
+    emap: torch.Tensor | None,
+    drop_out_of_range_ids: bool,
+    fn: str,
+) -> torch.Tensor:
+    """Flat (M*topk,) int64 CPU tensor: the local expert id of every route, -1 where the route is dropped.
+
+    ``num_ids`` is the size of the id space topk_ids indexes (``len(expert_map)`` when a map is given); None means
+    unknown (only ``-1`` / other negatives can be classified then).
+    """
+    flat = topk_ids.detach().reshape(-1).to("cpu", torch.int64)
+    if emap is not None:
+        num_ids = emap.numel()
+    out_of_range = flat < -1
+    if num_ids is not None:
+        out_of_range |= flat >= num_ids
+    if bool(out_of_range.any()) and not drop_out_of_range_ids:
+        i = int(out_of_range.nonzero()[0, 0])
+        k = topk_ids.size(1)
+        space = f"[0, {num_ids})" if num_ids is not None else "[0, inf)"
+        raise ValueError(
+            f"{fn}: topk_ids[{i // k}, {i % k}] = {int(flat[i])} is outside {space} and is not the -1 sentinel "
+            "(NaN router logits? vLLM #39391). Fix the routing, or pass drop_out_of_range_ids=True to drop such "
+            "routes (zero experts / fused shared experts handled by the caller)"
+        )
+    valid = (flat >= 0) & ~out_of_range
+    local = torch.full_like(flat, -1)
+    if emap is None:
+        local[valid] = flat[valid]
+    else:
+        local[valid] = emap[flat[valid]]
+    return local
+
+
+def _counts(local: torch.Tensor, num_slots: int) -> list[int]:
+    """Routes per local expert slot, as python ints."""
+    kept = local[local >= 0]
+    return torch.bincount(kept, minlength=num_slots).tolist() if kept.numel() else [0] * num_slots
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton block layout
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def max_num_tokens_padded(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
+    """Length of ``sorted_token_ids`` that ``moe_align_block_size`` allocates.
+
+    ``numel + num_experts * (block_size - 1)``, rounded up to ``block_size`` if ``pad_sorted_ids``, then capped at
+    ``numel * block_size`` when ``numel < num_experts`` (at most ``numel`` experts can be active, each needing at
+    most one padded block per route). The cap is a multiple of ``block_size``, so the order of rounding and capping
+    does not matter. ``numel == 0`` gives 0. Mirrors ``moe_align_block_size.py`` (vLLM >= 0.11; older versions had
+    no cap). Any actual layout fits: ``sum_e round_up(count_e, bs) <= numel + active * (bs - 1)``.
+
+    Raises:
+        ValueError: negative numel, non-positive num_experts / block_size.
+    """
+    fn = "max_num_tokens_padded"
+    _check_nonnegative_int("numel", numel, fn)
+    _check_positive_int("num_experts", num_experts, fn)
+    _check_positive_int("block_size", block_size, fn)
+    padded = numel + num_experts * (block_size - 1)
+    if pad_sorted_ids:
+        padded = _round_up(padded, block_size)
+    if numel < num_experts:
+        padded = min(numel * block_size, padded)
+    return padded
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    expert_map: torch.Tensor | None = None,
+    pad_sorted_ids: bool = False,
+    *,
+    drop_out_of_range_ids: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the routes by expert, padding each expert's group to a multiple of ``block_size``.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/moe_align_block_size.py::moe_align_block_size`` with the
+    CUDA kernel of ``csrc/moe/moe_align_sum_kernels.cu`` (and, with ``expert_map``, its
+    ``ignore_invalid_experts=True`` mode, where the kernel applies the map itself).
+
+    Args:
+        topk_ids: ``(M, topk)`` signed integer tensor of global expert ids; flat route index ``i = t * topk + k``.
+        block_size: the Triton kernel's ``BLOCK_SIZE_M`` (> 0).
+        num_experts: number of (global) experts ids index; must equal ``len(expert_map)`` when a map is given.
+        expert_map: optional ``(num_experts,)`` signed int map global -> local id, -1 for experts on other ranks.
+            Non-local routes are dropped and blocks carry *local* ids.
+        pad_sorted_ids: round the length of ``sorted_token_ids`` up to a multiple of ``block_size``.
+        drop_out_of_range_ids: drop routes with ids outside ``[0, num_experts)`` instead of raising (see module).
+
+    Returns:
+        ``sorted_token_ids``: int32 ``(max_num_tokens_padded,)`` (see :func:`max_num_tokens_padded`, computed with
+        ``numel = topk_ids.numel()`` and the *global* ``num_experts``). For each local expert ``e`` in increasing
+        order of ``e``, the flat indices of its routes in increasing order, followed by the padding value ``numel``
+        up to a multiple of ``block_size``; experts with no route take no space. Every entry after
+        ``num_tokens_post_padded`` is ``numel`` too.
+        ``expert_ids``: int32 ``(cdiv(max_num_tokens_padded, block_size),)``, the local expert of each block of
+        ``block_size`` entries; ``-1`` for every block at or after ``num_tokens_post_padded // block_size``
+        (vLLM PR #35161 changed that fill from 0 to -1; 0 made the Triton kernel compute expert 0 on padding).
+        ``num_tokens_post_padded``: int32 ``(1,)``, ``sum_e round_up(count_e, block_size)`` over local experts.
+
+    With ``M == 0`` all three describe an empty layout: shapes ``(0,)``, ``(0,)`` and value ``[0]``.
+
+    Example (``topk_ids = [[0, 1], [1, 2], [0, 2]]``, ``block_size = 4``, ``num_experts = 4``): routes of expert 0
+    are flat 0, 4; of expert 1: 1, 2; of expert 2: 3, 5, so ``sorted_token_ids = [0, 4, 6, 6, 1, 2, 6, 6, 3, 5, 6, 6,
+    6, 6, 6, 6, 6, 6]`` (length 6 + 4 * 3 = 18), ``expert_ids = [0, 1, 2, -1, -1]``, ``num_tokens_post_padded =
+    [12]``.
+
+    Not modelled: vLLM's legacy EP path (``expert_map`` without ``ignore_invalid_experts``) aligns *all* global
+    experts and maps ``expert_ids`` afterwards, so non-local routes stay in blocks labelled -1 and count in
+    ``num_tokens_post_padded``; the reference defines the dropping behaviour only.
+
+    Raises:
+        ValueError: topk_ids not 2-D / not signed integer; block_size or num_experts not a positive int; expert_map
+            not 1-D, of length != num_experts, with values outside [-1, num_experts) or duplicate local ids; an id
+            outside ``[0, num_experts)`` other than -1 (unless ``drop_out_of_range_ids``); a layout too large for
+            int32 indices.
+    """
+    fn = "moe_align_block_size"
+    _check_topk_ids(topk_ids, fn)
+    _check_positive_int("block_size", block_size, fn)
+    _check_positive_int("num_experts", num_experts, fn)
+    emap = None
+    if expert_map is not None:
+        emap = _check_expert_map(expert_map, num_experts, fn)
+        if emap.numel() != num_experts:
+            raise ValueError(
+                f"{fn}: expert_map must have shape ({num_experts},) (one entry per global expert; num_experts is the "
+                f"global count), got {tuple(expert_map.shape)}"
+            )
+
+    numel = topk_ids.numel()
+    total_len = max_num_tokens_padded(numel, num_experts, block_size, pad_sorted_ids)
+    if total_len > _INT32_MAX:
+        raise ValueError(f"{fn}: sorted_token_ids would need {total_len} int32 entries (> 2**31 - 1); chunk the batch")
+    num_blocks = _cdiv(total_len, block_size)
+
+    local = _local_ids(topk_ids, num_experts, emap, drop_out_of_range_ids, fn)
+    device = topk_ids.device
+
+    # Build the layout as python lists: for each local expert in order, its routes, then padding.
+    sorted_ids: list[int] = []
+    block_experts: list[int] = []
+    for e in range(num_experts):
+        routes = (local == e).nonzero().flatten().tolist()  # increasing flat index
+        if not routes:
+            continue
+        padded = _round_up(len(routes), block_size)
+        sorted_ids.extend(routes)
+        sorted_ids.extend([numel] * (padded - len(routes)))
+        block_experts.extend([e] * (padded // block_size))
+    num_post_padded = len(sorted_ids)
+    assert num_post_padded <= total_len, "layout exceeds max_num_tokens_padded (reference bug)"
+
+    sorted_token_ids = torch.full((total_len,), numel, dtype=torch.int32)
+    sorted_token_ids[:num_post_padded] = torch.tensor(sorted_ids, dtype=torch.int32)
+    expert_ids = torch.full((num_blocks,), -1, dtype=torch.int32)
+    expert_ids[: len(block_experts)] = torch.tensor(block_experts, dtype=torch.int32)
+    num_tokens_post_padded = torch.tensor([num_post_padded], dtype=torch.int32)
+    return sorted_token_ids.to(device), expert_ids.to(device), num_tokens_post_padded.to(device)
+
+
+def count_expert_num_tokens(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    expert_map: torch.Tensor | None = None,
+    *,
+    drop_out_of_range_ids: bool = False,
+) -> torch.Tensor:
+    """Number of routes per local expert: int32 ``(num_local_experts,)``.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/utils.py::count_expert_num_tokens`` (the modular kernel
+    recomputes ``ExpertTokensMetadata.expert_num_tokens`` with it, per chunk in vLLM 0.17).
+
+    Args:
+        topk_ids: ``(M, topk)`` signed integer tensor.
+        num_local_experts: number of experts on this rank (> 0).
+        expert_map: optional 1-D global -> local map (-1 = other rank); its length is the global expert count, ids
+            must lie in ``[0, len(expert_map))`` and its values in ``[-1, num_local_experts)``. Without a map ids
+            are local ids in ``[0, num_local_experts)``.
+        drop_out_of_range_ids: drop out-of-range ids instead of raising (vLLM's Triton counter silently ignores
+            ids ``>= num_local_experts`` without a map, and reads ``expert_map`` out of bounds with one).
+
+    Raises:
+        ValueError: bad topk_ids / num_local_experts / expert_map; an out-of-range id (unless dropping).
+    """
+    fn = "count_expert_num_tokens"
+    _check_topk_ids(topk_ids, fn)
+    _check_positive_int("num_local_experts", num_local_experts, fn)
+    emap = _check_expert_map(expert_map, num_local_experts, fn) if expert_map is not None else None
+    local = _local_ids(topk_ids, num_local_experts, emap, drop_out_of_range_ids, fn)
+    return torch.tensor(_counts(local, num_local_experts), dtype=torch.int32, device=topk_ids.device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DeepGEMM contiguous layout
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _cpu_counts(meta: Any, local_num_experts: int, fn: str) -> list[int] | None:
+    """``meta.expert_num_tokens_cpu`` as a python list (None when absent), validated."""
+    if meta is None:
+        return None
+    counts = getattr(meta, "expert_num_tokens_cpu", None)
+    if counts is None:
+        return None
+    counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+    if len(counts) != local_num_experts or any(int(c) != c or c < 0 for c in counts):
+        raise ValueError(
+            f"{fn}: expert_tokens_meta.expert_num_tokens_cpu must hold {local_num_experts} non-negative integer "
+            f"counts (one per local expert), got {counts}"
+        )
+    return [int(c) for c in counts]
+
+
+def compute_aligned_M_and_alignment(
+    M: int,
+    num_topk: int,
+    local_num_experts: int,
+    alignment: int,
+    expert_tokens_meta: Any = None,
+    *,
+    per_call_alignment: int | None = None,
+) -> tuple[int, int]:
+    """Rows of the DeepGEMM contiguous workspace and the per-expert alignment used: ``(M_sum, alignment_used)``.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/deep_gemm_utils.py::compute_aligned_M_and_alignment``.
+
+    - With CPU counts (``expert_tokens_meta.expert_num_tokens_cpu`` is not None; ``expert_tokens_meta`` is any
+      object with that attribute, e.g. ``reference.modular.ExpertTokensMetadata``): the exact size
+      ``sum_e round_up(count_e, alignment)``, and ``alignment_used = alignment``.
+    - Otherwise the worst case: ``round_up(M * num_topk + min(M * num_topk, local_num_experts) * (a - 1), a)``;
+      at most ``M * num_topk`` experts can be active, so the padding is capped by that (vLLM <= 0.10 used
+      ``local_num_experts * (a - 1)``, far too large at decode). ``a = alignment`` unless ``per_call_alignment`` is
+      given and ``<= alignment``: it stands for DeepGEMM's per-call theoretical BLOCK_M on SM100/SM120
+      (``get_theoretical_mk_alignment_for_contiguous_layout(expected_m=M*num_topk, num_groups=local_num_experts)``),
+      a platform fact the reference takes as a parameter; ``alignment_used = a``.
+
+    ``M == 0`` gives ``M_sum == 0``. ``M_sum % alignment_used == 0`` always.
+
+    Raises:
+        ValueError: negative M / num_topk, non-positive local_num_experts / alignment / per_call_alignment,
+            CPU counts of the wrong length or negative.
+    """
+    fn = "compute_aligned_M_and_alignment"
+    _check_nonnegative_int("M", M, fn)
+    _check_nonnegative_int("num_topk", num_topk, fn)
+    _check_positive_int("local_num_experts", local_num_experts, fn)
+    _check_positive_int("alignment", alignment, fn)
+    if per_call_alignment is not None:
+        _check_positive_int("per_call_alignment", per_call_alignment, fn)
+
+    counts = _cpu_counts(expert_tokens_meta, local_num_experts, fn)
+    if counts is not None:
+        return sum(_round_up(c, alignment) for c in counts), alignment
+
+    if per_call_alignment is not None and per_call_alignment <= alignment:
+        alignment = per_call_alignment
+    expected_m = M * num_topk
+    max_active_experts = min(expected_m, local_num_experts)
+    M_sum = _round_up(expected_m + max_active_experts * (alignment - 1), alignment)
+    return M_sum, alignment
+
+
+def deepgemm_moe_permute(
+    aq: torch.Tensor,
+    aq_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    local_num_experts: int,
+    expert_map: torch.Tensor | None = None,
+    expert_tokens_meta: Any = None,
+    aq_out: torch.Tensor | None = None,
+    block_size: int | None = None,
+    alignment: int = DEEP_GEMM_M_ALIGNMENT,
+    *,
+    per_call_alignment: int | None = None,
+    drop_out_of_range_ids: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, int]:
+    """Scatter activation rows into DeepGEMM's contiguous grouped layout (one row per local route).
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/deep_gemm_utils.py::deepgemm_moe_permute`` (``ep_scatter``,
+    from LightLLM), as called by ``DeepGemmExperts.apply`` (seed 001).
+
+    Args:
+        aq: ``(M, K)`` activations (any dtype; fp8 e4m3 on the DeepGEMM path). Rows are copied bit-exactly.
+        aq_scale: ``(M, K // block_size)`` per-token-group scales (fp32; or uint8 UE8M0 bytes for MXFP8), or None.
+        topk_ids: ``(M, topk)`` signed integer ids (global ids when ``expert_map`` is given, else local ids).
+        local_num_experts: experts on this rank (``w1.size(0)``).
+        expert_map: optional 1-D global -> local map, -1 for other ranks (non-local routes are dropped).
+        expert_tokens_meta: optional object with ``expert_num_tokens`` (device counts, used by vLLM to place rows)
+            and ``expert_num_tokens_cpu`` (used for ``M_sum``); both, when not None, must equal the counts of
+            ``topk_ids`` (stale counts were vLLM #20392).
+        aq_out: optional ``(M_sum, K)`` output buffer of ``aq.dtype`` (vLLM passes a view of workspace13); fully
+            overwritten and returned.
+        block_size: K group size of ``aq_scale`` (None: DeepGEMM's ``block_k = 128``; MXFP8 passes 32).
+        alignment: per-expert M alignment (DeepGEMM ``block_m``, 128).
+        per_call_alignment: see :func:`compute_aligned_M_and_alignment`.
+        drop_out_of_range_ids: drop ids outside the id space instead of raising (see module docstring).
+
+    Returns:
+        ``(aq_perm, aq_scale_perm, expert_ids, inv_perm, alignment_used)`` with ``(M_sum, alignment_used) =
+        compute_aligned_M_and_alignment(M, topk, local_num_experts, alignment, expert_tokens_meta, ...)``:
+
+        - Local expert ``e`` owns rows ``[start_e, start_e + count_e)`` where ``start_e = sum_{j<e}
+          round_up(count_j, alignment_used)``, so every expert starts at a multiple of ``alignment_used``; its
+          routes fill them in increasing flat index ``t * topk + k``.
+        - ``aq_perm``: ``(M_sum, K)``, ``aq.dtype``: row of route (t, k) = ``aq[t]``; every other row is zero
+          (vLLM leaves them uninitialised; DeepGEMM skips them, so a conformance check compares valid rows only).
+        - ``aq_scale_perm``: ``(M_sum, K // block_size)``, ``aq_scale.dtype``, zero-initialised, row of route
+          (t, k) = ``aq_scale[t]``; None if ``aq_scale`` is None. vLLM packs uint8 UE8M0 scales four to an int32
+          in DeepGEMM's MN-major TMA-aligned layout; the reference returns them unpacked (pack with the quant
+          module's UE8M0 packing to compare).
+        - ``expert_ids`` (DeepGEMM ``m_indices``/``grouped_layout``): int32 ``(M_sum,)``, ``e`` on the rows of
+          expert ``e``, ``-1`` on every padding row (DeepGEMM skips negative rows).
+        - ``inv_perm``: int32 ``(M, topk)``: the row of route (t, k), ``-1`` for dropped / non-local routes (vLLM
+          leaves those entries uninitialised).
+        - ``alignment_used``: int.
+
+    Raises:
+        ValueError: malformed shapes/dtypes; ``aq_out`` of the wrong shape/dtype; counts in ``expert_tokens_meta``
+            that disagree with ``topk_ids``; out-of-range ids (unless dropping); M_sum too large for int32.
+    """
+    fn = "deepgemm_moe_permute"
+    _check_topk_ids(topk_ids, fn)
+    _check_positive_int("local_num_experts", local_num_experts, fn)
+    _check_positive_int("alignment", alignment, fn)
+    if not isinstance(aq, torch.Tensor) or aq.dim() != 2:
+        raise ValueError(f"{fn}: aq must be a 2-D (M, K) tensor, got {getattr(aq, 'shape', aq)!r}")
+    M, K = aq.shape
+    topk = topk_ids.size(1)
+    if topk_ids.size(0) != M:
+        raise ValueError(
+            f"{fn}: topk_ids has {topk_ids.size(0)} rows but aq has {M}; they must describe the same tokens"
+        )
+    block_k = DEEP_GEMM_BLOCK_K if block_size is None else block_size
+    _check_positive_int("block_size", block_k, fn)
+    if aq_scale is not None:
+        if K % block_k != 0:
+            raise ValueError(f"{fn}: K={K} is not a multiple of the scale group size block_size={block_k}")
+        if aq_scale.dim() != 2 or tuple(aq_scale.shape) != (M, K // block_k):
+            raise ValueError(
+                f"{fn}: aq_scale must have shape (M, K // block_size) = ({M}, {K // block_k}) (per-token-group "
+                f"scales), got {tuple(aq_scale.shape)}"
+            )
+    emap = _check_expert_map(expert_map, local_num_experts, fn) if expert_map is not None else None
+    local = _local_ids(topk_ids, local_num_experts, emap, drop_out_of_range_ids, fn)
+    counts = _counts(local, local_num_experts)
+
+    if expert_tokens_meta is not None:
+        for attr in ("expert_num_tokens", "expert_num_tokens_cpu"):
+            given = getattr(expert_tokens_meta, attr, None)
+            if given is None:
+                continue
+            given_list = given.tolist() if isinstance(given, torch.Tensor) else list(given)
+            if given_list != counts:
+                raise ValueError(
+                    f"{fn}: expert_tokens_meta.{attr} = {given_list} but topk_ids route {counts} tokens to the local "
+                    "experts; recompute it with count_expert_num_tokens for these topk_ids (stale counts: vLLM #20392)"
+                )
+
+    M_sum, align_used = compute_aligned_M_and_alignment(
+        M, topk, local_num_experts, alignment, expert_tokens_meta, per_call_alignment=per_call_alignment
+    )
+    if M_sum > _INT32_MAX:
+        raise ValueError(f"{fn}: M_sum={M_sum} rows do not fit int32 indices; chunk the batch")
+
+    # Layout: expert e starts at the aligned prefix sum of the counts before it.
+    starts: list[int] = []
+    offset = 0
+    for e in range(local_num_experts):
+        starts.append(offset)
+        offset += _round_up(counts[e], align_used)
+    assert offset <= M_sum, "layout exceeds M_sum (reference bug)"
+
+    inv_perm = torch.full((M * topk,), -1, dtype=torch.int64)
+    expert_ids = torch.full((M_sum,), -1, dtype=torch.int32)
+    for e in range(local_num_experts):
+        routes = (local == e).nonzero().flatten()  # increasing flat index
+        rows = starts[e] + torch.arange(routes.numel())
+        inv_perm[routes] = rows
+        expert_ids[starts[e] : starts[e] + routes.numel()] = e
+
+    kept = (inv_perm >= 0).nonzero().flatten()  # flat route indices of kept routes
+    dst_rows = inv_perm[kept]
+    src_tokens = kept // topk if topk else kept
+
+    device = aq.device
+    if aq_out is None:
+        aq_out = torch.empty((M_sum, K), dtype=aq.dtype, device=device)
+    elif tuple(aq_out.shape) != (M_sum, K) or aq_out.dtype != aq.dtype:
+        raise ValueError(
+            f"{fn}: aq_out must be ({M_sum}, {K}) of {aq.dtype} (M_sum from compute_aligned_M_and_alignment), got "
+            f"{tuple(aq_out.shape)} of {aq_out.dtype}"
+        )
+    aq_out.zero_()
+    aq_out[dst_rows.to(device)] = aq[src_tokens.to(device)]
+
+    aq_scale_perm = None
+    if aq_scale is not None:
+        aq_scale_perm = torch.zeros((M_sum, aq_scale.size(1)), dtype=aq_scale.dtype, device=aq_scale.device)
+        aq_scale_perm[dst_rows.to(aq_scale.device)] = aq_scale[src_tokens.to(aq_scale.device)]
+
+    return (
+        aq_out,
+        aq_scale_perm,
+        expert_ids.to(device),
+        inv_perm.to(torch.int32).reshape(M, topk).to(device),
+        align_used,
+    )
+
+
+def deepgemm_unpermute_and_reduce(
+    a: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    inv_perm: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    output: torch.Tensor,
+    *,
+    drop_out_of_range_ids: bool = False,
+) -> torch.Tensor:
+    """Gather the grouped GEMM output back to tokens and reduce over top-k: ``output[t] = sum_k w[t,k] * a[row]``.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/deep_gemm_utils.py::deepgemm_unpermute_and_reduce``
+    (``ep_gather``).
+
+    Numerics: per token, an fp32 accumulator starts at 0 and, for ``k = 0 .. topk-1`` in order, adds
+    ``a[inv_perm[t, k]].float() * topk_weights[t, k].float()`` (product rounded to fp32, then the sum) for every
+    *local* route; the accumulator is cast once to ``output.dtype``. A GPU kernel may fuse the multiply-add (FMA),
+    so a backend is compared with an fp32-accumulation tolerance, not bitwise. Tokens with no local route get 0.
+    Every row of ``output`` is written.
+
+    A route is local when its id is not -1 and (with ``expert_map``) ``expert_map[id] >= 0``; ``inv_perm`` of
+    other routes is ignored (vLLM leaves it uninitialised). Without a map the expert count is not known here: a
+    route whose id is ``>= 0`` but whose ``inv_perm`` is -1 was dropped by the permute, which is allowed only with
+    ``drop_out_of_range_ids=True``.
+
+    Args:
+        a: ``(M_sum, K)`` floating GEMM output in the permuted row order.
+        topk_ids: ``(M, topk)`` signed integer ids, the same as given to :func:`deepgemm_moe_permute`.
+        topk_weights: ``(M, topk)`` floating router weights (pass ones when the weight was applied on the input).
+        inv_perm: ``(M, topk)`` integer rows from :func:`deepgemm_moe_permute`.
+        expert_map: the same map as given to the permute, or None.
+        output: ``(M, K)`` floating tensor, overwritten.
+
+    Returns:
+        ``output`` (vLLM returns None; the reference returns the tensor it wrote).
+
+    Raises:
+        ValueError: shape/dtype mismatches; an id outside ``[0, len(expert_map))`` other than -1 (unless
+            dropping); a local route whose ``inv_perm`` is not a row of ``a``.
+    """
+    fn = "deepgemm_unpermute_and_reduce"
+    _check_topk_ids(topk_ids, fn)
+    M, topk = topk_ids.shape
+    for name, t in (("a", a), ("output", output)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point:
+            raise ValueError(f"{fn}: {name} must be a 2-D floating tensor, got {getattr(t, 'shape', t)!r}")
+    if output.size(0) != M or output.size(1) != a.size(1):
+        raise ValueError(f"{fn}: output must be (M, K) = ({M}, {a.size(1)}), got {tuple(output.shape)}")
+    if tuple(topk_weights.shape) != (M, topk) or not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"{fn}: topk_weights must be floating ({M}, {topk}), got {tuple(topk_weights.shape)} "
+                         f"{topk_weights.dtype}")
+    if tuple(inv_perm.shape) != (M, topk) or inv_perm.dtype.is_floating_point or inv_perm.dtype == torch.bool:
+        raise ValueError(f"{fn}: inv_perm must be integer ({M}, {topk}), got {tuple(inv_perm.shape)} {inv_perm.dtype}")
+
+    emap = _check_expert_map(expert_map, None, fn) if expert_map is not None else None
+    local = _local_ids(topk_ids, None, emap, drop_out_of_range_ids, fn).reshape(M, topk)
+    rows = inv_perm.detach().to("cpu", torch.int64)
+    is_local = local >= 0
+    if emap is None and drop_out_of_range_ids:
+        is_local &= rows != -1  # dropped by the permute as out of range
+    bad = is_local & ((rows < 0) | (rows >= a.size(0)))
+    if bool(bad.any()):
+        t, k = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"{fn}: route ({t}, {k}) is local but inv_perm[{t}, {k}] = {int(rows[t, k])} is not a row of a "
+            f"(0..{a.size(0) - 1}); pass the topk_ids / expert_map / inv_perm of the same deepgemm_moe_permute call"
+        )
+
+    device = a.device
+    acc = torch.zeros((M, a.size(1)), dtype=torch.float32, device=device)
+    weights = topk_weights.to(device=device, dtype=torch.float32)
+    for k in range(topk):  # k in increasing order: this fixes the fp32 summation order
+        mask = is_local[:, k].to(device)
+        term = torch.zeros_like(acc)
+        term[mask] = a[rows[:, k].to(device)[mask]].float() * weights[mask, k : k + 1]
+        acc = acc + term
+    output.copy_(acc.to(output.dtype))
+    return output
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DeepGEMM support gate (seed 001)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _valid_deep_gemm_shape(M: int, N: int, K: int, alignment: int = DEEP_GEMM_M_ALIGNMENT) -> bool:
+    """``alignment <= M and N % alignment == 0 and K % alignment == 0``.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/experts/deep_gemm_moe.py::_valid_deep_gemm_shape`` (alignment =
+    ``get_mk_alignment_for_contiguous_layout()[0]``). Pure predicate, never raises.
+    """
+    return alignment <= M and N % alignment == 0 and K % alignment == 0
+
+
+def valid_deep_gemm(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    alignment: int = DEEP_GEMM_M_ALIGNMENT,
+) -> tuple[bool, str | None]:
+    """Whether the DeepGEMM grouped GEMM path accepts this problem: ``(ok, reason_if_not)``.
+
+    Mirrors ``_valid_deep_gemm`` of seed 001 (``experts/deep_gemm_moe.py``), checks in its order, with
+    ``M = hidden_states.size(0)`` and ``_, K, N = w2.size()`` (so ``N`` is the intermediate size ``w2.size(2)``):
+
+    1. shape: ``M >= alignment``, ``N % alignment == 0``, ``K % alignment == 0``;
+    2. ``N > 512`` (below that vLLM prefers Triton);
+    3. ``w1`` and ``w2`` are ``torch.float8_e4m3fn``;
+    4. ``hidden_states``, ``w1``, ``w2`` are contiguous.
+
+    vLLM's first check (``has_deep_gemm()``, the package being importable) is a platform fact and belongs to the
+    backend's availability check, not to this predicate. The reason string names the failed rule and the values.
+
+    Raises:
+        ValueError: hidden_states not 2-D or w1/w2 not 3-D (malformed input, not an unsupported problem).
+    """
+    fn = "valid_deep_gemm"
+    if hidden_states.dim() != 2:
+        raise ValueError(f"{fn}: hidden_states must be 2-D (M, K), got {tuple(hidden_states.shape)}")
+    if w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"{fn}: w1 and w2 must be 3-D (E, N, K) / (E, K, N), got {tuple(w1.shape)}, {tuple(w2.shape)}")
+    _check_positive_int("alignment", alignment, fn)
+    M = hidden_states.size(0)
+    _, K, N = w2.shape
+    if not _valid_deep_gemm_shape(M, N, K, alignment):
+        return False, (
+            f"unaligned problem size M={M}, N={N}, K={K}: M must be >= {alignment} and N, K multiples of {alignment}"
+        )
+    if N <= 512:
+        return False, f"N={N} <= 512 (M={M}, K={K}): Triton is used for such shapes"
+    if w1.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        return False, f"weights must be float8_e4m3fn, got w1.dtype={w1.dtype}, w2.dtype={w2.dtype}"
+    if not (hidden_states.is_contiguous() and w1.is_contiguous() and w2.is_contiguous()):
+        return False, (
+            "weights or activations not contiguous: hidden_states="
+            f"{hidden_states.is_contiguous()}, w1={w1.is_contiguous()}, w2={w2.is_contiguous()}"
+        )
+    return True, None

@@ -1,0 +1,256 @@
+"""Configuration dataclasses of the fused MoE layer, as plain data.
+
+Mirrors ``vllm/model_executor/layers/fused_moe/config.py`` (``FusedMoEConfig``, ``FusedMoEParallelConfig``,
+``FusedMoEQuantDesc``, ``FusedMoEQuantConfig`` and its ``*_moe_quant_config`` factories), reduced to what the
+reference and the conformance harness need. Nothing here computes.
+
+Shapes used throughout the project (vLLM's names):
+    M tokens, K hidden size, N = w1.size(1) (2 * I for gated activations, I otherwise), I intermediate size,
+    E global experts, E_local experts held by this rank, topk experts per token.
+    w1 (w13): ``(E_local, N, K)``; w2: ``(E_local, K, I)``; hidden_states ``(M, K)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from reference.activation import MoEActivation
+from reference.routing import RoutingMethodType
+
+__all__ = [
+    "FusedMoEParallelConfig",
+    "FusedMoEConfig",
+    "FusedMoEQuantDesc",
+    "FusedMoEQuantConfig",
+    "FUSED_MOE_UNQUANTIZED_CONFIG",
+    "fp8_w8a8_moe_quant_config",
+    "int8_w8a8_moe_quant_config",
+    "biased_moe_quant_config",
+]
+
+
+@dataclass(frozen=True)
+class FusedMoEParallelConfig:
+    """Parallel layout of the MoE layer. ``use_ep`` with ``ep_size > 1`` means experts are sharded by rank."""
+
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+    tp_rank: int = 0
+    dp_rank: int = 0
+    ep_rank: int = 0
+    use_ep: bool = False
+    all2all_backend: str = "naive"
+    use_fi_nvl_two_sided_kernels: bool = False
+    use_fi_nvl_one_sided_kernels: bool = False
+
+    @staticmethod
+    def make_no_parallel() -> "FusedMoEParallelConfig":
+        return FusedMoEParallelConfig()
+
+    @staticmethod
+    def make_ep(ep_size: int, ep_rank: int) -> "FusedMoEParallelConfig":
+        return FusedMoEParallelConfig(ep_size=ep_size, ep_rank=ep_rank, use_ep=ep_size > 1)
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Layer configuration an experts class is asked to support (seed 002 ``is_supported_config``)."""
+
+    num_experts: int  # global E
+    experts_per_token: int  # topk
+    hidden_dim: int  # K
+    intermediate_size_per_partition: int  # I
+    num_local_experts: int
+    activation: MoEActivation = MoEActivation.SILU
+    in_dtype: torch.dtype = torch.bfloat16
+    moe_parallel_config: FusedMoEParallelConfig = field(default_factory=FusedMoEParallelConfig)
+    routing_method: RoutingMethodType = RoutingMethodType.Default
+    router_logits_dtype: torch.dtype | None = None
+    has_bias: bool = False
+    max_num_tokens: int = 16 * 1024
+
+    @property
+    def is_act_and_mul(self) -> bool:
+        """True for gated activations (w1 holds gate and up projections)."""
+        return self.activation.is_gated
+
+
+@dataclass(frozen=True)
+class FusedMoEQuantDesc:
+    """How one operand (a1, a2, w1 or w2) is quantized.
+
+    dtype: None (unquantized), ``torch.float8_e4m3fn``, ``torch.int8``, or a string format name
+        (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``, ``"int4"``).
+    shape: group shape ``(rows, cols)`` of one scale: ``(-1, -1)`` per tensor, ``(1, -1)`` per token/channel,
+        ``(1, 128)`` per 1x128 group, ``(128, 128)`` per block, ``(1, 32)`` MX.
+    scale: the scale tensor (dequant multiplier, x ~= q * scale) for static quantization; None for dynamic.
+    alpha_or_gscale, zp, bias: global scale (NVFP4) / zero point / per-expert bias.
+    """
+
+    dtype: torch.dtype | str | None = None
+    shape: tuple[int, int] | None = None
+    scale: torch.Tensor | None = None
+    alpha_or_gscale: torch.Tensor | None = None
+    zp: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class FusedMoEQuantConfig:
+    """Quantization of the four operands of the experts, plus the gated-activation parameters of seed 001.
+
+    ``recipe`` names the scale rule used for *dynamic* activation quantization (``reference.quant`` recipes:
+    ``"vllm"`` by default, ``"deepgemm"``); ``use_ue8m0`` rounds dynamic activation scales up to powers of two
+    (DeepGEMM FLOAT32_CEIL_UE8M0 on SM90).
+    """
+
+    a1: FusedMoEQuantDesc = field(default_factory=FusedMoEQuantDesc)
+    a2: FusedMoEQuantDesc = field(default_factory=FusedMoEQuantDesc)
+    w1: FusedMoEQuantDesc = field(default_factory=FusedMoEQuantDesc)
+    w2: FusedMoEQuantDesc = field(default_factory=FusedMoEQuantDesc)
+    gemm1_alpha: float | None = None
+    gemm1_beta: float | None = None
+    gemm1_clamp_limit: float | None = None
+    recipe: str = "vllm"
+    use_ue8m0: bool = False
+
+    # --- vLLM's accessors -------------------------------------------------------------------------------------
+    @property
+    def quant_dtype(self):
+        return self.a1.dtype
+
+    @property
+    def weight_quant_dtype(self):
+        return self.w1.dtype
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.a1.dtype is not None or self.w1.dtype is not None
+
+    @property
+    def block_shape(self) -> list[int] | None:
+        s = self.w1.shape
+        if s is not None and s[0] > 1 and s[1] > 1:
+            return list(s)
+        if s == (1, 32):  # MX formats: block_shape [1, 32] (seed 001 DeepGemmExperts.mxfp8)
+            return [1, 32]
+        return None
+
+    @property
+    def per_act_token_quant(self) -> bool:
+        return self.a1.shape == (1, -1)
+
+    @property
+    def per_out_ch_quant(self) -> bool:
+        return self.w1.shape == (1, -1)
+
+    @property
+    def use_fp8_w8a8(self) -> bool:
+        return self.a1.dtype == torch.float8_e4m3fn and self.w1.dtype == torch.float8_e4m3fn
+
+    @property
+    def use_int8_w8a8(self) -> bool:
+        return self.a1.dtype == torch.int8 and self.w1.dtype == torch.int8
+
+    a1_scale = property(lambda self: self.a1.scale)
+    a2_scale = property(lambda self: self.a2.scale)
+    w1_scale = property(lambda self: self.w1.scale)
+    w2_scale = property(lambda self: self.w2.scale)
+    a1_gscale = property(lambda self: self.a1.alpha_or_gscale)
+    a2_gscale = property(lambda self: self.a2.alpha_or_gscale)
+    g1_alphas = property(lambda self: self.w1.alpha_or_gscale)
+    g2_alphas = property(lambda self: self.w2.alpha_or_gscale)
+    w1_zp = property(lambda self: self.w1.zp)
+    w2_zp = property(lambda self: self.w2.zp)
+    w1_bias = property(lambda self: self.w1.bias)
+    w2_bias = property(lambda self: self.w2.bias)
+
+    def scheme_name(self) -> str:
+        """Short name used in case ids, e.g. ``bf16``, ``fp8_block128``, ``fp8_tensor``, ``int8_token``."""
+        if not self.is_quantized:
+            return "unquantized"
+        w, a = self.w1, self.a1
+        if w.dtype == torch.float8_e4m3fn:
+            if self.block_shape == [128, 128]:
+                return "fp8_block128" + ("_ue8m0" if self.use_ue8m0 else "")
+            if w.shape == (1, -1):
+                return "fp8_channel_token" if a.shape == (1, -1) else "fp8_channel_tensor"
+            return "fp8_tensor"
+        if w.dtype == torch.int8:
+            return "int8_channel_token"
+        return str(w.dtype)
+
+
+FUSED_MOE_UNQUANTIZED_CONFIG = FusedMoEQuantConfig()
+
+
+def biased_moe_quant_config(w1_bias: torch.Tensor | None, w2_bias: torch.Tensor | None) -> FusedMoEQuantConfig:
+    """Unquantized experts with per-expert biases: w1_bias ``(E_local, N)``, w2_bias ``(E_local, K)``."""
+    return FusedMoEQuantConfig(w1=FusedMoEQuantDesc(bias=w1_bias), w2=FusedMoEQuantDesc(bias=w2_bias))
+
+
+def fp8_w8a8_moe_quant_config(
+    w1_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    per_act_token_quant: bool = False,
+    per_out_ch_quant: bool = False,
+    block_shape: list[int] | None = None,
+    *,
+    recipe: str = "vllm",
+    use_ue8m0: bool = False,
+    gemm1_alpha: float | None = None,
+    gemm1_beta: float | None = None,
+    gemm1_clamp_limit: float | None = None,
+) -> FusedMoEQuantConfig:
+    """FP8 E4M3 weights and activations (vLLM ``fp8_w8a8_moe_quant_config``).
+
+    block_shape ``[128, 128]``: weights per 128x128 block (scales ``(E, cdiv(N,128), cdiv(K,128))`` fp32),
+    activations dynamic per 1x128 group. per_out_ch_quant: weight scales ``(E, N, 1)``. per_act_token_quant:
+    dynamic per-token activation scales. Otherwise per-tensor (static if a1_scale is given, dynamic if None).
+
+    Raises:
+        ValueError: block quantization combined with per-token/per-channel flags (vLLM excludes it).
+    """
+    fp8 = torch.float8_e4m3fn
+    if block_shape is not None:
+        if per_act_token_quant or per_out_ch_quant:
+            raise ValueError("block quantization excludes per_act_token_quant / per_out_ch_quant (as in vLLM)")
+        bn, bk = block_shape
+        w_shape, a_shape = (bn, bk), (1, bk)
+    else:
+        w_shape = (1, -1) if per_out_ch_quant else (-1, -1)
+        a_shape = (1, -1) if per_act_token_quant else (-1, -1)
+    return FusedMoEQuantConfig(
+        a1=FusedMoEQuantDesc(fp8, a_shape, a1_scale),
+        a2=FusedMoEQuantDesc(fp8, a_shape, a2_scale),
+        w1=FusedMoEQuantDesc(fp8, w_shape, w1_scale),
+        w2=FusedMoEQuantDesc(fp8, w_shape, w2_scale),
+        recipe=recipe,
+        use_ue8m0=use_ue8m0,
+        gemm1_alpha=gemm1_alpha,
+        gemm1_beta=gemm1_beta,
+        gemm1_clamp_limit=gemm1_clamp_limit,
+    )
+
+
+def int8_w8a8_moe_quant_config(
+    w1_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    per_act_token_quant: bool = True,
+) -> FusedMoEQuantConfig:
+    """INT8 W8A8: per-channel weight scales ``(E, N, 1)``, dynamic per-token activations (vLLM's MoE int8 scheme)."""
+    i8 = torch.int8
+    a_shape = (1, -1) if per_act_token_quant else (-1, -1)
+    return FusedMoEQuantConfig(
+        a1=FusedMoEQuantDesc(i8, a_shape, a1_scale),
+        a2=FusedMoEQuantDesc(i8, a_shape, a2_scale),
+        w1=FusedMoEQuantDesc(i8, (1, -1), w1_scale),
+        w2=FusedMoEQuantDesc(i8, (1, -1), w2_scale),
+    )

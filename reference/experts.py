@@ -1,0 +1,250 @@
+"""The experts computation, written as the readable per-expert loop that every kernel must reproduce.
+
+For each local expert ``e`` and the tokens routed to it (mirrors vLLM's ``fused_experts_impl`` in
+``fused_moe/fused_moe.py`` and the test oracle ``torch_experts`` in ``tests/kernels/utils.py``)::
+
+    a   = dequant(quant_a1(x))                       fp32 (M_e, K)        [prepare: a1 quantized per the config]
+    h   = a @ dequant(w1[e]).T  (+ w1_bias[e])       fp32 accumulate -> ROUND to act dtype   (intermediate_cache1)
+    g   = activation(h)                              fp32 math         -> ROUND to act dtype   (intermediate_cache2)
+    g'  = dequant(quant_a2(g))                       fp32 (if a2 is quantized: dynamic per token/group)
+    y   = g' @ dequant(w2[e]).T (+ w2_bias[e])       fp32 accumulate -> ROUND to act dtype   (intermediate_cache3)
+    out[t] = sum_k  w[t, k] * y[t, k]               fp32 accumulate -> ROUND to act dtype once
+
+Rounding points are exactly the four ROUND/quantize steps above; every other step is fp32. ``act dtype`` is the
+hidden_states dtype (bf16/fp16/fp32). A kernel's fp32 accumulation order differs from ``torch.matmul``'s, so GEMM
+results are compared with tolerances derived from the format (``specs/tolerances.toml``), quantizers bit-exactly.
+
+Routes to experts not held by this rank (``expert_map[id] == -1``) contribute nothing. With
+``apply_router_weight_on_input`` (topk == 1) the input is multiplied by the weight in the act dtype before
+quantization, and the output sum uses weight 1.
+
+Dequantization (``dequant`` above) multiplies each code by the scale of its group: per tensor (one scale per expert),
+per token / per output channel, per 1xG group along K, or per 128x128 block; it is exact in fp32 for FP8/INT8 codes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference.activation import MoEActivation, adjust_N_for_activation, apply_moe_activation
+from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig, FusedMoEQuantDesc
+from reference.modular import (
+    ExpertTokensMetadata,
+    FusedMoEActivationFormat,
+    FusedMoEExpertsModular,
+    TopKWeightAndReduceContiguous,
+    cdiv,
+    moe_kernel_quantize_input,
+)
+
+__all__ = ["fused_experts", "ReferenceExperts", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
+
+
+def dequant_groups(q: torch.Tensor, scale: torch.Tensor | None, group_shape: tuple[int, int] | None) -> torch.Tensor:
+    """Dequantize a 2-D code tensor ``q (R, C)``: ``q * scale`` with one scale per ``group_shape`` tile, in fp32.
+
+    ``group_shape`` entries of -1 mean "the whole dimension". ``scale`` may be None (unquantized: just upcast),
+    a single element, or hold ``cdiv(R, gr) * cdiv(C, gc)`` elements in row-major tile order (any strides).
+    """
+    x = q.float()
+    if scale is None:
+        return x
+    s = scale.float()
+    if s.numel() == 1:
+        return x * s.reshape(())
+    R, C = q.shape
+    gr, gc = group_shape if group_shape is not None else (-1, -1)
+    gr = R if gr == -1 else gr
+    gc = C if gc == -1 else gc
+    tiles = (cdiv(R, gr), cdiv(C, gc))
+    if s.numel() != tiles[0] * tiles[1]:
+        raise ValueError(f"scale has {s.numel()} elements; {tuple(q.shape)} in {gr}x{gc} tiles needs {tiles}")
+    s = s.reshape(tiles).repeat_interleave(gr, 0)[:R].repeat_interleave(gc, 1)[:, :C]
+    return x * s
+
+
+def _weight_scale(desc: FusedMoEQuantDesc, e: int) -> torch.Tensor | None:
+    if desc.scale is None:
+        return None
+    return desc.scale[e] if desc.scale.dim() >= 1 and desc.scale.numel() > 1 else desc.scale
+
+
+def _dequant_weight(w: torch.Tensor, desc: FusedMoEQuantDesc, e: int) -> torch.Tensor:
+    if desc.dtype is None:
+        return w[e].float()
+    if isinstance(desc.dtype, str):
+        raise NotImplementedError(f"weight format {desc.dtype!r} is not handled by the reference experts loop yet")
+    return dequant_groups(w[e], _weight_scale(desc, e), desc.shape)
+
+
+def local_expert_ids(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """Local expert index of every route, -1 where the expert is not held (or the id is out of range / -1)."""
+    ids = topk_ids.long()
+    if expert_map is None:
+        valid = (ids >= 0) & (ids < num_local_experts)
+        return torch.where(valid, ids, torch.full_like(ids, -1))
+    E = expert_map.numel()
+    valid = (ids >= 0) & (ids < E)
+    # Never index expert_map with -1 or an out-of-range id (vLLM #48371 read expert_map[-1]).
+    mapped = expert_map.long()[ids.clamp(0, E - 1)]
+    return torch.where(valid, mapped, torch.full_like(ids, -1))
+
+
+def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map=None,
+                     global_num_experts=-1) -> None:
+    """Validate the experts' operands with clear messages (shapes, dtypes, devices, id ranges).
+
+    Raises:
+        ValueError: any mismatch; the message names the tensor, what it has and what it needs.
+    """
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be (M, K), got {tuple(hidden_states.shape)}")
+    if w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w1/w2 must be (E, N, K) / (E, K, I), got {tuple(w1.shape)} / {tuple(w2.shape)}")
+    M, K = hidden_states.shape
+    E_local, N, K1 = w1.shape
+    if w2.size(0) != E_local:
+        raise ValueError(f"w1 has {E_local} experts but w2 has {w2.size(0)}")
+    if K1 != K or w2.size(1) != K:
+        raise ValueError(f"hidden size mismatch: hidden_states K={K}, w1 K={K1}, w2 K={w2.size(1)}")
+    I = adjust_N_for_activation(N, activation)
+    if w2.size(2) != I:
+        raise ValueError(f"w2 must be (E, K, {I}) for {activation.name} with w1 N={N}, got {tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.size(0) != M:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must be (M={M}, topk)"
+        )
+    if topk_ids.is_floating_point():
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    devices = {t.device for t in (hidden_states, w1, w2, topk_weights, topk_ids)}
+    if len(devices) != 1:
+        raise ValueError(f"all operands must be on one device, got {sorted(map(str, devices))}")
+    if expert_map is not None:
+        E = global_num_experts if global_num_experts != -1 else expert_map.numel()
+        if expert_map.numel() != E:
+            raise ValueError(f"expert_map has {expert_map.numel()} entries, expected global_num_experts={E}")
+
+
+def _expert_mlp(a: torch.Tensor, e: int, w1, w2, qc: FusedMoEQuantConfig, activation: MoEActivation,
+                act_dtype: torch.dtype) -> torch.Tensor:
+    """One expert on its tokens: ``a`` fp32 (n, K) dequantized input -> (n, K) in act dtype (rounding points above)."""
+    h = a @ _dequant_weight(w1, qc.w1, e).T
+    if qc.w1_bias is not None:
+        h = h + qc.w1_bias[e].float()
+    h = h.to(act_dtype)
+    g = apply_moe_activation(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta, limit=qc.gemm1_clamp_limit)
+    gq, gs = moe_kernel_quantize_input(g, qc.a2_scale, qc, "a2")
+    g = dequant_groups(gq, gs, qc.a2.shape) if qc.a2.dtype is not None else g.float()
+    y = g @ _dequant_weight(w2, qc.w2, e).T
+    if qc.w2_bias is not None:
+        y = y + qc.w2_bias[e].float()
+    return y.to(act_dtype)
+
+
+def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype) -> torch.Tensor:
+    """(M, topk, K) unweighted expert outputs in act dtype; zeros for routes to experts not held here."""
+    M, topk = topk_ids.shape
+    K = a1q.size(1)
+    a = dequant_groups(a1q, a1q_scale, qc.a1.shape) if qc.a1.dtype is not None else a1q.float()
+    out = torch.zeros(M, topk, K, dtype=act_dtype, device=a1q.device)
+    local = local_expert_ids(topk_ids, w1.size(0), expert_map)
+    for e in range(w1.size(0)):
+        t, k = (local == e).nonzero(as_tuple=True)
+        if t.numel():
+            out[t, k] = _expert_mlp(a[t], e, w1, w2, qc, activation, act_dtype)
+    return out
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: MoEActivation = MoEActivation.SILU,
+    global_num_experts: int = -1,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    quant_config: FusedMoEQuantConfig | None = None,
+) -> torch.Tensor:
+    """The reference MoE experts: ``(M, K)`` output in ``hidden_states.dtype``.
+
+    Args:
+        hidden_states: ``(M, K)`` bf16/fp16/fp32 (unquantized; quantized here per ``quant_config.a1``).
+        w1: ``(E_local, N, K)``, w2: ``(E_local, K, N // 2)`` (gated) or ``(E_local, K, N)``; unquantized or codes
+            whose scales are in ``quant_config``.
+        topk_weights: ``(M, topk)`` fp32; topk_ids: ``(M, topk)`` integer global expert ids.
+        activation: the ``MoEActivation`` between the GEMMs (gemm1 alpha/beta/limit from the quant config).
+        global_num_experts: E (-1: E_local). expert_map: int32 ``(E,)`` global -> local, -1 not held.
+        apply_router_weight_on_input: multiply the input by the weight (topk must be 1).
+        quant_config: ``FusedMoEQuantConfig`` (default unquantized).
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices (``check_moe_inputs``), apply_router_weight_on_input with topk > 1.
+    """
+    qc = quant_config or FUSED_MOE_UNQUANTIZED_CONFIG
+    check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, global_num_experts)
+    act_dtype = hidden_states.dtype
+    x = hidden_states
+    if apply_router_weight_on_input:
+        if topk_ids.size(1) != 1:
+            raise ValueError(f"apply_router_weight_on_input is only supported for topk == 1, got {topk_ids.size(1)}")
+        x = x * topk_weights.to(x.dtype)
+    a1q, a1q_scale = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
+    y = _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype)
+    w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
+    return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(act_dtype)
+
+
+class ReferenceExperts(FusedMoEExpertsModular):
+    """The reference loop as a ``FusedMoEExpertsModular`` (Standard format), so the modular kernel itself (chunking,
+    prepare/finalize, shared experts) can be tested against ``fused_experts``. Supports every activation, expert_map,
+    chunking, and the quant schemes the loop dequantizes. Output: ``(M, topk, K)`` unweighted, reduced by
+    ``TopKWeightAndReduceContiguous``.
+    """
+
+    @staticmethod
+    def activation_format():
+        return FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return True
+
+    @staticmethod
+    def _supports_activation(activation) -> bool:
+        return activation is not MoEActivation.RELU2
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return True
+
+    def supports_chunking(self) -> bool:
+        return True
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceContiguous()
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
+        # The loop allocates its own temporaries; workspaces are unused but sized like vLLM's Triton experts.
+        return (M * topk, max(N, K)), (M * topk, adjust_N_for_activation(N, activation)), (M, topk, K)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        act_dtype = output.dtype
+        y = _experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
+                               activation, act_dtype)
+        output.copy_(y.view(output.shape))

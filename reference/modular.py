@@ -1,0 +1,899 @@
+"""The modular fused-MoE kernel of seed 002, in readable form.
+
+Mirrors ``vllm/model_executor/layers/fused_moe/modular_kernel.py`` (vLLM 0.17, the version with activation
+chunking) and ``prepare_finalize.py`` / ``topk_weight_and_reduce.py``. A fused MoE layer is three pluggable steps::
+
+    [Quantize-Prepare]  FusedMoEPrepareAndFinalize.prepare   a1 -> a1q, a1q_scale (+ dispatch under EP)
+    [Permute-Experts-Unpermute]  FusedMoEExpertsModular.apply  a1q -> fused_out (M, topk, K) or (M, K)
+    [Finalize]          FusedMoEPrepareAndFinalize.finalize  weight + reduce (+ combine under EP) -> (M, K)
+
+``FusedMoEKernel`` drives them, chunking the experts step over tokens (chunk size ``VLLM_FUSED_MOE_CHUNK_SIZE``,
+default 16*1024; switched off by ``VLLM_ENABLE_FUSED_MOE_ACTIVATION_CHUNKING=0`` or an experts class that does not
+support chunking). A backend plugs its ``FusedMoEExpertsModular`` subclass into this kernel; conformance compares the
+result with ``reference.experts.fused_experts``.
+
+Not modelled: async prepare/finalize, DBO, all2all dispatch across real ranks, the workspace manager (buffers are
+allocated per call, with the same sharing rules).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from math import prod
+from typing import Callable
+
+import torch
+
+from reference.activation import MoEActivation, adjust_N_for_activation, apply_moe_activation
+from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
+from reference.routing import RoutingMethodType
+
+__all__ = [
+    "ExpertTokensMetadata",
+    "FusedMoEActivationFormat",
+    "FusedMoEExperts",
+    "FusedMoEExpertsModular",
+    "FusedMoEExpertsMonolithic",
+    "TopKWeightAndReduce",
+    "TopKWeightAndReduceNoOP",
+    "TopKWeightAndReduceContiguous",
+    "TopKWeightAndReduceNaiveBatched",
+    "TopKWeightAndReduceDelegate",
+    "FusedMoEPrepareAndFinalize",
+    "FusedMoEPrepareAndFinalizeModular",
+    "FusedMoEPrepareAndFinalizeMonolithic",
+    "MoEPrepareAndFinalizeNoEP",
+    "FusedMoEKernel",
+    "moe_kernel_quantize_input",
+    "chunk_size_from_env",
+    "chunking_enabled_from_env",
+    "cdiv",
+]
+
+DEFAULT_CHUNK_SIZE = 16 * 1024
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def chunk_size_from_env() -> int:
+    """``VLLM_FUSED_MOE_CHUNK_SIZE`` (default 16*1024), as vLLM 0.17's ``envs`` reads it."""
+    value = int(os.environ.get("VLLM_FUSED_MOE_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
+    if value < 1:
+        raise ValueError(f"VLLM_FUSED_MOE_CHUNK_SIZE must be >= 1, got {value}")
+    return value
+
+
+def chunking_enabled_from_env() -> bool:
+    """``VLLM_ENABLE_FUSED_MOE_ACTIVATION_CHUNKING`` (default on; "0"/"false" switch it off)."""
+    return os.environ.get("VLLM_ENABLE_FUSED_MOE_ACTIVATION_CHUNKING", "1").lower() not in ("0", "false", "no")
+
+
+@dataclass
+class ExpertTokensMetadata:
+    """Tokens routed to each local expert: ``expert_num_tokens`` int32 ``(E_local,)`` on the device, and an
+    optional CPU copy (some kernels size buffers from it)."""
+
+    expert_num_tokens: torch.Tensor
+    expert_num_tokens_cpu: torch.Tensor | None
+
+    @staticmethod
+    def make_from_list(expert_num_tokens_list: list[int], device: str | torch.device) -> "ExpertTokensMetadata":
+        cpu = torch.tensor(expert_num_tokens_list, device="cpu", dtype=torch.int32)
+        return ExpertTokensMetadata(expert_num_tokens=cpu.to(device), expert_num_tokens_cpu=cpu)
+
+
+class FusedMoEActivationFormat(enum.Enum):
+    """Standard: ``(num_tokens, hidden)``. BatchedExperts: ``(num_local_experts, max_tokens_per_expert, hidden)``."""
+
+    Standard = ("standard",)
+    BatchedExperts = ("batched_experts",)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Weight application and reduction
+# ------------------------------------------------------------------------------------------------------------
+
+
+class TopKWeightAndReduce(ABC):
+    """Applies topk weights to the experts' output and/or reduces over topk (seed 002)."""
+
+    @abstractmethod
+    def apply(
+        self,
+        output: torch.Tensor | None,
+        fused_expert_output: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        apply_router_weight_on_input: bool,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TopKWeightAndReduceNoOP(TopKWeightAndReduce):
+    """The experts already weighted and reduced: ``fused_expert_output`` is ``(M, K)``; copy it unless aliased."""
+
+    def apply(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
+        if output is None:
+            return fused_expert_output
+        if output.data_ptr() != fused_expert_output.data_ptr() or output.shape != fused_expert_output.shape:
+            if output.shape != fused_expert_output.shape:
+                raise ValueError(
+                    f"NoOP reduce expects the experts' output to be (M, K) = {tuple(output.shape)}, "
+                    f"got {tuple(fused_expert_output.shape)}"
+                )
+            output.copy_(fused_expert_output)
+        return output
+
+
+class TopKWeightAndReduceContiguous(TopKWeightAndReduce):
+    """``fused_expert_output`` is ``(M * topk, K)`` or ``(M, topk, K)`` unweighted; output = sum_k w[m,k] * out[m,k].
+
+    Numerics (reference): products and sum in fp32, one rounding to the output dtype. vLLM multiplies in the output
+    dtype (``out.mul_(w.to(out.dtype)).sum(1)``), i.e. one extra rounding per term: within the experts tolerance.
+    With ``apply_router_weight_on_input`` the weights were applied to the input, so only the sum is taken.
+    """
+
+    def apply(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
+        M, topk = topk_ids.shape
+        K = fused_expert_output.shape[-1]
+        x = fused_expert_output.reshape(M, topk, K).float()
+        if not apply_router_weight_on_input:
+            x = x * topk_weights.float().reshape(M, topk, 1)
+        result = x.sum(dim=1)
+        if output is None:
+            return result.to(fused_expert_output.dtype)
+        output.copy_(result)
+        return output
+
+
+class TopKWeightAndReduceNaiveBatched(TopKWeightAndReduce):
+    """Batched format: ``fused_expert_output`` is ``(E_local, max_tokens, K)`` with expert e's tokens in the order the
+    batched prepare placed them (increasing token index). output[t] = sum over local routes of w * row, fp32.
+
+    ``rank`` and ``expert_map`` say which global experts are local (first ``E_local`` global ids when no map).
+    """
+
+    def __init__(self, rank: int = 0, expert_map: torch.Tensor | None = None):
+        self.rank = rank
+        self.expert_map = expert_map
+
+    def apply(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
+        E_local, _, K = fused_expert_output.shape
+        M = topk_ids.shape[0]
+        acc = torch.zeros(M, K, dtype=torch.float32, device=fused_expert_output.device)
+        for e in range(E_local):
+            g = e if self.expert_map is None else int((self.expert_map == e).nonzero()[0])
+            rows = (topk_ids == g).nonzero()  # (n, 2): token, k; tokens increasing
+            if rows.numel() == 0:
+                continue
+            t, k = rows[:, 0], rows[:, 1]
+            w = torch.ones_like(t, dtype=torch.float32) if apply_router_weight_on_input else topk_weights[t, k].float()
+            acc.index_add_(0, t, fused_expert_output[e, : t.numel()].float() * w[:, None])
+        if output is None:
+            return acc.to(fused_expert_output.dtype)
+        output.copy_(acc)
+        return output
+
+
+class TopKWeightAndReduceDelegate(TopKWeightAndReduce):
+    """Placeholder: the prepare/finalize substitutes its own reduction. Calling it is an error."""
+
+    def apply(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
+        raise RuntimeError("TopKWeightAndReduceDelegate must be replaced by the prepare/finalize's own reduction")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Experts
+# ------------------------------------------------------------------------------------------------------------
+
+
+class FusedMoEExperts(ABC):
+    """Base of every experts implementation (seed 002 ``FusedMoEExperts``).
+
+    Subclasses declare support through the static ``_supports_*`` predicates; ``is_supported_config`` combines them
+    into the oracle vLLM uses to pick a kernel, and conformance checks the claims (claimed -> must pass; not
+    claimed -> must raise).
+
+    Raises (``__init__``): ValueError when ``max_num_tokens`` / ``num_dispatchers`` are given for the Standard format
+    or missing for the BatchedExperts format.
+    """
+
+    def __init__(
+        self,
+        moe_config: FusedMoEConfig,
+        quant_config: FusedMoEQuantConfig,
+        max_num_tokens: int | None = None,
+        num_dispatchers: int | None = None,
+    ):
+        fmt = self.activation_format()
+        if fmt == FusedMoEActivationFormat.Standard and (max_num_tokens is not None or num_dispatchers is not None):
+            raise ValueError(
+                "max_num_tokens and num_dispatchers should only be set for BatchedExperts activation format."
+            )
+        if fmt == FusedMoEActivationFormat.BatchedExperts and (max_num_tokens is None or num_dispatchers is None):
+            raise ValueError("max_num_tokens and num_dispatchers must be set for BatchedExperts activation format.")
+        self.moe_config = moe_config
+        self.quant_config = quant_config
+        self.max_num_tokens = max_num_tokens
+        self.num_dispatchers = num_dispatchers
+
+    @staticmethod
+    def is_monolithic() -> bool:
+        raise NotImplementedError("Implemented by subclasses.")
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        """True if the experts quantize the input themselves (prepare then skips input quantization)."""
+        return False
+
+    @staticmethod
+    @abstractmethod
+    def activation_format() -> FusedMoEActivationFormat:
+        raise NotImplementedError
+
+    @staticmethod
+    def is_supported_config(
+        cls: type["FusedMoEExperts"],
+        moe_config: FusedMoEConfig,
+        weight_key,
+        activation_key,
+        activation_format: FusedMoEActivationFormat,
+    ) -> tuple[bool, str | None]:
+        """The seed's support oracle: ``(True, None)`` or ``(False, "kernel does not support <reason>")``.
+
+        ``weight_key`` / ``activation_key`` are ``reference.quant.keys.QuantKey`` values or None (unquantized).
+        """
+
+        def _make_reason(reason: str) -> str:
+            return f"kernel does not support {reason}"
+
+        if not cls._supports_current_device():
+            return False, _make_reason("current device")
+        if not (moe_config.is_act_and_mul or cls._supports_no_act_and_mul()):
+            return False, _make_reason("no act_and_mul MLP layer")
+        if not cls._supports_activation(moe_config.activation):
+            return False, _make_reason(f"{moe_config.activation} activation")
+        if not cls._supports_quant_scheme(weight_key, activation_key):
+            return False, _make_reason(f"quantization scheme {weight_key}x{activation_key}")
+        if not cls._supports_parallel_config(moe_config.moe_parallel_config):
+            return False, _make_reason(f"parallel config {moe_config.moe_parallel_config}")
+        if not cls._supports_routing_method(moe_config.routing_method, weight_key, activation_key):
+            return False, _make_reason(f"routing method {moe_config.routing_method}")
+        if not cls._supports_router_logits_dtype(moe_config.router_logits_dtype, moe_config.routing_method):
+            return False, _make_reason(f"router logits dtype {moe_config.router_logits_dtype}")
+        if not cls._supports_shape(moe_config.hidden_dim):
+            return False, _make_reason(f"{moe_config.hidden_dim} hidden dim is not supported")
+        if activation_format != cls.activation_format():
+            return False, _make_reason(f"{activation_format.value} activation format")
+        return True, None
+
+    @staticmethod
+    @abstractmethod
+    def _supports_current_device() -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    @abstractmethod
+    def _supports_no_act_and_mul() -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    @abstractmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    @abstractmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    @abstractmethod
+    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def _supports_routing_method(routing_method: RoutingMethodType, weight_key, activation_key) -> bool:
+        return True
+
+    @staticmethod
+    def _supports_router_logits_dtype(router_logits_dtype, routing_method: RoutingMethodType) -> bool:
+        return True
+
+    @staticmethod
+    def _supports_shape(hidden_dim: int) -> bool:
+        return True
+
+    # vLLM's accessors of the quant config.
+    quant_dtype = property(lambda self: self.quant_config.quant_dtype)
+    weight_quant_dtype = property(lambda self: self.quant_config.weight_quant_dtype)
+    block_shape = property(lambda self: self.quant_config.block_shape)
+    per_act_token_quant = property(lambda self: self.quant_config.per_act_token_quant)
+    per_out_ch_quant = property(lambda self: self.quant_config.per_out_ch_quant)
+    a1_scale = property(lambda self: self.quant_config.a1_scale)
+    a2_scale = property(lambda self: self.quant_config.a2_scale)
+    w1_scale = property(lambda self: self.quant_config.w1_scale)
+    w2_scale = property(lambda self: self.quant_config.w2_scale)
+    w1_bias = property(lambda self: self.quant_config.w1_bias)
+    w2_bias = property(lambda self: self.quant_config.w2_bias)
+
+    @abstractmethod
+    def supports_chunking(self) -> bool:
+        raise NotImplementedError
+
+    @abstractmethod
+    def supports_expert_map(self) -> bool:
+        raise NotImplementedError
+
+    def supports_packed_ue8m0_act_scales(self) -> bool:
+        return False
+
+    def enable_chunking(self) -> bool:
+        return chunking_enabled_from_env() and self.supports_chunking()
+
+
+class FusedMoEExpertsModular(FusedMoEExperts):
+    """[Permute-Experts-Unpermute] on topk ids and weights (seed 002)."""
+
+    @staticmethod
+    def is_monolithic() -> bool:
+        return False
+
+    def moe_problem_size(
+        self, a1: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[int, int, int, int, int]:
+        """``(E, M, N, K, topk)`` from the operands; for the batched format M is max tokens per expert."""
+        if w1.dim() != 3 or w2.dim() != 3:
+            raise ValueError(f"w1 and w2 must be 3-D (E, N, K) / (E, K, N/2), got {tuple(w1.shape)}, {tuple(w2.shape)}")
+        E, N, _ = w1.size()
+        K = a1.size(-1)
+        if a1.dim() == 2:
+            if topk_ids.size(0) != a1.size(0):
+                raise ValueError(f"topk_ids has {topk_ids.size(0)} rows but hidden_states has {a1.size(0)}")
+            M = a1.size(0)
+        else:
+            if a1.dim() != 3 or a1.size(0) != E:
+                raise ValueError(f"batched hidden_states must be (E={E}, max_tokens, K), got {tuple(a1.shape)}")
+            M = a1.size(1)
+        if topk_ids.dim() != 2:
+            raise ValueError(f"topk_ids must be 2-D (M, topk), got {tuple(topk_ids.shape)}")
+        return E, M, N, K, topk_ids.size(1)
+
+    def workspace_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
+        return act_dtype
+
+    @abstractmethod
+    def workspace_shapes(
+        self,
+        M: int,
+        N: int,
+        K: int,
+        topk: int,
+        global_num_experts: int,
+        local_num_experts: int,
+        expert_tokens_meta: ExpertTokensMetadata | None,
+        activation: MoEActivation,
+    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """``(workspace13, workspace2, output)`` shapes; the first dim of a non-empty shape is a token count so that
+        chunking can slice it."""
+        raise NotImplementedError
+
+    @staticmethod
+    def adjust_N_for_activation(N: int, activation: MoEActivation) -> int:
+        return adjust_N_for_activation(N, activation)
+
+    def activation(self, activation: MoEActivation, output: torch.Tensor, input: torch.Tensor) -> None:
+        qc = self.quant_config
+        output.copy_(
+            apply_moe_activation(
+                activation, input, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta, limit=qc.gemm1_clamp_limit
+            )
+        )
+
+    @abstractmethod
+    def finalize_weight_and_reduce_impl(self) -> TopKWeightAndReduce:
+        raise NotImplementedError
+
+    @abstractmethod
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: MoEActivation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        a2_scale: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta: ExpertTokensMetadata | None,
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        """Compute the experts for one chunk, writing ``output`` (shape from ``workspace_shapes``)."""
+        raise NotImplementedError
+
+
+class FusedMoEExpertsMonolithic(FusedMoEExperts):
+    """Experts that route themselves: take router logits instead of topk ids/weights (seed 002)."""
+
+    @staticmethod
+    def is_monolithic() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_routing_method(routing_method, weight_key, activation_key) -> bool:
+        raise NotImplementedError("monolithic kernels must opt in to routing methods")
+
+    @staticmethod
+    def _supports_router_logits_dtype(router_logits_dtype, routing_method) -> bool:
+        raise NotImplementedError("monolithic kernels must opt in to router logits dtypes")
+
+    @abstractmethod
+    def apply(
+        self,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        router_logits: torch.Tensor,
+        activation: MoEActivation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        apply_router_weight_on_input: bool,
+        num_expert_group: int | None = None,
+        e_score_correction_bias: torch.Tensor | None = None,
+        routed_scaling_factor: float | None = None,
+        topk_group: int | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Prepare / finalize
+# ------------------------------------------------------------------------------------------------------------
+
+
+def moe_kernel_quantize_input(
+    A: torch.Tensor,
+    A_scale: torch.Tensor | None,
+    quant_config: FusedMoEQuantConfig,
+    desc_name: str = "a1",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize an activation as the quant config's ``a1`` (or ``a2``) descriptor says.
+
+    Returns ``(A, None)`` unchanged when the activation is not quantized. FP8: static per-tensor when a scale is
+    given, else dynamic per-tensor / per-token / per-1x``block_k`` group (row-major fp32 scales ``(M, K/block_k)``,
+    UE8M0-rounded when ``quant_config.use_ue8m0``) under ``quant_config.recipe``. INT8: dynamic per-token or static
+    per-tensor. Mirrors ``vllm/model_executor/layers/fused_moe/utils.py::moe_kernel_quantize_input``.
+
+    Raises:
+        NotImplementedError: a format with no activation quantizer here (its name says which).
+    """
+    desc = getattr(quant_config, desc_name)
+    if desc.dtype is None:
+        return A, None
+    from reference import quant as q
+
+    if desc.dtype == torch.float8_e4m3fn:
+        if desc.shape is not None and desc.shape[0] == 1 and desc.shape[1] > 0:
+            return q.per_token_group_quant_fp8(
+                A, desc.shape[1], use_ue8m0=quant_config.use_ue8m0, recipe=quant_config.recipe
+            )
+        return q.scaled_fp8_quant(A, A_scale, use_per_token_if_dynamic=desc.shape == (1, -1))
+    if desc.dtype == torch.int8:
+        if A_scale is not None:
+            return q.int8_quant_static(A, A_scale)
+        if desc.shape == (1, -1):
+            return q.int8_quant_per_token(A)
+        raise NotImplementedError("dynamic per-tensor INT8 activation quantization is not defined here")
+    if desc.dtype == "mxfp8":
+        return q.mxfp8_quantize(A)
+    raise NotImplementedError(f"activation quantization to {desc.dtype!r} is not defined in the reference")
+
+
+class FusedMoEPrepareAndFinalize(ABC):
+    """Base of the [Quantize-Prepare] and [Finalize] steps (seed 002)."""
+
+    def post_init_setup(self, fused_experts: FusedMoEExperts) -> None:
+        return None
+
+    @property
+    @abstractmethod
+    def activation_format(self) -> FusedMoEActivationFormat:
+        raise NotImplementedError
+
+    @abstractmethod
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        raise NotImplementedError
+
+    @abstractmethod
+    def max_num_tokens_per_rank(self) -> int | None:
+        raise NotImplementedError
+
+    @abstractmethod
+    def num_dispatchers(self) -> int:
+        raise NotImplementedError
+
+    @abstractmethod
+    def output_is_reduced(self) -> bool:
+        raise NotImplementedError
+
+
+class FusedMoEPrepareAndFinalizeModular(FusedMoEPrepareAndFinalize):
+    """Prepare/finalize on topk ids and weights."""
+
+    @abstractmethod
+    def prepare(
+        self,
+        a1: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_experts: int,
+        expert_map: torch.Tensor | None,
+        apply_router_weight_on_input: bool,
+        quant_config: FusedMoEQuantConfig,
+        defer_input_quant: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, ExpertTokensMetadata | None, torch.Tensor | None, torch.Tensor | None]:
+        """Returns ``(a1q, a1q_scale, expert_tokens_meta, dispatched topk_ids or None, dispatched weights or None)``."""
+        raise NotImplementedError
+
+    def supports_async(self) -> bool:
+        return False
+
+    @abstractmethod
+    def finalize(
+        self,
+        output: torch.Tensor,
+        fused_expert_output: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        apply_router_weight_on_input: bool,
+        weight_and_reduce_impl: TopKWeightAndReduce,
+    ) -> None:
+        raise NotImplementedError
+
+
+class FusedMoEPrepareAndFinalizeMonolithic(FusedMoEPrepareAndFinalize):
+    """Prepare/finalize for monolithic experts (router logits in)."""
+
+    @abstractmethod
+    def prepare(self, a1, router_logits, quant_config, defer_input_quant=False):
+        raise NotImplementedError
+
+    @abstractmethod
+    def finalize(self, fused_expert_output: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _apply_router_weight_on_input(a1: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``a1 * w`` in a1's dtype (vLLM rounds the weight to a1's dtype first). Only defined for topk == 1."""
+    if topk_weights.dim() != 2 or topk_weights.size(1) != 1:
+        raise ValueError(
+            f"apply_router_weight_on_input is only supported for topk == 1, got topk_weights {tuple(topk_weights.shape)}"
+        )
+    return a1 * topk_weights.to(a1.dtype)
+
+
+class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
+    """No dispatch: optionally apply the router weight on the input (topk == 1), quantize a1, and in finalize run
+    the experts' ``TopKWeightAndReduce`` (``Delegate`` -> ``Contiguous``). Mirrors vLLM ``MoEPrepareAndFinalizeNoEP``.
+    """
+
+    @property
+    def activation_format(self) -> FusedMoEActivationFormat:
+        return FusedMoEActivationFormat.Standard
+
+    def topk_indices_dtype(self):
+        return None
+
+    def max_num_tokens_per_rank(self):
+        return None
+
+    def num_dispatchers(self) -> int:
+        return 1
+
+    def output_is_reduced(self) -> bool:
+        return False
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                quant_config, defer_input_quant=False):
+        if apply_router_weight_on_input:
+            a1 = _apply_router_weight_on_input(a1, topk_weights)
+        if defer_input_quant:
+            return a1, None, None, None, None
+        a1q, a1q_scale = moe_kernel_quantize_input(a1, quant_config.a1_scale, quant_config, "a1")
+        return a1q, a1q_scale, None, None, None
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                 weight_and_reduce_impl):
+        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
+            weight_and_reduce_impl = TopKWeightAndReduceContiguous()
+        weight_and_reduce_impl.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The kernel
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _slice_scales(scales: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """Per-token scales follow the token chunk; a single (per-tensor) scale is shared by every chunk."""
+    if scales is None or scales.numel() == 1:
+        return scales
+    return scales[start:end]
+
+
+def _resize_cache(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A view of the first ``prod(shape)`` elements of workspace ``x`` with ``shape`` (vLLM ``_resize_cache``)."""
+    n = prod(shape)
+    if n > x.numel():
+        raise ValueError(f"workspace of {x.numel()} elements is too small for {shape}")
+    return x.flatten()[:n].view(*shape)
+
+
+class FusedMoEKernel:
+    """prepare -> experts (chunked over tokens) -> finalize (seed 002 ``FusedMoEKernel`` + ``...ModularImpl``).
+
+    Args:
+        prepare_finalize: a ``FusedMoEPrepareAndFinalizeModular`` (or ``...Monolithic`` with monolithic experts).
+        fused_experts: the experts implementation under test.
+        shared_experts: optional callable ``(M, K) -> (M, K)``; when set, ``apply`` returns ``(shared, routed)``.
+        inplace: write the result into ``hidden_states`` (not allowed with shared experts).
+        chunk_size: tokens per chunk; default ``VLLM_FUSED_MOE_CHUNK_SIZE`` (16*1024) read at construction.
+        poison: if not None, fill every workspace and the experts' output buffer with this value before the
+            experts run (conformance uses NaN so unwritten elements fail).
+
+    Raises:
+        ValueError: mismatched monolithic/modular pair or activation formats, inplace with shared experts.
+    """
+
+    def __init__(
+        self,
+        prepare_finalize: FusedMoEPrepareAndFinalize,
+        fused_experts: FusedMoEExperts,
+        shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        moe_parallel_config: FusedMoEParallelConfig | None = None,
+        inplace: bool = False,
+        *,
+        chunk_size: int | None = None,
+        poison: float | None = None,
+    ):
+        modular = isinstance(prepare_finalize, FusedMoEPrepareAndFinalizeModular) and isinstance(
+            fused_experts, FusedMoEExpertsModular
+        )
+        monolithic = isinstance(prepare_finalize, FusedMoEPrepareAndFinalizeMonolithic) and isinstance(
+            fused_experts, FusedMoEExpertsMonolithic
+        )
+        if not (modular or monolithic):
+            raise ValueError(
+                "prepare_finalize and fused_experts must both be either monolithic or non-monolithic but got "
+                f"{type(prepare_finalize).__name__} and {type(fused_experts).__name__}"
+            )
+        if monolithic and (shared_experts is not None or inplace):
+            raise ValueError("monolithic kernels support neither shared experts nor inplace")
+        if inplace and shared_experts is not None:
+            raise ValueError("inplace is not allowed with shared experts")
+        self.prepare_finalize = prepare_finalize
+        self.fused_experts = fused_experts
+        self.shared_experts = shared_experts
+        self.moe_parallel_config = moe_parallel_config
+        self.inplace = inplace
+        self.chunk_size = chunk_size_from_env() if chunk_size is None else chunk_size
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        self.poison = poison
+        prepare_finalize.post_init_setup(fused_experts)
+        if prepare_finalize.activation_format != fused_experts.activation_format():
+            raise ValueError(
+                f"prepare_finalize produces {prepare_finalize.activation_format} but the experts expect "
+                f"{fused_experts.activation_format()}"
+            )
+
+    @property
+    def is_monolithic(self) -> bool:
+        return isinstance(self.fused_experts, FusedMoEExpertsMonolithic)
+
+    def supports_expert_map(self) -> bool:
+        return self.fused_experts.supports_expert_map()
+
+    def output_is_reduced(self) -> bool:
+        return self.prepare_finalize.output_is_reduced()
+
+    # --- chunking helpers (seed 002) -------------------------------------------------------------------------
+    def _chunk_info(self, M: int) -> tuple[int, int]:
+        """``(num_chunks, CHUNK_SIZE)``; one chunk when chunking is off; zero chunks when M == 0."""
+        CHUNK_SIZE = max(1, M if not self.fused_experts.enable_chunking() else min(M, self.chunk_size))
+        num_chunks = cdiv(M, CHUNK_SIZE)
+        assert M > 0 or num_chunks == 0
+        return num_chunks, CHUNK_SIZE
+
+    @staticmethod
+    def _slice_output_tensor(fused_out, chunk_idx, num_chunks, CHUNK_SIZE, M):
+        if num_chunks == 1:
+            return fused_out
+        if fused_out.size(0) % M != 0:
+            raise ValueError(f"fused_out shape {tuple(fused_out.shape)} is not a multiple of M={M}")
+        factor = fused_out.size(0) // M
+        out_chunk = CHUNK_SIZE * factor
+        s = chunk_idx * out_chunk
+        return fused_out[s : min(s + out_chunk, fused_out.size(0))]
+
+    @staticmethod
+    def _slice_expert_tokens_metadata(num_chunks, full_meta, chunk_topk_ids, local_num_experts, expert_map):
+        """Chunking invalidates the per-expert counts: recompute them for the chunk (vLLM #20392 was this bug)."""
+        if num_chunks == 1 or full_meta is None:
+            return full_meta
+        from reference.align import count_expert_num_tokens
+
+        counts = count_expert_num_tokens(chunk_topk_ids, local_num_experts, expert_map)
+        cpu = counts.to("cpu") if full_meta.expert_num_tokens_cpu is not None else None
+        return ExpertTokensMetadata(expert_num_tokens=counts, expert_num_tokens_cpu=cpu)
+
+    def _allocate_buffers(self, out_dtype, device, M_chunk, M_full, N, K, top_k, global_num_experts,
+                          local_num_experts, expert_tokens_meta, activation):
+        num_chunks, _ = self._chunk_info(M_full)
+        ws_dtype = self.fused_experts.workspace_dtype(out_dtype)
+        fe = self.fused_experts
+        ws13_shape, ws2_shape, _ = fe.workspace_shapes(
+            M_chunk, N, K, top_k, global_num_experts, local_num_experts, expert_tokens_meta, activation
+        )
+        _, _, out_shape = fe.workspace_shapes(
+            M_full, N, K, top_k, global_num_experts, local_num_experts, expert_tokens_meta, activation
+        )
+        empty = torch.empty
+        if num_chunks == 1:
+            # workspace13 and the output share memory: by the time the output is written, GEMM1's result is dead.
+            # Only legal when they have the same dtype (the seed assumes it).
+            if ws_dtype == out_dtype:
+                common = empty(max(prod(ws13_shape), prod(out_shape)), dtype=ws_dtype, device=device)
+                ws13 = _resize_cache(common, ws13_shape)
+                fused_out = _resize_cache(common, out_shape)
+            else:
+                ws13 = empty(ws13_shape, dtype=ws_dtype, device=device)
+                fused_out = empty(out_shape, dtype=out_dtype, device=device)
+            ws2 = empty(ws2_shape, dtype=ws_dtype, device=device)
+        else:
+            ws13 = empty(ws13_shape, dtype=ws_dtype, device=device)
+            ws2 = empty(ws2_shape, dtype=ws_dtype, device=device)
+            fused_out = empty(out_shape, dtype=out_dtype, device=device)
+        if self.poison is not None:
+            for t in (ws13, ws2, fused_out):
+                if t.is_floating_point():
+                    t.fill_(self.poison)
+                elif t.numel():
+                    t.fill_(-1)
+        return ws13, ws2, fused_out
+
+    def _fused_experts(self, in_dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids, activation,
+                       global_num_experts, local_num_experts, expert_map, apply_router_weight_on_input,
+                       expert_tokens_meta):
+        fe = self.fused_experts
+        _, M_full, N, K, top_k = fe.moe_problem_size(a1q, w1, w2, topk_ids)
+        if topk_ids.size(0) == 0:
+            M_full = 0
+        num_chunks, CHUNK_SIZE = self._chunk_info(M_full)
+        if M_full == 0:
+            return torch.empty(a1q.shape[:-1] + (K,), dtype=in_dtype, device=a1q.device)
+        ws13, ws2, fused_out = self._allocate_buffers(
+            in_dtype, a1q.device, CHUNK_SIZE, M_full, N, K, top_k, global_num_experts, local_num_experts,
+            expert_tokens_meta, activation,
+        )
+        for chunk_idx in range(num_chunks):
+            if num_chunks == 1:
+                s, e = 0, a1q.size(0)  # batched format does not keep M in dim 0
+            else:
+                s = chunk_idx * CHUNK_SIZE
+                e = min(s + CHUNK_SIZE, M_full)
+            c_meta = self._slice_expert_tokens_metadata(
+                num_chunks, expert_tokens_meta, topk_ids[s:e], local_num_experts, expert_map
+            )
+            c_out = self._slice_output_tensor(fused_out, chunk_idx, num_chunks, CHUNK_SIZE, M_full)
+            fe.apply(
+                output=c_out,
+                hidden_states=a1q[s:e],
+                w1=w1,
+                w2=w2,
+                topk_weights=topk_weights[s:e],
+                topk_ids=topk_ids[s:e],
+                activation=activation,
+                global_num_experts=global_num_experts,
+                expert_map=expert_map,
+                a1q_scale=_slice_scales(a1q_scale, s, e),
+                a2_scale=_slice_scales(fe.a2_scale, s, e),
+                workspace13=ws13,
+                workspace2=ws2,
+                expert_tokens_meta=c_meta,
+                apply_router_weight_on_input=apply_router_weight_on_input,
+            )
+        return fused_out
+
+    def apply(
+        self,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: MoEActivation = MoEActivation.SILU,
+        global_num_experts: int = -1,
+        expert_map: torch.Tensor | None = None,
+        apply_router_weight_on_input: bool = False,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run the layer: ``(M, K)`` output in ``hidden_states.dtype`` (or ``(shared_out, routed_out)``).
+
+        Args:
+            hidden_states: ``(M, K)``. w1 ``(E_local, N, K)``, w2 ``(E_local, K, N')`` (maybe quantized/packed).
+            topk_weights: ``(M, topk)`` fp32. topk_ids: ``(M, topk)`` int32/int64 global expert ids.
+            global_num_experts: E (``-1`` means ``E_local``). expert_map: int32 ``(E,)`` global -> local, -1 not held.
+            apply_router_weight_on_input: weights multiply the input (topk must be 1) instead of the output.
+            shared_experts_input: input of the shared experts when it differs (latent MoE).
+
+        Raises:
+            ValueError: shape mismatches, expert_map given to experts that do not support it,
+                apply_router_weight_on_input with topk > 1.
+        """
+        if self.is_monolithic:
+            raise ValueError("this kernel is monolithic: call apply_monolithic with router logits")
+        if hidden_states.dim() != 2:
+            raise ValueError(f"hidden_states must be (M, K), got {tuple(hidden_states.shape)}")
+        if topk_ids.shape != topk_weights.shape or topk_ids.size(0) != hidden_states.size(0):
+            raise ValueError(
+                f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
+                f"(M={hidden_states.size(0)}, topk)"
+            )
+        if expert_map is not None and not self.fused_experts.supports_expert_map():
+            raise ValueError(f"{type(self.fused_experts).__name__} does not support expert_map")
+        if apply_router_weight_on_input and topk_ids.size(1) != 1:
+            raise ValueError(f"apply_router_weight_on_input is only supported for topk == 1, got {topk_ids.size(1)}")
+        output = hidden_states if self.inplace else torch.empty_like(hidden_states)
+        local_num_experts = w1.size(0)
+        if global_num_experts == -1:
+            global_num_experts = local_num_experts
+        a1q, a1q_scale, meta, d_ids, d_weights = self.prepare_finalize.prepare(
+            hidden_states, topk_weights, topk_ids, global_num_experts, expert_map, apply_router_weight_on_input,
+            self.fused_experts.quant_config, defer_input_quant=self.fused_experts.expects_unquantized_inputs,
+        )
+        topk_ids = topk_ids if d_ids is None else d_ids
+        topk_weights = topk_weights if d_weights is None else d_weights
+        fused_out = self._fused_experts(
+            hidden_states.dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+            local_num_experts, expert_map, apply_router_weight_on_input, meta,
+        )
+        if hidden_states.size(0) > 0:
+            self.prepare_finalize.finalize(
+                output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
+                self.fused_experts.finalize_weight_and_reduce_impl(),
+            )
+        if self.shared_experts is None:
+            return output
+        se_in = shared_experts_input if shared_experts_input is not None else hidden_states
+        return self.shared_experts(se_in), output
+
+    def apply_monolithic(self, hidden_states, w1, w2, router_logits, activation, global_num_experts, expert_map,
+                         apply_router_weight_on_input, num_expert_group=None, e_score_correction_bias=None,
+                         routed_scaling_factor=None, topk_group=None):
+        """Monolithic path: ``prepare`` (quantize) -> experts route + compute -> ``finalize``."""
+        if not self.is_monolithic:
+            raise ValueError("this kernel is modular: call apply with topk ids and weights")
+        a1q, a1q_scale, router_logits = self.prepare_finalize.prepare(
+            hidden_states, router_logits, self.fused_experts.quant_config,
+            defer_input_quant=self.fused_experts.expects_unquantized_inputs,
+        )
+        out = self.fused_experts.apply(
+            hidden_states=a1q, w1=w1, w2=w2, router_logits=router_logits, activation=activation,
+            global_num_experts=global_num_experts, expert_map=expert_map, a1q_scale=a1q_scale,
+            apply_router_weight_on_input=apply_router_weight_on_input, num_expert_group=num_expert_group,
+            e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=routed_scaling_factor,
+            topk_group=topk_group,
+        )
+        return self.prepare_finalize.finalize(out)

@@ -1,0 +1,415 @@
+"""Top-k routing: which experts each token goes to, with which weight.
+
+Mirrors vLLM's router (``vllm/model_executor/layers/fused_moe/router/``: ``fused_topk``, ``fused_topk_bias``,
+``grouped_topk`` (native torch version in ``grouped_topk_router.py``), Llama-4's custom routing function) and
+``FusedMoE.select_experts`` / ``determine_expert_map`` of seed 003 (``fused_moe/layer.py``).
+
+Numerics: scores are computed in fp32 from the router logits (``logits.float()``); weights are returned as fp32 and
+ids as int32 (or ``indices_type``).
+
+Defined behaviour the kernels must match:
+- Order and ties: experts are chosen by descending score; among equal scores the lower expert index wins. A
+  kernel may return the k experts of a token in any order (conformance compares per-token sets), and where the
+  k-th and (k+1)-th scores tie exactly, either choice is accepted if the weights match.
+- Non-finite logits (NaN/inf, e.g. CUDA-graph padding rows, vLLM #39391): by default every routing function
+  raises ``ValueError`` naming the first bad token. With ``check_finite=False`` routing never yields an id outside
+  ``[0, E)``: NaN scores rank below every other score (as if -inf), and the weights of such a token are
+  unspecified (they may be NaN).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "RoutingMethodType",
+    "fused_topk",
+    "fused_topk_bias",
+    "grouped_topk",
+    "topk_softmax",
+    "llama4_routing",
+    "select_experts",
+    "determine_expert_map",
+    "check_router_logits",
+    "valid_grouping",
+]
+
+
+class RoutingMethodType(enum.IntEnum):
+    """vLLM's ``RoutingMethodType`` (``fused_moe/config.py``): how a monolithic kernel must route."""
+
+    Default = 0  # softmax -> top-k
+    Renormalize = 1  # top-k -> softmax (gpt-oss)
+    DeepSeekV3 = 2  # sigmoid + bias, grouped top-k, renormalize, scale
+    Llama4 = 3  # top-1 -> sigmoid
+    RenormalizeNaive = 4  # softmax -> top-k -> renormalize
+    TopK = 5  # top-k of the raw scores, no normalization
+    SigmoidRenorm = 6
+    MiniMax2 = 7
+    Sigmoid = 8
+    Custom = 9
+    Unspecified = 10
+
+
+def check_router_logits(logits: torch.Tensor, num_experts: int | None = None) -> None:
+    """Validate router logits: 2-D ``(M, E)`` floating, all finite.
+
+    Raises:
+        ValueError: wrong rank/dtype/width, or a non-finite value (names the first token and expert, and says how
+            to opt out with ``check_finite=False``).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be 2-D (num_tokens, num_experts), got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"router logits must be floating point, got {logits.dtype}")
+    if num_experts is not None and logits.shape[1] != num_experts:
+        raise ValueError(f"router logits have {logits.shape[1]} experts, expected {num_experts}")
+    bad = ~torch.isfinite(logits)
+    if bool(bad.any()):
+        t, e = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"router logits are not finite: token {t}, expert {e} is {logits[t, e].item()} "
+            f"({int(bad.any(dim=1).sum())} bad tokens). Pass check_finite=False to route them anyway "
+            "(ids stay in range, weights unspecified)."
+        )
+
+
+def _topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row: descending, lower index first on ties, NaN ranked lowest."""
+    if k > scores.shape[-1]:
+        raise ValueError(f"topk={k} is larger than the number of experts {scores.shape[-1]}")
+    if k <= 0:
+        raise ValueError(f"topk must be positive, got {k}")
+    key = torch.where(torch.isnan(scores), torch.full_like(scores, float("-inf")), scores)
+    # Stable sort keeps the lower index first among equal keys (NaN and -inf are both -inf here).
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    x = logits.float()
+    if scoring_func == "softmax":
+        return torch.softmax(x, dim=-1)
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(x)
+    raise ValueError(f"unsupported scoring_func {scoring_func!r}; use 'softmax' or 'sigmoid'")
+
+
+def _finish(weights, ids, renormalize, routed_scaling_factor, indices_type):
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights.float(), ids.to(indices_type or torch.int32)
+
+
+def fused_topk(
+    hidden_states: torch.Tensor | None,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    *,
+    scoring_func: str = "softmax",
+    indices_type: torch.dtype | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score all experts, keep the top ``topk`` per token, optionally renormalize.
+
+    Args:
+        hidden_states: ``(M, K)`` or None; only its row count is checked (vLLM's signature carries it).
+        gating_output: ``(M, E)`` router logits, any floating dtype (scored in fp32).
+        topk: experts per token, ``1 <= topk <= E``.
+        renormalize: divide the k weights by their sum.
+        scoring_func: ``"softmax"`` (over all E) or ``"sigmoid"``.
+        indices_type: dtype of the ids (int32 by default).
+
+    Returns:
+        ``(topk_weights (M, topk) fp32, topk_ids (M, topk) int32)``; per token in descending score order.
+
+    Raises:
+        ValueError: bad shapes, topk out of range, unknown scoring_func, non-finite logits (see module doc).
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/router/fused_topk_router.py::fused_topk``.
+    """
+    if check_finite:
+        check_router_logits(gating_output)
+    if hidden_states is not None and hidden_states.shape[0] != gating_output.shape[0]:
+        raise ValueError(
+            f"hidden_states has {hidden_states.shape[0]} tokens but gating_output has {gating_output.shape[0]}"
+        )
+    scores = _scores(gating_output, scoring_func)
+    ids = _topk_ids(scores, topk)
+    return _finish(scores.gather(1, ids), ids, renormalize, 1.0, indices_type)
+
+
+def fused_topk_bias(
+    hidden_states: torch.Tensor | None,
+    gating_output: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    *,
+    scoring_func: str = "sigmoid",
+    routed_scaling_factor: float = 1.0,
+    indices_type: torch.dtype | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k where the *biased* scores choose the experts and the *unbiased* scores are the weights.
+
+    Weights are renormalized (if asked) and then multiplied by ``routed_scaling_factor``. ``e_score_correction_bias``
+    is ``(E,)`` (fp32 in real checkpoints; added in fp32). Mirrors vLLM ``fused_topk_bias``.
+    """
+    if check_finite:
+        check_router_logits(gating_output)
+    scores = _scores(gating_output, scoring_func)
+    ids = _topk_ids(scores + e_score_correction_bias.float().unsqueeze(0), topk)
+    return _finish(scores.gather(1, ids), ids, renormalize, routed_scaling_factor, indices_type)
+
+
+def valid_grouping(num_experts: int, num_expert_group: int | None) -> bool:
+    """Whether grouped top-k applies: ``num_expert_group`` divides E and E > num_expert_group (vLLM's condition)."""
+    return bool(num_expert_group) and num_experts > num_expert_group and num_experts % num_expert_group == 0
+
+
+def grouped_topk(
+    hidden_states: torch.Tensor | None,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    num_expert_group: int,
+    topk_group: int,
+    *,
+    scoring_func: str = "softmax",
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+    indices_type: torch.dtype | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-style grouped top-k.
+
+    1. scores = softmax or sigmoid of the logits (fp32); with a bias, ``biased = scores + bias``.
+    2. Group score: with a bias, the sum of the top-2 *biased* scores of each group; without, the max score.
+    3. Keep the ``topk_group`` best groups (lower group index wins ties), mask the other experts to -inf.
+    4. Top-``topk`` experts of the (biased) masked scores; weights gathered from the *unbiased* scores.
+    5. Renormalize (if asked), then multiply by ``routed_scaling_factor``.
+
+    Args:
+        gating_output: ``(M, E)`` logits. num_expert_group: G, must divide E with E > G (else ValueError; the
+            caller ``select_experts`` falls back to plain top-k there, as vLLM does). topk_group: groups kept,
+            ``1 <= topk_group <= G``; ``topk <= topk_group * E / G``.
+
+    Returns:
+        ``(topk_weights (M, topk) fp32, topk_ids (M, topk) int32)``.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/router/grouped_topk_router.py::grouped_topk`` (native torch).
+    """
+    if check_finite:
+        check_router_logits(gating_output)
+    M, E = gating_output.shape
+    if not valid_grouping(E, num_expert_group):
+        raise ValueError(
+            f"grouped_topk needs num_expert_group to divide num_experts with E > G; got E={E}, "
+            f"G={num_expert_group}. select_experts falls back to fused_topk for such configs."
+        )
+    G = num_expert_group
+    if not 1 <= topk_group <= G:
+        raise ValueError(f"topk_group must be in [1, {G}], got {topk_group}")
+    per_group = E // G
+    if topk > topk_group * per_group:
+        raise ValueError(f"topk={topk} exceeds the {topk_group * per_group} experts in the kept groups")
+    scores = _scores(gating_output, scoring_func)
+    if e_score_correction_bias is not None:
+        choice = scores + e_score_correction_bias.float().unsqueeze(0)
+        grouped = choice.view(M, G, per_group)
+        top2 = min(2, per_group)
+        # Sum of the top-2 biased scores per group (NaN treated as -inf, like every selection here).
+        g_key = torch.where(torch.isnan(grouped), torch.full_like(grouped, float("-inf")), grouped)
+        group_scores = torch.sort(g_key, dim=-1, descending=True).values[..., :top2].sum(dim=-1)
+    else:
+        choice = scores
+        grouped = choice.view(M, G, per_group)
+        g_key = torch.where(torch.isnan(grouped), torch.full_like(grouped, float("-inf")), grouped)
+        group_scores = g_key.max(dim=-1).values
+    group_idx = _topk_ids(group_scores, topk_group)
+    group_mask = torch.zeros(M, G, dtype=torch.bool, device=scores.device)
+    group_mask.scatter_(1, group_idx, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(M, G, per_group).reshape(M, E)
+    masked = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = _topk_ids(masked, topk)
+    return _finish(scores.gather(1, ids), ids, renormalize, routed_scaling_factor, indices_type)
+
+
+def topk_softmax(
+    hidden_states: torch.Tensor | None,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool = True,
+    *,
+    indices_type: torch.dtype | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing (``RoutingMethodType.Renormalize``): top-k of the raw logits, softmax over those k (fp32).
+
+    Mathematically equal to softmax -> top-k -> renormalize, but rounded differently; ``renormalize`` is accepted
+    for signature compatibility and must be True.
+    """
+    if not renormalize:
+        raise ValueError("topk_softmax always normalizes over the selected k; renormalize=False is not defined")
+    if check_finite:
+        check_router_logits(gating_output)
+    logits = gating_output.float()
+    ids = _topk_ids(logits, topk)
+    w = torch.softmax(logits.gather(1, ids), dim=-1)
+    return w.float(), ids.to(indices_type or torch.int32)
+
+
+def llama4_routing(
+    hidden_states: torch.Tensor | None,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool = False,
+    *,
+    indices_type: torch.dtype | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-4 custom routing: top-k of the raw logits, weight = sigmoid(logit) in fp32, no renormalization.
+
+    Llama-4 uses topk = 1 with ``apply_router_weight_on_input=True``. Mirrors ``Llama4MoE.custom_routing_function``
+    (``vllm/model_executor/models/llama4.py``).
+    """
+    if renormalize:
+        raise ValueError("Llama-4 routing does not renormalize; pass renormalize=False")
+    if check_finite:
+        check_router_logits(gating_output)
+    ids = _topk_ids(gating_output.float(), topk)
+    w = torch.sigmoid(gating_output.gather(1, ids).float())
+    return w, ids.to(indices_type or torch.int32)
+
+
+def select_experts(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    use_grouped_topk: bool,
+    renormalize: bool,
+    topk_group: int | None = None,
+    num_expert_group: int | None = None,
+    custom_routing_function: Callable | None = None,
+    scoring_func: str = "softmax",
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+    indices_type: torch.dtype | None = None,
+    enable_eplb: bool = False,
+    expert_map: torch.Tensor | None = None,
+    expert_load_view: torch.Tensor | None = None,
+    logical_to_physical_map: torch.Tensor | None = None,
+    logical_replica_count: torch.Tensor | None = None,
+    global_num_experts: int | None = None,
+    zero_expert_num: int | None = None,
+    zero_expert_type: str | None = None,
+    num_fused_shared_experts: int = 0,
+    *,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Route tokens (seed 003 ``FusedMoE.select_experts``): returns ``(topk_weights, topk_ids, zero_expert_result)``.
+
+    Dispatch: ``use_grouped_topk`` with a valid grouping -> ``grouped_topk``; ``use_grouped_topk`` with an invalid
+    grouping (E <= G or E % G != 0) falls back to plain top-k as vLLM does (``fused_topk_bias`` when a correction
+    bias is given, else ``fused_topk``); ``custom_routing_function(hidden_states, gating_output, topk, renormalize)``
+    when given; a correction bias without grouping -> ``fused_topk_bias``; else ``fused_topk``.
+
+    Zero experts (LongCat-style, ``zero_expert_num > 0``): logits have ``global_num_experts + zero_expert_num``
+    columns; a slot routed to an id ``>= global_num_experts`` is a zero expert: with ``zero_expert_type ==
+    "identity"`` it contributes ``weight * hidden_states`` to ``zero_expert_result`` (M, K) in the hidden dtype
+    (fp32 accumulation), and its slot is rewritten to id 0 with weight 0 so the routed experts ignore it.
+
+    Not modelled: EPLB (``enable_eplb=True`` raises ValueError), ``expert_map`` is accepted and unused here (routing
+    runs over global ids; the experts apply the map), ``num_fused_shared_experts`` must be 0.
+    """
+    if enable_eplb:
+        raise ValueError("EPLB (redundant experts) is outside this reference; pass enable_eplb=False")
+    if num_fused_shared_experts:
+        raise ValueError("fused shared experts are not modelled by select_experts; pass num_fused_shared_experts=0")
+    E = router_logits.shape[-1]
+    zero_n = zero_expert_num or 0
+    if global_num_experts is not None and global_num_experts + zero_n != E:
+        raise ValueError(
+            f"router_logits has {E} columns but global_num_experts + zero_expert_num = {global_num_experts + zero_n}"
+        )
+    common = dict(indices_type=indices_type, check_finite=check_finite)
+    if use_grouped_topk and valid_grouping(E, num_expert_group):
+        w, ids = grouped_topk(
+            hidden_states, router_logits, top_k, renormalize, num_expert_group, topk_group or num_expert_group,
+            scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
+            e_score_correction_bias=e_score_correction_bias, **common,
+        )
+    elif custom_routing_function is not None:
+        if check_finite:
+            check_router_logits(router_logits)
+        w, ids = custom_routing_function(hidden_states, router_logits, top_k, renormalize)
+        w, ids = w.float(), ids.to(indices_type or torch.int32)
+    elif e_score_correction_bias is not None:
+        w, ids = fused_topk_bias(
+            hidden_states, router_logits, e_score_correction_bias, top_k, renormalize,
+            scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor, **common,
+        )
+    else:
+        w, ids = fused_topk(hidden_states, router_logits, top_k, renormalize, scoring_func=scoring_func, **common)
+        if routed_scaling_factor != 1.0:
+            w = w * routed_scaling_factor
+
+    zero_result = None
+    if zero_n:
+        if zero_expert_type != "identity":
+            raise ValueError(f"zero_expert_type {zero_expert_type!r} is not defined; only 'identity' is")
+        n_real = E - zero_n
+        is_zero = ids >= n_real
+        zw = torch.where(is_zero, w, torch.zeros_like(w))
+        zero_result = (zw.sum(dim=1, keepdim=True) * hidden_states.float()).to(hidden_states.dtype)
+        ids = torch.where(is_zero, torch.zeros_like(ids), ids)
+        w = torch.where(is_zero, torch.zeros_like(w), w)
+    return w, ids, zero_result
+
+
+def determine_expert_map(
+    ep_size: int,
+    ep_rank: int,
+    global_num_experts: int,
+    expert_placement_strategy: str = "linear",
+    num_fused_shared_experts: int = 0,
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """Which global experts this EP rank holds: ``(local_num_experts, expert_map, expert_mask)``.
+
+    ``expert_map`` is int32 ``(global_num_experts,)``: the local index of each global expert held here, -1 elsewhere.
+    ``E % ep_size`` remainder experts go one each to the *first* ranks: this follows vLLM's code; seed 003's
+    docstring says "assigned to the last rank", which the code does not do.
+    Strategies: ``"linear"`` (contiguous ranges) and ``"round_robin"`` (expert e on rank ``e % ep_size``).
+    ``expert_mask`` (AITER): ``(global + num_fused_shared_experts + 1,)`` int32, 1 for held and shared experts,
+    0 for others and for the trailing sentinel. With ``ep_size == 1`` returns ``(global_num_experts, None, None)``.
+
+    Raises:
+        ValueError: ep_size < 1, rank out of range, unknown strategy, more ranks than experts.
+    """
+    if ep_size < 1 or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"need ep_size >= 1 and 0 <= ep_rank < ep_size, got ep_size={ep_size}, ep_rank={ep_rank}")
+    if expert_placement_strategy not in ("linear", "round_robin"):
+        raise ValueError(f"unknown expert_placement_strategy {expert_placement_strategy!r}; use linear|round_robin")
+    if ep_size == 1:
+        return global_num_experts, None, None
+    if ep_size > global_num_experts:
+        raise ValueError(f"ep_size={ep_size} exceeds global_num_experts={global_num_experts}")
+    base, remainder = divmod(global_num_experts, ep_size)
+    local = base + (1 if ep_rank < remainder else 0)
+    expert_map = torch.full((global_num_experts,), -1, dtype=torch.int32)
+    if expert_placement_strategy == "linear":
+        start = ep_rank * base + min(ep_rank, remainder)
+        expert_map[start : start + local] = torch.arange(local, dtype=torch.int32)
+    else:
+        held = torch.arange(ep_rank, global_num_experts, ep_size)
+        expert_map[held] = torch.arange(local, dtype=torch.int32)
+    expert_mask = torch.zeros(global_num_experts + num_fused_shared_experts + 1, dtype=torch.int32)
+    expert_mask[:global_num_experts] = (expert_map >= 0).int()
+    expert_mask[global_num_experts : global_num_experts + num_fused_shared_experts] = 1
+    return local, expert_map, expert_mask
