@@ -118,3 +118,29 @@ def load_backend(spec: str) -> Backend:
             f"unknown backend {spec!r}; registered: {', '.join(sorted(names))}, or pass 'module:attribute'"
         )
     return _import_target(target)
+
+
+def cuda_unavailable_reason(min_capability: tuple[int, int] | None = None,
+                            max_capability: tuple[int, int] | None = None) -> str | None:
+    """Shared availability probe for GPU backends: None if a CUDA device in the capability range is present."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
+    cap = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if min_capability is not None and cap < min_capability:
+        return f"{name} is sm_{cap[0]}{cap[1]}; needs sm_{min_capability[0]}{min_capability[1]} or newer"
+    if max_capability is not None and cap > max_capability:
+        return f"{name} is sm_{cap[0]}{cap[1]}; supported up to sm_{max_capability[0]}{max_capability[1]}"
+    return None
+
+
+def package_unavailable_reason(module: str, extra: str) -> str | None:
+    """None if ``module`` imports, else '<module> is not installed (pip install -e .[extra])' (nox keys on
+    'not installed' to install the extra)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed (pip install -e '.[{extra}]')"
+    return None

@@ -1,0 +1,220 @@
+"""Quantization keys: ``GroupShape``, ``ScaleDesc``, ``QuantKey`` and the named keys that experts
+match on in ``_supports_quant_scheme(weight_key, activation_key)`` (seeds 001 / 002 / 004).
+
+Mirrors ``vllm/model_executor/layers/quantization/utils/quant_utils.py``. One deliberate
+difference: keys carry the *logical* dtype. vLLM stores FP4 data as ``torch.uint8`` (FP4_DTYPE)
+and MX scales as ``torch.uint8`` (MXFP_SCALE_DTYPE); here they are ``torch.float4_e2m1fn_x2``
+and ``torch.float8_e8m0fnu`` so a key says what the bytes mean. INT4 weights use ``torch.int4``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar, Mapping, NamedTuple
+
+import torch
+
+__all__ = [
+    "GroupShape",
+    "ScaleDesc",
+    "QuantKey",
+    "create_fp8_quant_key",
+    "QUANT_KEYS",
+    "kStaticTensorScale",
+    "kDynamicTensorScale",
+    "kStaticTokenScale",
+    "kDynamicTokenScale",
+    "kStaticChannelScale",
+    "kFp8StaticTensorSym",
+    "kFp8DynamicTensorSym",
+    "kFp8StaticTokenSym",
+    "kFp8DynamicTokenSym",
+    "kFp8StaticChannelSym",
+    "kFp8Dynamic128Sym",
+    "kFp8Dynamic64Sym",
+    "kFp8Static128BlockSym",
+    "kFp8Static128BlockE8M0Sym",
+    "kMxfp8Static",
+    "kMxfp8Dynamic",
+    "kMxfp4Static",
+    "kMxfp4Dynamic",
+    "kNvfp4Static",
+    "kNvfp4Dynamic",
+    "kInt8StaticChannelSym",
+    "kInt8DynamicTokenSym",
+    "kInt8StaticTensorSym",
+    "kInt4StaticGroup128Sym",
+    "kInt4W4A8StaticGroup128Sym",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP4_DTYPE = torch.float4_e2m1fn_x2
+E8M0_DTYPE = torch.float8_e8m0fnu
+INT4_DTYPE = torch.int4
+
+_DTYPE_NAMES = {
+    torch.float8_e4m3fn: "fp8e4m3",
+    torch.float4_e2m1fn_x2: "fp4e2m1",
+    torch.float8_e8m0fnu: "e8m0",
+    torch.int8: "int8",
+    torch.int4: "int4",
+    torch.uint8: "uint8",
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+}
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(d, str(d).replace("torch.", ""))
+
+
+class _GroupShape(NamedTuple):
+    row: int
+    col: int
+
+
+class GroupShape(_GroupShape):
+    """Shape of the elements that share one scale; ``-1`` means the full extent of that dim.
+
+    ``PER_TENSOR = (-1, -1)``, ``PER_TOKEN = (1, -1)``, ``PER_CHANNEL = (-1, 1)``; ``(1, 128)`` is a
+    1x128 activation group, ``(128, 128)`` a weight block. Mirrors vLLM's ``GroupShape``.
+    """
+
+    PER_TENSOR: ClassVar["GroupShape"]
+    PER_TOKEN: ClassVar["GroupShape"]
+    PER_CHANNEL: ClassVar["GroupShape"]
+
+    def is_per_tensor(self) -> bool:
+        return self.row == -1 and self.col == -1
+
+    def is_per_token(self) -> bool:
+        return self.row == 1 and self.col == -1
+
+    def is_per_channel(self) -> bool:
+        return self.row == -1 and self.col == 1
+
+    def is_per_group(self) -> bool:
+        return self.row == 1 and self.col >= 1
+
+    def describe(self) -> str:
+        """``"per-tensor"``, ``"per-token"``, ``"per-channel"``, ``"1x128 groups"``, ``"128x128 blocks"``."""
+        if self.is_per_tensor():
+            return "per-tensor"
+        if self.is_per_token():
+            return "per-token"
+        if self.is_per_channel():
+            return "per-channel"
+        if self.is_per_group():
+            return f"1x{self.col} groups"
+        return f"{self.row}x{self.col} blocks"
+
+    def __repr__(self) -> str:
+        return f"GroupShape({self.row}, {self.col})"
+
+
+GroupShape.PER_TENSOR = GroupShape(-1, -1)
+GroupShape.PER_TOKEN = GroupShape(1, -1)
+GroupShape.PER_CHANNEL = GroupShape(-1, 1)
+
+
+@dataclass(frozen=True, repr=False)
+class ScaleDesc:
+    """One level of scaling: scale dtype, static (calibrated) or dynamic (computed at runtime),
+    and the group shape it covers. Mirrors vLLM's ``ScaleDesc``."""
+
+    dtype: torch.dtype
+    static: bool
+    group_shape: GroupShape
+
+    def __str__(self) -> str:
+        kind = "static" if self.static else "dynamic"
+        return f"{_dtype_name(self.dtype)}, {kind}, {self.group_shape.describe()}"
+
+    def __repr__(self) -> str:
+        return f"ScaleDesc({self})"
+
+
+@dataclass(frozen=True, repr=False)
+class QuantKey:
+    """Identifies a quantization scheme: quantized dtype, scale, optional second-level scale
+    (NVFP4 global scale, W4A8 channel scale), symmetric or not. Mirrors vLLM's ``QuantKey``.
+
+    ``repr`` reads like ``QuantKey(fp8e4m3, static, 128x128 blocks, sym)``; the scale dtype is
+    named when it is not fp32, e.g. ``QuantKey(fp4e2m1, dynamic, 1x16 groups, fp8e4m3 scales,
+    scale2=fp32 static per-tensor, sym)``. Keys are hashable and compare by value.
+    """
+
+    dtype: torch.dtype
+    scale: ScaleDesc
+    scale2: ScaleDesc | None = None
+    symmetric: bool = True
+
+    def __repr__(self) -> str:
+        sc = self.scale
+        parts = [_dtype_name(self.dtype), "static" if sc.static else "dynamic", sc.group_shape.describe()]
+        if sc.dtype != torch.float32:
+            parts.append(f"{_dtype_name(sc.dtype)} scales")
+        if self.scale2 is not None:
+            s2 = self.scale2
+            parts.append(
+                f"scale2={_dtype_name(s2.dtype)} {'static' if s2.static else 'dynamic'} {s2.group_shape.describe()}"
+            )
+        parts.append("sym" if self.symmetric else "asym")
+        return f"QuantKey({', '.join(parts)})"
+
+    __str__ = __repr__
+
+
+def create_fp8_quant_key(
+    static: bool, group_shape: GroupShape, symmetric: bool = True, scale_dtype: torch.dtype = torch.float32
+) -> QuantKey:
+    """An FP8 E4M3 key with one scale level (vLLM ``create_fp8_quant_key``)."""
+    return QuantKey(FP8_DTYPE, ScaleDesc(scale_dtype, static, group_shape), symmetric=symmetric)
+
+
+kStaticTensorScale = ScaleDesc(torch.float32, True, GroupShape.PER_TENSOR)
+kDynamicTensorScale = ScaleDesc(torch.float32, False, GroupShape.PER_TENSOR)
+kStaticTokenScale = ScaleDesc(torch.float32, True, GroupShape.PER_TOKEN)
+kDynamicTokenScale = ScaleDesc(torch.float32, False, GroupShape.PER_TOKEN)
+kStaticChannelScale = ScaleDesc(torch.float32, True, GroupShape.PER_CHANNEL)
+
+# FP8 E4M3
+kFp8StaticTensorSym = QuantKey(FP8_DTYPE, kStaticTensorScale)
+kFp8DynamicTensorSym = QuantKey(FP8_DTYPE, kDynamicTensorScale)
+kFp8StaticTokenSym = QuantKey(FP8_DTYPE, kStaticTokenScale)
+kFp8DynamicTokenSym = QuantKey(FP8_DTYPE, kDynamicTokenScale)
+kFp8StaticChannelSym = QuantKey(FP8_DTYPE, kStaticChannelScale)
+kFp8Dynamic128Sym = QuantKey(FP8_DTYPE, ScaleDesc(torch.float32, False, GroupShape(1, 128)))
+kFp8Dynamic64Sym = QuantKey(FP8_DTYPE, ScaleDesc(torch.float32, False, GroupShape(1, 64)))
+kFp8Static128BlockSym = QuantKey(FP8_DTYPE, ScaleDesc(torch.float32, True, GroupShape(128, 128)))
+# 128x128 blocks whose scales are powers of two (DeepGEMM E8M0: fp32-ceil on SM90, packed on SM100)
+kFp8Static128BlockE8M0Sym = QuantKey(FP8_DTYPE, ScaleDesc(E8M0_DTYPE, True, GroupShape(128, 128)))
+
+# MX: E8M0 scale per 1x32
+kMxfp8Static = QuantKey(FP8_DTYPE, ScaleDesc(E8M0_DTYPE, True, GroupShape(1, 32)))
+kMxfp8Dynamic = QuantKey(FP8_DTYPE, ScaleDesc(E8M0_DTYPE, False, GroupShape(1, 32)))
+kMxfp4Static = QuantKey(FP4_DTYPE, ScaleDesc(E8M0_DTYPE, True, GroupShape(1, 32)))
+kMxfp4Dynamic = QuantKey(FP4_DTYPE, ScaleDesc(E8M0_DTYPE, False, GroupShape(1, 32)))
+
+# NVFP4: E4M3 scale per 1x16 + fp32 global scale
+kNvfp4Static = QuantKey(FP4_DTYPE, ScaleDesc(FP8_DTYPE, True, GroupShape(1, 16)), scale2=kStaticTensorScale)
+kNvfp4Dynamic = QuantKey(FP4_DTYPE, ScaleDesc(FP8_DTYPE, False, GroupShape(1, 16)), scale2=kStaticTensorScale)
+
+# INT8 W8A8
+kInt8StaticChannelSym = QuantKey(torch.int8, kStaticChannelScale)
+kInt8DynamicTokenSym = QuantKey(torch.int8, kDynamicTokenScale)
+kInt8StaticTensorSym = QuantKey(torch.int8, kStaticTensorScale)
+
+# INT4 weights, group 128 along K
+kInt4StaticGroup128Sym = QuantKey(INT4_DTYPE, ScaleDesc(torch.float32, True, GroupShape(1, 128)))
+# W4A8 (cutlass_moe_w4a8_fp8): fp8 group scales, fp32 per-channel scale in the epilogue
+kInt4W4A8StaticGroup128Sym = QuantKey(
+    INT4_DTYPE, ScaleDesc(FP8_DTYPE, True, GroupShape(1, 128)), scale2=kStaticChannelScale
+)
+
+#: Every named key by name (for specs and reports).
+QUANT_KEYS: Mapping[str, QuantKey] = MappingProxyType(
+    {name: value for name, value in dict(globals()).items() if name.startswith("k") and isinstance(value, QuantKey)}
+)

@@ -1,0 +1,85 @@
+"""The conformance harness must go red for broken backends, name the case and print a working repro command.
+
+Each test runs the real suite in a subprocess (as a user would) on a small selection of cases.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_conformance(backend: str, *args: str, tmp_path: Path, quiet: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pytest", "conformance", "--backend", backend, "-p", "no:cacheprovider",
+           "--results-dir", str(tmp_path), *(["-q"] if quiet else []), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_correct_backend_passes_the_selection(tmp_path):
+    r = run_conformance("torch", "-k", "qwen3_30b_a3b and (M1 or M7)", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout
+    results = json.loads((tmp_path / "conformance-torch.json").read_text())
+    assert results["backend"] == "torch" and all(e["outcome"] == "passed" for e in results["results"])
+
+
+def test_dropped_renormalization_fails_routing(tmp_path):
+    r = run_conformance("tests.broken_backends:no_renormalize", "-k", "test_routing and qwen3_30b_a3b",
+                        tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "routing[qwen3_30b_a3b-M1] via fused_topk" in r.stdout
+    assert "weights differ" in r.stdout
+
+
+def test_skipped_router_weights_fail_experts_with_case_and_repro(tmp_path):
+    r = run_conformance("tests.broken_backends:no_router_weights", "-k", "test_experts and qwen3_30b_a3b-bf16-M4-",
+                        tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    out = r.stdout
+    assert "case: qwen3_30b_a3b-bf16-M4-ep8r0" in out
+    assert "worst at [" in out
+    repro = next(line.split("reproduce: ", 1)[1] for line in out.splitlines() if "reproduce: " in line)
+    assert repro.startswith("python -m pytest 'conformance/test_experts.py::test_experts[qwen3_30b_a3b-bf16-M4-ep8r0]'")
+    # The printed command reproduces the failure on its own.
+    r2 = subprocess.run(repro + f" -p no:cacheprovider --results-dir {tmp_path}", shell=True, cwd=ROOT,
+                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert r2.returncode == 1 and "1 failed" in r2.stdout
+
+
+def test_unwritten_output_is_caught_by_poisoning(tmp_path):
+    r = run_conformance("tests.broken_backends:half_output", "-k", "test_experts and qwen3_30b_a3b-bf16-M1-",
+                        tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "non-finite elements where the reference is finite" in r.stdout
+
+
+def test_activation_double_rounding_is_caught(tmp_path):
+    r = run_conformance("tests.broken_backends:activation_double_rounding", "-k",
+                        "test_activation and silu-bfloat16-M33", tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "beyond 1 ulp" in r.stdout
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("no_such_backend", "unknown backend 'no_such_backend'; registered: cuda, deep_gemm, torch, triton"),
+    ("tests.broken_backends:not_a_backend", "is a int, not a backends.Backend"),
+    ("no.such.module:backend", "cannot import backend module 'no.such.module'"),
+])
+def test_bad_backend_names_are_usage_errors(spec, message, tmp_path):
+    r = run_conformance(spec, tmp_path=tmp_path)
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    assert message in r.stderr
+
+
+def test_unavailable_backend_skips_every_case_with_reason(tmp_path):
+    r = run_conformance("cuda", "-k", "test_routing and mixtral", "-rs", tmp_path=tmp_path, quiet=False)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "status: UNAVAILABLE - no CUDA GPU" in r.stdout
+    assert "SKIPPED" in r.stdout and "backend cuda unavailable: no CUDA GPU" in r.stdout
+    assert "passed" not in r.stdout
