@@ -51,10 +51,6 @@ class ExpertsCase:
     def dtype(self) -> torch.dtype:
         return SCHEME_DTYPES.get(self.scheme, torch.bfloat16)
 
-    @property
-    def weights_key(self) -> tuple:
-        """Cases with the same key share weights (drawn once per model shard, cached by the harness)."""
-        return (self.model.name, self.scheme, self.ep_size, self.ep_rank)
 
 
 @dataclass(frozen=True)
@@ -96,8 +92,14 @@ def experts_cases() -> list[ExpertsCase]:
     counts = list(spec["decode_tokens"]) + list(spec["prefill_tokens"])
     cases = []
     for m in models.values():
-        for M in counts:
-            cases.append(ExpertsCase(m, "bf16", M, m.cpu_ep_size, 0))
+        for scheme in m.schemes:
+            for M in counts if scheme == "bf16" else spec["quant_tokens"]:
+                cases.append(ExpertsCase(m, scheme, M, m.cpu_ep_size, 0))
+    generic = spec["generic_schemes"]
+    m = models[generic["model"]]
+    for scheme in generic["schemes"]:
+        for M in generic["tokens"]:
+            cases.append(ExpertsCase(m, scheme, M, m.cpu_ep_size, 0))
     for extra in spec.get("extra", []):
         m = models[extra["model"]]
         cases.append(ExpertsCase(m, extra.get("scheme", "bf16"), extra["tokens"], m.cpu_ep_size,

@@ -11,12 +11,15 @@ raised so every token reaches at least one local expert (otherwise EP-sharded de
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from conformance.cases import ExpertsCase, RoutingCase
+from conformance.schemes import quantize_weights
+from reference.config import FusedMoEQuantConfig
 from reference.routing import determine_expert_map, llama4_routing, select_experts, topk_softmax
 from specs import ModelSpec
 
@@ -26,14 +29,13 @@ __all__ = ["ExpertsInputs", "make_experts_inputs", "route", "router_logits", "ro
 @dataclass
 class ExpertsInputs:
     hidden_states: torch.Tensor
-    w1: torch.Tensor
+    w1: torch.Tensor  # bf16, or the scheme's codes
     w2: torch.Tensor
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
     expert_map: torch.Tensor | None
     global_num_experts: int
-    w1_bias: torch.Tensor | None
-    w2_bias: torch.Tensor | None
+    quant_config: FusedMoEQuantConfig
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -43,7 +45,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 @lru_cache(maxsize=1)
-def _weights(model: ModelSpec, dtype: torch.dtype, ep_size: int, ep_rank: int, device: str):
+def _bf16_weights(model: ModelSpec, dtype: torch.dtype, ep_size: int, ep_rank: int):
     from conformance.cases import seed_of
 
     g = _gen(seed_of(f"weights-{model.name}-{dtype}-ep{ep_size}r{ep_rank}"))
@@ -56,7 +58,24 @@ def _weights(model: ModelSpec, dtype: torch.dtype, ep_size: int, ep_rank: int, d
     if model.expert_bias:
         b1 = (torch.randn(E_local, N, generator=g) * 0.1).to(dtype)
         b2 = (torch.randn(E_local, K, generator=g) * 0.1).to(dtype)
-    return tuple(t.to(device) if t is not None else None for t in (w1, w2, b1, b2))
+    return w1, w2, b1, b2
+
+
+def _to(t, device):
+    if isinstance(t, torch.Tensor):
+        return t.to(device)
+    if dataclasses.is_dataclass(t) and not isinstance(t, type):
+        return dataclasses.replace(t, **{f.name: _to(getattr(t, f.name), device) for f in dataclasses.fields(t)})
+    return t
+
+
+@lru_cache(maxsize=1)
+def _scheme_weights(model: ModelSpec, scheme: str, dtype: torch.dtype, ep_size: int, ep_rank: int, device: str):
+    """The case's weights in the scheme's format, with the quant config that describes them, on ``device``."""
+    w1, w2, b1, b2 = _bf16_weights(model, dtype, ep_size, ep_rank)
+    w1q, w2q, qc = quantize_weights(scheme, w1, w2, w1_bias=b1, w2_bias=b2, gemm1_alpha=model.gemm1_alpha,
+                                    gemm1_clamp_limit=model.gemm1_clamp_limit)
+    return w1q.to(device), w2q.to(device), _to(qc, device)
 
 
 def routing_bias(model: ModelSpec, g: torch.Generator) -> torch.Tensor | None:
@@ -93,7 +112,7 @@ def route(model: ModelSpec, logits: torch.Tensor, bias: torch.Tensor | None, hid
 
 def make_experts_inputs(case: ExpertsCase, device: str) -> ExpertsInputs:
     m = case.model
-    w1, w2, b1, b2 = _weights(m, case.dtype, case.ep_size, case.ep_rank, device)
+    w1, w2, qc = _scheme_weights(m, case.scheme, case.dtype, case.ep_size, case.ep_rank, device)
     g = _gen(case.seed)
     _, expert_map, _ = determine_expert_map(case.ep_size, case.ep_rank, m.num_experts)
     hidden = torch.randn(case.tokens, m.hidden_size, generator=g).to(case.dtype)
@@ -102,4 +121,4 @@ def make_experts_inputs(case: ExpertsCase, device: str) -> ExpertsInputs:
     bias = routing_bias(m, g)
     w, ids = route(m, logits, bias, hidden)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return ExpertsInputs(to(hidden), w1, w2, to(w), to(ids), to(expert_map), m.num_experts, b1, b2)
+    return ExpertsInputs(to(hidden), w1, w2, to(w), to(ids), to(expert_map), m.num_experts, qc)

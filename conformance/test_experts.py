@@ -1,17 +1,22 @@
 """Experts conformance: the backend's ``FusedMoEExpertsModular`` classes, driven by the reference's modular kernel
 (``MoEPrepareAndFinalizeNoEP`` + ``FusedMoEKernel``, outputs and workspaces poisoned with NaN), against
-``reference.experts.fused_experts`` on real model shapes (one EP rank's experts, routing over all experts)."""
+``reference.experts.fused_experts`` on real model shapes (one EP rank's experts, routing over all experts), for
+every quantization scheme the specs give the model.
+
+Support claims are tested both ways: a configuration the class claims (seed 002 ``is_supported_config``) must match
+the reference; one it does not claim must raise an error, never return a tensor ("works but not claimed" and
+"returned garbage" both fail).
+"""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conformance.cases import ExpertsCase, experts_cases
 from conformance.inputs import make_experts_inputs
-from conformance.metrics import assert_close
-from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEConfig, FusedMoEParallelConfig, biased_moe_quant_config
-from reference.config import FusedMoEQuantConfig
+from conformance.metrics import ConformanceFailure, assert_close, error_stats
+from conformance.schemes import scheme_tolerance_key
+from reference.config import FusedMoEConfig, FusedMoEParallelConfig
 from reference.experts import fused_experts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 
@@ -28,17 +33,6 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize(("experts_cls", "case"), params, ids=ids)
 
 
-def _quant_config(case: ExpertsCase, inputs) -> FusedMoEQuantConfig:
-    m = case.model
-    qc = FUSED_MOE_UNQUANTIZED_CONFIG
-    if inputs.w1_bias is not None:
-        qc = biased_moe_quant_config(inputs.w1_bias, inputs.w2_bias)
-    if m.gemm1_alpha is not None or m.gemm1_clamp_limit is not None:
-        qc = FusedMoEQuantConfig(a1=qc.a1, a2=qc.a2, w1=qc.w1, w2=qc.w2, gemm1_alpha=m.gemm1_alpha,
-                                 gemm1_clamp_limit=m.gemm1_clamp_limit)
-    return qc
-
-
 def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:
     m = case.model
     return FusedMoEConfig(
@@ -53,20 +47,47 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
     if experts_cls is None:
         pytest.skip(f"backend {backend.name} offers no experts implementation")
     inputs = make_experts_inputs(case, backend.device)
-    qc = _quant_config(case, inputs)
+    qc = inputs.quant_config
     moe_config = moe_config_for(case)
-    ok, reason = experts_cls.is_supported_config(experts_cls, moe_config, None, None,
-                                                 FusedMoEActivationFormat.Standard)
-    if not ok:
-        pytest.skip(f"{experts_cls.__name__}: {reason}")
-    record(model=case.model.name, scheme=case.scheme, component="experts", tokens=case.tokens)
+    claimed, reason = experts_cls.is_supported_config(experts_cls, moe_config, qc.weight_key, qc.activation_key,
+                                                      FusedMoEActivationFormat.Standard)
+    record(model=case.model.name, scheme=case.scheme, component="experts", tokens=case.tokens,
+           experts_class=experts_cls.__name__)
     kwargs = dict(activation=case.activation, global_num_experts=inputs.global_num_experts,
                   expert_map=inputs.expert_map, apply_router_weight_on_input=case.model.apply_router_weight_on_input)
     expected = fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
                              quant_config=qc, **kwargs)
-    kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(moe_config, qc), chunk_size=case.chunk_size,
-                            poison=float("nan"))
-    out = kernel.apply(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids, **kwargs)
-    tol = tolerances["experts"][str(case.dtype).removeprefix("torch.")]
-    stats = assert_close(out, expected, tol, case=case.id, what=f"{experts_cls.__name__} output", repro=repro)
+    tol = tolerances["experts"][scheme_tolerance_key(case.scheme, case.dtype)]
+    what = f"{experts_cls.__name__} output"
+
+    def run():
+        kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(moe_config, qc),
+                                chunk_size=case.chunk_size, poison=float("nan"))
+        return kernel.apply(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
+                            **kwargs)
+
+    if not claimed:
+        try:
+            out = run()
+        except Exception as exc:  # the required behaviour for an unclaimed configuration
+            record(support="unsupported", reason=reason)
+            pytest.skip(f"unsupported, and raises as required ({type(exc).__name__}): {reason}")
+        try:
+            assert_close(out, expected, tol, case=case.id, what=what, repro=repro)
+        except ConformanceFailure as exc:
+            raise ConformanceFailure(
+                f"{experts_cls.__name__} does not claim this configuration ({reason}) yet returned a tensor "
+                f"instead of raising, and it is wrong:\n{exc}") from None
+        raise ConformanceFailure(
+            f"works but not claimed: {experts_cls.__name__} matches the reference on {case.id} although "
+            f"is_supported_config says: {reason}. Claim it (its _supports_* predicates) or raise.\n  reproduce: {repro}")
+
+    record(support="claimed")
+    try:
+        out = run()
+    except Exception as exc:
+        raise ConformanceFailure(
+            f"claimed but fails: {experts_cls.__name__} claims {case.scheme} / {case.activation.name} but raised "
+            f"{type(exc).__name__}: {exc}\n  case: {case.id}\n  reproduce: {repro}") from exc
+    stats = assert_close(out, expected, tol, case=case.id, what=what, repro=repro)
     record(**stats.as_dict())

@@ -28,6 +28,10 @@ __all__ = [
     "fp8_w8a8_moe_quant_config",
     "int8_w8a8_moe_quant_config",
     "biased_moe_quant_config",
+    "mxfp4_moe_quant_config",
+    "nvfp4_moe_quant_config",
+    "w4a8_moe_quant_config",
+    "quant_key_of",
 ]
 
 
@@ -168,6 +172,16 @@ class FusedMoEQuantConfig:
     w1_bias = property(lambda self: self.w1.bias)
     w2_bias = property(lambda self: self.w2.bias)
 
+    @property
+    def weight_key(self):
+        """The ``reference.quant.keys.QuantKey`` of the weights (None when unquantized)."""
+        return quant_key_of(self.w1, is_weight=True)
+
+    @property
+    def activation_key(self):
+        """The ``QuantKey`` of the activations (None when they stay in bf16/fp16, e.g. W4A16)."""
+        return quant_key_of(self.a1, is_weight=False)
+
     def scheme_name(self) -> str:
         """Short name used in case ids, e.g. ``bf16``, ``fp8_block128``, ``fp8_tensor``, ``int8_token``."""
         if not self.is_quantized:
@@ -181,7 +195,9 @@ class FusedMoEQuantConfig:
             return "fp8_tensor"
         if w.dtype == torch.int8:
             return "int8_channel_token"
-        return str(w.dtype)
+        if w.dtype == "mxfp4":
+            return {None: "mxfp4_w4a16", "mxfp8": "mxfp4_mxfp8"}.get(a.dtype, "mxfp4_fp8")
+        return {"nvfp4": "nvfp4", "int4_w4a8": "w4a8"}.get(w.dtype, str(w.dtype))
 
 
 FUSED_MOE_UNQUANTIZED_CONFIG = FusedMoEQuantConfig()
@@ -253,4 +269,92 @@ def int8_w8a8_moe_quant_config(
         a2=FusedMoEQuantDesc(i8, a_shape, a2_scale),
         w1=FusedMoEQuantDesc(i8, (1, -1), w1_scale),
         w2=FusedMoEQuantDesc(i8, (1, -1), w2_scale),
+    )
+
+
+def quant_key_of(desc: FusedMoEQuantDesc, *, is_weight: bool):
+    """Map a descriptor to vLLM's named ``QuantKey`` (``reference.quant.keys``); None when unquantized.
+
+    Raises:
+        ValueError: a combination that has no named key (so a backend's support claim cannot be checked).
+    """
+    from reference.quant import keys as K
+
+    d, shape, static = desc.dtype, desc.shape, desc.scale is not None or is_weight
+    if d is None:
+        return None
+    table = {
+        (torch.float8_e4m3fn, (-1, -1), True): K.kFp8StaticTensorSym,
+        (torch.float8_e4m3fn, (-1, -1), False): K.kFp8DynamicTensorSym,
+        (torch.float8_e4m3fn, (1, -1), True): K.kFp8StaticChannelSym if is_weight else K.kFp8StaticTokenSym,
+        (torch.float8_e4m3fn, (1, -1), False): K.kFp8DynamicTokenSym,
+        (torch.float8_e4m3fn, (1, 128), False): K.kFp8Dynamic128Sym,
+        (torch.float8_e4m3fn, (1, 64), False): K.kFp8Dynamic64Sym,
+        (torch.float8_e4m3fn, (128, 128), True): K.kFp8Static128BlockSym,
+        (torch.int8, (1, -1), True): K.kInt8StaticChannelSym if is_weight else None,
+        (torch.int8, (1, -1), False): K.kInt8DynamicTokenSym,
+        (torch.int8, (-1, -1), True): K.kInt8StaticTensorSym,
+        ("mxfp8", (1, 32), True): K.kMxfp8Static,
+        ("mxfp8", (1, 32), False): K.kMxfp8Dynamic,
+        ("mxfp4", (1, 32), True): K.kMxfp4Static,
+        ("mxfp4", (1, 32), False): K.kMxfp4Dynamic,
+        ("nvfp4", (1, 16), True): K.kNvfp4Static,
+        ("nvfp4", (1, 16), False): K.kNvfp4Dynamic,
+        ("int4_w4a8", (1, 128), True): K.kInt4W4A8StaticGroup128Sym,
+    }
+    key = table.get((d, shape, static))
+    if key is None:
+        raise ValueError(f"no named QuantKey for {'weight' if is_weight else 'activation'} {d} {shape} "
+                         f"{'static' if static else 'dynamic'}")
+    return key
+
+
+def mxfp4_moe_quant_config(
+    w1_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    activation: str | None = None,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    gemm1_alpha: float | None = None,
+    gemm1_beta: float | None = None,
+    gemm1_clamp_limit: float | None = None,
+) -> FusedMoEQuantConfig:
+    """MXFP4 weights (packed E2M1 ``(E, N, K // 2)`` uint8 + E8M0 bytes ``(E, N, K // 32)``), with activations
+    unquantized (``activation=None``: W4A16, gpt-oss on Hopper) or dynamic MXFP8 (``"mxfp8"``) or dynamic FP8
+    per 1x128 group (``"fp8"``, DeepGemmFP4Experts)."""
+    a = {None: FusedMoEQuantDesc(), "mxfp8": FusedMoEQuantDesc("mxfp8", (1, 32)),
+         "fp8": FusedMoEQuantDesc(torch.float8_e4m3fn, (1, 128))}[activation]
+    return FusedMoEQuantConfig(
+        a1=a, a2=a, w1=FusedMoEQuantDesc("mxfp4", (1, 32), w1_scale, bias=w1_bias),
+        w2=FusedMoEQuantDesc("mxfp4", (1, 32), w2_scale, bias=w2_bias),
+        gemm1_alpha=gemm1_alpha, gemm1_beta=gemm1_beta, gemm1_clamp_limit=gemm1_clamp_limit,
+    )
+
+
+def nvfp4_moe_quant_config(
+    w1_scale: torch.Tensor, w2_scale: torch.Tensor, g1_gscale: torch.Tensor, g2_gscale: torch.Tensor,
+    a1_gscale: torch.Tensor, a2_gscale: torch.Tensor,
+) -> FusedMoEQuantConfig:
+    """NVFP4: weights packed E2M1 with E4M3 block scales per 16 (``(E, N, K // 16)``, linear layout) and an fp32
+    encode scale per expert (``g*_gscale`` ``(E,)``: dequant = e2m1 * SF / gs); activations quantized dynamically
+    per 16 with the fixed encode scales ``a1_gscale`` / ``a2_gscale`` (one element each)."""
+    return FusedMoEQuantConfig(
+        a1=FusedMoEQuantDesc("nvfp4", (1, 16), alpha_or_gscale=a1_gscale),
+        a2=FusedMoEQuantDesc("nvfp4", (1, 16), alpha_or_gscale=a2_gscale),
+        w1=FusedMoEQuantDesc("nvfp4", (1, 16), w1_scale, alpha_or_gscale=g1_gscale),
+        w2=FusedMoEQuantDesc("nvfp4", (1, 16), w2_scale, alpha_or_gscale=g2_gscale),
+    )
+
+
+def w4a8_moe_quant_config(
+    w1_scale: torch.Tensor, w2_scale: torch.Tensor, w1_chan_scale: torch.Tensor, w2_chan_scale: torch.Tensor,
+) -> FusedMoEQuantConfig:
+    """W4A8 (seed 004 ``cutlass_moe_w4a8_fp8``): int4 weights packed 8 per int32 with E4M3 group scales per 128
+    (``(E, N, K // 128)``) and fp32 per-channel scales ``(E, N)``; FP8 activations quantized per token."""
+    fp8_tok = FusedMoEQuantDesc(torch.float8_e4m3fn, (1, -1))
+    return FusedMoEQuantConfig(
+        a1=fp8_tok, a2=fp8_tok,
+        w1=FusedMoEQuantDesc("int4_w4a8", (1, 128), w1_scale, alpha_or_gscale=w1_chan_scale),
+        w2=FusedMoEQuantDesc("int4_w4a8", (1, 128), w2_scale, alpha_or_gscale=w2_chan_scale),
     )

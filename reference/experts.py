@@ -10,7 +10,9 @@ For each local expert ``e`` and the tokens routed to it (mirrors vLLM's ``fused_
     y   = g' @ dequant(w2[e]).T (+ w2_bias[e])       fp32 accumulate -> ROUND to act dtype   (intermediate_cache3)
     out[t] = sum_k  w[t, k] * y[t, k]               fp32 accumulate -> ROUND to act dtype once
 
-Rounding points are exactly the four ROUND/quantize steps above; every other step is fp32. ``act dtype`` is the
+Rounding points are exactly the four ROUND/quantize steps above; every other step is fp32. A *per-tensor* dynamic
+a2 scale is taken over all routed rows of the call (vLLM quantizes ``intermediate_cache2`` at once), so under the
+modular kernel's chunking each chunk has its own a2 scale; per-token and per-group scales see only their row. ``act dtype`` is the
 hidden_states dtype (bf16/fp16/fp32). A kernel's fp32 accumulation order differs from ``torch.matmul``'s, so GEMM
 results are compared with tolerances derived from the format (``specs/tolerances.toml``), quantizers bit-exactly.
 
@@ -63,18 +65,47 @@ def dequant_groups(q: torch.Tensor, scale: torch.Tensor | None, group_shape: tup
     return x * s
 
 
-def _weight_scale(desc: FusedMoEQuantDesc, e: int) -> torch.Tensor | None:
-    if desc.scale is None:
-        return None
-    return desc.scale[e] if desc.scale.dim() >= 1 and desc.scale.numel() > 1 else desc.scale
+# Elements per stored element of the packed weight formats (w1 is (E, N, K // pack)).
+_PACK = {"mxfp4": 2, "nvfp4": 2, "int4_w4a8": 8}
+
+
+def _per_expert(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    """Expert e's slice of a per-expert scale; a single (per-tensor, shared) scale is returned as is."""
+    if t is None or t.numel() == 1:
+        return t
+    return t[e]
 
 
 def _dequant_weight(w: torch.Tensor, desc: FusedMoEQuantDesc, e: int) -> torch.Tensor:
+    """Expert e's weight as fp32 ``(N, K)``: codes times scales (exact in fp32 for every format here)."""
+    from reference import quant as q
+
     if desc.dtype is None:
         return w[e].float()
-    if isinstance(desc.dtype, str):
-        raise NotImplementedError(f"weight format {desc.dtype!r} is not handled by the reference experts loop yet")
-    return dequant_groups(w[e], _weight_scale(desc, e), desc.shape)
+    if desc.dtype == "mxfp4":
+        return q.mxfp4_dequantize(w[e], desc.scale[e])
+    if desc.dtype == "mxfp8":
+        return q.mxfp8_dequantize(w[e], desc.scale[e])
+    if desc.dtype == "nvfp4":
+        return q.nvfp4_dequantize(w[e], desc.scale[e], _per_expert(desc.alpha_or_gscale, e))
+    if desc.dtype == "int4_w4a8":
+        wq = q.w4a8_dequantize_weight(w[e], desc.scale[e], desc.shape[1])
+        chan = _per_expert(desc.alpha_or_gscale, e)
+        return wq if chan is None else wq * chan.float().reshape(-1, 1)
+    return dequant_groups(w[e], _per_expert(desc.scale, e), desc.shape)
+
+
+def dequant_activation(aq: torch.Tensor, scale: torch.Tensor | None, desc: FusedMoEQuantDesc) -> torch.Tensor:
+    """A quantized activation ``(M, K)`` (as ``moe_kernel_quantize_input`` returns it) back to fp32."""
+    from reference import quant as q
+
+    if desc.dtype is None:
+        return aq.float()
+    if desc.dtype == "mxfp8":
+        return q.mxfp8_dequantize(aq, scale)
+    if desc.dtype == "nvfp4":
+        return q.nvfp4_dequantize(aq, scale, desc.alpha_or_gscale)
+    return dequant_groups(aq, scale, desc.shape)
 
 
 def local_expert_ids(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -91,7 +122,7 @@ def local_expert_ids(topk_ids: torch.Tensor, num_local_experts: int, expert_map:
 
 
 def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map=None,
-                     global_num_experts=-1) -> None:
+                     global_num_experts=-1, quant_config: FusedMoEQuantConfig | None = None) -> None:
     """Validate the experts' operands with clear messages (shapes, dtypes, devices, id ranges).
 
     Raises:
@@ -102,14 +133,17 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
     if w1.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w1/w2 must be (E, N, K) / (E, K, I), got {tuple(w1.shape)} / {tuple(w2.shape)}")
     M, K = hidden_states.shape
+    qc = quant_config or FUSED_MOE_UNQUANTIZED_CONFIG
+    pack1, pack2 = _PACK.get(qc.w1.dtype, 1), _PACK.get(qc.w2.dtype, 1)
     E_local, N, K1 = w1.shape
+    K1 *= pack1
     if w2.size(0) != E_local:
         raise ValueError(f"w1 has {E_local} experts but w2 has {w2.size(0)}")
     if K1 != K or w2.size(1) != K:
         raise ValueError(f"hidden size mismatch: hidden_states K={K}, w1 K={K1}, w2 K={w2.size(1)}")
     I = adjust_N_for_activation(N, activation)
-    if w2.size(2) != I:
-        raise ValueError(f"w2 must be (E, K, {I}) for {activation.name} with w1 N={N}, got {tuple(w2.shape)}")
+    if w2.size(2) * pack2 != I:
+        raise ValueError(f"w2 must be (E, K, {I // pack2}) for {activation.name} with w1 N={N}, got {tuple(w2.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.size(0) != M:
         raise ValueError(
             f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must be (M={M}, topk)"
@@ -125,33 +159,44 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
             raise ValueError(f"expert_map has {expert_map.numel()} entries, expected global_num_experts={E}")
 
 
-def _expert_mlp(a: torch.Tensor, e: int, w1, w2, qc: FusedMoEQuantConfig, activation: MoEActivation,
-                act_dtype: torch.dtype) -> torch.Tensor:
-    """One expert on its tokens: ``a`` fp32 (n, K) dequantized input -> (n, K) in act dtype (rounding points above)."""
-    h = a @ _dequant_weight(w1, qc.w1, e).T
-    if qc.w1_bias is not None:
-        h = h + qc.w1_bias[e].float()
-    h = h.to(act_dtype)
-    g = apply_moe_activation(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta, limit=qc.gemm1_clamp_limit)
-    gq, gs = moe_kernel_quantize_input(g, qc.a2_scale, qc, "a2")
-    g = dequant_groups(gq, gs, qc.a2.shape) if qc.a2.dtype is not None else g.float()
-    y = g @ _dequant_weight(w2, qc.w2, e).T
-    if qc.w2_bias is not None:
-        y = y + qc.w2_bias[e].float()
-    return y.to(act_dtype)
-
-
 def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype) -> torch.Tensor:
-    """(M, topk, K) unweighted expert outputs in act dtype; zeros for routes to experts not held here."""
+    """(M, topk, K) unweighted expert outputs in act dtype; zeros for routes to experts not held here.
+
+    Three passes, because the requantization of a2 may need every routed row at once: a *per-tensor* dynamic a2
+    scale is the amax over all routed rows of the call (one chunk of the modular kernel), as vLLM's Triton path
+    quantizes ``intermediate_cache2`` in one go. Per-token and per-group scales only see their own row.
+    """
     M, topk = topk_ids.shape
-    K = a1q.size(1)
-    a = dequant_groups(a1q, a1q_scale, qc.a1.shape) if qc.a1.dtype is not None else a1q.float()
-    out = torch.zeros(M, topk, K, dtype=act_dtype, device=a1q.device)
+    a = dequant_activation(a1q, a1q_scale, qc.a1)
+    K = a.size(1)  # packed activations (NVFP4) hold K // 2 bytes
     local = local_expert_ids(topk_ids, w1.size(0), expert_map)
-    for e in range(w1.size(0)):
-        t, k = (local == e).nonzero(as_tuple=True)
-        if t.numel():
-            out[t, k] = _expert_mlp(a[t], e, w1, w2, qc, activation, act_dtype)
+    routes = [(e, *(local == e).nonzero(as_tuple=True)) for e in range(w1.size(0))]
+    routes = [(e, t, k) for e, t, k in routes if t.numel()]
+    # Pass 1: GEMM1 (+ bias) rounded to the act dtype, then the activation (fp32 math, rounded once).
+    g_rows = {}
+    for e, t, k in routes:
+        h = a[t] @ _dequant_weight(w1, qc.w1, e).T
+        if qc.w1_bias is not None:
+            h = h + qc.w1_bias[e].float()
+        h = h.to(act_dtype)
+        g_rows[e] = apply_moe_activation(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta,
+                                         limit=qc.gemm1_clamp_limit)
+    out = torch.zeros(M, topk, K, dtype=act_dtype, device=a1q.device)
+    if not routes:
+        return out
+    # Pass 2: requantize a2 over all routed rows of the call, back to fp32.
+    g_all = torch.cat([g_rows[e] for e, _, _ in routes])
+    gq, gs = moe_kernel_quantize_input(g_all, qc.a2_scale, qc, "a2")
+    g_all = dequant_activation(gq, gs, qc.a2)
+    # Pass 3: GEMM2 (+ bias) rounded to the act dtype.
+    start = 0
+    for e, t, k in routes:
+        g = g_all[start : start + t.numel()]
+        start += t.numel()
+        y = g @ _dequant_weight(w2, qc.w2, e).T
+        if qc.w2_bias is not None:
+            y = y + qc.w2_bias[e].float()
+        out[t, k] = y.to(act_dtype)
     return out
 
 
@@ -184,7 +229,7 @@ def fused_experts(
         ValueError: bad shapes/dtypes/devices (``check_moe_inputs``), apply_router_weight_on_input with topk > 1.
     """
     qc = quant_config or FUSED_MOE_UNQUANTIZED_CONFIG
-    check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, global_num_experts)
+    check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, global_num_experts, qc)
     act_dtype = hidden_states.dtype
     x = hidden_states
     if apply_router_weight_on_input:
@@ -236,6 +281,12 @@ class ReferenceExperts(FusedMoEExpertsModular):
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceContiguous()
+
+    def moe_problem_size(self, a1, w1, w2, topk_ids):
+        E, M, N, K, topk = super().moe_problem_size(a1, w1, w2, topk_ids)
+        if self.quant_config.a1.dtype == "nvfp4":
+            K *= 2  # packed E2M1 activations: two elements per byte
+        return E, M, N, K, topk
 
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
         # The loop allocates its own temporaries; workspaces are unused but sized like vLLM's Triton experts.

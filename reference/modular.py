@@ -496,7 +496,12 @@ def moe_kernel_quantize_input(
             return q.int8_quant_per_token(A)
         raise NotImplementedError("dynamic per-tensor INT8 activation quantization is not defined here")
     if desc.dtype == "mxfp8":
-        return q.mxfp8_quantize(A)
+        return q.mxfp8_quantize(A, scale_rule=q.get_recipe(quant_config.recipe).mx_scale_rule)
+    if desc.dtype == "nvfp4":
+        if desc.alpha_or_gscale is None:
+            raise ValueError(f"NVFP4 activation quantization needs the global scale ({desc_name}_gscale)")
+        packed, block_scales, _ = q.nvfp4_quantize(A, desc.alpha_or_gscale)
+        return packed, block_scales
     raise NotImplementedError(f"activation quantization to {desc.dtype!r} is not defined in the reference")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-__all__ = ["SPECS_DIR", "ModelSpec", "load_models", "load_cases", "load_tolerances", "load_xfails", "XFail"]
+__all__ = ["SPECS_DIR", "ModelSpec", "load_models", "load_cases", "load_tolerances", "load_schemes", "load_xfails", "XFail"]
 
 SPECS_DIR = Path(__file__).resolve().parent
 
@@ -81,6 +81,12 @@ def load_models() -> dict[str, ModelSpec]:
 @cache
 def load_cases() -> dict:
     return _load("cases.toml")
+
+
+@cache
+def load_schemes() -> dict:
+    """Quantization schemes by name (``schemes.toml``)."""
+    return _load("schemes.toml")["schemes"]
 
 
 @cache

@@ -55,3 +55,61 @@ def not_a_backend():
 
 activation_double_rounding = dataclasses.replace(
     _torch, name="broken_activation", ops={**_torch.ops, "apply_moe_activation": _activation_off_by_rounding})
+
+
+def _ue8m0_floor(x, group_size=128, *, column_major_scales=False, tma_aligned_scales=False, use_ue8m0=False):
+    """A one-bit bug: UE8M0 scales rounded DOWN (floor) instead of up."""
+    from backends.torch import quant
+
+    q, s = quant.per_token_group_quant_fp8(x, group_size, column_major_scales=column_major_scales,
+                                           tma_aligned_scales=tma_aligned_scales, use_ue8m0=False)
+    if not use_ue8m0:
+        return q, s
+    s = torch.exp2(torch.floor(torch.log2(s)))
+    G = x.shape[-1] // group_size
+    q = (x.float().unflatten(-1, (G, group_size)) / s.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s
+
+
+ue8m0_floor = dataclasses.replace(_torch, name="broken_ue8m0_floor",
+                                  ops={**_torch.ops, "per_token_group_quant_fp8": _ue8m0_floor})
+
+
+class _ClaimsNothing(TorchExperts):
+    """Computes bf16 correctly but claims no quantization scheme at all."""
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return False
+
+    def apply(self, output, *args, **kwargs):
+        _unchecked_apply(self, output, *args, **kwargs)
+
+
+def _unchecked_apply(self, output, *args, **kwargs):
+    # Bypass TorchExperts' own claim check so the unclaimed configuration still computes.
+    saved = type(self)._supports_quant_scheme
+    try:
+        type(self)._supports_quant_scheme = staticmethod(lambda w, a: True)
+        TorchExperts.apply(self, output, *args, **kwargs)
+    finally:
+        type(self)._supports_quant_scheme = saved
+
+
+claims_nothing = dataclasses.replace(_torch, name="broken_claims_nothing", experts=[_ClaimsNothing])
+
+
+class _GarbageWhenUnsupported(TorchExperts):
+    """Returns zeros instead of raising for configurations it does not claim."""
+
+    def apply(self, output, *args, **kwargs):
+        qc = self.quant_config
+        ok, _ = self.is_supported_config(type(self), self.moe_config, qc.weight_key, qc.activation_key,
+                                         self.activation_format())
+        if not ok:
+            output.zero_()
+            return
+        super().apply(output, *args, **kwargs)
+
+
+garbage_when_unsupported = dataclasses.replace(_torch, name="broken_garbage", experts=[_GarbageWhenUnsupported])

@@ -83,3 +83,24 @@ def test_unavailable_backend_skips_every_case_with_reason(tmp_path):
     assert "status: UNAVAILABLE - no CUDA GPU" in r.stdout
     assert "SKIPPED" in r.stdout and "backend cuda unavailable: no CUDA GPU" in r.stdout
     assert "passed" not in r.stdout
+
+
+def test_one_bit_quantizer_change_is_caught(tmp_path):
+    r = run_conformance("tests.broken_backends:ue8m0_floor", "-k", "test_quantizer and ue8m0 and M7-K7168-g128-",
+                        tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "per_token_group_quant_fp8 scales (recipe vllm)" in r.stdout and "elements differ" in r.stdout
+
+
+def test_works_but_not_claimed_is_reported(tmp_path):
+    r = run_conformance("tests.broken_backends:claims_nothing", "-k", "test_experts and qwen3_30b_a3b-fp8_block128-M4",
+                        tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "works but not claimed" in r.stdout
+
+
+def test_garbage_for_unsupported_config_is_reported(tmp_path):
+    r = run_conformance("tests.broken_backends:garbage_when_unsupported", "-k",
+                        "test_experts and gpt_oss_120b-mxfp4_w4a16-M4", tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "returned a tensor instead of raising" in r.stdout

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from backends import Backend
-from backends.torch import routing
+from backends.torch import quant, routing
 from backends.torch.experts import TorchExperts, torch_activation
 
 backend = Backend(
@@ -21,10 +21,14 @@ backend = Backend(
         "fused_topk_bias": routing.fused_topk_bias,
         "topk_softmax": routing.topk_softmax,
         "llama4_routing": routing.llama4_routing,
+        "per_token_group_quant_fp8": quant.per_token_group_quant_fp8,
+        "scaled_fp8_quant": quant.scaled_fp8_quant,
+        "int8_quant_per_token": quant.int8_quant_per_token,
         "apply_moe_activation": lambda act, x, *, alpha=None, beta=None, limit=None: torch_activation(
             act, x, alpha, beta, limit),
     },
     experts=[TorchExperts],
+    recipes={"per_token_group_quant_fp8": "vllm", "scaled_fp8_quant": "vllm", "int8_quant_per_token": "vllm"},
     device="cuda" if torch.cuda.is_available() else "cpu",
     description="vectorized PyTorch (sort by expert, padded bmm, scatter-add)",
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backends.torch.quant import FP8, dequant, quantize_activation
 from reference.activation import MoEActivation
 from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, TopKWeightAndReduceNoOP
 
@@ -82,8 +83,17 @@ def padded_grouped_mm(rows: torch.Tensor, counts: torch.Tensor, experts: torch.T
     return out[group, pos].to(out_dtype)
 
 
+def _expert_scales(scale: torch.Tensor | None, experts: torch.Tensor) -> torch.Tensor | None:
+    if scale is None or scale.numel() == 1:
+        return scale
+    return scale.index_select(0, experts)
+
+
 class TorchExperts(FusedMoEExpertsModular):
-    """Vectorized experts for unquantized bf16/fp16/fp32 (quantized schemes: see ``supports``)."""
+    """Vectorized experts: bf16/fp16/fp32, FP8 (per-tensor, per-channel x per-token, 128x128 blocks x 1x128
+    groups, fp32 or UE8M0 scales) and INT8 W8A8. Quantized weights are dequantized per expert in fp32 (the
+    GEMMs run on exact fp32 products of codes and scales); activations are requantized between the GEMMs with this
+    backend's own quantizers (``backends.torch.quant``, vllm recipe)."""
 
     @staticmethod
     def activation_format():
@@ -99,7 +109,16 @@ class TorchExperts(FusedMoEExpertsModular):
 
     @staticmethod
     def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return weight_key is None and activation_key is None
+        from reference.quant import keys as K
+
+        return (weight_key, activation_key) in {
+            (None, None),
+            (K.kFp8StaticTensorSym, K.kFp8DynamicTensorSym),
+            (K.kFp8StaticTensorSym, K.kFp8StaticTensorSym),
+            (K.kFp8StaticChannelSym, K.kFp8DynamicTokenSym),
+            (K.kFp8Static128BlockSym, K.kFp8Dynamic128Sym),
+            (K.kInt8StaticChannelSym, K.kInt8DynamicTokenSym),
+        }
 
     @staticmethod
     def _supports_activation(activation) -> bool:
@@ -118,6 +137,29 @@ class TorchExperts(FusedMoEExpertsModular):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOP()
 
+    def _input_rows(self, a1q: torch.Tensor, a1q_scale: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+        """Routed input rows, dequantized to fp32 when prepare quantized them."""
+        if self.quant_config.a1.dtype is None:
+            return a1q[tokens]
+        rows = a1q[tokens]
+        if a1q_scale is None or a1q_scale.numel() == 1:
+            return dequant(rows, a1q_scale, None)
+        return dequant(rows, a1q_scale[tokens], self.quant_config.a1.shape)
+
+    @staticmethod
+    def _weights(w: torch.Tensor, desc, experts: torch.Tensor) -> torch.Tensor:
+        """The active experts' weights: as stored when unquantized, else dequantized to fp32."""
+        # `experts` is sorted and unique, so when every expert is active it is arange(E): no copy needed.
+        wsel = w if len(experts) == w.shape[0] else w.index_select(0, experts)
+        if desc.dtype is None:
+            return wsel
+        scale = _expert_scales(desc.scale, experts)
+        if scale is not None and scale.numel() > 1 and scale.dim() == 1:
+            scale = scale.reshape(-1, 1, 1)  # one scale per expert
+        if scale is not None and scale.dim() == 3 and desc.shape in ((-1, -1), (1, -1)):
+            return wsel.float() * scale.float()  # (E, 1, 1) per tensor or (E, N, 1) per channel broadcast
+        return dequant(wsel, scale, desc.shape)
+
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
         n_act = N // 2 if activation.is_gated else N
         return (M * topk, max(N, K)), (M * topk, n_act), (M, K)
@@ -125,8 +167,11 @@ class TorchExperts(FusedMoEExpertsModular):
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
-        if self.quant_config.is_quantized:
-            raise NotImplementedError("TorchExperts: quantized schemes are not implemented")
+        qc = self.quant_config
+        claimed, _ = self.is_supported_config(type(self), self.moe_config, qc.weight_key, qc.activation_key,
+                                              self.activation_format())
+        if not claimed:
+            raise NotImplementedError(f"TorchExperts does not implement the quantization scheme {qc.scheme_name()}")
         M, topk = topk_ids.shape
         E_local = w1.shape[0]
         ids = topk_ids.reshape(-1).long()
@@ -141,17 +186,21 @@ class TorchExperts(FusedMoEExpertsModular):
             order = keep[torch.argsort(local[keep], stable=True)]
             experts, counts = torch.unique_consecutive(local[order], return_counts=True)
             tokens = order // topk
-            rows = hidden_states[tokens]
-            qc = self.quant_config
-            h = padded_grouped_mm(rows, counts, experts, w1, torch.float32)
+            act_dtype = output.dtype
+            rows = self._input_rows(hidden_states, a1q_scale, tokens)
+            w1x = self._weights(w1, qc.w1, experts)
+            h = padded_grouped_mm(rows, counts, torch.arange(len(experts), device=rows.device), w1x, torch.float32)
             if qc.w1_bias is not None:  # the bias joins the fp32 accumulator before the store rounds it
                 h = h + qc.w1_bias[torch.repeat_interleave(experts, counts)].float()
-            h = h.to(hidden_states.dtype)
+            h = h.to(act_dtype)
             g = torch_activation(activation, h, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
-            y = padded_grouped_mm(g, counts, experts, w2, torch.float32)
+            gq, gs = quantize_activation(g, qc.a2, qc.use_ue8m0)
+            g = dequant(gq, gs, qc.a2.shape) if qc.a2.dtype is not None else g
+            w2x = self._weights(w2, qc.w2, experts)
+            y = padded_grouped_mm(g, counts, torch.arange(len(experts), device=rows.device), w2x, torch.float32)
             if qc.w2_bias is not None:
                 y = y + qc.w2_bias[torch.repeat_interleave(experts, counts)].float()
-            y = y.to(hidden_states.dtype).float()  # GEMM2 output rounds to the activation dtype, like a kernel's store
+            y = y.to(act_dtype).float()  # GEMM2 output rounds to the activation dtype, like a kernel's store
             if not apply_router_weight_on_input:
                 y = y * topk_weights.reshape(-1)[order].float().unsqueeze(1)
             acc.index_add_(0, tokens, y)
