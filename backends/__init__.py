@@ -49,7 +49,8 @@ class Backend:
             capability) — shown as the skip reason of every case.
         device: ``"cpu"`` or ``"cuda"``: where the harness places inputs.
         deterministic: repeated runs are bitwise equal (checked by the hygiene tests).
-        gate_platform: callable returning the ``reference.gate.Platform`` whose tiers the backend implements, or
+        gate_platforms: callable returning the ``reference.gate.Platform`` values whose gate-tier dispatch the
+            backend implements (its ``"gate_linear"`` op computes the tier ``select_gate_tier`` picks there), or
             None if it implements no gate tier.
         description: one line for the report header.
     """
@@ -62,7 +63,7 @@ class Backend:
     availability: Callable[[], str | None] = lambda: None
     device: str = "cpu"
     deterministic: bool = True
-    gate_platform: Callable | None = None
+    gate_platforms: Callable[[], Sequence] | None = None
     description: str = ""
 
     def unavailable_reason(self) -> str | None:

@@ -1,7 +1,8 @@
 """Experts conformance: the backend's ``FusedMoEExpertsModular`` classes, driven by the reference's modular kernel
 (``MoEPrepareAndFinalizeNoEP`` + ``FusedMoEKernel``, outputs and workspaces poisoned with NaN), against
 ``reference.experts.fused_experts`` on real model shapes (one EP rank's experts, routing over all experts), for
-every quantization scheme the specs give the model.
+every quantization scheme the specs give the model. Standard-format classes run behind ``MoEPrepareAndFinalizeNoEP``,
+batched-format classes behind ``reference.batched.BatchedPrepareAndFinalize`` (capacity M per expert).
 
 Support claims are tested both ways: a configuration the class claims (seed 002 ``is_supported_config``) must match
 the reference; one it does not claim must raise an error, never return a tensor ("works but not claimed" and
@@ -18,6 +19,7 @@ from conformance.metrics import ConformanceFailure, assert_close, error_stats
 from conformance.schemes import scheme_tolerance_key
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
 from reference.experts import fused_experts
+from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 
 
@@ -26,8 +28,8 @@ def pytest_generate_tests(metafunc):
         classes = list(metafunc.config._moe_backend.experts)
         cases = experts_cases()
         params, ids = [], []
-        for cls in classes or [None]:
-            for c in cases:
+        for c in cases:  # cases outermost: consecutive cases share the cached weights of their model
+            for cls in classes or [None]:
                 params.append((cls, c))
                 ids.append(c.id if len(classes) <= 1 else f"{c.id}-{cls.__name__}")
         metafunc.parametrize(("experts_cls", "case"), params, ids=ids)
@@ -49,22 +51,35 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
     inputs = make_experts_inputs(case, backend.device)
     qc = inputs.quant_config
     moe_config = moe_config_for(case)
-    claimed, reason = experts_cls.is_supported_config(experts_cls, moe_config, qc.weight_key, qc.activation_key,
-                                                      FusedMoEActivationFormat.Standard)
+    fmt = experts_cls.activation_format()
+    claimed, reason = experts_cls.is_supported_config(experts_cls, moe_config, qc.weight_key, qc.activation_key, fmt)
     record(model=case.model.name, scheme=case.scheme, component="experts", tokens=case.tokens,
            experts_class=experts_cls.__name__)
     kwargs = dict(activation=case.activation, global_num_experts=inputs.global_num_experts,
                   expert_map=inputs.expert_map, apply_router_weight_on_input=case.model.apply_router_weight_on_input)
-    expected = fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
-                             quant_config=qc, **kwargs)
     tol = tolerances["experts"][scheme_tolerance_key(case.scheme, case.dtype)]
     what = f"{experts_cls.__name__} output"
+    batched = fmt == FusedMoEActivationFormat.BatchedExperts
+    cap = max(case.tokens, 1)  # batched capacity: each token routes to an expert at most once
+
+    def kernel_for(cls):
+        if batched:
+            return FusedMoEKernel(BatchedPrepareAndFinalize(cap, moe_config.num_local_experts),
+                                  cls(moe_config, qc, max_num_tokens=cap, num_dispatchers=1), poison=float("nan"))
+        return FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(moe_config, qc), chunk_size=case.chunk_size,
+                              poison=float("nan"))
 
     def run():
-        kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(moe_config, qc),
-                                chunk_size=case.chunk_size, poison=float("nan"))
-        return kernel.apply(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
-                            **kwargs)
+        return kernel_for(experts_cls).apply(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
+                                             inputs.topk_ids, **kwargs)
+
+    def reference():
+        # The batched format defines per-tensor activation scales per expert slot, so it has its own reference.
+        if batched:
+            return kernel_for(BatchedReferenceExperts).apply(inputs.hidden_states, inputs.w1, inputs.w2,
+                                                             inputs.topk_weights, inputs.topk_ids, **kwargs)
+        return fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
+                             quant_config=qc, **kwargs)
 
     if not claimed:
         try:
@@ -73,7 +88,7 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
             record(support="unsupported", reason=reason)
             pytest.skip(f"unsupported, and raises as required ({type(exc).__name__}): {reason}")
         try:
-            assert_close(out, expected, tol, case=case.id, what=what, repro=repro)
+            assert_close(out, reference(), tol, case=case.id, what=what, repro=repro)
         except ConformanceFailure as exc:
             raise ConformanceFailure(
                 f"{experts_cls.__name__} does not claim this configuration ({reason}) yet returned a tensor "
@@ -89,5 +104,5 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         raise ConformanceFailure(
             f"claimed but fails: {experts_cls.__name__} claims {case.scheme} / {case.activation.name} but raised "
             f"{type(exc).__name__}: {exc}\n  case: {case.id}\n  reproduce: {repro}") from exc
-    stats = assert_close(out, expected, tol, case=case.id, what=what, repro=repro)
+    stats = assert_close(out, reference(), tol, case=case.id, what=what, repro=repro)
     record(**stats.as_dict())

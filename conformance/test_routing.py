@@ -68,3 +68,34 @@ def call_on_device(call, op, device):
         return op(*[mv(a) for a in args], **{k: mv(v) for k, v in kwargs.items()})
 
     return call(moved)
+
+
+NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
+
+
+@pytest.mark.parametrize("op_name", ["fused_topk", "grouped_topk", "fused_topk_bias", "topk_softmax",
+                                     "llama4_routing"])
+@pytest.mark.parametrize("bad", list(NONFINITE))
+def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, bad, repro, record):
+    """vLLM #39391: NaN/inf router logits (CUDA-graph padding rows) must not yield ids outside [0, E). By default the
+    op raises ValueError (the reference's definition); with ``check_finite=False`` it returns in-range ids."""
+    op = backend.ops.get(op_name)
+    if op is None:
+        pytest.skip(f"backend {backend.name} does not implement {op_name}")
+    record(component="routing", scheme=f"{op_name}-nonfinite")
+    E, k = 64, 4 if op_name != "llama4_routing" else 1
+    logits = torch.randn(6, E, generator=torch.Generator().manual_seed(7))
+    logits[1, 5] = NONFINITE[bad]
+    logits[3] = NONFINITE[bad]  # a whole padding row
+    args = {"fused_topk": (None, logits, k, True), "grouped_topk": (None, logits, k, True, 8, 4),
+            "fused_topk_bias": (None, logits, torch.zeros(E), k, True), "topk_softmax": (None, logits, k, True),
+            "llama4_routing": (None, logits, k, False)}[op_name]
+    dev = backend.device
+    args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args)
+    with pytest.raises(ValueError):
+        op(*args)
+    _, ids = op(*args, check_finite=False)
+    ids = ids.cpu()
+    if not bool(((ids >= 0) & (ids < E)).all()):
+        raise AssertionError(f"{op_name} with {bad} logits returned ids {ids.tolist()} outside [0, {E})"
+                             f"\n  reproduce: {repro}")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from backends import Backend
-from backends.torch import quant, routing
-from backends.torch.experts import TorchExperts, torch_activation
+from backends.torch import align, gate, quant, routing
+from backends.torch.experts import TorchBatchedExperts, TorchExperts, torch_activation
 
 backend = Backend(
     name="torch",
@@ -24,11 +24,15 @@ backend = Backend(
         "per_token_group_quant_fp8": quant.per_token_group_quant_fp8,
         "scaled_fp8_quant": quant.scaled_fp8_quant,
         "int8_quant_per_token": quant.int8_quant_per_token,
+        "gate_linear": gate.gate_linear,
+        "moe_align_block_size": align.moe_align_block_size,
+        "count_expert_num_tokens": align.count_expert_num_tokens,
         "apply_moe_activation": lambda act, x, *, alpha=None, beta=None, limit=None: torch_activation(
             act, x, alpha, beta, limit),
     },
-    experts=[TorchExperts],
+    experts=[TorchExperts, TorchBatchedExperts],
     recipes={"per_token_group_quant_fp8": "vllm", "scaled_fp8_quant": "vllm", "int8_quant_per_token": "vllm"},
     device="cuda" if torch.cuda.is_available() else "cpu",
+    gate_platforms=gate.gate_platforms,
     description="vectorized PyTorch (sort by expert, padded bmm, scatter-add)",
 )

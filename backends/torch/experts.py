@@ -205,3 +205,62 @@ class TorchExperts(FusedMoEExpertsModular):
                 y = y * topk_weights.reshape(-1)[order].float().unsqueeze(1)
             acc.index_add_(0, tokens, y)
         output.copy_(acc)
+
+
+class TorchBatchedExperts(TorchExperts):
+    """The batched activation format (``(E_local, max_tokens, K)`` slots with ``expert_num_tokens``): one fp32 bmm
+    per GEMM over all slots, activations requantized per slot with this backend's own quantizers. Output is the
+    unweighted ``(E_local, max_tokens, K)`` buffer (padding rows zero), reduced by the prepare/finalize."""
+
+    @staticmethod
+    def activation_format():
+        return FusedMoEActivationFormat.BatchedExperts
+
+    def supports_chunking(self) -> bool:
+        return False
+
+    def finalize_weight_and_reduce_impl(self):
+        from reference.modular import TopKWeightAndReduceDelegate
+
+        return TopKWeightAndReduceDelegate()
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
+        E, T = local_num_experts, self.max_num_tokens
+        n_act = N // 2 if activation.is_gated else N
+        return (E, T, max(N, K)), (E, T, n_act), (E, T, K)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        qc = self.quant_config
+        claimed, _ = self.is_supported_config(type(self), self.moe_config, qc.weight_key, qc.activation_key,
+                                              self.activation_format())
+        if not claimed:
+            raise NotImplementedError(f"TorchBatchedExperts does not implement {qc.scheme_name()}")
+        if expert_tokens_meta is None:
+            raise ValueError("TorchBatchedExperts needs expert_num_tokens from the prepare step")
+        E, T, _ = hidden_states.shape
+        counts = expert_tokens_meta.expert_num_tokens.to(hidden_states.device).long()
+        valid = torch.arange(T, device=hidden_states.device)[None, :] < counts[:, None]  # (E, T)
+        act_dtype = output.dtype
+        rows = torch.zeros(E, T, hidden_states.shape[-1], dtype=torch.float32, device=hidden_states.device)
+        for e in range(E):
+            n = int(counts[e])
+            if n:
+                s = None if a1q_scale is None else (a1q_scale[e, :n] if a1q_scale[e].numel() > 1 else a1q_scale[e])
+                rows[e, :n] = dequant(hidden_states[e, :n], s, qc.a1.shape if qc.a1.dtype is not None else None)
+        all_e = torch.arange(E, device=hidden_states.device)
+        h = torch.bmm(rows, self._weights(w1, qc.w1, all_e).float().transpose(1, 2))
+        if qc.w1_bias is not None:
+            h = h + qc.w1_bias.float().unsqueeze(1)
+        g = torch_activation(activation, h.to(act_dtype), qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
+        gd = torch.zeros(g.shape, dtype=torch.float32, device=g.device)
+        for e in range(E):
+            n = int(counts[e])
+            if n:
+                gq, gs = quantize_activation(g[e, :n], qc.a2, qc.use_ue8m0)
+                gd[e, :n] = dequant(gq, gs, qc.a2.shape) if qc.a2.dtype is not None else gq.float()
+        y = torch.bmm(gd, self._weights(w2, qc.w2, all_e).float().transpose(1, 2))
+        if qc.w2_bias is not None:
+            y = y + qc.w2_bias.float().unsqueeze(1)
+        output.copy_(torch.where(valid.unsqueeze(-1), y, torch.zeros_like(y)).to(act_dtype))

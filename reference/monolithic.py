@@ -1,0 +1,115 @@
+"""The monolithic path of seed 002: experts that route themselves (router logits in, output out).
+
+Mirrors ``FusedMoEExpertsMonolithic`` / ``FusedMoEPrepareAndFinalizeMonolithic`` / ``FusedMoEKernelMonolithicImpl``
+(``fused_moe/modular_kernel.py``): kernels such as FlashInfer TRT-LLM fuse routing, both GEMMs and the reduction.
+``ReferenceMonolithicExperts`` defines what such a kernel must compute: ``reference.routing.select_experts`` with
+the layer's routing parameters, then ``reference.experts.fused_experts``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference.activation import MoEActivation
+from reference.experts import fused_experts
+from reference.modular import (
+    FusedMoEActivationFormat,
+    FusedMoEExpertsMonolithic,
+    FusedMoEPrepareAndFinalizeMonolithic,
+)
+from reference.routing import RoutingMethodType, select_experts
+
+__all__ = ["ReferenceMonolithicExperts", "MoEPrepareAndFinalizeNoEPMonolithic"]
+
+
+class MoEPrepareAndFinalizeNoEPMonolithic(FusedMoEPrepareAndFinalizeMonolithic):
+    """No dispatch; input quantization is left to the experts (they see router logits and the bf16 input)."""
+
+    @property
+    def activation_format(self):
+        return FusedMoEActivationFormat.Standard
+
+    def topk_indices_dtype(self):
+        return None
+
+    def max_num_tokens_per_rank(self):
+        return None
+
+    def num_dispatchers(self) -> int:
+        return 1
+
+    def output_is_reduced(self) -> bool:
+        return False
+
+    def prepare(self, a1, router_logits, quant_config, defer_input_quant=False):
+        return a1, None, router_logits
+
+    def finalize(self, fused_expert_output: torch.Tensor) -> torch.Tensor:
+        return fused_expert_output
+
+
+class ReferenceMonolithicExperts(FusedMoEExpertsMonolithic):
+    """Routing + experts in one call. Routing settings come from the constructor (top_k, renormalize, scoring)
+    and from ``apply``'s grouped-topk arguments, exactly as a fused router+experts kernel receives them.
+
+    Args (beyond the seed's): top_k, renormalize, scoring_func ("softmax" | "sigmoid"), use_grouped_topk.
+    """
+
+    def __init__(self, moe_config, quant_config, *, top_k: int, renormalize: bool = True,
+                 scoring_func: str = "softmax", use_grouped_topk: bool = False):
+        super().__init__(moe_config, quant_config)
+        self.top_k, self.renormalize = top_k, renormalize
+        self.scoring_func, self.use_grouped_topk = scoring_func, use_grouped_topk
+
+    @staticmethod
+    def activation_format():
+        return FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return True
+
+    @staticmethod
+    def _supports_activation(activation) -> bool:
+        return activation is not MoEActivation.RELU2
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return True
+
+    @staticmethod
+    def _supports_routing_method(routing_method, weight_key, activation_key) -> bool:
+        return routing_method in (RoutingMethodType.Default, RoutingMethodType.DeepSeekV3,
+                                  RoutingMethodType.Renormalize, RoutingMethodType.Sigmoid)
+
+    @staticmethod
+    def _supports_router_logits_dtype(router_logits_dtype, routing_method) -> bool:
+        return router_logits_dtype in (None, torch.float32, torch.bfloat16)
+
+    def supports_chunking(self) -> bool:
+        return False
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def apply(self, hidden_states, w1, w2, router_logits, activation, global_num_experts, expert_map, a1q_scale,
+              apply_router_weight_on_input, num_expert_group=None, e_score_correction_bias=None,
+              routed_scaling_factor=None, topk_group=None):
+        w, ids, _ = select_experts(
+            hidden_states, router_logits, self.top_k, self.use_grouped_topk, self.renormalize,
+            topk_group=topk_group, num_expert_group=num_expert_group, scoring_func=self.scoring_func,
+            routed_scaling_factor=1.0 if routed_scaling_factor is None else routed_scaling_factor,
+            e_score_correction_bias=e_score_correction_bias,
+        )
+        return fused_experts(hidden_states, w1, w2, w, ids, activation=activation,
+                             global_num_experts=global_num_experts, expert_map=expert_map,
+                             apply_router_weight_on_input=apply_router_weight_on_input,
+                             quant_config=self.quant_config)
