@@ -65,8 +65,14 @@ def conformance(session: nox.Session, backend: str) -> None:
         reason = _unavailable(session, backend)
     if reason is not None:
         session.skip(f"backend {backend} unavailable: {reason}")
+    # Worker processes (pytest-xdist) isolate crashes: a segfault or illegal memory access fails that case, the
+    # worker restarts and the run goes on. MOE_CONFORMANCE_WORKERS=0 runs in-process (for debuggers).
+    workers = os.environ.get("MOE_CONFORMANCE_WORKERS", "2")
+    # worksteal hands each worker a contiguous half of the cases (cases of one model share cached weights) and
+    # reports a crashed case once (loadgroup/loadfile re-queue it).
+    xdist = ["-n", workers, "--dist", "worksteal", "--max-worker-restart", "1000"] if workers != "0" else []
     session.run("python", "-m", "pytest", "conformance", "--backend", backend, "-p", "no:cacheprovider",
-                *session.posargs)
+                *xdist, *session.posargs)
 
 
 @nox.session

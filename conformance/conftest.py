@@ -77,11 +77,16 @@ def tolerances() -> dict:
     return load_tolerances()
 
 
+def _plain_nodeid(nodeid: str) -> str:
+    """The node id without pytest-xdist's ``@group`` suffix (``--dist loadgroup``), so it can be re-run as is."""
+    return nodeid.split("@", 1)[0]
+
+
 @pytest.fixture
 def repro(request) -> str:
     """One-line command that re-runs exactly this case."""
     spec = request.config._moe_backend_spec
-    return f"python -m pytest {shlex.quote(request.node.nodeid)} --backend {shlex.quote(spec)}"
+    return f"python -m pytest {shlex.quote(_plain_nodeid(request.node.nodeid))} --backend {shlex.quote(spec)}"
 
 
 @pytest.fixture
@@ -111,15 +116,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if unused:
         terminalreporter.section("stale known failures")
         for xf in unused:
-            terminalreporter.write_line(f"specs/xfail/{config._moe_backend.name}.toml: {xf.node_id!r} matches no test")
+            where = os.environ.get("MOE_XFAIL_DIR", "specs/xfail")
+            terminalreporter.write_line(f"{where}/{config._moe_backend.name}.toml: {xf.node_id!r} matches no test")
     if _RESULTS:
-        path = Path(config.getoption("--results-dir")) / f"conformance-{config._moe_backend.name}.json"
-        terminalreporter.write_line(f"per-case results: {path}")
+        path = Path(config.getoption("--results-dir")) / f"conformance-{config._moe_backend.name}"
+        terminalreporter.write_line(f"per-case results: {path}.json; matrix: {path}.md")
 
 
 def pytest_runtest_logreport(report):
-    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        entry = {"nodeid": report.nodeid, "outcome": report.outcome, "duration_s": round(report.duration, 4)}
+    # Under pytest-xdist this runs in the controller for every worker's report, including the synthetic failure
+    # xdist reports for a test whose worker crashed (segfault, illegal memory access): crash isolation.
+    crashed = report.when not in ("setup", "call", "teardown")  # xdist's report for a crashed worker
+    if report.when == "call" or crashed or (report.when == "setup" and report.outcome != "passed"):
+        entry = {"nodeid": _plain_nodeid(report.nodeid), "outcome": report.outcome,
+                 "duration_s": round(report.duration, 4)}
+        if crashed:
+            entry["crashed"] = True
         if hasattr(report, "wasxfail"):
             entry["xfail"] = report.wasxfail
         if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
@@ -132,8 +144,8 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
-    if not _RESULTS or not hasattr(config, "_moe_backend"):
-        return
+    if not _RESULTS or not hasattr(config, "_moe_backend") or hasattr(config, "workerinput"):
+        return  # xdist workers: the controller writes the file
     b: Backend = config._moe_backend
     out_dir = Path(config.getoption("--results-dir"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,3 +157,6 @@ def pytest_sessionfinish(session, exitstatus):
         "results": _RESULTS,
     }
     (out_dir / f"conformance-{b.name}.json").write_text(json.dumps(payload, indent=1, default=str))
+    from conformance.report import render
+
+    (out_dir / f"conformance-{b.name}.md").write_text(render(json.loads(json.dumps(payload, default=str))))

@@ -27,12 +27,11 @@ def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames and "experts_cls" in metafunc.fixturenames:
         classes = list(metafunc.config._moe_backend.experts)
         cases = experts_cases()
-        params, ids = [], []
+        params = []
         for c in cases:  # cases outermost: consecutive cases share the cached weights of their model
             for cls in classes or [None]:
-                params.append((cls, c))
-                ids.append(c.id if len(classes) <= 1 else f"{c.id}-{cls.__name__}")
-        metafunc.parametrize(("experts_cls", "case"), params, ids=ids)
+                params.append(pytest.param(cls, c, id=c.id if len(classes) <= 1 else f"{c.id}-{cls.__name__}"))
+        metafunc.parametrize(("experts_cls", "case"), params)
 
 
 def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:

@@ -148,8 +148,20 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
         raise ValueError(
             f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must be (M={M}, topk)"
         )
-    if topk_ids.is_floating_point():
+    if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
         raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"hidden_states must be bf16, fp16 or fp32 (quantization happens inside), got "
+                         f"{hidden_states.dtype}")
+    if qc.w1.dtype is None and (w1.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype):
+        raise ValueError(f"unquantized weights must have the activations' dtype {hidden_states.dtype}, got "
+                         f"w1 {w1.dtype} and w2 {w2.dtype}")
+    n_ids = (global_num_experts if global_num_experts != -1 else
+             expert_map.numel() if expert_map is not None else E_local)
+    if topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= n_ids):
+        raise ValueError(f"topk_ids must lie in [0, {n_ids}) (or be -1 for no route); got values in "
+                         f"[{int(topk_ids.min())}, {int(topk_ids.max())}]. Non-finite router logits produce such ids "
+                         "(vLLM #39391): check the routing.")
     devices = {t.device for t in (hidden_states, w1, w2, topk_weights, topk_ids)}
     if len(devices) != 1:
         raise ValueError(f"all operands must be on one device, got {sorted(map(str, devices))}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-__all__ = ["SPECS_DIR", "ModelSpec", "load_models", "load_cases", "load_tolerances", "load_schemes", "load_xfails", "XFail"]
+__all__ = ["SPECS_DIR", "ModelSpec", "load_models", "load_cases", "load_tolerances", "load_schemes", "load_error_inputs", "load_xfails", "XFail"]
 
 SPECS_DIR = Path(__file__).resolve().parent
 
@@ -90,6 +90,17 @@ def load_schemes() -> dict:
 
 
 @cache
+def load_error_inputs() -> list[dict]:
+    """Bad-input cases (``error_inputs.toml``): id, mutation, expect, optional needs_cuda."""
+    entries = _load("error_inputs.toml")["error"]
+    for e in entries:
+        if e.get("expect") not in ("raises", "reference", "raises_or_reference"):
+            raise ValueError(f"specs/error_inputs.toml {e.get('id')}: expect must be raises|reference|"
+                             "raises_or_reference")
+    return entries
+
+
+@cache
 def load_tolerances() -> dict:
     return _load("tolerances.toml")
 
@@ -106,12 +117,15 @@ class XFail:
 
 @cache
 def load_xfails(backend: str) -> tuple[XFail, ...]:
-    """Known failures of one backend (``specs/xfail/<backend>.toml``; absent file = none).
+    """Known failures of one backend (``specs/xfail/<backend>.toml``, or ``$MOE_XFAIL_DIR/<backend>.toml``; absent
+    file = none). Entries are strict by default: a known failure that passes fails the run (XPASS(strict)).
 
     Raises:
         ValueError: an entry without a reason or an issue link.
     """
-    path = SPECS_DIR / "xfail" / f"{backend}.toml"
+    import os
+
+    path = Path(os.environ.get("MOE_XFAIL_DIR", SPECS_DIR / "xfail")) / f"{backend}.toml"
     if not path.exists():
         return ()
     with path.open("rb") as f:

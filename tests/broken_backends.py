@@ -6,6 +6,7 @@ Each one wraps the correct torch backend and breaks one thing a real kernel gets
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -113,3 +114,15 @@ class _GarbageWhenUnsupported(TorchExperts):
 
 
 garbage_when_unsupported = dataclasses.replace(_torch, name="broken_garbage", experts=[_GarbageWhenUnsupported])
+
+
+class _CrashesOnM4(TorchExperts):
+    """Kills its process on the 4-token cases, as an illegal memory access or a segfault would."""
+
+    def apply(self, output, hidden_states, *args, **kwargs):
+        if hidden_states.shape[0] == 4:
+            os.abort()
+        super().apply(output, hidden_states, *args, **kwargs)
+
+
+crashes_on_m4 = dataclasses.replace(_torch, name="broken_crash", experts=[_CrashesOnM4])

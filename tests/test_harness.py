@@ -44,7 +44,7 @@ def test_skipped_router_weights_fail_experts_with_case_and_repro(tmp_path):
     out = r.stdout
     assert "case: qwen3_30b_a3b-bf16-M4-ep8r0" in out
     assert "worst at [" in out
-    repro = next(line.split("reproduce: ", 1)[1] for line in out.splitlines() if "reproduce: " in line)
+    repro = next(line.split("reproduce: ", 1)[1] for line in out.splitlines() if "reproduce: python" in line)
     assert repro.startswith("python -m pytest 'conformance/test_experts.py::test_experts[qwen3_30b_a3b-bf16-M4-ep8r0]'")
     # The printed command reproduces the failure on its own.
     r2 = subprocess.run(repro + f" -p no:cacheprovider --results-dir {tmp_path}", shell=True, cwd=ROOT,
@@ -104,3 +104,66 @@ def test_garbage_for_unsupported_config_is_reported(tmp_path):
                         "test_experts and gpt_oss_120b-mxfp4_w4a16-M4", tmp_path=tmp_path)
     assert r.returncode == 1, r.stdout[-3000:]
     assert "returned a tensor instead of raising" in r.stdout
+
+
+def test_a_crashing_case_does_not_take_the_run_with_it(tmp_path):
+    r = run_conformance("tests.broken_backends:crashes_on_m4", "-k", "test_experts and qwen3_30b_a3b-bf16 and (M1- or M4- or M16-)",
+                        "-n", "1", "--dist", "worksteal", "--max-worker-restart", "5", tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "2 passed" in r.stdout and "1 failed" in r.stdout, r.stdout[-3000:]
+    assert "crashed while running" in r.stdout and "qwen3_30b_a3b-bf16-M4-ep8r0" in r.stdout
+    results = json.loads((tmp_path / "conformance-broken_crash.json").read_text())["results"]
+    crashed = [e for e in results if e["outcome"] == "failed"]
+    assert [e["nodeid"] for e in crashed] == ["conformance/test_experts.py::test_experts[qwen3_30b_a3b-bf16-M4-ep8r0]"]
+
+
+def test_known_failures_file(tmp_path):
+    """Entries mark failures as xfail; a stale entry is reported; a strict entry that passes fails the run."""
+    xdir = tmp_path / "xfail"
+    xdir.mkdir()
+    (xdir / "broken_no_router_weights.toml").write_text('''
+[[xfail]]
+node_id = "conformance/test_experts.py::test_experts[qwen3_30b_a3b-bf16-M4-ep8r0"
+reason = "drops the router weights"
+issue = "https://example.invalid/issues/1"
+
+[[xfail]]
+node_id = "conformance/test_experts.py::test_experts[no_such_case"
+reason = "stale"
+issue = "https://example.invalid/issues/2"
+''')
+    env_backup = os.environ.get("MOE_XFAIL_DIR")
+    os.environ["MOE_XFAIL_DIR"] = str(xdir)
+    try:
+        r = run_conformance("tests.broken_backends:no_router_weights", "-k", "test_experts and qwen3_30b_a3b-bf16-M4-",
+                            "-rx", tmp_path=tmp_path)
+        assert r.returncode == 0, r.stdout[-3000:]
+        assert "1 xfailed" in r.stdout and "drops the router weights (https://example.invalid/issues/1)" in r.stdout
+        assert "'conformance/test_experts.py::test_experts[no_such_case' matches no test" in r.stdout
+        # The same entry against the correct backend: the known failure passes -> strict XPASS fails the run.
+        (xdir / "torch.toml").write_text((xdir / "broken_no_router_weights.toml").read_text())
+        r = run_conformance("torch", "-k", "test_experts and qwen3_30b_a3b-bf16-M4-", tmp_path=tmp_path)
+        assert r.returncode == 1 and "XPASS(strict)" in r.stdout, r.stdout[-3000:]
+    finally:
+        if env_backup is None:
+            os.environ.pop("MOE_XFAIL_DIR")
+        else:
+            os.environ["MOE_XFAIL_DIR"] = env_backup
+
+
+def test_out_of_tree_backend_through_an_entry_point(tmp_path):
+    """An installed package registers a backend under the entry-point group and runs with --backend NAME."""
+    site = tmp_path / "site"
+    (site / "mymoe-0.1.dist-info").mkdir(parents=True)
+    (site / "mymoe.py").write_text(
+        "import dataclasses\nfrom backends.torch import backend as _t\n"
+        "backend = dataclasses.replace(_t, name='mine', version='mymoe 0.1')\n")
+    (site / "mymoe-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: mymoe\nVersion: 0.1\n")
+    (site / "mymoe-0.1.dist-info" / "entry_points.txt").write_text("[moe_conformance.backends]\nmine = mymoe:backend\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}"}
+    cmd = [sys.executable, "-m", "pytest", "conformance", "--backend", "mine", "-p", "no:cacheprovider",
+           "--results-dir", str(tmp_path), "-k", "test_routing and mixtral"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "moe-conformance backend: mine (mine) version mymoe 0.1" in r.stdout
+    assert "4 passed" in r.stdout

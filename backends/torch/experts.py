@@ -83,6 +83,20 @@ def padded_grouped_mm(rows: torch.Tensor, counts: torch.Tensor, experts: torch.T
     return out[group, pos].to(out_dtype)
 
 
+def _check_inputs(hidden_states, w1, topk_ids, global_num_experts, expert_map, qc) -> None:
+    """What this backend's kernels need; clear errors instead of garbage."""
+    if topk_ids.is_floating_point():
+        raise ValueError(f"TorchExperts: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if qc.a1.dtype is None and not hidden_states.is_floating_point():
+        raise ValueError(f"TorchExperts: hidden_states must be floating point, got {hidden_states.dtype}")
+    if qc.w1.dtype is None and w1.dtype != hidden_states.dtype:
+        raise ValueError(f"TorchExperts: w1 is {w1.dtype} but hidden_states is {hidden_states.dtype}")
+    n = expert_map.numel() if expert_map is not None else (global_num_experts if global_num_experts > 0
+                                                          else w1.shape[0])
+    if topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= n):
+        raise ValueError(f"TorchExperts: topk_ids outside [-1, {n})")
+
+
 def _expert_scales(scale: torch.Tensor | None, experts: torch.Tensor) -> torch.Tensor | None:
     if scale is None or scale.numel() == 1:
         return scale
@@ -172,6 +186,7 @@ class TorchExperts(FusedMoEExpertsModular):
                                               self.activation_format())
         if not claimed:
             raise NotImplementedError(f"TorchExperts does not implement the quantization scheme {qc.scheme_name()}")
+        _check_inputs(hidden_states, w1, topk_ids, global_num_experts, expert_map, qc)
         M, topk = topk_ids.shape
         E_local = w1.shape[0]
         ids = topk_ids.reshape(-1).long()
