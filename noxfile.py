@@ -87,3 +87,17 @@ def benchmark(session: nox.Session) -> None:
     """pytest-benchmark suite; pass --benchmark-compare etc. after --."""
     _install(session, "test,plot")
     session.run("python", "-m", "pytest", "benchmarks", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(default=False)
+@nox.parametrize("backend", BACKENDS[1:], ids=BACKENDS[1:])
+def sanitizer(session: nox.Session, backend: str) -> None:
+    """A subset of a GPU backend's conformance under compute-sanitizer memcheck (GPU machine; slow)."""
+    _install(session)
+    reason = _unavailable(session, backend)
+    if reason is not None:
+        session.skip(f"backend {backend} unavailable: {reason}")
+    selection = session.posargs or ["-k", "(test_experts and qwen3_30b_a3b and (M4- or M64-)) or test_quantizer"]
+    session.run("compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", "--target-processes", "all",
+                "python", "-m", "pytest", "conformance", "--backend", backend, "-p", "no:cacheprovider", "-x",
+                *selection, external=True)

@@ -27,6 +27,10 @@ def pytest_addoption(parser):
     group = parser.getgroup("moe-conformance")
     group.addoption("--backend", default=None,
                     help="backend under test: a registered name or module:attribute (default: $MOE_BACKEND or torch)")
+    group.addoption("--dump-failures", default=None, metavar="DIR",
+                    help="save the inputs, output and diagnosis of each failing experts case to DIR/<case>.pt")
+    group.addoption("--replay", default=None, metavar="FILE",
+                    help="run an experts case on the inputs saved by --dump-failures instead of drawing them")
     group.addoption("--results-dir", default=os.environ.get("MOE_RESULTS_DIR", "results"),
                     help="where per-case JSON results are written (default: results/)")
 

@@ -11,10 +11,14 @@ the reference; one it does not claim must raise an error, never return a tensor 
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
+import torch
 
 from conformance.cases import ExpertsCase, experts_cases
-from conformance.inputs import make_experts_inputs
+from conformance.inputs import ExpertsInputs, make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, error_stats
 from conformance.schemes import scheme_tolerance_key
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
@@ -44,10 +48,37 @@ def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:
     )
 
 
-def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, record):
+def dump_case(request, case, inputs, out, expected, diagnosis) -> str:
+    """With ``--dump-failures DIR``: save the case's inputs and results; returns the replay hint for the message."""
+    directory = request.config.getoption("--dump-failures")
+    if not directory:
+        return ""
+    path = Path(directory) / f"{case.id}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"case": case.id, "inputs": dataclasses.asdict(inputs) | {"quant_config": inputs.quant_config},
+                "out": out.cpu(), "expected": expected.cpu(), "diagnosis": diagnosis}, path)
+    spec = request.config._moe_backend_spec
+    return (f"\n  inputs dumped to {path}; replay them: python -m pytest "
+            f"'{request.node.nodeid.split('@')[0]}' --backend {spec} --replay {path}")
+
+
+def _load_inputs(request, case, device):
+    replay = request.config.getoption("--replay")
+    if not replay:
+        return make_experts_inputs(case, device)
+    saved = torch.load(replay, weights_only=False)
+    if saved["case"] != case.id:
+        pytest.skip(f"--replay {replay} holds case {saved['case']}, not {case.id}")
+    fields = saved["inputs"]
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return ExpertsInputs(**{k: move(v) for k, v in fields.items() if k != "quant_config"},
+                         quant_config=fields["quant_config"])
+
+
+def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, record, request):
     if experts_cls is None:
         pytest.skip(f"backend {backend.name} offers no experts implementation")
-    inputs = make_experts_inputs(case, backend.device)
+    inputs = _load_inputs(request, case, backend.device)
     qc = inputs.quant_config
     moe_config = moe_config_for(case)
     fmt = experts_cls.activation_format()
@@ -103,5 +134,16 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         raise ConformanceFailure(
             f"claimed but fails: {experts_cls.__name__} claims {case.scheme} / {case.activation.name} but raised "
             f"{type(exc).__name__}: {exc}\n  case: {case.id}\n  reproduce: {repro}") from exc
-    stats = assert_close(out, reference(), tol, case=case.id, what=what, repro=repro)
+    expected = reference()
+    try:
+        stats = assert_close(out, expected, tol, case=case.id, what=what, repro=repro)
+    except ConformanceFailure as exc:
+        from conformance.diagnose import diagnose
+
+        try:
+            diagnosis = diagnose(backend, experts_cls, kernel_for, inputs, case, tol)
+        except Exception as dexc:  # diagnosis is best effort; never hide the failure itself
+            diagnosis = f"diagnosis failed: {type(dexc).__name__}: {dexc}"
+        dumped = dump_case(request, case, inputs, out, expected, diagnosis)
+        raise ConformanceFailure(f"{exc}\n  diagnosis: {diagnosis}" + dumped) from None
     record(**stats.as_dict())

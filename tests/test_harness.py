@@ -167,3 +167,21 @@ def test_out_of_tree_backend_through_an_entry_point(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "moe-conformance backend: mine (mine) version mymoe 0.1" in r.stdout
     assert "4 passed" in r.stdout
+
+
+def test_diagnosis_names_the_stage_and_the_dump_replays(tmp_path):
+    dumps = tmp_path / "dumps"
+    r = run_conformance("tests.broken_backends:no_router_weights", "-k", "test_experts and qwen3_30b_a3b-fp8_block128-M4-",
+                        "--dump-failures", str(dumps), tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "first divergent stage: weights/reduction" in r.stdout
+    assert "input_quant (per_token_group_quant_fp8): matches" in r.stdout
+    dump = dumps / "qwen3_30b_a3b-fp8_block128-M4-ep8r0.pt"
+    assert dump.exists()
+    # The dump replays: the same failure from the saved inputs, and a correct backend passes on them.
+    r = run_conformance("tests.broken_backends:no_router_weights", "--replay", str(dump), "-k",
+                        "qwen3_30b_a3b-fp8_block128-M4-", tmp_path=tmp_path)
+    assert r.returncode == 1 and "1 failed" in r.stdout
+    r = run_conformance("torch", "--replay", str(dump), "-k", "qwen3_30b_a3b-fp8_block128-M4-ep8r0-TorchExperts",
+                        tmp_path=tmp_path)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:]
