@@ -1,0 +1,389 @@
+"""Timing done right (.library/device/METHOD.md, shared/facts/perf-anchors.md "Measuring right").
+
+GPU: every call is timed on the device, never with a host clock around asynchronous launches.
+
+1. Inputs rotate: the caller prepares ``n_sets`` independent input sets (activations and routing, and weight copies
+   when the layer's weights are small) whose bytes together exceed the L2 several times (``rotation_sets``), and
+   ``call(i)`` runs on set ``i``. Consecutive calls therefore never find their operands in the 50 MB L2: decode is
+   measured from HBM, as it runs inside a model where other layers evict the cache.
+2. Warm-up: every set runs once first (Triton JIT, autotuning, cuBLAS handles, allocator growth).
+3. CUDA-graph replay: ``calls_per_round`` calls (>= ``n_sets`` and >= ~1 ms of work, so small problems are many
+   calls per graph and launch gaps shrink, as vLLM's benchmark_moe.py does with 10 calls per graph) are captured in
+   one graph; one round = one replay between two CUDA events; the per-call time is the round's device time divided
+   by ``calls_per_round``. An implementation that cannot be captured (host synchronisation, data-dependent sizes read
+   on the host) falls back to CUDA events around the same ``calls_per_round`` eager calls; the method is recorded
+   (the ``method`` column) because eager timing includes launch gaps.
+4. Many rounds (enough for ``MOE_BENCH_SECONDS`` of measurement, at least 5 or 10) and pytest-benchmark's median.
+
+pytest-benchmark records whatever its timer returns: this suite's timer is ``measured_clock`` (set with
+``@pytest.mark.benchmark(timer=measured_clock)``), the running sum of the *measured* seconds, so the difference
+around one ``Runner.round`` is that round's per-call device time. The stored statistics (median, IQR, ...) are
+device times, and ``--benchmark-compare-fail=median:10%`` gates on them.
+
+CPU: the same protocol with ``time.perf_counter`` around one call per round (wall clock; the CPU has no device).
+
+``MOE_BENCH_PLANTED_SLOWDOWN=<fraction>`` (for tests of the gate only): rounds of the ``torch`` backend take that
+fraction longer (a CPU busy-wait, or ``torch.cuda._sleep`` inside the measured time on a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "measured_clock",
+    "Settings",
+    "Runner",
+    "rotation_sets",
+    "measure_ceilings",
+    "device_info",
+    "planted_slowdown",
+    "median_time",
+]
+
+_MEASURED = [0.0]
+
+
+def measured_clock() -> float:
+    """pytest-benchmark timer: total measured seconds so far (device time on a GPU, wall time on CPU)."""
+    return _MEASURED[0]
+
+
+def _add(seconds: float) -> None:
+    _MEASURED[0] += seconds
+
+
+def planted_slowdown() -> float:
+    """``MOE_BENCH_PLANTED_SLOWDOWN`` as a fraction (0 when unset)."""
+    return float(os.environ.get("MOE_BENCH_PLANTED_SLOWDOWN", "0") or 0)
+
+
+@dataclass
+class Settings:
+    budget_s: float  # measured time to spend per benchmark (rounds = budget / round time, clamped)
+    min_rounds: int = 10
+    min_rounds_slow: int = 5  # when one round takes > 50 ms
+    max_rounds: int = 300
+    target_round_s: float = 1e-3  # graph / events rounds hold >= this much work
+    max_calls_per_round: int = 256
+    graphs: bool = True
+
+    @staticmethod
+    def from_env(on_gpu: bool) -> "Settings":
+        budget = float(os.environ.get("MOE_BENCH_SECONDS", "0.5" if on_gpu else "0.15"))
+        graphs = os.environ.get("MOE_BENCH_GRAPHS", "1").lower() not in ("0", "false", "no")
+        return Settings(budget_s=budget, graphs=graphs)
+
+
+def rotation_sets(bytes_per_call: float, l2_bytes: int, *, min_sets: int = 2, max_sets: int = 16) -> int:
+    """Input sets needed so that the bytes of the other sets touched between two uses of one set are >= 3 x L2."""
+    need = math.ceil(4.0 * l2_bytes / max(bytes_per_call, 1.0))
+    return max(min_sets, min(max_sets, need))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Runner:
+    """Measures ``call(i)`` (``i`` in ``range(n_sets)``) and feeds ``measured_clock``.
+
+    Use: ``r = Runner(call, n_sets, device, settings); r.prepare(); benchmark.pedantic(r.round, rounds=r.rounds,
+    warmup_rounds=1)``; ``r.close()`` frees the graph. After ``prepare``: ``method`` (``cuda-graph``,
+    ``cuda-events`` or ``wall-clock``), ``calls_per_round``, ``rounds``, ``graph_error`` (why capture failed).
+    """
+
+    def __init__(self, call: Callable[[int], object], n_sets: int, device: torch.device | str, settings: Settings,
+                 *, slowdown: float = 0.0, allow_graph: bool = True, graph_key: str | None = None):
+        self.call = call
+        self.n_sets = max(1, int(n_sets))
+        self.device = torch.device(device)
+        self.settings = settings
+        self.slowdown = float(slowdown)
+        self.allow_graph = allow_graph and settings.graphs
+        self.graph_key = graph_key  # an implementation whose capture failed once is timed eagerly from then on
+        self.method = "?"
+        self.calls_per_round = 1
+        self.rounds = settings.min_rounds
+        self.graph_error: str | None = None
+        self.estimate_s = float("nan")
+        self._graph = None
+        self._next = 0
+
+    # -- preparation -----------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        if self.device.type == "cuda":
+            self._prepare_cuda()
+        else:
+            self._prepare_cpu()
+
+    def _rounds_for(self, t_round: float) -> int:
+        s = self.settings
+        lo = s.min_rounds_slow if t_round > 0.05 else s.min_rounds
+        return max(lo, min(s.max_rounds, math.ceil(s.budget_s / max(t_round, 1e-9))))
+
+    def _prepare_cpu(self) -> None:
+        for i in range(self.n_sets):
+            self.call(i)
+        t0 = time.perf_counter()
+        for i in range(self.n_sets):
+            self.call(i)
+        self.estimate_s = (time.perf_counter() - t0) / self.n_sets
+        self.method, self.calls_per_round = "wall-clock", 1
+        self.rounds = self._rounds_for(self.estimate_s)
+
+    def _prepare_cuda(self) -> None:
+        s, n = self.settings, self.n_sets
+        for i in range(max(n, 2)):  # warm-up: JIT compilation, autotuning, handles, allocator growth
+            self.call(i % n)
+        torch.cuda.synchronize(self.device)
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._spin_cycles = int(_cycles_per_s(self.device) * 50e-6)  # ~50 us, see round()
+        key = self.graph_key
+        if self.allow_graph and key is not None and key in _GRAPH_FAILED:
+            self.allow_graph = False
+            self.graph_error = f"not captured: capture failed earlier for {key} ({_GRAPH_FAILED[key]})"
+        if self.allow_graph:
+            # One graph over the n sets gives the per-call graph time; recapture with enough calls for >= ~1 ms.
+            self.calls_per_round = n
+            if self._capture(n):
+                per_call = median_time(self._graph.replay, self.device, reps=3, warmup=1) / n
+                calls = max(n, min(s.max_calls_per_round, math.ceil(s.target_round_s / max(per_call, 1e-7))))
+                calls = min(s.max_calls_per_round, math.ceil(calls / n) * n) if calls > n else n
+                if calls > n:
+                    self._graph = None
+                    self.calls_per_round = calls
+                    if not self._capture(calls):
+                        self.calls_per_round = n
+                        self._capture(n)
+            elif key is not None:
+                _GRAPH_FAILED[key] = self.graph_error
+        if self._graph is not None:
+            self.method = "cuda-graph"
+            t_round = median_time(self.round_body, self.device, reps=3, warmup=1)
+        else:
+            self.method = "cuda-events"
+            t_pass = median_time(lambda: [self.call(j) for j in range(n)], self.device, reps=1, warmup=0)
+            per_call = t_pass / n
+            calls = max(n, min(s.max_calls_per_round, math.ceil(s.target_round_s / max(per_call, 1e-7))))
+            self.calls_per_round = math.ceil(calls / n) * n if calls > n else n
+            t_round = per_call * self.calls_per_round
+        self.estimate_s = t_round / self.calls_per_round
+        self.rounds = self._rounds_for(t_round)
+
+    def _capture(self, calls: int) -> bool:
+        n = self.n_sets
+        graph = torch.cuda.CUDAGraph()
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs recommends
+                for i in range(n):
+                    self.call(i)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.graph(graph):
+                for j in range(calls):
+                    self.call(j % n)
+            graph.replay()
+            torch.cuda.synchronize(self.device)
+            self._graph = graph
+            return True
+        except Exception as exc:  # host sync, unsupported op during capture, ...: time eagerly instead
+            msg = str(exc).strip().splitlines()
+            self.graph_error = f"{type(exc).__name__}: {msg[0] if msg else ''}"[:200]
+            del graph
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:
+                pass
+            self._graph = None
+            return False
+
+    def round_body(self) -> None:
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._eager_round_body()
+
+    def _eager_round_body(self) -> None:
+        n = self.n_sets
+        for j in range(self.calls_per_round):
+            self.call((self._next + j) % n)
+
+    # -- one measured round ------------------------------------------------------------------------------------
+    def round(self) -> None:
+        if self.device.type != "cuda":
+            i = self._next % self.n_sets
+            self._next += 1
+            t0 = time.perf_counter()
+            self.call(i)
+            t1 = time.perf_counter()
+            if self.slowdown > 0:
+                end = t1 + self.slowdown * (t1 - t0)
+                while time.perf_counter() < end:
+                    pass
+            _add(time.perf_counter() - t0)
+            return
+        if self._graph is not None:
+            # Keep the GPU busy while the host submits the graph, so the start event does not open on an idle GPU
+            # waiting for the launch (that would add the launch latency to short graphs).
+            torch.cuda._sleep(self._spin_cycles)
+        self._start.record()
+        self.round_body()
+        self._end.record()
+        self._end.synchronize()
+        t = self._start.elapsed_time(self._end) / 1e3
+        if self.slowdown > 0:
+            t += _gpu_sleep(self.slowdown * t, self.device)
+        _add(t / self.calls_per_round)
+
+    def close(self) -> None:
+        self._graph = None
+
+
+_SLEEP_CYCLES_PER_S: dict[int, float] = {}
+_GRAPH_FAILED: dict[str, str] = {}  # implementation -> why its capture failed (not retried for other cases)
+
+
+def _cycles_per_s(device: torch.device) -> float:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SLEEP_CYCLES_PER_S:
+        cyc = 2_000_000
+        t = median_time(lambda: torch.cuda._sleep(cyc), device, reps=3, warmup=1)
+        _SLEEP_CYCLES_PER_S[idx] = cyc / max(t, 1e-9)
+    return _SLEEP_CYCLES_PER_S[idx]
+
+
+def _gpu_sleep(seconds: float, device: torch.device) -> float:
+    """Spin the GPU for about ``seconds`` with ``torch.cuda._sleep``; returns the measured device time."""
+    rate = _cycles_per_s(device)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(max(1, int(seconds * rate)))
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def median_time(fn: Callable[[], object], device: torch.device | str, *, reps: int = 10, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (CUDA events on a GPU)."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Device and ceilings
+# --------------------------------------------------------------------------------------------------------------
+
+
+def device_info() -> dict:
+    """Name, slug (for baseline folders and result files), capability and software of the benchmark device."""
+    import platform
+    import re
+
+    info = {"torch": torch.__version__}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        name = torch.cuda.get_device_name(0)
+        info.update(
+            kind="cuda", name=name, capability=list(torch.cuda.get_device_capability(0)),
+            sm_count=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
+            l2_bytes=int(getattr(props, "L2_cache_size", 50 * 2**20) or 50 * 2**20), cuda=torch.version.cuda,
+        )
+    else:
+        name = f"CPU {platform.machine()} ({os.cpu_count()} cores)"
+        info.update(kind="cpu", name=name, l2_bytes=2 * 2**20, threads=torch.get_num_threads())
+    slug = "cpu" if info["kind"] == "cpu" else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    info["slug"] = slug
+    return info
+
+
+def measure_ceilings(device: torch.device | str) -> dict:
+    """Copy bandwidth and matmul throughputs of this device, measured now (once per run).
+
+    GPU: device-to-device copy of 1 GiB (bytes read + written), 8192^3 bf16 ``torch.mm`` and fp8 ``torch._scaled_mm``
+    (random data), 4096^3 fp32 ``torch.mm`` without TF32 (the fp32 router gate's ceiling); medians of CUDA-event
+    timings after warm-up. CPU: 128 MiB copy, 1024^3 fp32 matmul (the CPU paths upcast bf16/fp8 to fp32, so every
+    dtype's ceiling is the fp32 one).
+    """
+    device = torch.device(device)
+    g = torch.Generator(device=device)
+    g.manual_seed(1234)
+    out: dict = {"device": str(device)}
+    if device.type == "cuda":
+        n = 2**29  # bf16 elements: 1 GiB
+        src = torch.randn(n, device=device, dtype=torch.bfloat16, generator=g)
+        dst = torch.empty_like(src)
+        t = median_time(lambda: dst.copy_(src), device, reps=20, warmup=3)
+        out["copy_bytes_per_s"] = 2 * n * 2 / t
+        out["copy_method"] = "1 GiB bf16 copy_, read + written"
+        del src, dst
+        S = 8192
+        a = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
+        b = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
+        flops = {"bf16": 2.0 * S**3 / median_time(lambda: torch.mm(a, b), device, reps=10, warmup=3)}
+        try:
+            a8 = a.to(torch.float8_e4m3fn)
+            b8 = b.to(torch.float8_e4m3fn).t()  # column-major second operand
+            one = torch.ones((), device=device, dtype=torch.float32)
+            t8 = median_time(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                             device, reps=10, warmup=3)
+            flops["fp8"] = 2.0 * S**3 / t8
+            del a8, b8
+        except Exception as exc:  # no fp8 matmul here (pre-SM89): fp8 schemes use the bf16 ceiling
+            flops["fp8"] = flops["bf16"]
+            out["fp8_note"] = f"no fp8 matmul ({type(exc).__name__}); bf16 ceiling used"
+        del a, b
+        S32 = 4096
+        a32 = torch.randn(S32, S32, device=device, generator=g)
+        b32 = torch.randn(S32, S32, device=device, generator=g)
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            flops["fp32"] = 2.0 * S32**3 / median_time(lambda: torch.mm(a32, b32), device, reps=5, warmup=2)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
+        del a32, b32
+        torch.cuda.empty_cache()
+        out["matmul_method"] = "8192^3 bf16 mm, 8192^3 fp8 _scaled_mm, 4096^3 fp32 mm (no TF32), random data"
+    else:
+        n = 2**25  # fp32 elements: 128 MiB
+        src = torch.randn(n, generator=g)
+        dst = torch.empty_like(src)
+        t = median_time(lambda: dst.copy_(src), device, reps=5, warmup=1)
+        out["copy_bytes_per_s"] = 2 * n * 4 / t
+        out["copy_method"] = "128 MiB fp32 copy_, read + written"
+        S = 1024
+        a = torch.randn(S, S, generator=g)
+        b = torch.randn(S, S, generator=g)
+        f32 = 2.0 * S**3 / median_time(lambda: torch.mm(a, b), device, reps=5, warmup=1)
+        flops = {"fp32": f32, "bf16": f32, "fp8": f32}
+        out["matmul_method"] = "1024^3 fp32 mm (CPU paths compute in fp32: bf16/fp8 ceilings = fp32)"
+    out["matmul_flops_per_s"] = flops
+    return out

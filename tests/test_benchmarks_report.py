@@ -1,0 +1,140 @@
+"""The benchmark suite's arithmetic and plumbing, on CPU in a few seconds: the canonical shapes, the roofline floors
+(against perf-anchors.md's measured H200 table), the CPU timer and planted slowdown, the side-by-side ratios, the plot,
+and the per-device baseline storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import report, shapes, timing
+from benchmarks.roofline import experts_bytes, experts_flops, floor_seconds, gate_work
+
+REPO = Path(__file__).resolve().parents[1]
+# perf-anchors.md, "Measured on this project's GPU machine (NVIDIA H200)": the ceilings of that run.
+H200_ANCHOR = {"copy_bytes_per_s": 4.28e12, "matmul_flops_per_s": {"bf16": 679e12, "fp8": 1260e12}}
+
+
+def test_canonical_shapes_are_perf_anchors():
+    got = {s.id: (s.E, s.topk, s.K, s.I, s.scheme) for s in shapes.gpu_experts_shapes()}
+    assert got == {
+        "dsv3_ep8-fp8_block128": (32, 8, 7168, 2048, "fp8_block128"),
+        "dsv3_tp8-fp8_block128": (256, 8, 7168, 256, "fp8_block128"),
+        "mixtral_tp2-bf16": (8, 2, 4096, 7168, "bf16"),
+        "mixtral_tp2-fp8_tensor": (8, 2, 4096, 7168, "fp8_tensor"),
+        "qwen3_30b-bf16": (128, 8, 2048, 768, "bf16"),
+        "qwen3_30b-fp8_block128": (128, 8, 2048, 768, "fp8_block128"),
+        "qwen3_235b_tp4-bf16": (128, 8, 4096, 384, "bf16"),
+        "gpt_oss_120b-bf16": (128, 4, 2880, 2880, "bf16"),
+    }
+    assert shapes.DECODE_M == (1, 8, 32, 64) and shapes.PREFILL_M == (1024, 4096, 16384)
+    assert shapes.GATE_M == (1, 16, 32, 256)
+    for s in shapes.cpu_experts_shapes():
+        assert s.id.endswith("cpu_small") and s.K % 128 == 0 and s.I % 128 == 0
+
+
+@pytest.mark.parametrize("case, M, touched, bytes_per_weight, dtype, anchor_us", [
+    # (E, topk, K, I); floors of perf-anchors' H200 table (scales and activations move < 0.1% more bytes here)
+    ((8, 2, 4096, 7168), 1, 2, 2, "bf16", 82.41),       # Mixtral TP2 bf16, decode: weight streaming
+    ((128, 8, 2048, 768), 1, 8, 2, "bf16", 17.66),      # Qwen3-30B bf16
+    ((256, 8, 7168, 256), 1, 8, 1, "fp8", 10.3),        # DeepSeek-V3 TP8 fp8
+    ((32, 8, 7168, 2048), 1, 8, 1, "fp8", 82.41),       # DeepSeek-V3 EP8-local fp8
+    ((8, 2, 4096, 7168), 1024, 8, 2, "bf16", 531.05),   # Mixtral TP2 bf16, prefill: compute
+    ((32, 8, 7168, 2048), 4096, 32, 1, "fp8", 2291.02),
+])
+def test_floor_reproduces_perf_anchors(case, M, touched, bytes_per_weight, dtype, anchor_us):
+    E, topk, K, I = case  # noqa: E741
+    per_expert = 3 * K * I * bytes_per_weight  # w1 (2I x K) + w2 (K x I)
+    flops = experts_flops(M, topk, K, 2 * I, I)
+    nbytes = experts_bytes(touched, per_expert, M, K, topk)
+    floor, _ = floor_seconds(flops, nbytes, H200_ANCHOR, dtype)
+    assert floor * 1e6 == pytest.approx(anchor_us, rel=0.01)
+
+
+def test_gate_work_and_rotation():
+    w = gate_work(16, 7168, 256, 2, 2, 4)
+    assert w.flops == 2 * 16 * 7168 * 256 and w.compute_dtype == "bf16"
+    assert w.bytes == 256 * 7168 * 2 + 16 * 7168 * 2 + 16 * 256 * 4
+    assert gate_work(1, 3072, 256, 2, 4, 4).compute_dtype == "fp32"
+    # Enough sets that >= 3 L2s of other data pass between two uses of one set; clamped.
+    assert timing.rotation_sets(3.7e6, 50 * 2**20, max_sets=64) == 57
+    assert timing.rotation_sets(1e9, 50 * 2**20) == 2
+    assert timing.rotation_sets(1.0, 50 * 2**20) == 16
+
+
+def test_cpu_runner_feeds_the_clock_and_plants_slowdown():
+    def call(i):
+        time.sleep(0.002)
+
+    settings = timing.Settings(budget_s=0.02, min_rounds=3)
+    for slowdown, lo, hi in ((0.0, 0.0019, 0.004), (0.5, 0.0029, 0.006)):
+        r = timing.Runner(call, 2, "cpu", settings, slowdown=slowdown)
+        r.prepare()
+        assert r.method == "wall-clock" and r.rounds >= 3
+        t0 = timing.measured_clock()
+        r.round()
+        assert lo <= timing.measured_clock() - t0 <= hi
+
+
+def _rec(case, M, backend, impl, t, floor=1e-4, kind="experts"):
+    return {"kind": kind, "case": case, "shape": f"label of {case}", "M": M, "backend": backend, "impl": impl,
+            "median_s": t, "floor_s": floor, "bound": "memory", "method": "cuda-graph", "flops": 1e9,
+            "bytes": 1e8}
+
+
+def test_side_by_side_ratios_and_markdown(tmp_path):
+    recs = report.finalize([
+        _rec("qwen", 1, "torch", "TorchExperts", 4e-4),
+        _rec("qwen", 1, "triton", "TritonExperts", 2e-4),
+        _rec("qwen", 1, "cuda", "CutlassExpertsBf16", 3e-4),
+        _rec("dsv3_gate", 1, "cuda", "dsv3_router_gemm", 3e-6, 1e-6, kind="gate"),
+        _rec("dsv3_gate", 1, "torch", "F.linear", 9e-6, 1e-6, kind="gate"),
+    ])
+    by = {(r["case"], r["backend"]): r for r in recs}
+    assert by[("qwen", "triton")]["x_best"] == 1.0 and by[("qwen", "torch")]["x_best"] == pytest.approx(2.0)
+    assert by[("qwen", "cuda")]["x_floor"] == pytest.approx(3.0)
+    assert by[("dsv3_gate", "torch")]["x_best"] == pytest.approx(3.0)
+    doc = {"device": {"name": "Test GPU", "slug": "test-gpu", "torch": "x"}, "datetime": "2026-11-22T00:00",
+           "ceilings": {"copy_bytes_per_s": 4e12, "matmul_flops_per_s": {"bf16": 8e14}}, "results": recs,
+           "skipped": [{"id": "qwen-M1-deep_gemm.X", "reason": "not installed"}]}
+    md = report.render_markdown(doc)
+    assert "| case | M | floor | bound | torch | triton | cuda |" in md
+    assert "200.0 us = 1.00x best, 2.00x floor **best**" in md
+    assert "#### Router gate GEMM: dsv3_gate" in md and "cuda.dsv3_router_gemm" in md
+    assert "not installed: qwen-M1-deep_gemm.X" in md
+    jpath, mpath = report.write(doc, tmp_path, "test-gpu")
+    assert json.loads(jpath.read_text())["results"][0]["case"] == "qwen"
+    assert mpath.read_text().startswith("### Test GPU")
+
+
+def test_plot_from_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import plot
+
+    recs = report.finalize([_rec("qwen", m, b, "X", t * m ** 0.5, 1e-5 * m) for m in (1, 8, 64)
+                            for b, t in (("torch", 1e-4), ("triton", 3e-5))])
+    doc = {"device": {"name": "Test GPU"}, "datetime": "2026-11-22",
+           "ceilings": {"copy_bytes_per_s": 4e12, "matmul_flops_per_s": {"bf16": 8e14, "fp8": 1.3e15}},
+           "results": recs}
+    jpath = tmp_path / "benchmark-test.json"
+    jpath.write_text(json.dumps(doc))
+    assert plot.main([str(jpath)]) == 0
+    png = jpath.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_storage_is_chosen_per_device():
+    """Without --benchmark-storage the suite stores and compares under benchmarks/baselines/<device slug>."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", MOE_BENCH_SHAPES="no-such-shape")
+    out = subprocess.run([sys.executable, "-m", "pytest", "benchmarks", "--co", "-p", "no:cacheprovider"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert f"baselines: {REPO / 'benchmarks' / 'baselines' / 'cpu'}" in text, text[-2000:]
+    assert timing.device_info()["slug"] == ("cpu" if not torch.cuda.is_available() else timing.device_info()["slug"])
