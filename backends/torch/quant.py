@@ -28,7 +28,8 @@ def per_token_group_quant_fp8(x, group_size=128, *, column_major_scales=False, t
     xg = x.float().unflatten(-1, (G, group_size))
     amax = xg.abs().amax(-1)
     bad = ~torch.isfinite(amax)
-    s = amax.clamp(min=1e-10) / FP8_MAX
+    a = amax.clamp(min=1e-10)
+    s = a / torch.full_like(a, FP8_MAX)  # tensor / scalar would be a reciprocal multiply on CUDA
     if use_ue8m0:
         s = torch.exp2(torch.ceil(torch.log2(s.clamp(min=1e-10))))
     s = s.masked_fill(bad, float("nan"))
@@ -52,12 +53,12 @@ def scaled_fp8_quant(x, scale=None, *, use_per_token_if_dynamic=False, scale_ub=
         amax = xf.abs().amax(-1, keepdim=True)
         if scale_ub is not None:
             amax = amax.clamp(max=float(scale_ub))
-        s = torch.maximum(amax / FP8_MAX, torch.tensor(1.0 / (FP8_MAX * 512.0), device=x.device))
+        s = torch.maximum(amax / torch.full_like(amax, FP8_MAX), torch.tensor(1.0 / (FP8_MAX * 512.0), device=x.device))
         bad = ~torch.isfinite(amax)
         s = s.masked_fill(bad, float("nan"))
         return _fp8((xf / s).masked_fill(bad, float("nan"))), s
     amax = xf.abs().amax().reshape(1) if xf.numel() else torch.zeros(1, device=x.device)
-    s = amax / FP8_MAX
+    s = amax / torch.full_like(amax, FP8_MAX)
     inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
     if not bool(torch.isfinite(amax).all()):
         return _fp8(torch.full_like(xf, float("nan"))), torch.full_like(s, float("nan"))
@@ -70,7 +71,7 @@ def int8_quant_per_token(x):
         raise ValueError("int8_quant_per_token: NaN/inf input cannot be quantized to int8")
     absmax = xf.abs().amax(-1, keepdim=True)
     mult = torch.where(absmax == 0, torch.zeros_like(absmax), torch.full_like(absmax, 127.0) / absmax)
-    return torch.round(xf * mult).clamp(-128, 127).to(torch.int8), absmax / 127.0
+    return torch.round(xf * mult).clamp(-128, 127).to(torch.int8), absmax / torch.full_like(absmax, 127.0)
 
 
 def dequant(q: torch.Tensor, s: torch.Tensor | None, group: tuple[int, int] | None) -> torch.Tensor:

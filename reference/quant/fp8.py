@@ -93,7 +93,7 @@ def _scale_from_amax(
     poisoned = ~torch.isfinite(amax)
     a = torch.clamp_min(amax, r.amax_floor)
     if r.scale_computation == "amax/max":
-        s = a / FP8_E4M3_MAX
+        s = a / torch.full_like(a, FP8_E4M3_MAX)  # IEEE division on every device (see _common.rdiv)
     else:
         s = 1.0 / rdiv(FP8_E4M3_MAX, a)
     if use_ue8m0:
@@ -173,7 +173,7 @@ def scaled_fp8_quant(
         if scale_ub is not None:
             raise ValueError("scaled_fp8_quant: scale_ub is only valid for dynamic per-token quantization")
         amax = xf.abs().amax() if xf.numel() else torch.zeros((), dtype=torch.float32)
-        s = amax / FP8_E4M3_MAX
+        s = amax / torch.full_like(amax, FP8_E4M3_MAX)
         poisoned = ~torch.isfinite(amax)
         zero = s == 0
         inv = torch.where(zero, torch.zeros_like(s), 1.0 / s)
@@ -188,7 +188,7 @@ def scaled_fp8_quant(
     a = amax
     if scale_ub is not None:
         a = torch.minimum(a, scalar_scale(scale_ub, "scale_ub"))
-    s = torch.maximum(a / FP8_E4M3_MAX, _MIN_PER_TOKEN_SCALE)
+    s = torch.maximum(a / torch.full_like(a, FP8_E4M3_MAX), _MIN_PER_TOKEN_SCALE)
     s = torch.where(poisoned, torch.full_like(s, _NAN), s)
     q = _quantize_with_scale(xf, s, "divide", poisoned)
     return q, s

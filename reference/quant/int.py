@@ -52,7 +52,7 @@ def _int8_rows(x: torch.Tensor, fn: str) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.to(torch.float32)
     _check_finite(xf, fn)
     absmax = xf.abs().amax(dim=-1, keepdim=True) if xf.shape[-1] else torch.zeros(*xf.shape[:-1], 1)
-    s = absmax / 127.0
+    s = absmax / torch.full_like(absmax, 127.0)
     # the kernel multiplies by tmp_scale = 127 / absmax (computed once per row)
     mult = torch.where(absmax == 0, torch.zeros_like(absmax), rdiv(127.0, absmax))
     q = torch.round(xf * mult).clamp(INT8_MIN, INT8_MAX).to(torch.int8)

@@ -1,0 +1,472 @@
+"""``DeepGemmExperts`` and ``DeepGemmFP4Experts`` (seed 001, ``vllm/model_executor/layers/fused_moe/experts/
+deep_gemm_moe.py``) as ``reference.modular.FusedMoEExpertsModular`` subclasses.
+
+``DeepGemmExperts.apply`` runs, for one chunk of tokens (seed 001's order):
+
+1. ``M_sum, alignment = compute_aligned_M_and_alignment(M, topk, E_local, block_m=128, expert_tokens_meta)``;
+2. build the contiguous layout (Triton on CUDA, torch ops elsewhere: :mod:`backends.deep_gemm.layout`), check
+   the routes (one small device->host copy), permute the FP8 activations into it and their fp32 1x128 scales into
+   MN-major TMA-aligned SFA;
+3. ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a1q, sfa), (w1, w1_scale), mm1_out bf16, m_indices)``;
+4. gated activation + 1x128 requantization, FLOAT32_CEIL_UE8M0 scales when ``quant_config.use_ue8m0``
+   (:mod:`backends.deep_gemm.act_quant`);
+5. ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a2q, sfa2), (w2, w2_scale), mm2_out bf16, m_indices)``;
+6. unpermute + top-k weighted fp32 reduction into the ``(M, K)`` output (``TopKWeightAndReduceNoOP`` follows).
+
+Buffers: ``workspace13`` (act dtype) holds the permuted FP8 activations, then the FP8 requantized activations;
+``workspace2`` the bf16 GEMM1 output, then the bf16 GEMM2 output (seed 001). Scales and index tensors are
+allocated per call (small).
+
+Steps 2, 4 and 6 have two implementations with the same results: torch ops (:mod:`~backends.deep_gemm.layout`,
+:mod:`~backends.deep_gemm.act_quant`; the definition, and the CPU path) and Triton kernels
+(:mod:`~backends.deep_gemm.triton_kernels`, used on CUDA when ``use_triton``; checked equal - codes, scales, layout
+and reduction bit for bit - on an H200 by ``bench.py``'s "kernels" section).
+
+The grouped GEMM is a class attribute (``grouped_gemm``) so a test can run the whole pipeline on CPU with an
+emulated GEMM; the platform probes live in :mod:`backends.deep_gemm.platform` for the same reason.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+
+from backends.deep_gemm import platform, triton_kernels
+from backends.deep_gemm.act_quant import SUPPORTED_ACTIVATIONS, act_mul_quant
+from backends.deep_gemm.layout import build_contiguous_layout, gather_rows, gather_scales_mn_major, \
+    unpermute_and_reduce
+from reference.activation import MoEActivation
+from reference.align import DEEP_GEMM_M_ALIGNMENT, compute_aligned_M_and_alignment
+from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
+from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, TopKWeightAndReduceNoOP
+from reference.quant import (
+    DeepGemmQuantScaleFMT,
+    kFp8Dynamic128Sym,
+    kFp8Static128BlockSym,
+    kMxfp4Static,
+    kMxfp8Dynamic,
+    kMxfp8Static,
+)
+
+__all__ = [
+    "DeepGemmExperts",
+    "DeepGemmFP4Experts",
+    "deep_gemm_m_grouped_fp8_gemm_nt_contiguous",
+    "get_mk_alignment_for_contiguous_layout",
+    "valid_deep_gemm",
+    "scale_fmt_for",
+    "device_unsupported_reason",
+]
+
+BLOCK = 128
+
+
+# ------------------------------------------------------------------------------------------------------------
+# DeepGEMM entry points
+# ------------------------------------------------------------------------------------------------------------
+
+
+def get_mk_alignment_for_contiguous_layout() -> int:
+    """DeepGEMM's per-expert M (and K) alignment of the contiguous layout: 128 on SM90 (``deep_gemm`` is asked when
+    it is importable on a GPU machine; otherwise the documented constant ``reference.align.DEEP_GEMM_M_ALIGNMENT``).
+    vLLM's wrapper returns ``[128, 128]``; seed 001 indexes ``[0]``."""
+    if platform.current_capability() is not None and platform.deep_gemm_installed():
+        try:
+            return int(platform.import_deep_gemm().get_mk_alignment_for_contiguous_layout())
+        except RuntimeError:
+            pass
+    return DEEP_GEMM_M_ALIGNMENT
+
+
+def deep_gemm_m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor,
+                                                sfb: torch.Tensor, d: torch.Tensor, m_indices: torch.Tensor,
+                                                *, disable_ue8m0_cast: bool = False) -> None:
+    """``d[r] = (a[r] * sfa[r]) @ (b[m_indices[r]] * sfb[m_indices[r]]).T`` for rows with ``m_indices[r] >= 0``.
+
+    The call and argument layout DeepGEMM (2.5, SM90) accepts, checked on an H200 (see the package docstring):
+    ``a`` fp8 e4m3 ``(M_sum, K)`` K-major; ``sfa`` fp32 ``(M_sum, K/128)`` (any strides; MN-major TMA-aligned is
+    used as is, anything else is transposed by DeepGEMM); ``b`` fp8 ``(G, N, K)`` contiguous; ``sfb`` fp32
+    ``(G, ceil(N/128), ceil(K/128))`` contiguous; ``d`` bf16 ``(M_sum, N)`` row-major; ``m_indices`` int32
+    ``(M_sum,)`` contiguous. Rows of a block that starts with -1 are not written; padding rows inside a valid block
+    are (garbage in, garbage out).
+
+    Raises:
+        RuntimeError: deep_gemm missing / unusable, or DeepGEMM's own assertion (its message is kept).
+    """
+    dg = platform.import_deep_gemm()
+    dg.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, m_indices, disable_ue8m0_cast=disable_ue8m0_cast)
+
+
+def valid_deep_gemm(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[bool, str | None]:
+    """Seed 001's ``_valid_deep_gemm``: ``(ok, reason)``.
+
+    The package check (``has_deep_gemm()``) first, then ``reference.align.valid_deep_gemm`` with DeepGEMM's
+    alignment: ``M >= 128``, ``N = w2.size(2)`` and ``K`` multiples of 128, ``N > 512``, fp8 e4m3 weights,
+    contiguous operands. (vLLM uses it to choose DeepGEMM over Triton; ``apply`` itself needs only the hard
+    requirements checked in ``DeepGemmExperts._check_operands``.)
+    """
+    from reference.align import valid_deep_gemm as _reference_rule
+
+    if not platform.deep_gemm_installed():
+        return False, f"DeepGemm disabled: {platform.PACKAGE} is not installed"
+    return _reference_rule(hidden_states, w1, w2, alignment=get_mk_alignment_for_contiguous_layout())
+
+
+def scale_fmt_for(capability: tuple[int, int], use_ue8m0: bool) -> DeepGemmQuantScaleFMT:
+    """``DeepGemmQuantScaleFMT.from_oracle()`` with the platform and ``VLLM_USE_DEEP_GEMM_E8M0`` as parameters:
+    ``use_ue8m0`` of the quant config stands for the environment switch (FLOAT32 when off; FLOAT32_CEIL_UE8M0 on
+    SM90, UE8M0 on SM100/SM120 when on)."""
+    return DeepGemmQuantScaleFMT.from_capability(capability, use_e8m0=use_ue8m0)
+
+
+def device_unsupported_reason() -> str | None:
+    """None when this backend's FP8 path can run here (CUDA SM90 + a working deep_gemm), else why not."""
+    cap = platform.current_capability()
+    if cap is None:
+        return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
+    if not platform.is_sm90(cap):
+        return (f"{platform.device_name()} is sm_{cap[0]}{cap[1]}; the deep_gemm backend implements and verified the "
+                "SM90 FP8 path only (SM100/SM120 need packed UE8M0 scales and were not available to test)")
+    if not platform.deep_gemm_installed():
+        return f"{platform.PACKAGE} is not installed ({platform.PIP_HINT})"
+    return platform.deep_gemm_abi_error()
+
+
+def _resize(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    n = prod(shape)
+    if n > x.numel():
+        raise ValueError(f"workspace of {x.numel()} elements is too small for {shape}")
+    return x.flatten()[:n].view(*shape)
+
+
+def _seed_workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
+                           activation):
+    """Seed 001's ``workspace_shapes`` (identical for both classes)."""
+    block_m = get_mk_alignment_for_contiguous_layout()
+    M_sum, align_used = compute_aligned_M_and_alignment(M, topk, local_num_experts, block_m, expert_tokens_meta)
+    assert M_sum % align_used == 0
+    activation_out_dim = self.adjust_N_for_activation(N, activation)
+    workspace1 = (M_sum, max(activation_out_dim, K))
+    workspace2 = (M_sum, max(N, K))
+    output = (M, K)
+    return (workspace1, workspace2, output)
+
+
+def _no_fi_nvl(moe_parallel_config: FusedMoEParallelConfig) -> bool:
+    # Seed 001: "discovered an IMA with this combination. Needs investigation."
+    return not (moe_parallel_config.use_fi_nvl_two_sided_kernels or moe_parallel_config.use_fi_nvl_one_sided_kernels)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# DeepGemmExperts
+# ------------------------------------------------------------------------------------------------------------
+
+
+class DeepGemmExperts(FusedMoEExpertsModular):
+    """DeepGEMM-based fused MoE experts (seed 001): FP8 e4m3 weights with 128x128 block scales
+    (``kFp8Static128BlockSym``), activations quantized dynamically per 1x128 group (``kFp8Dynamic128Sym``), two
+    ``m_grouped_fp8_gemm_nt_contiguous`` calls on the contiguous layout, SM90.
+
+    Inputs of ``apply`` (from ``MoEPrepareAndFinalizeNoEP`` with the quant config below): ``hidden_states`` fp8
+    ``(M, K)``, ``a1q_scale`` fp32 ``(M, K/128)``; ``w1`` fp8 ``(E_local, N=2I, K)``, ``w2`` fp8 ``(E_local, K, I)``,
+    ``quant_config.w1_scale`` / ``w2_scale`` fp32 ``(E_local, N/128, K/128)`` / ``(E_local, K/128, I/128)``;
+    ``topk_ids`` ``(M, topk)`` int (global ids with ``expert_map``), ``topk_weights`` ``(M, topk)`` fp32.
+    Output: ``(M, K)`` in the activation dtype, weighted and reduced.
+
+    Quant config: ``fp8_w8a8_moe_quant_config(w1_scale, w2_scale, block_shape=[128, 128], use_ue8m0=True,
+    recipe="vllm")`` reproduces the seed on SM90 (FLOAT32_CEIL_UE8M0); ``use_ue8m0=False`` is the seed's FLOAT32
+    path (``VLLM_USE_DEEP_GEMM_E8M0=0``). The requantization between the GEMMs uses ``quant_config.recipe`` and
+    ``use_ue8m0``, the same rule the reference applies to a2.
+
+    Support (``is_supported_config``): device = CUDA SM90 with a working deep_gemm (see
+    :func:`device_unsupported_reason`); activations SILU, SWIGLUSTEP, SWIGLUOAI_UNINTERLEAVE (gated only); quant
+    scheme (kFp8Static128BlockSym, kFp8Dynamic128Sym); (kMxfp8Static, kMxfp8Dynamic) only on SM100 as in the seed
+    (never reached here, since the device predicate is SM90-only; constructing the MXFP8 variant raises); parallel
+    configs without FlashInfer NVL kernels; hidden size a multiple of 128 (``_supports_shape``, a backend
+    addition: the kernel cannot run otherwise).
+
+    Raises (``__init__``): ValueError for a quant config that is not FP8 block [128, 128] with dynamic 1x128
+    activations (seed 001's asserts); NotImplementedError for the MXFP8 [1, 32] variant.
+    """
+
+    #: The grouped GEMM (replaceable for CPU tests of the pipeline).
+    grouped_gemm = staticmethod(deep_gemm_m_grouped_fp8_gemm_nt_contiguous)
+    #: Check ids / counts with one small device->host copy per call (out-of-range ids, stale expert_tokens_meta);
+    #: skipped during CUDA-graph capture, where nothing else in ``apply`` synchronises.
+    validate_routes: bool = True
+    #: Use the Triton kernels of :mod:`backends.deep_gemm.triton_kernels` on CUDA (else the torch-op paths).
+    use_triton: bool = True
+
+    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
+        super().__init__(moe_config=moe_config, quant_config=quant_config)
+        self.mxfp8 = quant_config.block_shape == [1, 32]
+        if self.mxfp8:
+            raise NotImplementedError(
+                "DeepGemmExperts MXFP8 (block_shape [1, 32], recipe (1, 32)) runs only on SM100 (seed 001) and is not "
+                "implemented by this backend")
+        if quant_config.block_shape != [BLOCK, BLOCK]:
+            raise ValueError(f"DeepGemmExperts needs 128x128 block-quantized FP8 weights (block_shape [128, 128] = "
+                             f"get_mk_alignment_for_contiguous_layout()), got block_shape {quant_config.block_shape}")
+        if quant_config.quant_dtype != torch.float8_e4m3fn or quant_config.weight_quant_dtype != torch.float8_e4m3fn:
+            raise ValueError(f"DeepGemmExperts needs float8_e4m3fn activations and weights, got "
+                             f"{quant_config.quant_dtype} / {quant_config.weight_quant_dtype}")
+        if quant_config.a1.shape != (1, BLOCK) or quant_config.a1.scale is not None:
+            raise ValueError(f"DeepGemmExperts needs dynamic 1x128 activation quantization, got a1 shape "
+                             f"{quant_config.a1.shape}, static scale {quant_config.a1.scale is not None}")
+        if quant_config.per_act_token_quant or quant_config.per_out_ch_quant:
+            raise ValueError("DeepGemmExperts does not support per-token / per-channel quantization (seed 001)")
+        if quant_config.w1_bias is not None or quant_config.w2_bias is not None:
+            raise ValueError("DeepGemmExperts has no expert bias epilogue (seed 001)")
+        self.gemm1_clamp_limit = quant_config.gemm1_clamp_limit
+        self.gemm1_alpha = quant_config.gemm1_alpha if quant_config.gemm1_alpha is not None else 1.0
+        self.gemm1_beta = quant_config.gemm1_beta if quant_config.gemm1_beta is not None else 0.0
+
+    # --- support oracle (seed 001) ---------------------------------------------------------------------------
+    @staticmethod
+    def activation_format() -> FusedMoEActivationFormat:
+        return FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return device_unsupported_reason() is None
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        if (weight_key, activation_key) == (kFp8Static128BlockSym, kFp8Dynamic128Sym):
+            return True
+        if (weight_key, activation_key) == (kMxfp8Static, kMxfp8Dynamic):
+            return platform.capability_family(platform.current_capability()) == 100
+        return False
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation in SUPPORTED_ACTIVATIONS
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
+        return _no_fi_nvl(moe_parallel_config)
+
+    @staticmethod
+    def _supports_shape(hidden_dim: int) -> bool:
+        return hidden_dim % BLOCK == 0
+
+    def supports_chunking(self) -> bool:
+        return True
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOP()
+
+    workspace_shapes = _seed_workspace_shapes
+
+    # --- compute ---------------------------------------------------------------------------------------------
+    def scale_fmt(self) -> DeepGemmQuantScaleFMT:
+        """The activation scale format used between the GEMMs (SM90: FLOAT32_CEIL_UE8M0 or FLOAT32)."""
+        return scale_fmt_for((9, 0), self.quant_config.use_ue8m0)
+
+    def _check_operands(self, hidden_states, a1q_scale, a2_scale, w1, w2) -> None:
+        fp8 = torch.float8_e4m3fn
+        if a1q_scale is None:
+            raise ValueError("DeepGemmExperts.apply needs a1q_scale (the prepare step quantizes a1 per 1x128 group)")
+        if a2_scale is not None:
+            raise ValueError("DeepGemmExperts quantizes a2 dynamically; a static a2_scale is not supported")
+        if hidden_states.dtype != fp8 or w1.dtype != fp8 or w2.dtype != fp8:
+            raise ValueError(f"hidden_states, w1, w2 must be float8_e4m3fn, got {hidden_states.dtype}, {w1.dtype}, "
+                             f"{w2.dtype}")
+        E, N, K = w1.shape
+        I = self.adjust_N_for_activation(N, MoEActivation.SILU)
+        if w2.shape != (E, K, I):
+            raise ValueError(f"w2 must be (E, K, N/2) = ({E}, {K}, {I}), got {tuple(w2.shape)}")
+        if K % BLOCK or N % BLOCK or I % BLOCK:
+            raise ValueError(f"DeepGEMM needs K, N=2I and I multiples of 128 (1x128 / 128x128 scale blocks), got "
+                             f"K={K}, N={N}, I={I}")
+        if hidden_states.size(1) != K or tuple(a1q_scale.shape) != (hidden_states.size(0), K // BLOCK):
+            raise ValueError(f"hidden_states / a1q_scale must be (M, {K}) / (M, {K // BLOCK}), got "
+                             f"{tuple(hidden_states.shape)} / {tuple(a1q_scale.shape)}")
+        for name, s, want in (("w1_scale", self.w1_scale, (E, N // BLOCK, K // BLOCK)),
+                              ("w2_scale", self.w2_scale, (E, K // BLOCK, I // BLOCK))):
+            if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
+                raise ValueError(f"quant_config.{name} must be fp32 {want}, got "
+                                 f"{None if s is None else (tuple(s.shape), s.dtype)}")
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        """One chunk of the experts step (module docstring); writes ``output (M, K)``.
+
+        Raises:
+            ValueError: operands of the wrong dtype/shape, ids outside the id space (other than -1),
+                ``expert_tokens_meta`` counts that disagree with ``topk_ids``; NotImplementedError: an activation
+                outside SILU / SWIGLUSTEP / SWIGLUOAI_UNINTERLEAVE; RuntimeError: deep_gemm missing or failing.
+        """
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise NotImplementedError(f"DeepGemmExperts does not support {activation}")
+        self._check_operands(hidden_states, a1q_scale, a2_scale, w1, w2)
+        M, K = hidden_states.shape
+        E_local, N, _ = w1.shape
+        topk = topk_ids.size(1)
+        if workspace2.dtype != torch.bfloat16 or output.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"DeepGEMM's grouped GEMM writes bf16: the activation dtype (workspaces) must be "
+                             f"bfloat16, got {workspace2.dtype}")
+        if M == 0:
+            return
+
+        M_sum, align_used = compute_aligned_M_and_alignment(
+            M, topk, E_local, get_mk_alignment_for_contiguous_layout(), expert_tokens_meta)
+        if self.use_triton and triton_kernels.available(topk_ids):
+            layout, counts_all = triton_kernels.build_contiguous_layout(topk_ids, E_local, M_sum, align_used,
+                                                                        expert_map)
+            n_out_of_range = counts_all[E_local]
+        else:
+            layout, out_of_range = build_contiguous_layout(topk_ids, E_local, M_sum, align_used, expert_map)
+            n_out_of_range = out_of_range.sum()
+        if self.validate_routes and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # (skipped while a CUDA graph is captured: a device->host copy cannot be recorded)
+            self._validate(layout, n_out_of_range, topk_ids, expert_map, expert_tokens_meta)
+
+        # GEMM1: permuted FP8 activations (workspace13) x w1 -> bf16 (workspace2).
+        a1q_perm = gather_rows(hidden_states, layout.row_token,
+                               out=_resize(workspace13.view(torch.float8_e4m3fn), (M_sum, K)))
+        sfa1 = gather_scales_mn_major(a1q_scale.to(torch.float32), layout.row_token)
+        disable_cast = not self.quant_config.use_ue8m0
+        mm1_out = _resize(workspace2, (M_sum, N))
+        self.grouped_gemm(a1q_perm, sfa1, w1, self.w1_scale.contiguous(), mm1_out, layout.m_indices,
+                          disable_ue8m0_cast=disable_cast)
+
+        # Activation + requantization -> FP8 (workspace13) + MN-major TMA-aligned fp32 scales.
+        I = self.adjust_N_for_activation(N, activation)
+        quant_out = _resize(workspace13.view(torch.float8_e4m3fn), (M_sum, I))
+        qkw = dict(alpha=self.quant_config.gemm1_alpha, beta=self.quant_config.gemm1_beta,
+                   limit=self.gemm1_clamp_limit, group_size=BLOCK, use_ue8m0=self.quant_config.use_ue8m0,
+                   recipe=self.quant_config.recipe, out_q=quant_out)
+        a2q = sfa2 = None
+        if self.use_triton and triton_kernels.available(mm1_out):
+            try:
+                a2q, sfa2 = triton_kernels.act_mul_quant(mm1_out, activation, **qkw)
+            except NotImplementedError:
+                a2q = None
+        if a2q is None:
+            a2q, sfa2 = act_mul_quant(mm1_out, activation, **qkw)
+
+        # GEMM2 -> bf16 (workspace2), then unpermute + weighted top-k reduction into the output.
+        mm2_out = _resize(workspace2, (M_sum, K))
+        self.grouped_gemm(a2q, sfa2, w2, self.w2_scale.contiguous(), mm2_out, layout.m_indices,
+                          disable_ue8m0_cast=disable_cast)
+        weights = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
+        if self.use_triton and triton_kernels.available(mm2_out):
+            triton_kernels.unpermute_and_reduce(mm2_out, layout.inv_perm, weights, output)
+        else:
+            unpermute_and_reduce(mm2_out, layout.inv_perm, weights, output)
+
+    def _validate(self, layout, n_out_of_range, topk_ids, expert_map, expert_tokens_meta) -> None:
+        """One device->host copy: out-of-range ids, rows overflowing M_sum, stale expert_tokens_meta counts."""
+        E = layout.counts.numel()
+        aligned_rows = ((layout.counts + layout.alignment - 1) // layout.alignment * layout.alignment).sum()
+        parts = [n_out_of_range.reshape(1).to(torch.int64), aligned_rows.reshape(1).to(torch.int64)]
+        given = None
+        if expert_tokens_meta is not None:
+            given = expert_tokens_meta.expert_num_tokens_cpu
+            if given is None:
+                given = expert_tokens_meta.expert_num_tokens
+        if given is not None:
+            parts.append(layout.counts.to(torch.int64))
+        host = torch.cat(parts).tolist()
+        if host[0]:
+            n_ids = expert_map.numel() if expert_map is not None else E
+            flat = topk_ids.reshape(-1)
+            bad = flat[((flat < -1) | (flat >= n_ids)).nonzero()[0]].item()
+            raise ValueError(f"topk_ids holds {bad}, outside the expert id space [0, {n_ids}) and not the -1 sentinel "
+                             "(NaN router logits? vLLM #39391); DeepGemmExperts refuses it")
+        if host[1] > layout.M_sum:
+            raise ValueError(f"the routes need {host[1]} rows but M_sum={layout.M_sum} (expert_tokens_meta counts "
+                             "smaller than the real ones: vLLM #20392)")
+        if given is not None:
+            counts = host[2:2 + E]
+            given_list = [int(c) for c in (given.tolist() if isinstance(given, torch.Tensor) else given)]
+            if given_list != counts:
+                raise ValueError(f"expert_tokens_meta counts {given_list} disagree with topk_ids {counts}; "
+                                 "recompute them for this chunk (vLLM #20392)")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# DeepGemmFP4Experts
+# ------------------------------------------------------------------------------------------------------------
+
+
+class DeepGemmFP4Experts(FusedMoEExpertsModular):
+    """Seed 001's FP4-weight DeepGEMM experts, declared with the seed's support rules and not implemented.
+
+    The seed runs ``m_grouped_fp8_fp4_gemm_nt_contiguous`` with FP8 activations (recipe_a (1, 128)) and MXFP4 E2M1
+    weights packed as int8 with UE8M0 1x32 scales (recipe_b (1, 32)) - a Blackwell-only kernel: the seed's device
+    rule is ``is_deep_gemm_supported() and (SM100 family or SM120 family)`` (:meth:`seed_supports_capability`).
+    This project's GPU is SM90, where the kernel does not exist, so ``_supports_current_device`` is False
+    (:meth:`unsupported_reason` says why) and construction raises ``NotImplementedError``: a support claim that
+    nothing here could verify is not made.
+
+    Seed predicates kept as data: quant scheme (kMxfp4Static, kFp8Dynamic128Sym); activations SILU, SWIGLUSTEP;
+    no act-and-mul-less MLPs; no FlashInfer NVL parallel configs; ``workspace_shapes`` as the seed's.
+    """
+
+    _ACT_BLOCK_K = 128
+    _WEIGHT_BLOCK_K = 32
+
+    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
+        raise NotImplementedError(f"DeepGemmFP4Experts is not implemented: {self.unsupported_reason()}")
+
+    @staticmethod
+    def seed_supports_capability(capability: tuple[int, int] | None) -> bool:
+        """Seed 001's device rule without the package check: SM100 family or SM120 family."""
+        return platform.capability_family(capability) in (100, 120)
+
+    @staticmethod
+    def unsupported_reason() -> str:
+        cap = platform.current_capability()
+        where = "no CUDA GPU" if cap is None else f"sm_{cap[0]}{cap[1]}"
+        return (f"DeepGemmFP4Experts (MXFP4 weights x FP8 activations, m_grouped_fp8_fp4_gemm_nt_contiguous) needs "
+                f"an SM100/SM120 GPU (seed 001); this machine has {where}, and the backend has no SM100 "
+                "implementation to claim")
+
+    @staticmethod
+    def activation_format() -> FusedMoEActivationFormat:
+        return FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return (weight_key, activation_key) in [(kMxfp4Static, kFp8Dynamic128Sym)]
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation in [MoEActivation.SILU, MoEActivation.SWIGLUSTEP]
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
+        return _no_fi_nvl(moe_parallel_config)
+
+    def supports_chunking(self) -> bool:
+        return True
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOP()
+
+    workspace_shapes = _seed_workspace_shapes
+
+    def apply(self, *args, **kwargs):
+        raise NotImplementedError(self.unsupported_reason())
