@@ -111,6 +111,8 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         return fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
                              quant_config=qc, **kwargs)
 
+    if not claimed and case.tokens == 0:
+        pytest.skip(f"unsupported ({reason}); with M == 0 nothing runs, so the refusal cannot be observed")
     if not claimed:
         try:
             out = run()

@@ -1,0 +1,651 @@
+"""MoE experts on CUTLASS grouped GEMMs exposed by torch (SM90), in the style of vLLM's ``CutlassExpertsFp8``
+(seed 004, ``vllm/model_executor/layers/fused_moe/cutlass_moe.py``).
+
+Classes (``reference.modular.FusedMoEExpertsModular``, Standard activation format, output already weighted and
+reduced, so finalize is ``TopKWeightAndReduceNoOP``):
+
+- ``CutlassExpertsBf16``: unquantized bf16, ``torch._grouped_mm`` (CUTLASS SM90 bf16 grouped GEMM, fp32
+  accumulation, bf16 output).
+- ``CutlassExpertsFp8``: FP8 E4M3 W8A8 with row-wise fp32 scales, ``torch._scaled_grouped_mm`` (CUTLASS SM90,
+  epilogue ``bf16(acc * scale_a[row] * scale_b[col])``): per-token (dynamic) x per-channel, and per-tensor
+  (static or dynamic) activations / weights expressed as broadcast row-wise scales.
+- ``CutlassExpertsFp4`` (NVFP4) and ``CutlassExpertsMxfp4``: declared, never supported here: CUTLASS FP4 grouped
+  GEMMs are SM100-only (block-scaled tcgen05 MMA) and this backend does not implement them (see ``unsupported_reason``).
+
+The pipeline of ``apply`` (no host synchronization, so it can be captured in a CUDA graph):
+
+1. Routing plan: global ids -> local ids (``expert_map``; -1, out-of-range ids and experts not held map to "not
+   here"), stable sort of the ``M * topk`` routes by local expert (non-local routes last), per-expert counts by
+   ``scatter_add_``, ``offs`` = their cumulative sum (int32, one entry per local expert, as ``_grouped_mm`` wants).
+2. Gather the routed token rows (and their per-token scales) in that order.
+3. GEMM1 ``(R, K) x (E, K, N) -> (R, N)`` bf16 (fp32 accumulation, one rounding). The weight ``w1 (E, N, K)`` is
+   passed as its transposed view ``(E, K, N)``: column-major, which CUTLASS reads as "B transposed".
+4. Activation (``cuda_moe_activation``: fp32 math, one rounding to bf16); rows of non-local routes (outside every
+   group, never written by the GEMM) are zeroed here. FP8: requantize per token (dynamic) or per tensor (static /
+   dynamic, over this call's routed rows, as vLLM's ``scaled_fp8_quant`` on the whole intermediate).
+5. GEMM2 ``(R, I) x (E, I, K) -> (R, K)`` bf16.
+6. Weight and reduce in fp32: for each token, ``sum_k w[t, k] * y[t, k]`` in topk order (a gather through the
+   inverse permutation, no atomics: bitwise deterministic), non-local routes contribute 0; one rounding to the
+   output dtype. With ``apply_router_weight_on_input`` the weights were applied to the input and are 1 here.
+
+Alignment rules of the torch CUTLASS ops (checked with clear errors): row strides multiple of 16 bytes, so
+K and N multiples of 8 (bf16) or 16 (fp8: ``_scaled_grouped_mm`` checks K % 16 and N % 16); group sizes (rows per
+expert) need no padding for 2-D x 3-D products; fewer than 1024 groups (local experts); output bf16 only
+(``_grouped_mm`` output dtype must equal the input's; ``_scaled_grouped_mm`` supports only bf16 out); no bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from reference.activation import MoEActivation
+from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, TopKWeightAndReduceNoOP
+from reference.quant import keys as qk
+
+__all__ = [
+    "CutlassExpertsBf16",
+    "CutlassExpertsFp8",
+    "CutlassExpertsFp4",
+    "CutlassExpertsMxfp4",
+    "cuda_moe_activation",
+    "quant_fp8_per_token",
+    "quant_fp8_per_tensor",
+    "grouped_mm_bf16",
+    "scaled_grouped_mm_fp8",
+    "RoutePlan",
+    "route_plan",
+    "FP8_SUPPORTED_W_A",
+    "VLLM_CUTLASS_FP8_W_A",
+    "MAX_GROUPS",
+]
+
+FP8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+FP8_MAX = 448.0
+#: vLLM's dynamic per-token floor: min_scaling_factor = 1 / (448 * 512), an fp32 constant.
+_MIN_TOKEN_SCALE = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX * 512.0, dtype=torch.float32)
+#: torch's CUTLASS grouped GEMMs refuse 1024 or more groups ("Can't process more than 1024 groups").
+MAX_GROUPS = 1023
+
+#: (weight key, activation key) pairs of vLLM's CutlassExpertsFp8 (``_supports_quant_scheme``).
+VLLM_CUTLASS_FP8_W_A = (
+    (qk.kFp8StaticChannelSym, qk.kFp8DynamicTokenSym),
+    (qk.kFp8StaticTensorSym, qk.kFp8DynamicTensorSym),
+    (qk.kFp8StaticTensorSym, qk.kFp8StaticTensorSym),
+)
+#: What ``CutlassExpertsFp8`` implements: per-tensor or per-channel weights x static per-tensor, dynamic
+#: per-tensor or dynamic per-token activations (every one is a row-wise x column-wise scale pair).
+FP8_SUPPORTED_W_A = tuple(
+    (w, a)
+    for w in (qk.kFp8StaticTensorSym, qk.kFp8StaticChannelSym)
+    for a in (qk.kFp8StaticTensorSym, qk.kFp8DynamicTensorSym, qk.kFp8DynamicTokenSym)
+)
+
+_GATED = (
+    MoEActivation.SILU,
+    MoEActivation.GELU,
+    MoEActivation.GELU_TANH,
+    MoEActivation.SWIGLUOAI,
+    MoEActivation.SWIGLUOAI_UNINTERLEAVE,
+    MoEActivation.SWIGLUSTEP,
+)
+_NO_MUL = (MoEActivation.SILU_NO_MUL, MoEActivation.GELU_NO_MUL, MoEActivation.RELU2_NO_MUL)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Device
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _device_capability() -> tuple[int, int] | None:
+    """Compute capability of the current CUDA device (None without one, or on ROCm)."""
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return int(major), int(minor)
+
+
+def _is_sm90() -> bool:
+    return _device_capability() == (9, 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Activation and FP8 quantization (this backend's own implementations)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def cuda_moe_activation(activation: MoEActivation, h: torch.Tensor, *, alpha: float | None = None,
+                        beta: float | None = None, limit: float | None = None) -> torch.Tensor:
+    """The MoE activation on GEMM1's output: fp32 math with torch ops, rounded once to ``h.dtype``.
+
+    Args:
+        activation: gated ``(..., 2d) -> (..., d)`` (gate = first half, up = second half; SWIGLUOAI interleaved:
+            gate = even columns) or ``*_NO_MUL`` ``(..., d) -> (..., d)``.
+        h: GEMM1 output, bf16/fp16/fp32. alpha / beta / limit: ``gemm1_alpha`` / ``gemm1_beta`` /
+            ``gemm1_clamp_limit`` (SWIGLUOAI defaults 1.702 / 7.0; SWIGLUOAI_UNINTERLEAVE 1.0 / 0.0, clamp only
+            with a limit; SILU clamps only with a limit; SWIGLUSTEP limit 7.0).
+
+    Raises:
+        ValueError: gated RELU2 (vLLM raises too), an odd width for a gated activation.
+
+    Formulas: ``reference.activation.apply_moe_activation`` (the spec); this is an independent implementation.
+    """
+    A = MoEActivation
+    x = h.float()
+    if activation in _NO_MUL:
+        if activation is A.SILU_NO_MUL:
+            y = F.silu(x)
+        elif activation is A.GELU_NO_MUL:
+            y = F.gelu(x)
+        else:
+            y = F.relu(x).square()
+        return y.to(h.dtype)
+    if activation not in _GATED:
+        raise ValueError(f"activation {activation} is not supported by the cuda backend (gated RELU2 is undefined)")
+    if x.shape[-1] % 2:
+        raise ValueError(f"gated activation {activation.name} needs an even width, got {tuple(h.shape)}")
+    if activation is A.SWIGLUOAI:
+        gate, up = x[..., 0::2], x[..., 1::2]
+    else:
+        gate, up = x.chunk(2, dim=-1)
+    if activation is A.SILU:
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        y = F.silu(gate) * up
+    elif activation is A.GELU:
+        y = F.gelu(gate) * up
+    elif activation is A.GELU_TANH:
+        y = F.gelu(gate, approximate="tanh") * up
+    elif activation is A.SWIGLUOAI:
+        a = 1.702 if alpha is None else alpha
+        lim = 7.0 if limit is None else limit
+        gate, up = gate.clamp(max=lim), up.clamp(-lim, lim)
+        y = (up + 1.0) * gate * torch.sigmoid(a * gate)
+    elif activation is A.SWIGLUOAI_UNINTERLEAVE:
+        a = 1.0 if alpha is None else alpha
+        b = 0.0 if beta is None else beta
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        y = gate * torch.sigmoid(a * gate) * (up + b)
+    else:  # SWIGLUSTEP
+        lim = 7.0 if limit is None else limit
+        y = F.silu(gate).clamp(max=lim) * up.clamp(-lim, lim)
+    return y.to(h.dtype)
+
+
+def _to_fp8(y: torch.Tensor) -> torch.Tensor:
+    # Saturate explicitly: torch's own fp8 overflow behaviour changed between releases.
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token FP8: ``s = max(amax_row / 448, 1 / (448 * 512))``, ``q = sat(x / s)``.
+
+    x ``(R, C)`` -> codes ``(R, C)`` float8_e4m3fn, scales ``(R,)`` fp32. vLLM's
+    ``scaled_fp8_quant(use_per_token_if_dynamic=True)`` recipe (``csrc/quantization/w8a8/fp8/common.cu``).
+    """
+    xf = x.float()
+    s = torch.clamp(xf.abs().amax(dim=-1) / FP8_MAX, min=_MIN_TOKEN_SCALE.item())
+    return _to_fp8(xf / s.unsqueeze(-1)), s
+
+
+def quant_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8: static (``scale`` given) ``q = sat(x * (1 / s))``; dynamic ``s = amax / 448`` (0 for an
+    all-zero tensor, codes 0). Returns codes and a ``(1,)`` fp32 scale. vLLM's ``scaled_fp8_quant`` recipe."""
+    xf = x.float()
+    if scale is None:
+        s = (xf.abs().amax() / FP8_MAX).reshape(1)
+    else:
+        s = scale.float().reshape(-1)
+        if s.numel() != 1:
+            raise ValueError(f"a static per-tensor FP8 scale must have one element, got shape {tuple(scale.shape)}")
+    inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
+    return _to_fp8(xf * inv), s
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grouped GEMMs (module-level so that CPU tests can substitute an emulation)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def grouped_mm_bf16(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``out[r] = a[r] @ w[g(r)].T`` for rows grouped by ``offs``: ``torch._grouped_mm`` (CUTLASS on SM90).
+
+    a ``(R, K)`` bf16 row-major; w ``(E, N, K)`` bf16 (passed as the column-major view ``(E, K, N)``); offs
+    ``(E,)`` int32 cumulative row ends (rows past ``offs[-1]`` belong to no group and are left unwritten).
+    Returns ``(R, N)`` bf16 (fp32 accumulation, one rounding).
+    """
+    return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+
+
+def scaled_grouped_mm_fp8(a: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                          offs: torch.Tensor) -> torch.Tensor:
+    """``out[r, n] = bf16(sum_k a[r, k] * w[g(r), n, k] * scale_a[r] * scale_b[g(r), n])``:
+    ``torch._scaled_grouped_mm`` (CUTLASS SM90 FP8 row-wise), fp32 accumulation and epilogue.
+
+    a ``(R, K)`` float8_e4m3fn row-major; w ``(E, N, K)`` float8_e4m3fn (passed as the column-major view
+    ``(E, K, N)``); scale_a ``(R,)`` fp32 contiguous; scale_b ``(E, N)`` fp32 contiguous; offs ``(E,)`` int32.
+    Returns ``(R, N)`` bf16. torch 2.11 signature: ``_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None,
+    bias=None, scale_result=None, out_dtype=None, use_fast_accum=False)``.
+    """
+    return torch._scaled_grouped_mm(a, w.transpose(-2, -1), scale_a, scale_b, offs=offs, out_dtype=BF16,
+                                    use_fast_accum=False)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Routing plan
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RoutePlan:
+    """The permutation of the ``R = M * topk`` routes, sorted by local expert (non-local routes last).
+
+    Attributes:
+        order: ``(R,)`` int64, flat route index (``token * topk + k``) of each sorted row.
+        token: ``(R,)`` int64, token of each sorted row (``order // topk``).
+        offs: ``(E_local,)`` int32, cumulative row count per local expert (``_grouped_mm``'s ``offs``).
+        valid_sorted: ``(R,)`` bool, the sorted row belongs to a local expert.
+        inv: ``(M, topk)`` int64, sorted row of each route.
+        valid_route: ``(M, topk)`` bool, the route goes to a local expert.
+    """
+
+    order: torch.Tensor
+    token: torch.Tensor
+    offs: torch.Tensor
+    valid_sorted: torch.Tensor
+    inv: torch.Tensor
+    valid_route: torch.Tensor
+
+
+def route_plan(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> RoutePlan:
+    """Sort the routes by local expert without a host synchronization.
+
+    ``topk_ids (M, topk)`` global ids; ``expert_map (E,)`` int global -> local (-1: not held) or None (ids are
+    local). Ids < 0, >= E, mapped to -1 or to >= ``num_local_experts`` are "not here" (never index out of range:
+    vLLM #48371 read ``expert_map[-1]``).
+    """
+    M, topk = topk_ids.shape
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is None:
+        local = ids
+    else:
+        E = expert_map.numel()
+        in_range = (ids >= 0) & (ids < E)
+        local = torch.where(in_range, expert_map.long()[ids.clamp(0, max(E - 1, 0))], torch.full_like(ids, -1))
+    here = (local >= 0) & (local < num_local_experts)
+    key = torch.where(here, local, torch.full_like(local, num_local_experts))
+    _, order = torch.sort(key, stable=True)
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int32, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = torch.cumsum(counts[:num_local_experts], 0, dtype=torch.int32)
+    R = order.numel()
+    inv = torch.empty_like(order)
+    inv.scatter_(0, order, torch.arange(R, device=dev))
+    return RoutePlan(order=order, token=order // topk, offs=offs, valid_sorted=here[order],
+                     inv=inv.view(M, topk), valid_route=here.view(M, topk))
+
+
+def _weight_and_reduce(y: torch.Tensor, plan: RoutePlan, topk_weights: torch.Tensor, unit_weights: bool,
+                       output: torch.Tensor) -> None:
+    """``output[t] = sum_k w[t, k] * y[inv[t, k]]`` in fp32, k in order; non-local routes add 0 (their rows of y
+    were never written, possibly NaN). One rounding to ``output.dtype``."""
+    M, topk = plan.inv.shape
+    K = y.shape[1]
+    w = torch.ones_like(topk_weights, dtype=torch.float32) if unit_weights else topk_weights.float()
+    w = torch.where(plan.valid_route, w, torch.zeros_like(w))
+    if M * topk * K * 4 <= (64 << 20):  # small: one gather, one fp32 reduction over topk
+        rows = y.index_select(0, plan.inv.reshape(-1)).view(M, topk, K).float()
+        rows = torch.where(plan.valid_route.unsqueeze(-1), rows * w.unsqueeze(-1), torch.zeros((), device=y.device))
+        output.copy_(rows.sum(dim=1))
+        return
+    acc = torch.zeros(M, K, dtype=torch.float32, device=y.device)
+    for k in range(topk):  # bounded memory for prefill-sized chunks
+        rows = y.index_select(0, plan.inv[:, k]).float() * w[:, k : k + 1]
+        acc += torch.where(plan.valid_route[:, k : k + 1], rows, torch.zeros((), device=y.device))
+    output.copy_(acc)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Experts
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _CutlassExpertsBase(FusedMoEExpertsModular):
+    """Shared plumbing of the CUTLASS grouped-GEMM experts (see the module docstring)."""
+
+    #: Alignment of K, N and I in elements (16 bytes of the operand dtype).
+    ALIGN: int = 8
+
+    def __init__(self, moe_config, quant_config, max_num_tokens=None, num_dispatchers=None):
+        super().__init__(moe_config, quant_config, max_num_tokens, num_dispatchers)
+        self._validate_quant_config()  # an unsupported scheme fails here, before any token (M == 0 too)
+
+    def _validate_quant_config(self) -> None:
+        """Raise ValueError if ``self.quant_config`` is a scheme this class does not run."""
+        raise NotImplementedError
+
+    @staticmethod
+    def activation_format() -> FusedMoEActivationFormat:
+        return FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        # torch's CUTLASS grouped GEMMs run on SM90 and SM100; this backend is built and checked on SM90 only.
+        return _is_sm90()
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation in _GATED or activation in _NO_MUL
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return True  # EP through expert_map (NoEP prepare/finalize); no all2all of its own
+
+    @classmethod
+    def _unsupported_layer_reason(cls, moe_config) -> str | None:
+        """Layer properties the seed's predicates do not see: expert biases, activation dtype, N / I alignment."""
+        if moe_config.has_bias:
+            return ("expert biases (torch._grouped_mm / _scaled_grouped_mm have no bias epilogue, and a bias added "
+                    "after the bf16 store would round twice)")
+        if moe_config.in_dtype != BF16:
+            return f"activation dtype {moe_config.in_dtype} (the CUTLASS grouped GEMMs through torch output bf16 only)"
+        I = moe_config.intermediate_size_per_partition
+        if I % cls.ALIGN:
+            return f"intermediate size {I} (must be a multiple of {cls.ALIGN}: 16-byte row strides)"
+        if moe_config.num_local_experts > MAX_GROUPS:
+            return f"{moe_config.num_local_experts} local experts (torch's CUTLASS grouped GEMMs take < 1024 groups)"
+        return None
+
+    @staticmethod
+    def is_supported_config(cls, moe_config, weight_key, activation_key, activation_format):
+        """The seed's oracle (``FusedMoEExperts.is_supported_config``) plus ``_unsupported_layer_reason``."""
+        ok, reason = FusedMoEExpertsModular.is_supported_config(cls, moe_config, weight_key, activation_key,
+                                                                activation_format)
+        if not ok:
+            return ok, reason
+        extra = cls._unsupported_layer_reason(moe_config)
+        if extra is not None:
+            return False, f"kernel does not support {extra}"
+        return True, None
+
+    def supports_chunking(self) -> bool:
+        return True
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOP()
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
+        # The grouped GEMMs allocate their own outputs; the workspaces are sized like vLLM's CUTLASS experts.
+        n_act = N // 2 if activation.is_gated else N
+        return (M * topk, max(N, K)), (M * topk, n_act), (M, K)
+
+    # --- helpers ------------------------------------------------------------------------------------------
+    def _check_operands(self, output, hidden_states, w1, w2, topk_ids, activation, w_dtype) -> tuple[int, int, int]:
+        name = type(self).__name__
+        if not self._supports_current_device():
+            cap = _device_capability()
+            raise ValueError(f"{name} runs on SM90 (H100/H200) only: torch's CUTLASS grouped GEMMs; this device is "
+                             f"{f'sm_{cap[0]}{cap[1]}' if cap else 'not a CUDA GPU'}")
+        if hidden_states.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
+            raise ValueError(f"{name}: expected hidden_states (M, K), w1 (E, N, K), w2 (E, K, I); got "
+                             f"{tuple(hidden_states.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)}")
+        E, N, K = w1.shape
+        I = N // 2 if activation.is_gated else N
+        if hidden_states.shape[1] != K or tuple(w2.shape) != (E, K, I):
+            raise ValueError(f"{name}: shapes disagree: hidden_states {tuple(hidden_states.shape)}, w1 "
+                             f"{tuple(w1.shape)}, w2 {tuple(w2.shape)} (expected (E, K, {I}) for {activation.name})")
+        if w1.dtype != w_dtype or w2.dtype != w_dtype:
+            raise ValueError(f"{name}: weights must be {w_dtype}, got w1 {w1.dtype}, w2 {w2.dtype}")
+        if output.dtype != BF16:
+            raise ValueError(f"{name}: output dtype must be bf16 (the CUTLASS grouped GEMMs through torch output bf16 "
+                             f"only), got {output.dtype}")
+        for what, v in (("K (hidden size)", K), ("N (w1 rows)", N), ("I (intermediate size)", I)):
+            if v % self.ALIGN:
+                raise ValueError(f"{name}: {what} = {v} must be a multiple of {self.ALIGN} (16-byte row strides "
+                                 "required by torch's CUTLASS grouped GEMMs)")
+        if E > MAX_GROUPS:
+            raise ValueError(f"{name}: {E} local experts; torch's CUTLASS grouped GEMMs take at most {MAX_GROUPS}")
+        if self.quant_config.w1_bias is not None or self.quant_config.w2_bias is not None:
+            raise ValueError(f"{name}: expert biases are not supported (no bias epilogue in torch._grouped_mm)")
+        if topk_ids.is_floating_point():
+            raise ValueError(f"{name}: topk_ids must be integers, got {topk_ids.dtype}")
+        return E, N, K
+
+    def _activation(self, activation: MoEActivation, h: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+        qc = self.quant_config
+        g = cuda_moe_activation(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta, limit=qc.gemm1_clamp_limit)
+        # Rows of non-local routes lie outside every group: the GEMM never wrote them. Zero them so that they can
+        # neither poison a dynamic per-tensor scale nor the reduction.
+        return g.masked_fill(~plan.valid_sorted.unsqueeze(-1), 0).contiguous()
+
+
+class CutlassExpertsBf16(_CutlassExpertsBase):
+    """Unquantized bf16 experts on ``torch._grouped_mm`` (CUTLASS SM90 bf16 grouped GEMM).
+
+    Shapes: hidden_states ``(M, K)`` bf16, w1 ``(E_local, N, K)`` bf16, w2 ``(E_local, K, I)`` bf16 (I = N/2 gated,
+    N otherwise), topk ids/weights ``(M, topk)``, output ``(M, K)`` bf16. K, N, I multiples of 8.
+
+    Rounding points (as ``reference.experts``): GEMM1 output bf16, activation output bf16, GEMM2 output bf16,
+    weighted sum fp32 -> bf16 once.
+
+    Raises:
+        ValueError: non-bf16 operands or output, misaligned K/N/I, >= 1024 local experts, expert biases.
+    """
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return weight_key is None and activation_key is None
+
+    @staticmethod
+    def _supports_shape(hidden_dim: int) -> bool:
+        return hidden_dim % CutlassExpertsBf16.ALIGN == 0
+
+    def _validate_quant_config(self) -> None:
+        qc = self.quant_config
+        if qc.is_quantized:
+            raise ValueError(f"CutlassExpertsBf16 runs unquantized bf16 experts, got the {qc.scheme_name()} scheme; "
+                             "use CutlassExpertsFp8 for FP8")
+        if qc.w1_bias is not None or qc.w2_bias is not None:
+            raise ValueError("CutlassExpertsBf16: expert biases are not supported (no bias epilogue in "
+                             "torch._grouped_mm)")
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        self._validate_quant_config()
+        E, N, K = self._check_operands(output, hidden_states, w1, w2, topk_ids, activation, BF16)
+        if hidden_states.dtype != BF16:
+            raise ValueError(f"CutlassExpertsBf16: hidden_states must be bf16, got {hidden_states.dtype}")
+        if topk_ids.shape[0] == 0:
+            return
+        plan = route_plan(topk_ids, E, expert_map)
+        a = hidden_states.index_select(0, plan.token)
+        h = grouped_mm_bf16(a, w1, plan.offs)
+        g = self._activation(activation, h, plan)
+        y = grouped_mm_bf16(g, w2, plan.offs)
+        _weight_and_reduce(y, plan, topk_weights, apply_router_weight_on_input, output)
+
+
+def _per_column_scales(scale: torch.Tensor | None, E: int, N: int, per_channel: bool, what: str) -> torch.Tensor:
+    """Weight scales as ``_scaled_grouped_mm``'s ``scale_b``: ``(E, N)`` fp32 contiguous. Per-tensor scales (one per
+    expert, or one in all) are broadcast along N; per-channel scales are ``(E, N)`` or ``(E, N, 1)``."""
+    if scale is None:
+        raise ValueError(f"CutlassExpertsFp8: {what} scale is missing from the quant config")
+    s = scale.float()
+    if per_channel:
+        if s.numel() != E * N:
+            raise ValueError(f"CutlassExpertsFp8: per-channel {what} scale must have E*N = {E}*{N} elements, got "
+                             f"shape {tuple(scale.shape)}")
+        return s.reshape(E, N).contiguous()
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(E, N).contiguous()
+    if s.numel() == E:
+        return s.reshape(E, 1).expand(E, N).contiguous()
+    raise ValueError(f"CutlassExpertsFp8: per-tensor {what} scale must have 1 or E = {E} elements, got shape "
+                     f"{tuple(scale.shape)}")
+
+
+class CutlassExpertsFp8(_CutlassExpertsBase):
+    """FP8 E4M3 W8A8 experts on ``torch._scaled_grouped_mm`` (CUTLASS SM90, row-wise fp32 scales).
+
+    Quant schemes (``FP8_SUPPORTED_W_A``; vLLM's CutlassExpertsFp8 claims ``VLLM_CUTLASS_FP8_W_A``):
+    weights per-tensor (scale ``(E,)``) or per-channel (``(E, N, 1)`` for w1, ``(E, K, 1)`` for w2); activations
+    static per-tensor, dynamic per-tensor or dynamic per-token. Every pair is expressed as ``scale_a (R,)`` (one
+    per routed row: the token's scale, or the tensor scale broadcast) and ``scale_b (E, N)``.
+
+    Shapes: hidden_states ``(M, K)`` float8_e4m3fn codes from prepare (``a1q_scale`` ``(M, 1)`` per token or
+    ``(1,)`` per tensor) or bf16 (quantized here with the config's a1 scheme); w1 ``(E, N, K)`` and w2
+    ``(E, K, I)`` float8_e4m3fn; output ``(M, K)`` bf16. K, N, I multiples of 16.
+
+    Rounding points: GEMM1 output bf16 (scales applied to the fp32 accumulator), activation bf16, a2 requantized
+    to FP8 (per token: dynamic; per tensor: static, or dynamic over this call's routed rows as vLLM's
+    ``scaled_fp8_quant`` on the whole intermediate), GEMM2 output bf16, weighted sum fp32 -> bf16 once.
+
+    Raises:
+        ValueError: non-FP8 weights, block-scaled or other unsupported schemes, bad scale shapes, misaligned
+            K/N/I, >= 1024 local experts, expert biases, non-bf16 output.
+    """
+
+    ALIGN = 16
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return (weight_key, activation_key) in FP8_SUPPORTED_W_A
+
+    @staticmethod
+    def _supports_shape(hidden_dim: int) -> bool:
+        return hidden_dim % CutlassExpertsFp8.ALIGN == 0
+
+    def _validate_quant_config(self) -> None:
+        self._scheme()
+        if self.quant_config.w1_bias is not None or self.quant_config.w2_bias is not None:
+            raise ValueError("CutlassExpertsFp8: expert biases are not supported (no bias epilogue in "
+                             "torch._scaled_grouped_mm)")
+
+    def _scheme(self) -> tuple[bool, bool]:
+        """(per-channel weights, per-token activations); raises ValueError for anything else."""
+        qc = self.quant_config
+        if not qc.use_fp8_w8a8:
+            raise ValueError(f"CutlassExpertsFp8 needs an FP8 W8A8 quant config, got {qc.scheme_name()}")
+        if qc.w1.shape not in ((-1, -1), (1, -1)) or qc.w2.shape != qc.w1.shape:
+            raise ValueError(f"CutlassExpertsFp8 supports per-tensor or per-channel weight scales, got group shape "
+                             f"{qc.w1.shape} (block-scaled FP8 is the deep_gemm / triton backends' job)")
+        if qc.a1.shape not in ((-1, -1), (1, -1)) or qc.a2.shape != qc.a1.shape:
+            raise ValueError(f"CutlassExpertsFp8 supports per-tensor or per-token activation scales, got "
+                             f"{qc.a1.shape} / {qc.a2.shape}")
+        per_token = qc.a1.shape == (1, -1)
+        if per_token and (qc.a1_scale is not None or qc.a2_scale is not None):
+            raise ValueError("CutlassExpertsFp8: per-token activation scales are dynamic; static per-token scales "
+                             "are not supported")
+        return qc.w1.shape == (1, -1), per_token
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        per_channel, per_token = self._scheme()
+        E, N, K = self._check_operands(output, hidden_states, w1, w2, topk_ids, activation, FP8)
+        I = w2.shape[2]
+        M = hidden_states.shape[0]
+        if M == 0:
+            return
+        qc = self.quant_config
+        # 1. a1 codes and their scales (prepare normally quantized already).
+        if hidden_states.dtype == FP8:
+            a1q, s1 = hidden_states, a1q_scale
+            if s1 is None:
+                raise ValueError("CutlassExpertsFp8: FP8 hidden_states need a1q_scale")
+        elif hidden_states.dtype == BF16:
+            a1q, s1 = (quant_fp8_per_token(hidden_states) if per_token
+                       else quant_fp8_per_tensor(hidden_states, qc.a1_scale))
+        else:
+            raise ValueError(f"CutlassExpertsFp8: hidden_states must be float8_e4m3fn codes or bf16, got "
+                             f"{hidden_states.dtype}")
+        plan = route_plan(topk_ids, E, expert_map)
+        R = plan.token.numel()
+        a = a1q.contiguous().view(torch.uint8).index_select(0, plan.token).view(FP8)
+        s1 = s1.float().reshape(-1)
+        if per_token:
+            if s1.numel() != M:
+                raise ValueError(f"CutlassExpertsFp8: per-token a1 scales must have M = {M} elements, got "
+                                 f"{s1.numel()}")
+            sa1 = s1.index_select(0, plan.token).contiguous()
+        else:
+            if s1.numel() != 1:
+                raise ValueError(f"CutlassExpertsFp8: per-tensor a1 scale must have 1 element, got {s1.numel()}")
+            sa1 = s1.expand(R).contiguous()
+        # 2. GEMM1 with scale_a per row, scale_b per output column.
+        h = scaled_grouped_mm_fp8(a, w1, sa1, _per_column_scales(qc.w1_scale, E, N, per_channel, "w1"), plan.offs)
+        # 3. Activation, requantization.
+        g = self._activation(activation, h, plan)
+        if per_token:
+            g8, sa2 = quant_fp8_per_token(g)
+        else:
+            g8, s2 = quant_fp8_per_tensor(g, a2_scale)
+            sa2 = s2.expand(R).contiguous()
+        # 4. GEMM2, weight and reduce.
+        y = scaled_grouped_mm_fp8(g8, w2, sa2.contiguous(), _per_column_scales(qc.w2_scale, E, K, per_channel, "w2"),
+                                  plan.offs)
+        assert y.shape == (R, K) and g8.shape == (R, I)
+        _weight_and_reduce(y, plan, topk_weights, apply_router_weight_on_input, output)
+
+
+class _UnsupportedOnSm90(_CutlassExpertsBase):
+    """A CUTLASS path of vLLM that needs SM100 (Blackwell): declared so the conformance matrix shows why it is
+    skipped; never claims support, and constructing it (or ``apply``) raises NotImplementedError."""
+
+    #: Why this class never runs here (shown by ``is_supported_config``).
+    unsupported_reason: str = ""
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return False
+
+    @staticmethod
+    def is_supported_config(cls, moe_config, weight_key, activation_key, activation_format):
+        cap = _device_capability()
+        where = f"this device is sm_{cap[0]}{cap[1]}" if cap else "no CUDA device here"
+        return False, f"kernel does not support current device: {cls.unsupported_reason} ({where})"
+
+    def _validate_quant_config(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__}: {self.unsupported_reason}")
+
+    def apply(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__}: {self.unsupported_reason}")
+
+
+class CutlassExpertsFp4(_UnsupportedOnSm90):
+    """vLLM's ``CutlassExpertsFp4`` (NVFP4: E2M1 + E4M3 per-16 block scales + fp32 global scale; seed 004
+    ``run_cutlass_moe_fp4``). Not available: SM100-only."""
+
+    unsupported_reason = ("CUTLASS NVFP4 grouped GEMMs need SM100 (Blackwell block-scaled tcgen05 MMA; "
+                          "torch._scaled_grouped_mm's NVFP4 path is fbgemm's SM100 kernel); SM90 has no FP4 MMA, "
+                          "and the cuda backend does not implement them")
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return (weight_key, activation_key) == (qk.kNvfp4Static, qk.kNvfp4Dynamic)
+
+
+class CutlassExpertsMxfp4(_UnsupportedOnSm90):
+    """vLLM's ``CutlassExpertsMxfp4`` (MXFP4 x MXFP4, E8M0 per-32 scales in CUTLASS's 32x4x4 swizzle; seed 004
+    ``run_cutlass_moe_mxfp4``). Not available: SM100-only."""
+
+    unsupported_reason = ("CUTLASS MXFP4 grouped GEMMs need SM100 (Blackwell block-scaled tcgen05 MMA; "
+                          "torch._scaled_grouped_mm's MXFP4 path is fbgemm's SM100 kernel); SM90 has no FP4 MMA, "
+                          "and the cuda backend does not implement them")
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return (weight_key, activation_key) == (qk.kMxfp4Static, qk.kMxfp4Dynamic)
