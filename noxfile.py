@@ -24,6 +24,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 # Sessions run on the interpreter that runs nox (3.11 on the CPU machines, 3.12 on the GPU machine).
 TORCH_SPEC = os.environ.get("MOE_TORCH_SPEC", "torch==2.13.0")
+TRITON_SPEC = os.environ.get("MOE_TRITON_SPEC", "triton==3.6.0")
 BACKENDS = ["torch", "triton", "deep_gemm", "cuda"]
 # Optional dependencies of each backend (pyproject extras).
 EXTRAS = {"triton": "triton", "deep_gemm": "deep_gemm"}
@@ -79,6 +80,10 @@ def conformance(session: nox.Session, backend: str) -> None:
 def tests(session: nox.Session) -> None:
     """Test the reference against independent oracles, and the harness (it must go red for broken backends)."""
     _install(session)
+    if not _passthrough(session):
+        # The Triton kernels run under TRITON_INTERPRET=1 on CPU (tests/test_triton_interpret.py); same Triton as
+        # the GPU machine.
+        session.install(TRITON_SPEC)
     session.run("python", "-m", "pytest", "tests", "-p", "no:cacheprovider", *session.posargs)
 
 

@@ -1,0 +1,262 @@
+"""Shared ``@triton.jit`` helpers of the triton backend: exact FP8/INT8 encoders, UE8M0 scale rounding, the MoE
+activations, and the act-dtype rounding used at every rounding point of ``reference.experts``.
+
+Why hand-written encoders: a backend is checked *bit-exactly* against ``reference.quant`` under a declared recipe, so
+every quantizer here computes its codes with IEEE operations whose result is specified bit for bit:
+
+* divisions use ``tl.math.div_rn`` (Triton's ``/`` on fp32 is ``div.full.f32``, an approximation on NVIDIA GPUs);
+* FP8 E4M3 codes are produced by :func:`fp8e4m3_code` (clamp to +-448, round-to-nearest-even on the E4M3 grid with the
+  ``(a + C) - C`` trick, then integer packing), identical to the hardware ``cvt.rn.satfinite.e4m3x2.f32`` on the
+  GPU and independent of the Triton interpreter's float converter (which truncates and mishandles NaN);
+* UE8M0 (power-of-two) scales come from the exponent bits, never from ``log2``/``exp2`` approximations.
+
+``EMU`` (constexpr) is True only under ``TRITON_INTERPRET=1``: the interpreter multiplies raw bf16 bit patterns in
+``tl.dot`` and truncates fp32 -> bf16, so in that mode operands are upcast before ``tl.dot`` and bf16 stores are
+rounded explicitly (RNE). On the GPU, ``EMU`` is False and the hardware paths are used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter implements ``tensor.__index__`` as ``int(array)`` on a 1-element array, which
+    numpy >= 2.3 refuses ("only 0-dimensional arrays can be converted"), so every ``for i in range(n)`` with a
+    runtime bound fails. Re-register ``__index__`` through ``.item()`` (interpreter mode only; no effect on GPU)."""
+    try:
+        from triton.runtime import interpreter as _interp
+    except ImportError:  # pragma: no cover - other triton layouts
+        return
+    orig = getattr(_interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_moe_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._moe_patched = True
+    _interp._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _patch_interpreter_index()
+
+# Activation codes shared by the kernels (constexpr ``ACT``); ``activation_code`` maps MoEActivation to them.
+ACT_NONE = 0  # identity (no activation: plain GEMM output)
+ACT_SILU = 1
+ACT_GELU = 2
+ACT_GELU_TANH = 3
+ACT_SWIGLUOAI = 4
+ACT_SWIGLUOAI_UNINTERLEAVE = 5
+ACT_SWIGLUSTEP = 6
+ACT_SILU_NO_MUL = 11
+ACT_GELU_NO_MUL = 12
+ACT_RELU2_NO_MUL = 13
+
+
+@triton.jit
+def round_to_bf16_grid(x):
+    """fp32 -> fp32 value on the bfloat16 grid, round-to-nearest-even (NaN kept, overflow -> inf as RNE does)."""
+    b = x.to(tl.int32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def to_act(x, DT: tl.constexpr, EMU: tl.constexpr):
+    """Round fp32 ``x`` to the activation dtype ``DT`` (one RNE rounding; exact emulation under the interpreter)."""
+    if EMU:
+        if DT == tl.bfloat16:
+            x = round_to_bf16_grid(x)
+    return x.to(DT)
+
+
+@triton.jit
+def mul_rn(a, b, EMU: tl.constexpr):
+    """IEEE fp32 product, never contracted into an FMA by the compiler (``mul.rn.f32`` on the GPU)."""
+    if EMU:
+        return a * b
+    else:
+        return libdevice.mul_rn(a, b)
+
+
+@triton.jit
+def _snap(a, c, EMU: tl.constexpr):
+    # (a + c) - c with explicit round-to-nearest adds (no contraction / reassociation possible)
+    if EMU:
+        return (a + c) - c
+    else:
+        return libdevice.sub_rn(libdevice.add_rn(a, c), c)
+
+
+@triton.jit
+def fp8e4m3_code(q, EMU: tl.constexpr = False):
+    """uint8 FP8 E4M3 code of fp32 ``q``: saturate to +-448 (inf too), round to nearest even, NaN -> 0x7F.
+
+    Bit-identical to ``reference.quant.to_e4m3_satfinite`` (clamp, then RNE cast) for every non-NaN input.
+    """
+    isnan = q != q
+    a = tl.minimum(tl.abs(q), 448.0)
+    ab = a.to(tl.int32, bitcast=True)
+    e = tl.maximum(((ab >> 23) & 0xFF) - 127, -6)
+    # C = 1.5 * 2^(e + 20): fp32 additions at C's binade round to multiples of 2^(e - 3), the E4M3 spacing for
+    # |q| in [2^e, 2^(e+1)) (2^-9 for subnormals); C's low mantissa bit is 0, so ties go to even codes.
+    c = (((e + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = _snap(a, c, EMU)
+    rb = r.to(tl.int32, bitcast=True)
+    er = ((rb >> 23) & 0xFF) - 127
+    code = tl.where(er >= -6, ((er + 7) << 3) | ((rb >> 20) & 7), (r * 512.0).to(tl.int32))
+    sign = (q.to(tl.int32, bitcast=True) >> 31) & 1
+    code = code | (sign << 7)
+    code = tl.where(isnan, 0x7F, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def int8_code(v, EMU: tl.constexpr = False):
+    """int8 of fp32 ``v``: round half to even, saturate to [-128, 127] (``cvt.rni`` on the GPU; the
+    ``(v + 1.5*2^23) - 1.5*2^23`` trick under the interpreter)."""
+    v = tl.minimum(tl.maximum(v, -128.0), 127.0)
+    if EMU:
+        r = ((v + 12582912.0) - 12582912.0).to(tl.int32)
+    else:
+        r = libdevice.float2int_rn(v)
+    return r.to(tl.int8)
+
+
+@triton.jit
+def ue8m0_round(s, floor, EXACT: tl.constexpr):
+    """Round positive fp32 scales up to powers of two.
+
+    ``EXACT`` (DeepGEMM ``ceil_to_ue8m0``): ``2^(e + (mantissa != 0))``, exponent clamped to [1, 254].
+    Otherwise vLLM's ``exp2f(ceilf(log2f(fmaxf(s, floor))))`` as torch evaluates it: ``log2`` of an fp32 value a few
+    ULPs above ``2^e`` rounds to the integer ``e``, so those values stay at ``2^e``. The band of mantissas that round
+    down is ``m <= floor(ln2 * 2^(E-1))`` with ``E = floor(log2 |e|)`` (half that when ``e = -2^E``, where the
+    fp32 spacing below ``|e|`` halves); checked against torch's CPU ``log2`` for every exponent in [-60, 20].
+    """
+    s = tl.maximum(s, floor)
+    b = s.to(tl.int32, bitcast=True)
+    ebits = (b >> 23) & 0xFF
+    m = b & 0x7FFFFF
+    if EXACT:
+        out_e = ebits + (m != 0).to(tl.int32)
+        out_e = tl.minimum(tl.maximum(out_e, 1), 254)
+    else:
+        e = ebits - 127
+        k = tl.abs(e)
+        E = ((k >= 2).to(tl.int32) + (k >= 4).to(tl.int32) + (k >= 8).to(tl.int32) + (k >= 16).to(tl.int32)
+             + (k >= 32).to(tl.int32) + (k >= 64).to(tl.int32) + (k >= 128).to(tl.int32))
+        # floor(ln2 * 2^(E-1)) for E = 0..7: 0 0 1 2 5 11 22 44;
+        # halved band (k a power of two, e < 0): 0 0 0 1 2 5 11 22
+        t_full = tl.where(E >= 7, 44, tl.where(E >= 6, 22, tl.where(E >= 5, 11, tl.where(
+            E >= 4, 5, tl.where(E >= 3, 2, tl.where(E >= 2, 1, 0))))))
+        t_half = tl.where(E >= 7, 22, tl.where(E >= 6, 11, tl.where(E >= 5, 5, tl.where(
+            E >= 4, 2, tl.where(E >= 3, 1, 0)))))
+        pow2neg = (e < 0) & ((k & (k - 1)) == 0)
+        t = tl.where(pow2neg, t_half, t_full)
+        t = tl.where(k == 0, 0, t)
+        out_e = ebits + (m > t).to(tl.int32)
+    return (out_e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_group_scale(amax, amax_floor, ue8m0_floor, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr,
+                    SCALE_INV: tl.constexpr):
+    """Group scale from fp32 amax under a recipe: ``max(amax, floor) / 448`` (or ``1 / (448 / amax)``),
+    UE8M0-rounded when asked."""
+    a = tl.maximum(amax, amax_floor)
+    if SCALE_INV:
+        s = tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), tl.math.div_rn(tl.full(a.shape, 448.0, tl.float32), a))
+    else:
+        s = tl.math.div_rn(a, tl.full(a.shape, 448.0, tl.float32))
+    if USE_UE8M0:
+        s = ue8m0_round(s, ue8m0_floor, UE8M0_EXACT)
+    return s
+
+
+@triton.jit
+def fp8_quant_rows(y, amax_floor, ue8m0_floor, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr,
+                   SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr, EMU: tl.constexpr = False):
+    """Quantize a ``[R, G]`` fp32 tile as R groups of G (one group per row): returns (uint8 codes, fp32 scales [R]).
+
+    A row holding NaN/inf is poisoned (scale NaN, codes 0x7F), as ``reference.quant`` defines. Masked-out columns
+    must be passed as 0.
+    """
+    ay = tl.abs(y)
+    bad = (y != y) | (ay == float("inf"))
+    nbad = tl.sum(bad.to(tl.int32), axis=1)
+    amax = tl.max(tl.where(bad, 0.0, ay), axis=1)
+    s = fp8_group_scale(amax, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV)
+    if RECIP_MUL:
+        inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        q = mul_rn(y, tl.broadcast_to(inv[:, None], y.shape), EMU)
+    else:
+        q = tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape))
+    codes = fp8e4m3_code(q, EMU)
+    poisoned = nbad > 0
+    codes = tl.where(poisoned[:, None], 0x7F, codes.to(tl.int32)).to(tl.uint8)
+    s = tl.where(poisoned, float("nan"), s)
+    return codes, s
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _gelu_erf(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_tanh(x):
+    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (1.0 + (2.0 * _sigmoid(2.0 * z) - 1.0))
+
+
+@triton.jit
+def apply_act(g, u, ACT: tl.constexpr, alpha, beta, limit, HAS_LIMIT: tl.constexpr):
+    """The MoE activation on fp32 gate ``g`` and up ``u`` (``u`` ignored by the *_NO_MUL forms and ACT_NONE).
+
+    Formulas as ``reference.activation.apply_moe_activation``; ``alpha``/``beta``/``limit`` are the resolved
+    values (defaults filled in on the host); ``HAS_LIMIT`` says whether SILU / SWIGLUOAI_UNINTERLEAVE clamp.
+    """
+    if ACT == 0:
+        y = g
+    elif ACT == 1:
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = g * _sigmoid(g) * u
+    elif ACT == 2:
+        y = _gelu_erf(g) * u
+    elif ACT == 3:
+        y = _gelu_tanh(g) * u
+    elif ACT == 4:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = (u + 1.0) * g * _sigmoid(alpha * g)
+    elif ACT == 5:
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = g * _sigmoid(alpha * g) * (u + beta)
+    elif ACT == 6:
+        y = tl.minimum(g * _sigmoid(g), limit) * tl.minimum(tl.maximum(u, -limit), limit)
+    elif ACT == 11:
+        y = g * _sigmoid(g)
+    elif ACT == 12:
+        y = _gelu_erf(g)
+    else:  # ACT == 13
+        r = tl.maximum(g, 0.0)
+        y = r * r
+    return y

@@ -1,0 +1,276 @@
+"""``moe_align_block_size`` in Triton: the exact layout of ``reference.align.moe_align_block_size``.
+
+Layout (see the reference): for each local expert ``e`` in increasing order, the flat route indices
+``i = t * topk + k`` of its routes in increasing order, padded with ``numel`` to a multiple of ``block_size``; one
+(local) expert id per block, ``-1`` for every block at or after ``num_tokens_post_padded``; routes whose expert is
+``-1``, out of range (when dropping) or mapped to ``-1`` by ``expert_map`` are dropped.
+
+Unlike vLLM's CUDA kernel (atomics: order within an expert is arbitrary), this implementation is deterministic and
+reproduces the reference's order exactly, in four launches and without host synchronization:
+
+1. ``torch.full`` fills ``sorted_token_ids`` with the padding value ``numel``;
+2. ``_align_count_kernel`` (one program per chunk of routes): local expert of every route, per-chunk per-expert
+   counts, and each route's rank among the routes of its expert inside the chunk (a one-hot prefix sum);
+3. ``_align_scan_kernel`` (one program): prefix sums over chunks -> each chunk's offset inside each expert's
+   segment, the padded segment starts/ends, ``num_tokens_post_padded``;
+4. ``_align_scatter_kernel`` (one program per chunk): writes every kept route at
+   ``start[e] + chunk_offset[c, e] + rank``, and fills a slice of ``expert_ids`` from the segment ends.
+
+All index arithmetic is int32 (the layout is refused when it does not fit, as the reference does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._host import INTERPRET, cdiv, check_device, next_pow2, round_up
+
+__all__ = ["moe_align_block_size", "count_expert_num_tokens", "align_routes", "max_num_tokens_padded"]
+
+_INT32_MAX = 2**31 - 1
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, counts_ptr, numel, num_ids,
+                        CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    m = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+    valid = m & (ids >= 0) & (ids < num_ids)
+    if HAS_MAP:
+        le = tl.load(emap_ptr + tl.where(valid, ids, 0), mask=valid, other=-1).to(tl.int32)
+    else:
+        le = ids
+    le = tl.where(valid, le, -1)
+    cols = tl.arange(0, E_PAD)
+    oh = (le[:, None] == cols[None, :]).to(tl.int32)
+    tl.store(counts_ptr + c * E_PAD + cols, tl.sum(oh, axis=0))
+    rank = tl.sum(tl.cumsum(oh, axis=0) * oh, axis=1) - 1
+    tl.store(local_ptr + offs, le, mask=m)
+    tl.store(rank_ptr + offs, rank, mask=m)
+
+
+@triton.jit
+def _align_scan_kernel(counts_ptr, off_ptr, end_ptr, ntpp_ptr, num_chunks, E,
+                       BS: tl.constexpr, E_PAD: tl.constexpr, CB: tl.constexpr):
+    cols = tl.arange(0, E_PAD)
+    carry = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, num_chunks, CB):
+        rows = c0 + tl.arange(0, CB)
+        m = (rows < num_chunks)[:, None]
+        ptrs = rows[:, None] * E_PAD + cols[None, :]
+        cnt = tl.load(counts_ptr + ptrs, mask=m, other=0)
+        excl = tl.cumsum(cnt, axis=0) - cnt + carry[None, :]
+        tl.store(off_ptr + ptrs, excl, mask=m)
+        carry += tl.sum(cnt, axis=0)
+    padded = tl.where(cols < E, (carry + BS - 1) // BS * BS, 0)
+    end = tl.cumsum(padded, axis=0)
+    tl.store(end_ptr + cols, end)
+    tl.store(ntpp_ptr, tl.sum(padded, axis=0))
+
+
+@triton.jit
+def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, expert_ids_ptr,
+                          numel, num_blocks, E, blocks_per_prog,
+                          CHUNK: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr):
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    m = offs < numel
+    le = tl.load(local_ptr + offs, mask=m, other=-1)
+    keep = m & (le >= 0)
+    lec = tl.where(keep, le, 0)
+    rank = tl.load(rank_ptr + offs, mask=keep, other=0)
+    end = tl.load(end_ptr + lec, mask=keep, other=0)
+    cnt_pad_start = tl.load(end_ptr + lec - 1, mask=keep & (lec > 0), other=0)
+    pos = cnt_pad_start + tl.load(off_ptr + c * E_PAD + lec, mask=keep, other=0) + rank
+    tl.store(sorted_ptr + pos, offs, mask=keep & (pos < end))
+    # expert id of blocks [c * blocks_per_prog, (c + 1) * blocks_per_prog)
+    cols = tl.arange(0, E_PAD)
+    ends = tl.load(end_ptr + cols)
+    ecol = cols < E
+    b_start = c * blocks_per_prog
+    b_stop = tl.minimum(b_start + blocks_per_prog, num_blocks)
+    for b0 in range(b_start, b_stop, BLK):
+        b = b0 + tl.arange(0, BLK)
+        p = b * BS
+        eid = tl.sum(((ends[None, :] <= p[:, None]) & ecol[None, :]).to(tl.int32), axis=1)
+        eid = tl.where(eid >= E, -1, eid)
+        tl.store(expert_ids_ptr + b, eid, mask=b < b_stop)
+
+
+def max_num_tokens_padded(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
+    """Length of ``sorted_token_ids`` (same rule as ``reference.align.max_num_tokens_padded``):
+    ``numel + E * (bs - 1)`` (rounded up to bs if ``pad_sorted_ids``), capped at ``numel * bs`` when
+    ``numel < E``; 0 when ``numel == 0``."""
+    padded = numel + num_experts * (block_size - 1)
+    if pad_sorted_ids:
+        padded = round_up(padded, block_size)
+    if numel < num_experts:
+        padded = min(numel * block_size, padded)
+    return padded
+
+
+def _chunk_sizes(e_pad: int) -> tuple[int, int]:
+    budget = 4096 if INTERPRET else 16384
+    chunk = max(16, min(1024, next_pow2(budget // e_pad) if budget >= e_pad else 16))
+    if chunk * e_pad > budget and chunk > 16:
+        chunk //= 2
+    cb = max(1, min(256, budget // e_pad))
+    cb = 1 << (cb.bit_length() - 1)
+    return chunk, cb
+
+
+def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert_map: torch.Tensor | None,
+                 num_ids: int, total_len: int):
+    """The layout kernels without argument checks (the experts' fast path).
+
+    Args:
+        topk_ids: ``(M, topk)`` integer ids (int32/int64), contiguous.
+        block_size: rows per block. num_slots: number of local experts (blocks carry ids in ``[0, num_slots)``).
+        expert_map: int ``(num_ids,)`` global -> local map or None (then ids are local ids).
+        num_ids: ids outside ``[0, num_ids)`` are dropped (``len(expert_map)``, or ``num_slots`` without a map).
+        total_len: length of ``sorted_token_ids`` (>= any layout: ``max_num_tokens_padded``).
+
+    Returns:
+        ``(sorted_token_ids int32 (total_len,), expert_ids int32 (cdiv(total_len, bs),),
+        num_tokens_post_padded int32 (1,), local_ids int32 (numel,))``; ``local_ids`` is each route's local expert,
+        -1 when dropped.
+    """
+    dev = topk_ids.device
+    numel = topk_ids.numel()
+    num_blocks = cdiv(total_len, block_size)
+    sorted_ids = torch.full((total_len,), numel, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty((num_blocks,), dtype=torch.int32, device=dev)
+    ntpp = torch.empty((1,), dtype=torch.int32, device=dev)
+    local = torch.empty((numel,), dtype=torch.int32, device=dev)
+    if numel == 0:
+        ntpp.zero_()
+        expert_ids.fill_(-1)
+        return sorted_ids, expert_ids, ntpp, local
+    e_pad = next_pow2(num_slots + 1)
+    chunk, cb = _chunk_sizes(e_pad)
+    num_chunks = cdiv(numel, chunk)
+    rank = torch.empty((numel,), dtype=torch.int32, device=dev)
+    counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
+    offs = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
+    ends = torch.empty((e_pad,), dtype=torch.int32, device=dev)
+    ids = topk_ids.reshape(-1)
+    emap = expert_map if expert_map is not None else ids  # dummy pointer when there is no map
+    _align_count_kernel[(num_chunks,)](ids, emap, local, rank, counts, numel, num_ids,
+                                       CHUNK=chunk, E_PAD=e_pad, HAS_MAP=expert_map is not None)
+    _align_scan_kernel[(1,)](counts, offs, ends, ntpp, num_chunks, num_slots, BS=block_size, E_PAD=e_pad, CB=cb)
+    blocks_per_prog = cdiv(num_blocks, num_chunks)
+    blk = max(16, min(128, next_pow2(blocks_per_prog), 8192 // e_pad))
+    _align_scatter_kernel[(num_chunks,)](local, rank, offs, ends, sorted_ids, expert_ids, numel, num_blocks,
+                                         num_slots, blocks_per_prog, CHUNK=chunk, E_PAD=e_pad, BS=block_size,
+                                         BLK=blk)
+    return sorted_ids, expert_ids, ntpp, local
+
+
+def _check_ids_and_map(fn, topk_ids, expert_map, num_slots, num_ids_no_map, drop_out_of_range_ids):
+    """Shared argument checks (reference semantics); returns (contiguous int ids, int32 map or None, num_ids)."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"{fn}: topk_ids must be a 2-D (M, topk) tensor, got "
+                         f"{tuple(topk_ids.shape) if isinstance(topk_ids, torch.Tensor) else type(topk_ids)}")
+    if topk_ids.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"{fn}: topk_ids must have a signed integer dtype, got {topk_ids.dtype}")
+    check_device(topk_ids, expert_map, what="topk_ids and expert_map")
+    ids = topk_ids.contiguous()
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.to(torch.int32)
+    emap, num_ids = None, num_ids_no_map
+    if expert_map is not None:
+        if expert_map.dim() != 1 or expert_map.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
+            raise ValueError(f"{fn}: expert_map must be a 1-D signed integer tensor, got {expert_map.dtype} "
+                             f"{tuple(expert_map.shape)}")
+        em = expert_map.to(torch.int64)
+        if bool(((em < -1) | (em >= num_slots)).any()):
+            raise ValueError(f"{fn}: expert_map values must lie in [-1, {num_slots})")
+        loc = em[em >= 0]
+        if loc.numel() != torch.unique(loc).numel():
+            raise ValueError(f"{fn}: expert_map maps two global experts to the same local expert")
+        emap, num_ids = expert_map.to(torch.int32).contiguous(), expert_map.numel()
+    if ids.numel() and not drop_out_of_range_ids:
+        bad = (ids < -1) | (ids >= num_ids)
+        if bool(bad.any()):
+            i = int(bad.reshape(-1).nonzero()[0, 0])
+            k = ids.size(1)
+            raise ValueError(f"{fn}: topk_ids[{i // k}, {i % k}] = {int(ids.reshape(-1)[i])} is outside "
+                             f"[0, {num_ids}) and is not the -1 sentinel (pass drop_out_of_range_ids=True to drop)")
+    return ids, emap, num_ids
+
+
+def count_expert_num_tokens(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    expert_map: torch.Tensor | None = None,
+    *,
+    drop_out_of_range_ids: bool = False,
+) -> torch.Tensor:
+    """Routes per local expert, int32 ``(num_local_experts,)`` (same contract as
+    ``reference.align.count_expert_num_tokens``; vLLM ``fused_moe/utils.py::count_expert_num_tokens``): the
+    per-chunk counts of ``_align_count_kernel`` summed on the device.
+
+    Raises:
+        ValueError: bad topk_ids / num_local_experts / expert_map; an out-of-range id (unless dropping).
+    """
+    fn = "count_expert_num_tokens"
+    if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or num_local_experts <= 0:
+        raise ValueError(f"{fn}: num_local_experts must be a positive int, got {num_local_experts!r}")
+    ids, emap, num_ids = _check_ids_and_map(fn, topk_ids, expert_map, num_local_experts, num_local_experts,
+                                            drop_out_of_range_ids)
+    numel = ids.numel()
+    if numel == 0:
+        return torch.zeros(num_local_experts, dtype=torch.int32, device=ids.device)
+    e_pad = next_pow2(num_local_experts + 1)
+    chunk, _ = _chunk_sizes(e_pad)
+    num_chunks = cdiv(numel, chunk)
+    local = torch.empty((numel,), dtype=torch.int32, device=ids.device)
+    rank = torch.empty_like(local)
+    counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=ids.device)
+    _align_count_kernel[(num_chunks,)](ids.reshape(-1), emap if emap is not None else ids, local, rank, counts,
+                                       numel, num_ids, CHUNK=chunk, E_PAD=e_pad, HAS_MAP=emap is not None)
+    return counts.sum(0, dtype=torch.int32)[:num_local_experts].contiguous()
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    expert_map: torch.Tensor | None = None,
+    pad_sorted_ids: bool = False,
+    *,
+    drop_out_of_range_ids: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the routes by expert, padding each expert's group to a multiple of ``block_size`` (Triton kernels).
+
+    Same signature, layout, dtypes and errors as ``reference.align.moe_align_block_size`` (which mirrors vLLM's
+    ``moe_align_block_size`` with ``ignore_invalid_experts=True``): ``(sorted_token_ids int32
+    (max_num_tokens_padded,), expert_ids int32 (cdiv(len, block_size),), num_tokens_post_padded int32 (1,))``,
+    padding value ``numel``, ``-1`` expert ids for unused blocks, non-local routes dropped under ``expert_map``.
+
+    The argument checks (id range, map validity) synchronize with the device; the experts call
+    :func:`align_routes` directly.
+
+    Raises:
+        ValueError: topk_ids not 2-D / not a signed integer tensor; block_size / num_experts not positive ints;
+            expert_map not 1-D of length num_experts, values outside [-1, num_experts) or duplicate local ids; an
+            id outside ``[0, num_experts)`` other than -1 (unless ``drop_out_of_range_ids``); a layout too large for
+            int32; tensors not on the kernels' device.
+    """
+    fn = "moe_align_block_size"
+    for name, v in (("block_size", block_size), ("num_experts", num_experts)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{fn}: {name} must be a positive int, got {v!r}")
+    if expert_map is not None and expert_map.dim() == 1 and expert_map.numel() != num_experts:
+        raise ValueError(f"{fn}: expert_map must have shape ({num_experts},), got {tuple(expert_map.shape)}")
+    ids, emap, _ = _check_ids_and_map(fn, topk_ids, expert_map, num_experts, num_experts, drop_out_of_range_ids)
+    numel = ids.numel()
+    total_len = max_num_tokens_padded(numel, num_experts, block_size, pad_sorted_ids) if numel else 0
+    if total_len > _INT32_MAX:
+        raise ValueError(f"{fn}: sorted_token_ids would need {total_len} int32 entries (> 2**31 - 1)")
+    sorted_ids, expert_ids, ntpp, _ = align_routes(ids, block_size, num_experts, emap, num_experts, total_len)
+    return sorted_ids, expert_ids, ntpp

@@ -1,0 +1,139 @@
+"""Launch configurations of the fused-MoE GEMMs: tuned tables (JSON, written by ``tune.py``) and defaults.
+
+A table is one JSON file per ``(E, N, device, dtype, block shape)`` in ``backends/triton/configs/``, named as vLLM
+names its tables (``E={E},N={N},device_name={dev}[,dtype={dtype}][,block_shape=[bn,bk]].json``, N = the
+intermediate size I = ``w2.shape[2]``). Content::
+
+    {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
+                       USE_TMA, FUSE_ACT, FUSE_QUANT},
+             "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA}},
+     ...}
+
+``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. The entry whose ``M``
+is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
+table) :func:`default_config` chooses by tokens per expert.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ._host import INTERPRET
+
+__all__ = ["CONFIG_DIR", "config_file_name", "device_name", "load_table", "default_config", "get_config",
+           "sanitize_config"]
+
+CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_name("configs")))
+
+_G1_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
+            "FUSE_ACT", "FUSE_QUANT")
+
+
+def device_name() -> str:
+    """``torch.cuda.get_device_name()`` with spaces and dashes as underscores (vLLM's rule), or ``"interpreter"``."""
+    if INTERPRET or not torch.cuda.is_available():
+        return "interpreter" if INTERPRET else "cpu"
+    return torch.cuda.get_device_name().replace(" ", "_").replace("-", "_")
+
+
+def config_file_name(E: int, N: int, dtype: str | None, block_shape=None, dev: str | None = None) -> str:
+    """vLLM's table name: ``E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]].json``."""
+    dev = dev or device_name()
+    d = f",dtype={dtype}" if dtype else ""
+    b = f",block_shape=[{block_shape[0]},{block_shape[1]}]" if block_shape else ""
+    return f"E={E},N={N},device_name={dev}{d}{b}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(E: int, N: int, dtype: str | None, block_shape: tuple | None, dev: str) -> dict[int, dict] | None:
+    """The tuned table for this shape, keyed by int M, or None when no file exists."""
+    path = CONFIG_DIR / config_file_name(E, N, dtype, block_shape, dev)
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        raw = json.load(f)
+    return {int(m): v for m, v in raw.items()}
+
+
+def default_config(M: int, E: int, N: int, K: int, topk: int, dtype: str | None, block_shape=None) -> dict:
+    """Heuristic configs by average routes per expert ``T = M * topk / E`` (decode: small BLOCK_M, long K tiles
+    to stream weights; prefill: 64/128-row tiles, grouped ordering for L2 reuse)."""
+    if INTERPRET:  # small tiles: the interpreter runs every program in numpy
+        bm = 16
+        g1 = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=1)
+        g2 = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=1)
+        if block_shape is not None:
+            g1.update(BLOCK_SIZE_N=block_shape[0], BLOCK_SIZE_K=min(64, block_shape[1]))
+            g2.update(BLOCK_SIZE_K=min(64, block_shape[1]))
+        return {"gemm1": g1, "gemm2": g2}
+    fp8 = dtype in ("fp8_w8a8", "int8_w8a8")
+    T = M * topk / max(E, 1)
+    bk = 128 if fp8 else 64
+    if T <= 16:
+        g1 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128 if not fp8 else 256, GROUP_SIZE_M=1,
+                  num_warps=4, num_stages=4)
+        g2 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128 if not fp8 else 256, GROUP_SIZE_M=1,
+                  num_warps=4, num_stages=4)
+    elif T <= 64:
+        g1 = dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=bk * 2 if not fp8 else bk, GROUP_SIZE_M=1,
+                  num_warps=4, num_stages=4)
+        g2 = dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=128, BLOCK_SIZE_K=bk, GROUP_SIZE_M=1, num_warps=4, num_stages=4)
+    elif T <= 192:
+        g1 = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, num_warps=4, num_stages=4)
+        g2 = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, num_warps=4, num_stages=4)
+    else:
+        g1 = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=64, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
+        g2 = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
+    if block_shape is not None:
+        # block scales: a K tile must stay inside one scale group; fuse the 1x128 requant into GEMM1 (BLOCK_N 128)
+        for g in (g1, g2):
+            g["BLOCK_SIZE_K"] = block_shape[1]
+        g1["BLOCK_SIZE_N"] = block_shape[0]
+        if g1["BLOCK_SIZE_M"] == 128:
+            g1["BLOCK_SIZE_M"] = g2["BLOCK_SIZE_M"] = 64
+            g1["num_warps"] = 8
+    return {"gemm1": g1, "gemm2": g2}
+
+
+def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
+    """Fill optional keys and enforce the constraints the kernels rely on (raises ValueError when violated)."""
+    out = {"gemm1": dict(cfg["gemm1"]), "gemm2": dict(cfg["gemm2"])}
+    for g in out.values():
+        g.setdefault("GROUP_SIZE_M", 1)
+        g.setdefault("num_warps", 4)
+        g.setdefault("num_stages", 3)
+        g.setdefault("USE_TMA", 0)
+        for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
+            v = g[k]
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{k}={v} must be a power of two >= 16")
+        if block_shape is not None and block_shape[1] % g["BLOCK_SIZE_K"]:
+            raise ValueError(f"BLOCK_SIZE_K={g['BLOCK_SIZE_K']} must divide the scale group {block_shape[1]} "
+                             "(a K tile spanning two groups would use one scale: vLLM #52576)")
+    out["gemm1"].setdefault("FUSE_ACT", 1)
+    out["gemm1"].setdefault("FUSE_QUANT", 1)
+    if out["gemm1"]["BLOCK_SIZE_M"] != out["gemm2"]["BLOCK_SIZE_M"]:
+        raise ValueError("gemm1 and gemm2 must use the same BLOCK_SIZE_M (the route layout's block)")
+    return out
+
+
+def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: str | None, block_shape=None,
+               override: dict | None = None) -> dict:
+    """The config for a batch of ``M`` tokens: ``override``, else the tuned table's nearest M, else the default."""
+    if override is not None:
+        return sanitize_config(override, block_shape=block_shape)
+    table = load_table(E, N, dtype, tuple(block_shape) if block_shape else None, device_name())
+    if table:
+        m = min(table, key=lambda x: abs(x - M))
+        # a tuned entry for a very different batch (e.g. a prefill entry for decode) is worse than the default
+        if max(m, M) <= 8 * max(min(m, M), 1):
+            try:
+                return sanitize_config(table[m], block_shape=block_shape)
+            except (KeyError, ValueError):
+                pass
+    return sanitize_config(default_config(M, E, N, K, topk, dtype, block_shape), block_shape=block_shape)

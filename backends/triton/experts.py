@@ -1,0 +1,665 @@
+"""``TritonExperts``: the Triton fused-MoE experts step (Standard activation format), and its functional form.
+
+Pipeline of one call (``run_experts``), for ``M`` tokens, ``topk`` routes each, ``E`` local experts::
+
+    align       align_routes(topk_ids)            -> sorted route ids (blocks of BLOCK_M per expert), expert ids
+    GEMM1       fused_moe_kernel(A = a1q rows gathered by route // topk, W = w1)
+                  FUSE_ACT:   gate+up tiles in one program, activation in the epilogue -> C2 (sorted rows, I cols)
+                  FUSE_QUANT: + FP8 1x128 requantization in the epilogue (block-FP8)  -> C2 codes + scales
+                  otherwise:  plain GEMM -> C1 (sorted rows, N cols); act_quant_kernel -> C2
+    [requant]   act_quant_kernel (per-token / per-tensor a2 schemes)                   -> C2 codes + scales
+    GEMM2       fused_moe_kernel(A = C2 contiguous sorted rows, W = w2)               -> C3 (route rows, K)
+    reduce      moe_sum_kernel: out[t] = sum_k w[t,k] * C3[t*topk+k] over local routes, fp32, one rounding
+
+Rounding points are the reference's (``reference.experts``): GEMM1 output, activation output, GEMM2 output, final
+sum, each one RNE rounding to the activation dtype; router weights are applied in fp32 in the final sum (the
+reference's order: weight the rounded expert output, sum in fp32, round once). Routes to experts not held here
+(``expert_map`` -1, id -1 or out of range) contribute nothing.
+
+Quantization schemes (``FusedMoEQuantConfig`` -> kernel modes, see ``plan_quant``):
+
+=============================  =====================  ===========================================
+weights (w1/w2)                activations (a1/a2)    GEMM dequantization
+=============================  =====================  ===========================================
+bf16 / fp16 / fp32             same                   none (fp32: IEEE fp32 dot)
+fp8 per-tensor (per expert)    fp8 per-tensor / token acc * a_s * w_s[e] in the epilogue
+fp8 per-channel                fp8 per-token / tensor acc * a_s[row] * w_s[e, n] in the epilogue
+fp8 128x128 blocks             fp8 1x128 dynamic      per K tile: dot * a_s[row, kb] * w_s[e, nb, kb]
+int8 per-channel               int8 per-token         int32 acc * a_s[row] * w_s[e, n]
+=============================  =====================  ===========================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from reference.activation import MoEActivation, adjust_N_for_activation
+from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig
+from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, TopKWeightAndReduceNoOP
+
+from . import configs as _configs
+from ._host import (
+    INTERPRET,
+    SUPPORTED_ACTIVATIONS,
+    act_params,
+    activation_code,
+    cdiv,
+    check_device,
+    fp8_capable,
+    next_pow2,
+    recipe_params,
+    round_up,
+)
+from .align import align_routes, max_num_tokens_padded
+from .kernels import (
+    QMODE_FP8_GROUP,
+    QMODE_FP8_STATIC,
+    QMODE_FP8_TENSOR_AMAX,
+    QMODE_FP8_TENSOR_QUANT,
+    QMODE_FP8_TOKEN,
+    QMODE_INT8_STATIC,
+    QMODE_INT8_TOKEN,
+    QMODE_NONE,
+    fused_moe_kernel,
+    moe_sum_kernel,
+)
+from .quant import launch_act_quant as _launch_act_quant
+from .quant import quantize_activation
+
+__all__ = ["TritonExperts", "fused_experts", "run_experts", "plan_quant", "QuantPlan", "quantize_activation",
+           "layout_rows"]
+
+_FP8 = torch.float8_e4m3fn
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_GATED_HALVES = {MoEActivation.SILU, MoEActivation.GELU, MoEActivation.GELU_TANH,
+                 MoEActivation.SWIGLUOAI_UNINTERLEAVE, MoEActivation.SWIGLUSTEP}
+
+# A_SCALE / B_SCALE modes of fused_moe_kernel
+_S_NONE, _S_TENSOR, _S_ROW, _S_GROUP = 0, 1, 2, 3
+# Diagnostics switches (environment): MOE_TRITON_BSCALAR=0 loads 128x128 weight scales per column instead of one
+# scalar per K tile.
+FLAGS = {"b_scalar": os.environ.get("MOE_TRITON_BSCALAR", "1") != "0"}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# quantization plan
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """What the kernels do for one ``FusedMoEQuantConfig``.
+
+    ``a1_mode``: A_SCALE of GEMM1 (how ``a1q_scale`` is laid out); ``b_mode``: B_SCALE of both GEMMs;
+    ``a2_qmode``: the act_quant mode that produces GEMM2's input (None: unquantized); ``a2_mode``: A_SCALE of GEMM2;
+    ``a1_qmode``: the mode ``quantize_activation`` uses for a1; ``cfg_dtype``: the config tables' dtype tag.
+    """
+
+    kind: str  # "none" | "fp8" | "int8"
+    a1_mode: int
+    b_mode: int
+    a2_mode: int
+    a1_qmode: int | None
+    a2_qmode: int | None
+    block_shape: tuple[int, int] | None
+    group_k: int
+    cfg_dtype: str | None
+    recipe: object
+    use_ue8m0: bool
+
+
+def plan_quant(qc: FusedMoEQuantConfig) -> QuantPlan:
+    """Resolve a quant config into kernel modes.
+
+    Raises:
+        NotImplementedError: a format the triton backend does not implement (MX, NVFP4, INT4, mixed precisions,
+            dynamic per-tensor INT8 activations, static per-token activation scales).
+        ValueError: inconsistent descriptors (e.g. block weights without 1xbk activation groups).
+    """
+    w1, w2, a1, a2 = qc.w1, qc.w2, qc.a1, qc.a2
+    if w1.dtype is None and w2.dtype is None and a1.dtype is None and a2.dtype is None:
+        return QuantPlan("none", _S_NONE, _S_NONE, _S_NONE, None, None, None, 128, None, qc.recipe, False)
+    dts = {w1.dtype, w2.dtype, a1.dtype, a2.dtype}
+    if len(dts) != 1 or next(iter(dts)) not in (_FP8, torch.int8):
+        raise NotImplementedError(
+            f"triton backend: quantization {w1.dtype}/{w2.dtype} weights x {a1.dtype}/{a2.dtype} activations is not "
+            "implemented (supported: fp8 e4m3 W8A8 per-tensor/per-channel/128x128-block, int8 W8A8 per-channel)")
+    dt = next(iter(dts))
+    if w1.shape != w2.shape or a1.shape != a2.shape:
+        raise NotImplementedError("triton backend: w1/w2 (and a1/a2) must use the same quantization group shape")
+    ws = w1.shape or (-1, -1)
+    acts = a1.shape or (-1, -1)
+    block = None
+    if ws[0] > 1 and ws[1] > 1:
+        if dt != _FP8:
+            raise NotImplementedError("triton backend: block-quantized weights are implemented for fp8 only")
+        if acts != (1, ws[1]):
+            raise ValueError(f"block weights {ws} need 1x{ws[1]} dynamic activation groups, got {acts}")
+        if a1.scale is not None or a2.scale is not None:
+            raise NotImplementedError("triton backend: static activation scales with block weights")
+        block = (int(ws[0]), int(ws[1]))
+        return QuantPlan("fp8", _S_GROUP, _S_GROUP, _S_GROUP, QMODE_FP8_GROUP, QMODE_FP8_GROUP, block, block[1],
+                         "fp8_w8a8", qc.recipe, bool(qc.use_ue8m0))
+    if ws == (1, -1):
+        b_mode = _S_ROW  # per output channel
+    elif ws == (-1, -1):
+        b_mode = _S_TENSOR
+    else:
+        raise NotImplementedError(f"triton backend: weight group shape {ws} is not implemented")
+
+    def act_modes(desc, which):
+        shape = desc.shape or (-1, -1)
+        if shape == (1, -1):
+            if desc.scale is not None:
+                raise NotImplementedError(f"triton backend: static per-token {which} scales")
+            return _S_ROW, (QMODE_FP8_TOKEN if dt == _FP8 else QMODE_INT8_TOKEN)
+        if shape == (-1, -1):
+            if desc.scale is not None:
+                return _S_TENSOR, (QMODE_FP8_STATIC if dt == _FP8 else QMODE_INT8_STATIC)
+            if dt == torch.int8:
+                raise NotImplementedError(f"triton backend: dynamic per-tensor int8 {which} quantization "
+                                          "(the reference does not define it either)")
+            return _S_TENSOR if which == "a1" else _S_ROW, QMODE_FP8_TENSOR_AMAX
+        raise NotImplementedError(f"triton backend: {which} group shape {shape} is not implemented")
+
+    a1_mode, a1_q = act_modes(a1, "a1")
+    a2_mode, a2_q = act_modes(a2, "a2")
+    return QuantPlan("fp8" if dt == _FP8 else "int8", a1_mode, b_mode, a2_mode, a1_q, a2_q, None, 128,
+                     "fp8_w8a8" if dt == _FP8 else "int8_w8a8", qc.recipe, bool(qc.use_ue8m0))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def layout_rows(numel: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted route layout (and of the intermediate buffers): ``max_num_tokens_padded`` rounded up to
+    ``block_m`` so that no tile reads past the end."""
+    return round_up(max(max_num_tokens_padded(numel, num_experts, block_m), 1), block_m)
+
+
+def _fusion(activation: MoEActivation) -> int:
+    if activation is MoEActivation.SWIGLUOAI:
+        return 2
+    if activation in _GATED_HALVES:
+        return 1
+    return 3
+
+
+def _bytes_region(ws: torch.Tensor | None, nbytes: int, device) -> torch.Tensor:
+    """A flat uint8 view of ``ws`` if it is contiguous and large enough, else a fresh allocation."""
+    if ws is not None and ws.is_contiguous() and ws.numel() * ws.element_size() >= nbytes:
+        return ws.reshape(-1).view(torch.uint8)[:nbytes]
+    return torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
+
+
+def _view(buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    return buf[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def _scale_strides(s: torch.Tensor | None, mode: int, E: int, nw: int):
+    """``(tensor, stride_e, stride_n, stride_k)`` for a weight scale in mode 1 (per expert), 2 (per channel), 3."""
+    if mode == _S_NONE or s is None:
+        if mode != _S_NONE:
+            raise ValueError("quantized weights need weight scales (quant_config.w1_scale / w2_scale)")
+        return None, 0, 0, 0
+    s = s.to(torch.float32)
+    if mode == _S_TENSOR:
+        if s.numel() == 1:
+            return s.reshape(1), 0, 0, 0
+        if s.numel() != E:
+            raise ValueError(f"per-tensor weight scales must have 1 or E={E} elements, got {tuple(s.shape)}")
+        s = s.reshape(E).contiguous()
+        return s, 1, 0, 0
+    if mode == _S_ROW:
+        if s.numel() != E * nw:
+            raise ValueError(f"per-channel weight scales must have E*N={E}*{nw} elements, got {tuple(s.shape)}")
+        s = s.reshape(E, nw)
+        return s, s.stride(0), s.stride(1), 0
+    if s.dim() != 3 or s.size(0) != E:
+        raise ValueError(f"block weight scales must be (E, N/bn, K/bk), got {tuple(s.shape)}")
+    return s, s.stride(0), s.stride(1), s.stride(2)
+
+
+def _tma_ok(t: torch.Tensor, inner: int) -> bool:
+    return (t.is_contiguous() and t.data_ptr() % 16 == 0 and (inner * t.element_size()) % 16 == 0)
+
+
+def _descriptor(t2d: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t2d, block)
+
+
+def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mode=0, bias=None,
+                 sorted_ids, expert_ids, ntpp, rows, num_valid, top_k, a_gather, c_sorted, n_out,
+                 fuse, act, act_dtype, alpha=1.0, beta=0.0, limit=0.0, has_limit=False,
+                 out_quant=False, rp=None, use_ue8m0=False, group_n=128, group_k=128, cfg, int8=False):
+    """Launch ``fused_moe_kernel`` for one GEMM (see its docstring for the modes)."""
+    E, NW, K = w.shape
+    BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    up_off = n_out if fuse == 1 else 0
+    ws, sbe, sbn, sbk = _scale_strides(w_scale, b_mode, E, NW)
+    if a_mode == _S_GROUP:
+        asm, ask = a_scale.stride(0), a_scale.stride(1)
+    elif a_mode == _S_ROW:
+        asm, ask = a_scale.stride(0), 0
+    else:
+        asm, ask = 0, 0
+    use_tma = bool(cfg.get("USE_TMA", 0))
+    tma_b = use_tma and _tma_ok(w, K)
+    tma_a = use_tma and not a_gather and _tma_ok(a, K)
+    bn_load = 2 * BN if fuse == 2 else BN
+    b_desc = _descriptor(w.view(E * NW, K), [bn_load, BK]) if tma_b else None
+    a_desc = _descriptor(a, [BM, BK]) if tma_a else None
+    if bias is not None:
+        sbias_e, sbias_n = bias.stride(0), bias.stride(1)
+    else:
+        sbias_e = sbias_n = 0
+    # one block scale per K tile when every tile's rows (and up rows) stay inside one GROUP_N block
+    b_scalar = (FLAGS["b_scalar"] and b_mode == _S_GROUP and group_n % bn_load == 0
+                and (fuse != 1 or up_off % group_n == 0) and (NW % bn_load == 0))
+    grid = (cdiv(rows, BM) * cdiv(n_out, BN),)
+    fused_moe_kernel[grid](
+        a, w, c, cs, a_scale, ws, bias, a_desc, b_desc,
+        sorted_ids, expert_ids, ntpp,
+        n_out, K, rows, num_valid, up_off, NW,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
+        asm, ask, sbe, sbn, sbk, sbias_e, sbias_n,
+        cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
+        alpha, beta, limit,
+        rp["amax_floor"] if rp else 0.0, rp["ue8m0_floor"] if rp else 0.0,
+        GROUP_N=group_n, GROUP_K=group_k,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1),
+        TOP_K=top_k, A_GATHER=a_gather, C_SORTED=c_sorted,
+        A_SCALE=a_mode, B_SCALE=b_mode, B_SCALAR=b_scalar, INT8=int8, HAS_BIAS=bias is not None,
+        FUSE=fuse, ACT=act, HAS_LIMIT=has_limit, ACT_DT=_TL_DTYPES[act_dtype],
+        OUT_QUANT=out_quant, USE_UE8M0=use_ue8m0,
+        UE8M0_EXACT=rp["UE8M0_EXACT"] if rp else False, SCALE_INV=rp["SCALE_INV"] if rp else False,
+        RECIP_MUL=rp["RECIP_MUL"] if rp else False,
+        EVEN_K=K % BK == 0, TMA_A=tma_a, TMA_B=tma_b, EMU=INTERPRET,
+        DOT_PREC="ieee" if act_dtype == torch.float32 else "tf32",
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the experts step
+# --------------------------------------------------------------------------------------------------------------
+
+
+def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor | None, w1: torch.Tensor,
+                w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: MoEActivation,
+                expert_map: torch.Tensor | None, num_ids: int, qc: FusedMoEQuantConfig, plan: QuantPlan,
+                cfg: dict, ws13: torch.Tensor | None = None, ws2: torch.Tensor | None = None,
+                apply_router_weight_on_input: bool = False, a2_scale: torch.Tensor | None = None,
+                layout: tuple | None = None, stages: str = "all") -> torch.Tensor:
+    """The experts step on already-quantized input: writes ``out (M, K)`` (activation dtype) and returns it.
+
+    ``layout``: a precomputed ``align_routes`` result for this ``topk_ids`` and ``BLOCK_SIZE_M`` (benchmarks);
+    ``stages``: ``"all"``; ``"gemms"`` = GEMM1 (+ activation / requantization) and GEMM2 only; ``"gemm1"`` /
+    ``"gemm2"`` = one of them (the tuner; with explicit workspaces so GEMM2 reads what GEMM1 left).
+
+    Args:
+        a1q: ``(M, K)`` input (bf16/fp16/fp32, or fp8/int8 codes per ``plan``); a1q_scale its scales.
+        w1 ``(E, N, K)``, w2 ``(E, K, I)``: local experts (codes when quantized; scales in ``qc``).
+        topk_weights ``(M, topk)`` fp32, topk_ids ``(M, topk)`` int: global ids (mapped by ``expert_map``).
+        num_ids: ids outside ``[0, num_ids)`` are dropped (``len(expert_map)`` or E).
+        cfg: ``configs.get_config(...)`` result. ws13 / ws2: optional workspaces (see ``TritonExperts``).
+    """
+    M, K = a1q.shape
+    E, NW1, K1 = w1.shape
+    I = w2.shape[2]
+    topk = topk_ids.shape[1]
+    numel = M * topk
+    act_dtype = out.dtype
+    dev = a1q.device
+    if M == 0:
+        return out
+    g1, g2 = cfg["gemm1"], cfg["gemm2"]
+    BM = g1["BLOCK_SIZE_M"]
+    rows = layout_rows(numel, E, BM)
+    ids = topk_ids if topk_ids.is_contiguous() and topk_ids.dtype in (torch.int32, torch.int64) \
+        else topk_ids.contiguous().to(torch.int32)
+    emap = expert_map.to(torch.int32).contiguous() if expert_map is not None and expert_map.dtype != torch.int32 \
+        else expert_map
+    if layout is None:
+        layout = align_routes(ids, BM, E, emap, num_ids, rows)
+    sorted_ids, expert_ids, ntpp, local = layout
+
+    act = activation_code(activation)
+    alpha, beta, limit, has_limit = act_params(activation, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
+    fuse = _fusion(activation) if g1.get("FUSE_ACT", 1) else 0
+    split = {1: 1, 2: 2, 3: 0}[_fusion(activation)]
+    quant = plan.kind != "none"
+    int8 = plan.kind == "int8"
+    rp = recipe_params(plan.recipe) if quant else None
+    group = plan.group_k
+    G2 = cdiv(I, group)
+    a2q_dtype = torch.int8 if int8 else (_FP8 if quant else act_dtype)
+    elt = torch.empty((), dtype=act_dtype).element_size()
+    out_quant = bool(fuse and plan.a2_qmode == QMODE_FP8_GROUP and g1.get("FUSE_QUANT", 1)
+                     and g1["BLOCK_SIZE_N"] == group and I % group == 0)
+    if plan.a2_qmode == QMODE_FP8_GROUP and I % group:
+        raise ValueError(f"block-FP8 requantization needs I % {group} == 0, got I = {I}")
+
+    # ---- ws13: GEMM2's input (C2 codes + scales, or C2 in act dtype)
+    c2_bytes = rows * I * (1 if quant else elt)
+    s_off = round_up(c2_bytes, 16)
+    s_cols = G2 if plan.a2_qmode == QMODE_FP8_GROUP else 1
+    buf13 = _bytes_region(ws13, s_off + rows * s_cols * 4, dev)
+    c2 = _view(buf13, 0, (rows, I), a2q_dtype if quant else act_dtype)
+    c2s = _view(buf13, s_off, (rows, s_cols), torch.float32) if quant else None
+    # ---- ws2: C1 (unfused GEMM1 output) or the pre-quant C2, then C3 (GEMM2 output by route)
+    c1_cols = 0 if fuse and (out_quant or not quant) else (I if fuse else NW1)
+    buf2 = _bytes_region(ws2, max(rows * c1_cols, numel * K) * elt, dev)
+    c3 = _view(buf2, 0, (numel, K), act_dtype)
+
+    w1_bias, w2_bias = qc.w1_bias, qc.w2_bias
+    common = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, num_valid=numel,
+                  top_k=topk, act_dtype=act_dtype, rp=rp, use_ue8m0=plan.use_ue8m0, int8=int8,
+                  group_n=plan.block_shape[0] if plan.block_shape else 128, group_k=group)
+    c2_view = c2.view(torch.uint8) if quant and not int8 else c2
+    # ---- GEMM1 (+ activation (+ requantization))
+    if stages == "gemm2":
+        pass
+    elif fuse and (out_quant or not quant):
+        _launch_gemm(a=a1q, w=w1, c=c2_view, cs=c2s if out_quant else None, a_scale=a1q_scale, a_mode=plan.a1_mode,
+                     w_scale=qc.w1_scale, b_mode=plan.b_mode, bias=w1_bias, a_gather=True, c_sorted=True, n_out=I,
+                     fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit,
+                     out_quant=out_quant, cfg=g1, **common)
+    else:
+        c1 = _view(buf2, 0, (rows, c1_cols), act_dtype)
+        _launch_gemm(a=a1q, w=w1, c=c1, a_scale=a1q_scale, a_mode=plan.a1_mode, w_scale=qc.w1_scale,
+                     b_mode=plan.b_mode, bias=w1_bias, a_gather=True, c_sorted=True, n_out=I if fuse else NW1,
+                     fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit, cfg=g1,
+                     **common)
+        aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,
+                  up_off=I if split == 1 else 0, num_e=1, block_m=BM, act_dtype=act_dtype, rp=rp,
+                  use_ue8m0=plan.use_ue8m0, group=group, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit)
+        if fuse:
+            aq.update(act=0, split=0, up_off=0)
+        else:
+            aq.update(act=act, split=split)
+        qm = plan.a2_qmode if quant else QMODE_NONE
+        if qm == QMODE_FP8_TENSOR_AMAX:
+            # one scale over all routed rows of the call (reference: vLLM quantizes intermediate_cache2 at once)
+            stat = torch.zeros(2, dtype=torch.float32, device=dev)
+            _launch_act_quant(x=c1, y=c2_view, stat=stat, qmode=QMODE_FP8_TENSOR_AMAX, **aq)
+            _launch_act_quant(x=c1, y=c2_view, ys=c2s, stat=stat, qmode=QMODE_FP8_TENSOR_QUANT, **aq)
+        else:
+            a2s = None
+            if qm in (QMODE_FP8_STATIC, QMODE_INT8_STATIC):
+                a2s = (a2_scale if a2_scale is not None else qc.a2_scale).reshape(1).to(torch.float32)
+            _launch_act_quant(x=c1, y=c2_view, ys=c2s, a2s=a2s, qmode=qm, **aq)
+    if stages == "gemm1":
+        return out
+    # ---- GEMM2
+    a2_scale_arg, a2_mode = None, _S_NONE
+    if quant:
+        a2_mode = plan.a2_mode
+        if a2_mode == _S_TENSOR:
+            a2_scale_arg = (a2_scale if a2_scale is not None else qc.a2_scale).reshape(1).to(torch.float32)
+        elif a2_mode == _S_ROW:
+            a2_scale_arg = c2s[:, :1]
+        else:
+            a2_scale_arg = c2s
+    _launch_gemm(a=c2, w=w2, c=c3, a_scale=a2_scale_arg, a_mode=a2_mode, w_scale=qc.w2_scale, b_mode=plan.b_mode,
+                 bias=w2_bias, a_gather=False, c_sorted=False, n_out=K, fuse=0, act=0, cfg=g2, **common)
+    if stages == "gemms":
+        return out
+    # ---- weighted top-k sum
+    bk = min(next_pow2(K), 128 if INTERPRET else 1024)
+    tw = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
+    moe_sum_kernel[(M, cdiv(K, bk))](
+        c3, tw, local, out, K, c3.stride(0), tw.stride(0), out.stride(0),
+        TOPK=topk, BLOCK_K=bk, APPLY_W=not apply_router_weight_on_input, EMU=INTERPRET, num_warps=4)
+    return out
+
+
+def _check_ids(topk_ids: torch.Tensor, num_ids: int) -> None:
+    """Reject ids outside [-1, num_ids) with a clear error (-1 = no route). Costs one device-to-host copy, so it is
+    skipped while a CUDA graph is being captured (the kernels drop such ids rather than read out of bounds)."""
+    if topk_ids.is_floating_point():
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if topk_ids.numel() == 0 or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    lo, hi = (int(v) for v in torch.aminmax(topk_ids))
+    if lo < -1 or hi >= num_ids:
+        raise ValueError(f"topk_ids must lie in [0, {num_ids}) (or be -1 for no route), got [{lo}, {hi}]: check the "
+                         "routing (non-finite router logits produce such ids, vLLM #39391)")
+
+
+def _check_weights(w1, w2, activation, plan: QuantPlan):
+    if w1.dim() != 3 or w2.dim() != 3 or w1.size(0) != w2.size(0) or w1.size(2) != w2.size(1):
+        raise ValueError(f"w1/w2 must be (E, N, K) / (E, K, I), got {tuple(w1.shape)} / {tuple(w2.shape)}")
+    I = adjust_N_for_activation(w1.size(1), activation)
+    if w2.size(2) != I:
+        raise ValueError(f"w2 must be (E, K, {I}) for {activation.name} with w1 N={w1.size(1)}, got {tuple(w2.shape)}")
+    want = {"none": None, "fp8": _FP8, "int8": torch.int8}[plan.kind]
+    for name, w in (("w1", w1), ("w2", w2)):
+        if want is None and w.dtype not in _TL_DTYPES:
+            raise ValueError(f"{name} must be bf16/fp16/fp32 for unquantized experts, got {w.dtype}")
+        if want is not None and w.dtype != want:
+            raise ValueError(f"{name} must be {want} codes for this quant config, got {w.dtype}")
+        if w.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along K (stride 1 in the last dim)")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# modular experts class
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _key_sig(key):
+    """(dtype, scale dtype, static, group shape) of a QuantKey, compared by attribute (robust to module layout)."""
+    if key is None:
+        return None
+    sc = key.scale
+    return (key.dtype, sc.dtype, bool(sc.static), tuple(sc.group_shape), key.scale2 is None, bool(key.symmetric))
+
+
+def _sig(dtype, sdtype, static, gs):
+    return (dtype, sdtype, static, gs, True, True)
+
+
+_F32 = torch.float32
+_E8M0 = torch.float8_e8m0fnu
+_SUPPORTED_KEYS_FP8 = {
+    (_sig(_FP8, _F32, True, (-1, -1)), _sig(_FP8, _F32, True, (-1, -1))),
+    (_sig(_FP8, _F32, True, (-1, -1)), _sig(_FP8, _F32, False, (-1, -1))),
+    (_sig(_FP8, _F32, True, (-1, -1)), _sig(_FP8, _F32, False, (1, -1))),
+    (_sig(_FP8, _F32, True, (-1, 1)), _sig(_FP8, _F32, False, (1, -1))),
+    (_sig(_FP8, _F32, True, (-1, 1)), _sig(_FP8, _F32, True, (-1, -1))),
+    (_sig(_FP8, _F32, True, (-1, 1)), _sig(_FP8, _F32, False, (-1, -1))),
+    (_sig(_FP8, _F32, True, (128, 128)), _sig(_FP8, _F32, False, (1, 128))),
+    (_sig(_FP8, _E8M0, True, (128, 128)), _sig(_FP8, _F32, False, (1, 128))),
+}
+_SUPPORTED_KEYS_INT8 = {
+    (_sig(torch.int8, _F32, True, (-1, 1)), _sig(torch.int8, _F32, False, (1, -1))),
+    (_sig(torch.int8, _F32, True, (-1, 1)), _sig(torch.int8, _F32, True, (-1, -1))),
+}
+
+
+class TritonExperts(FusedMoEExpertsModular):
+    """Triton fused-MoE experts (Standard format; the modular kernel's ``[Permute-Experts-Unpermute]`` step).
+
+    Output: ``(M, K)`` already weighted and reduced, so the finalize step is ``TopKWeightAndReduceNoOP``.
+
+    Workspaces (``workspace_shapes``, activation dtype elements, ``R = layout_rows(M * topk, E_local, BLOCK_M)``):
+    ``workspace13 (R, cols)`` holds GEMM2's input (C2 in the activation dtype, or its FP8/INT8 codes + fp32 scales;
+    it may alias the output, which is written only after C2 is dead); ``workspace2 (R, max(N, K, I))`` holds the
+    unfused GEMM1 output / pre-quantization C2, then GEMM2's route-ordered output C3. Too-small or non-contiguous
+    workspaces are replaced by fresh allocations (never read uninitialized).
+
+    Supports: every ``MoEActivation`` except gated RELU2; bf16/fp16/fp32 and the quant schemes of the module table
+    (``_supports_quant_scheme``); ``expert_map``; chunking; ``apply_router_weight_on_input``; w1/w2 biases.
+
+    Raises (``__init__``): NotImplementedError for a quant config it does not implement; (``apply``) ValueError for
+    bad shapes/dtypes/devices.
+    """
+
+    def __init__(self, moe_config, quant_config: FusedMoEQuantConfig | None = None, max_num_tokens=None,
+                 num_dispatchers=None, *, config: dict | None = None):
+        super().__init__(moe_config, quant_config or FUSED_MOE_UNQUANTIZED_CONFIG, max_num_tokens, num_dispatchers)
+        self.plan = plan_quant(self.quant_config)
+        self.config_override = config
+
+    @staticmethod
+    def activation_format():
+        return FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        from backends.triton import _availability
+
+        return _availability() is None
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        if weight_key is None and activation_key is None:
+            return True
+        pair = (_key_sig(weight_key), _key_sig(activation_key))
+        if pair in _SUPPORTED_KEYS_INT8:
+            return True
+        return pair in _SUPPORTED_KEYS_FP8 and fp8_capable()
+
+    @staticmethod
+    def _supports_activation(activation) -> bool:
+        return activation in SUPPORTED_ACTIVATIONS
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return True
+
+    def supports_chunking(self) -> bool:
+        return True
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOP()
+
+    def _act_elt(self) -> int:
+        dt = getattr(self.moe_config, "in_dtype", torch.bfloat16)
+        return torch.empty((), dtype=dt if dt in _TL_DTYPES else torch.bfloat16).element_size()
+
+    def config_for(self, M: int, E: int, I: int, K: int, topk: int) -> dict:
+        return _configs.get_config(M, E, I, K, topk, self.plan.cfg_dtype, self.plan.block_shape,
+                                   override=self.config_override)
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
+                         activation):
+        I = adjust_N_for_activation(N, activation)
+        cfg = self.config_for(M, local_num_experts, I, K, topk)
+        rows = layout_rows(M * topk, local_num_experts, cfg["gemm1"]["BLOCK_SIZE_M"])
+        elt = self._act_elt()
+        need13 = round_up(rows * I, 16) + rows * cdiv(I, self.plan.group_k) * 4
+        cols13 = max(I, cdiv(need13, rows * elt))
+        return (rows, cols13), (rows, max(N, K, I)), (M, K)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        check_device(hidden_states, w1, w2, topk_weights, topk_ids, output, what="experts operands")
+        _check_weights(w1, w2, activation, self.plan)
+        if self.plan.kind == "none" and (w1.dtype != output.dtype or w2.dtype != output.dtype):
+            raise ValueError(f"unquantized weights must have the activations' dtype {output.dtype}, got "
+                             f"w1 {w1.dtype} and w2 {w2.dtype}")
+        E = w1.size(0)
+        M, K = hidden_states.shape
+        I = w2.size(2)
+        num_ids = expert_map.numel() if expert_map is not None else E
+        _check_ids(topk_ids, num_ids)
+        cfg = self.config_for(M, E, I, K, topk_ids.size(1))
+        if a2_scale is not None and a2_scale.numel() != 1:
+            a2_scale = None  # per-token static a2 scales are rejected by plan_quant; a chunked copy of a scalar
+        run_experts(out=output, a1q=hidden_states, a1q_scale=a1q_scale, w1=w1, w2=w2, topk_weights=topk_weights,
+                    topk_ids=topk_ids, activation=activation, expert_map=expert_map, num_ids=num_ids,
+                    qc=self.quant_config, plan=self.plan, cfg=cfg, ws13=workspace13, ws2=workspace2,
+                    apply_router_weight_on_input=apply_router_weight_on_input, a2_scale=a2_scale)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# functional form (mirrors reference.experts.fused_experts)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: MoEActivation = MoEActivation.SILU,
+    global_num_experts: int = -1,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    quant_config: FusedMoEQuantConfig | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The whole experts step on the GPU (input quantization included): same contract as
+    ``reference.experts.fused_experts`` — ``(M, K)`` output in ``hidden_states.dtype``.
+
+    ``config`` overrides the launch configuration (``{"gemm1": {...}, "gemm2": {...}}``, see ``configs``).
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices, apply_router_weight_on_input with topk > 1.
+        NotImplementedError: a quant scheme the backend does not implement.
+    """
+    qc = quant_config or FUSED_MOE_UNQUANTIZED_CONFIG
+    plan = plan_quant(qc)
+    check_device(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, what="experts operands")
+    if hidden_states.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.size(0) != hidden_states.size(0):
+        raise ValueError(f"hidden_states (M, K) {tuple(hidden_states.shape)}, topk_ids {tuple(topk_ids.shape)} and "
+                         f"topk_weights {tuple(topk_weights.shape)} must agree on M")
+    _check_weights(w1, w2, activation, plan)
+    if w1.size(2) != hidden_states.size(1):
+        raise ValueError(f"hidden size mismatch: hidden_states K={hidden_states.size(1)}, w1 K={w1.size(2)}")
+    if hidden_states.dtype not in _TL_DTYPES:
+        raise ValueError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
+    if plan.kind == "none" and (w1.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype):
+        raise ValueError(f"unquantized weights must have the activations' dtype {hidden_states.dtype}, got "
+                         f"w1 {w1.dtype} and w2 {w2.dtype}")
+    E = w1.size(0)
+    if expert_map is not None:
+        G = global_num_experts if global_num_experts != -1 else expert_map.numel()
+        if expert_map.numel() != G:
+            raise ValueError(f"expert_map has {expert_map.numel()} entries, expected global_num_experts={G}")
+    M, K = hidden_states.shape
+    x = hidden_states.contiguous()
+    if apply_router_weight_on_input:
+        if topk_ids.size(1) != 1:
+            raise ValueError(f"apply_router_weight_on_input is only supported for topk == 1, got {topk_ids.size(1)}")
+        x = x * topk_weights.to(x.dtype)
+    out = torch.empty((M, K), dtype=hidden_states.dtype, device=hidden_states.device)
+    if M == 0:
+        return out
+    if plan.kind == "none":
+        a1q, a1s = x, None
+    else:
+        a1q, a1s = quantize_activation(x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe,
+                                       use_ue8m0=plan.use_ue8m0)
+        if plan.a1_mode == _S_TENSOR:
+            a1s = a1s.reshape(1)
+    cfg = _configs.get_config(M, E, w2.size(2), K, topk_ids.size(1), plan.cfg_dtype, plan.block_shape,
+                              override=config)
+    return run_experts(out=out, a1q=a1q, a1q_scale=a1s, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+                       activation=activation, expert_map=expert_map,
+                       num_ids=expert_map.numel() if expert_map is not None else E, qc=qc, plan=plan, cfg=cfg,
+                       apply_router_weight_on_input=apply_router_weight_on_input)

@@ -1,0 +1,408 @@
+"""The fused-MoE Triton kernels: the grouped expert GEMM, the activation(+quantize) pass, and the top-k sum.
+
+Written from ``reference.experts`` (the per-expert loop and its rounding points) and ``reference.align`` (the
+block layout); the kernel structure is the classic grouped-GEMM over an expert-sorted route list (as vLLM's
+``fused_moe_kernel``), extended with:
+
+* a fused gated-activation epilogue (``FUSE``): one program computes the gate and the up tile of the same output
+  columns (w1 rows ``n`` and ``n + I``, or ``2n`` and ``2n + 1`` for interleaved SWIGLUOAI), rounds them to the
+  activation dtype (the reference's GEMM1 rounding point), applies the activation in fp32 and rounds again, so
+  GEMM1 writes ``I`` columns instead of ``2I`` and no separate activation kernel runs;
+* an optional fused FP8 1x``BLOCK_N`` group quantization of that output (``OUT_QUANT``) for the block-FP8 scheme:
+  GEMM2's input codes and scales come straight out of GEMM1;
+* sorted intermediate rows: GEMM1 writes its output at the *sorted position* of each route (``C_SORTED``), so
+  GEMM2 reads contiguous row tiles (no gather; TMA-able) and scatters only its final rows back to route order;
+* TMA tensor descriptors for weight tiles (and GEMM2's contiguous activation tiles) when ``TMA_A`` / ``TMA_B``;
+* int64 row/expert offsets everywhere (``M * topk * N`` may exceed 2^31: vLLM #5938 / #34279).
+
+Numerics (all schemes): fp32 accumulation (int32 for INT8), scales applied in fp32 (per K tile for 128x128
+blocks, in the epilogue otherwise), bias added in fp32, one rounding to the output dtype per rounding point of the
+reference. Quantized activations use the exact encoders of ``_jit`` (recipe-exact, bit-identical to
+``reference.quant``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._jit import apply_act, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn, to_act
+
+__all__ = ["fused_moe_kernel", "act_quant_kernel", "moe_sum_kernel",
+           "QMODE_NONE", "QMODE_FP8_GROUP", "QMODE_FP8_TOKEN", "QMODE_INT8_TOKEN", "QMODE_FP8_STATIC",
+           "QMODE_INT8_STATIC", "QMODE_FP8_TENSOR_AMAX", "QMODE_FP8_TENSOR_QUANT"]
+
+# act_quant_kernel output modes
+QMODE_NONE = 0  # activation dtype
+QMODE_FP8_GROUP = 1  # fp8, dynamic 1xBLOCK_C groups (BLOCK_C == group size)
+QMODE_FP8_TOKEN = 2  # fp8, dynamic per row (scaled_fp8_quant per-token rule)
+QMODE_INT8_TOKEN = 3  # int8, dynamic per row
+QMODE_FP8_STATIC = 4  # fp8, static per-tensor scale (x * (1/s))
+QMODE_INT8_STATIC = 5  # int8, static per-tensor scale (x / s)
+QMODE_FP8_TENSOR_AMAX = 6  # pass 1 of dynamic per-tensor fp8: amax over all routed rows (atomic max)
+QMODE_FP8_TENSOR_QUANT = 7  # pass 2: quantize with amax / 448
+
+
+@triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
+def fused_moe_kernel(
+    a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_desc, b_desc,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    N, K, EM, num_valid_tokens, UP_OFF, NW,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
+    stride_csm, stride_csg,
+    alpha, beta, limit, amax_floor, ue8m0_floor,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TOP_K: tl.constexpr, A_GATHER: tl.constexpr, C_SORTED: tl.constexpr,
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, B_SCALAR: tl.constexpr, INT8: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
+    OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
+    RECIP_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One ``BLOCK_M x BLOCK_N`` output tile of one expert: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)``.
+
+    Rows: ``sorted_token_ids[pid_m*BM : (pid_m+1)*BM]`` (flat route ids, ``>= num_valid_tokens`` = padding).
+    ``A_GATHER``: A row = route // TOP_K (GEMM1 reads hidden states), else A row = sorted position (GEMM2 reads
+    GEMM1's sorted output). ``C_SORTED``: C row = sorted position (GEMM1), else the route id (GEMM2).
+    ``N`` = output columns; ``NW`` = weight rows per expert (``2N`` when the gated activation is fused).
+    ``FUSE``: 0 plain; 1 gated halves (gate row n, up row ``UP_OFF + n``); 2 gated interleaved (rows 2n, 2n+1);
+    3 non-gated activation on the tile.
+    ``A_SCALE``: 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K.
+    ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
+    (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).
+    ``OUT_QUANT``: quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns).
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+    if pid_m * BLOCK_M >= num_tokens_post_padded:
+        return
+    e = tl.load(expert_ids_ptr + pid_m)
+    if e < 0:
+        return
+    e64 = e.to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_token = tl.load(sorted_token_ids_ptr + offs_m)
+    token_mask = offs_token < num_valid_tokens
+    if A_GATHER:
+        a_rows = offs_token // TOP_K
+    else:
+        a_rows = offs_m
+
+    # weight rows of this tile (wrapped into range: columns past N are computed on valid rows, never stored)
+    if FUSE == 2:
+        offs_bn = (pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
+    else:
+        offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_base = b_ptr + e64 * stride_be
+    b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_bn[None, :].to(tl.int64) * stride_bn
+    bu_ptrs = b_base + offs_k[:, None] * stride_bk + (offs_bn + UP_OFF)[None, :].to(tl.int64) * stride_bn
+    if FUSE == 2:
+        b_row0 = (e * NW + pid_n * 2 * BLOCK_N).to(tl.int32)
+    else:
+        b_row0 = (e * NW + pid_n * BLOCK_N).to(tl.int32)
+
+    if FUSE == 2:
+        if INT8:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    else:
+        if INT8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = acc
+
+    if A_SCALE == 3:
+        a_s_ptrs = a_scale_ptr + a_rows.to(tl.int64) * stride_asm
+        if B_SCALAR:  # the tile's weight rows lie in one GROUP_N block: one weight scale per K tile
+            b_s_ptrs = b_scale_ptr + e64 * stride_bse + ((b_row0 - e * NW) // GROUP_N) * stride_bsn
+            bu_s_ptrs = b_scale_ptr + e64 * stride_bse + ((b_row0 - e * NW + UP_OFF) // GROUP_N) * stride_bsn
+        else:
+            b_s_ptrs = b_scale_ptr + e64 * stride_bse + (offs_bn // GROUP_N) * stride_bsn
+            bu_s_ptrs = b_scale_ptr + e64 * stride_bse + ((offs_bn + UP_OFF) // GROUP_N) * stride_bsn
+
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = kk * BLOCK_K
+        # ---- A tile [BM, BK]
+        if TMA_A:
+            a = a_desc.load([(pid_m * BLOCK_M).to(tl.int32), k0])
+        elif A_GATHER:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+        else:
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+        # ---- B tile(s) [BK, BN]
+        if TMA_B:
+            if FUSE == 2:
+                b = b_desc.load([b_row0, k0]).T
+            else:
+                b = b_desc.load([b_row0, k0]).T
+            if FUSE == 1:
+                bu = b_desc.load([b_row0 + UP_OFF, k0]).T
+            else:
+                bu = b
+        else:
+            if EVEN_K:
+                b = tl.load(b_ptrs)
+                if FUSE == 1:
+                    bu = tl.load(bu_ptrs)
+                else:
+                    bu = b
+            else:
+                kmask = offs_k[:, None] < K - k0
+                b = tl.load(b_ptrs, mask=kmask, other=0.0)
+                if FUSE == 1:
+                    bu = tl.load(bu_ptrs, mask=kmask, other=0.0)
+                else:
+                    bu = b
+        if EMU:
+            if not INT8:
+                if a.dtype != tl.float8e4nv:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                    bu = bu.to(tl.float32)
+        # ---- MMA
+        if A_SCALE == 3:
+            kg = k0 // GROUP_K
+            a_s = tl.load(a_s_ptrs + kg * stride_ask, mask=token_mask, other=0.0)
+            if B_SCALAR:
+                b_s = tl.load(b_s_ptrs + kg * stride_bsk)
+                acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+                if FUSE == 1:
+                    bu_s = tl.load(bu_s_ptrs + kg * stride_bsk)
+                    acc_u += tl.dot(a, bu) * (a_s * bu_s)[:, None]
+            else:
+                b_s = tl.load(b_s_ptrs + kg * stride_bsk)
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+                if FUSE == 1:
+                    bu_s = tl.load(bu_s_ptrs + kg * stride_bsk)
+                    acc_u += tl.dot(a, bu) * a_s[:, None] * bu_s[None, :]
+        else:
+            if INT8:
+                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+                if FUSE == 1:
+                    acc_u = tl.dot(a, bu, acc_u, out_dtype=tl.int32)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+                if FUSE == 1:
+                    acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        bu_ptrs += BLOCK_K * stride_bk
+
+    # ---- epilogue: dequantize, bias, (activation), round, (quantize), store
+    accf = acc.to(tl.float32)
+    accu = acc_u.to(tl.float32)
+    if A_SCALE == 1:
+        sa = tl.load(a_scale_ptr)
+        accf = accf * sa
+        accu = accu * sa
+    elif A_SCALE == 2:
+        sa = tl.load(a_scale_ptr + a_rows.to(tl.int64) * stride_asm, mask=token_mask, other=0.0)
+        accf = accf * sa[:, None]
+        accu = accu * sa[:, None]
+    if B_SCALE == 1:
+        sb = tl.load(b_scale_ptr + e64 * stride_bse)
+        accf = accf * sb
+        accu = accu * sb
+    elif B_SCALE == 2:
+        sb = tl.load(b_scale_ptr + e64 * stride_bse + offs_bn * stride_bsn)
+        accf = accf * sb[None, :]
+        if FUSE == 1:
+            sbu = tl.load(b_scale_ptr + e64 * stride_bse + (offs_bn + UP_OFF) * stride_bsn)
+            accu = accu * sbu[None, :]
+    if HAS_BIAS:
+        accf = accf + tl.load(bias_ptr + e64 * stride_biase + offs_bn * stride_biasn).to(tl.float32)[None, :]
+        if FUSE == 1:
+            accu = accu + tl.load(bias_ptr + e64 * stride_biase + (offs_bn + UP_OFF) * stride_biasn
+                                  ).to(tl.float32)[None, :]
+
+    if FUSE == 0:
+        y = to_act(accf, ACT_DT, EMU)
+    else:
+        if FUSE == 2:
+            g, u = tl.split(tl.reshape(accf, (BLOCK_M, BLOCK_N, 2)))
+        elif FUSE == 1:
+            g = accf
+            u = accu
+        else:
+            g = accf
+            u = accf
+        # GEMM1 rounding point (h), then the activation in fp32 and its rounding point (g)
+        g = to_act(g, ACT_DT, EMU).to(tl.float32)
+        u = to_act(u, ACT_DT, EMU).to(tl.float32)
+        y = to_act(apply_act(g, u, ACT, alpha, beta, limit, HAS_LIMIT), ACT_DT, EMU)
+
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_cn < N
+    if C_SORTED:
+        c_rows = offs_m
+        row_mask = offs_m >= 0
+    else:
+        c_rows = offs_token
+        row_mask = token_mask
+    c_ptrs = c_ptr + c_rows[:, None].to(tl.int64) * stride_cm + offs_cn[None, :] * stride_cn
+    if OUT_QUANT:
+        yq = tl.where(n_mask[None, :], y.to(tl.float32), 0.0)
+        codes, s = fp8_quant_rows(yq, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL, EMU)
+        tl.store(c_ptrs, codes, mask=row_mask[:, None] & n_mask[None, :])
+        tl.store(cs_ptr + c_rows.to(tl.int64) * stride_csm + pid_n * stride_csg, s, mask=row_mask)
+    else:
+        tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
+              SPLIT: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
+              EMU: tl.constexpr):
+    base = x_ptr + row64[:, None] * stride_xm
+    if SPLIT == 1:
+        g = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(base + (UP_OFF + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+    elif SPLIT == 2:
+        g = tl.load(base + (2 * cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(base + (2 * cols + 1)[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        g = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = g
+    y = to_act(apply_act(g, u, ACT, alpha, beta, limit, HAS_LIMIT), ACT_DT, EMU).to(tl.float32)
+    return tl.where(mask, y, 0.0)
+
+
+@triton.jit(do_not_specialize=["R", "num_valid"])
+def act_quant_kernel(
+    x_ptr, y_ptr, ys_ptr, stat_ptr, a2s_ptr,
+    sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
+    R, NC, num_valid, UP_OFF, NUM_E,
+    stride_xm, stride_ym, stride_ysm, stride_ysg,
+    alpha, beta, limit, amax_floor, ue8m0_floor, min_token_scale,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BS: tl.constexpr, SORTED: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, QMODE: tl.constexpr, ACT_DT: tl.constexpr,
+    USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr,
+    EMU: tl.constexpr,
+):
+    """Activation (``ACT``; ``ACT_NONE`` = copy) of ``NC`` output columns per row, rounded to ``ACT_DT``, then stored
+    as ``ACT_DT`` or quantized (``QMODE``). Rows are ``[0, R)`` or, with ``SORTED``, the sorted positions below
+    ``num_tokens_post_padded`` (padding rows are processed too; they are excluded from per-tensor amax)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    if SORTED:
+        ntpp = tl.load(ntpp_ptr)
+        if pid_r * BLOCK_R >= ntpp:
+            return
+        rmask = rows < ntpp
+        route_ok = rmask & (tl.load(sorted_ids_ptr + rows, mask=rmask, other=num_valid) < num_valid)
+    else:
+        rmask = rows < R
+        route_ok = rmask
+    ex = rows * 0  # one dynamic per-tensor scale over all routed rows (slot 0 of stat)
+    row64 = rows.to(tl.int64)
+    y_rows = y_ptr + row64[:, None] * stride_ym
+    if QMODE == 0 or QMODE == 1 or QMODE == 4 or QMODE == 5 or QMODE == 7:
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = rmask[:, None] & (cols < NC)[None, :]
+        y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
+                      SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+        if QMODE == 0:
+            tl.store(y_rows + cols[None, :], to_act(y, ACT_DT, EMU), mask=mask)
+        elif QMODE == 1:
+            codes, s = fp8_quant_rows(y, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL, EMU)
+            tl.store(y_rows + cols[None, :], codes, mask=mask)
+            tl.store(ys_ptr + row64 * stride_ysm + pid_c * stride_ysg, s, mask=rmask)
+        elif QMODE == 4:
+            s = tl.load(a2s_ptr + tl.arange(0, 1)).to(tl.float32)
+            inv = tl.math.div_rn(tl.full([1], 1.0, tl.float32), s)
+            tl.store(y_rows + cols[None, :], fp8e4m3_code(mul_rn(y, tl.broadcast_to(inv[None, :], y.shape), EMU), EMU),
+                     mask=mask)
+        elif QMODE == 5:
+            s = tl.load(a2s_ptr + tl.arange(0, 1)).to(tl.float32)
+            tl.store(y_rows + cols[None, :], int8_code(tl.math.div_rn(y, tl.broadcast_to(s[None, :], y.shape)), EMU),
+                     mask=mask)
+        else:  # QMODE == 7: dynamic per-tensor scale from pass 1
+            amax = tl.load(stat_ptr + ex, mask=rmask, other=0.0)
+            bad = tl.load(stat_ptr + NUM_E + ex, mask=rmask, other=0.0) > 0
+            s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            inv = tl.where(s == 0, 0.0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s))
+            codes = fp8e4m3_code(mul_rn(y, tl.broadcast_to(inv[:, None], y.shape), EMU), EMU)
+            codes = tl.where(bad[:, None], 0x7F, codes.to(tl.int32)).to(tl.uint8)
+            tl.store(y_rows + cols[None, :], codes, mask=mask)
+            s = tl.where(bad, float("nan"), s)
+            tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask & (pid_c == 0))
+    else:
+        # row modes: pass 1 amax over the whole row
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        nbad = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for c0 in range(0, NC, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mask = rmask[:, None] & (cols < NC)[None, :]
+            y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
+                          SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+            ay = tl.abs(y)
+            badv = (y != y) | (ay == float("inf"))
+            nbad += tl.sum(badv.to(tl.int32), axis=1)
+            amax = tl.maximum(amax, tl.max(tl.where(badv, 0.0, ay), axis=1))
+        if QMODE == 6:
+            tl.atomic_max(stat_ptr + ex, amax, mask=route_ok)
+            tl.atomic_max(stat_ptr + NUM_E + ex, (nbad > 0).to(tl.float32), mask=route_ok)
+        else:
+            if QMODE == 2:
+                s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), min_token_scale)
+                s = tl.where(nbad > 0, float("nan"), s)
+            else:  # QMODE == 3
+                s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+                # the kernel's tmp_scale = 127 / absmax, one IEEE division (reference: rdiv(127.0, absmax))
+                mult = tl.where(amax == 0, 0.0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax))
+            for c0 in range(0, NC, BLOCK_C):
+                cols = c0 + tl.arange(0, BLOCK_C)
+                mask = rmask[:, None] & (cols < NC)[None, :]
+                y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
+                              SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+                if QMODE == 2:
+                    codes = fp8e4m3_code(tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape)), EMU)
+                    codes = tl.where((nbad > 0)[:, None], 0x7F, codes.to(tl.int32)).to(tl.uint8)
+                else:
+                    codes = int8_code(mul_rn(y, tl.broadcast_to(mult[:, None], y.shape), EMU), EMU)
+                tl.store(y_rows + cols[None, :], codes, mask=mask)
+            tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask)
+
+
+@triton.jit
+def moe_sum_kernel(c3_ptr, w_ptr, local_ptr, out_ptr, K, stride_c3, stride_w, stride_o,
+                   TOPK: tl.constexpr, BLOCK_K: tl.constexpr, APPLY_W: tl.constexpr, EMU: tl.constexpr):
+    """``out[t] = round(sum_k w[t, k] * C3[t*TOPK + k])`` in fp32 over the routes held here (local id >= 0)."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cm = cols < K
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    t64 = t.to(tl.int64)
+    for k in tl.static_range(TOPK):
+        le = tl.load(local_ptr + t64 * TOPK + k)
+        if le >= 0:
+            y = tl.load(c3_ptr + (t64 * TOPK + k) * stride_c3 + cols, mask=cm, other=0.0).to(tl.float32)
+            if APPLY_W:
+                acc += tl.load(w_ptr + t64 * stride_w + k).to(tl.float32) * y
+            else:
+                acc += y
+    tl.store(out_ptr + t64 * stride_o + cols, to_act(acc, out_ptr.dtype.element_ty, EMU), mask=cm)

@@ -1,0 +1,221 @@
+"""Tune the launch configurations of the triton backend's MoE GEMMs on the GPU; writes ``configs/*.json``.
+
+    python -m backends.triton.tune --shapes qwen3_30b_bf16,dsv3_ep8_fp8blk --ms 1,8,64,1024,4096 \
+        --out backends/triton/configs [--budget-s 540]
+
+Shapes are ``bench.SHAPES`` names, or ``E,topk,K,I,scheme[,activation]`` tuples (scheme: bf16, fp16,
+fp8_block128, fp8_tensor, fp8_channel_token, int8_channel_token). For each shape and M the tuner
+
+1. draws 4 routings (top-k of softmax of random logits; decode rotates them so L2 does not hold the experts),
+2. for each candidate BLOCK_SIZE_M of the regime (tokens per expert), times GEMM1 (with its fused activation /
+   requantization, or the separate kernel when unfused) over the GEMM1 candidates with GEMM2 fixed, then GEMM2 over
+   its candidates with the best GEMM1 (CUDA graphs of the calls, median of replays),
+3. keeps the BLOCK_SIZE_M with the best GEMM1 + GEMM2 time,
+
+and merges the winners into ``E={E},N={I},device_name={GPU}[,dtype=..][,block_shape=[..]].json`` (existing entries
+for other M are kept). A candidate that fails to compile or launch is skipped. Stops starting new shapes / Ms after
+``--budget-s`` seconds, writing what it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def _c(bm, bn, bk, gm, w, s, tma=0, **extra):
+    d = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=w, num_stages=s,
+             USE_TMA=tma)
+    d.update(extra)
+    return d
+
+
+def candidates(M, E, topk, fp8_block, fp8):
+    """``{BLOCK_SIZE_M: (gemm1 candidates, gemm2 candidates)}`` for the regime of M (tokens per expert T).
+
+    Small, hand-pruned lists (each distinct config compiles once, ~1 s): decode streams weights (BLOCK_M 16, long
+    K tiles, deep pipelines), prefill is MMA-bound (64/128-row tiles, 4/8 warps, grouped tile order, TMA weights).
+    """
+    T = M * topk / E
+    bk2 = 256 if fp8 and not fp8_block else 128
+    if T <= 24:
+        bms = [16] if T <= 12 else [16, 32]
+    elif T <= 96:
+        bms = [32, 64]
+    else:
+        bms = [64, 128]
+    out = {}
+    for bm in bms:
+        if bm <= 32:
+            g1 = [_c(bm, 32, 128, 1, 4, 4), _c(bm, 64, 128, 1, 4, 4), _c(bm, 64, 128, 1, 4, 4, 1),
+                  _c(bm, 128, 128, 1, 4, 3), _c(bm, 32, bk2, 1, 4, 4), _c(bm, 64, 64, 1, 4, 6)]
+            g2 = [_c(bm, 64, 128, 1, 4, 4), _c(bm, 64, 128, 1, 4, 4, 1), _c(bm, 128, 128, 1, 4, 3),
+                  _c(bm, 32, 128, 1, 4, 4), _c(bm, 64, bk2, 1, 4, 3), _c(bm, 128, 64, 1, 4, 5)]
+        elif bm == 64:
+            g1 = [_c(64, 64, 64, 8, 4, 4), _c(64, 128, 64, 8, 4, 3, 1), _c(64, 64, 128, 8, 4, 3),
+                  _c(64, 128, 128, 8, 8, 3), _c(64, 64, 64, 16, 4, 5), _c(64, 128, 64, 8, 8, 4)]
+            g2 = [_c(64, 128, 64, 8, 4, 4), _c(64, 128, 128, 8, 4, 3, 1), _c(64, 256, 64, 8, 8, 3),
+                  _c(64, 64, 128, 8, 4, 4), _c(64, 128, 64, 16, 4, 5), _c(64, 256, 64, 8, 8, 4, 1)]
+        else:
+            g1 = [_c(128, 64, 64, 8, 8, 3), _c(128, 64, 64, 8, 8, 4, 1), _c(128, 128, 64, 8, 8, 3),
+                  _c(128, 64, 128, 8, 8, 3, 1), _c(128, 128, 64, 16, 8, 4), _c(128, 128, 64, 8, 8, 3, 1)]
+            g2 = [_c(128, 128, 64, 8, 8, 3), _c(128, 128, 64, 8, 8, 4, 1), _c(128, 256, 64, 8, 8, 3),
+                  _c(128, 128, 128, 8, 8, 3, 1), _c(128, 256, 64, 16, 8, 3, 1), _c(128, 128, 64, 16, 8, 5)]
+        if fp8_block:  # K tiles inside one 128 scale group; GEMM1 N tile 128 fuses the 1x128 requantization
+            g1 = [dict(c, BLOCK_SIZE_K=128) for c in g1 if c["BLOCK_SIZE_N"] in (32, 64, 128)]
+            g1 = [dict(c, FUSE_QUANT=int(c["BLOCK_SIZE_N"] == 128)) for c in g1]
+            g2 = [dict(c, BLOCK_SIZE_K=128) for c in g2]
+        seen = set()
+        out[bm] = tuple([c for c in lst if not (json.dumps(c, sort_keys=True) in seen
+                                                 or seen.add(json.dumps(c, sort_keys=True)))] for lst in (g1, g2))
+    return out
+
+
+def _smem_ok(cfg, elt, fuse_pair):
+    """Rough shared-memory estimate: stages * (A tile + B tile(s)) must fit in ~227 KB."""
+    bm, bn, bk, st = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["num_stages"]
+    b_rows = 2 * bn if fuse_pair else bn
+    return st * (bm * bk + b_rows * bk) * elt <= 220 * 1024
+
+
+def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
+    from backends.triton import configs as C
+    from backends.triton.align import align_routes
+    from backends.triton.bench import make_routing, make_weights, time_graph
+    from backends.triton.experts import layout_rows, plan_quant, quantize_activation, run_experts
+
+    w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
+    plan = plan_quant(qc)
+    elt_w = w1.element_size()
+    fname = os.path.join(out_dir, C.config_file_name(sh.E, sh.I, plan.cfg_dtype, plan.block_shape))
+    table = {}
+    if os.path.isfile(fname):
+        with open(fname) as f:
+            table = json.load(f)
+    for M in Ms:
+        if time.time() - T0 > budget_s:
+            log(f"budget reached, skipping {sh.name} M={M}")
+            continue
+        R = 4
+        routes, a1s = [], []
+        for r in range(R):
+            x = torch.randn(M, sh.K, device=dev, dtype=dt)
+            routes.append(make_routing(M, sh.E, sh.topk, dev, seed=77 * M + r))
+            a1s.append((x, None) if plan.kind == "none" else quantize_activation(
+                x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe, use_ue8m0=plan.use_ue8m0))
+        outs = torch.empty(M, sh.K, device=dev, dtype=dt)
+        best = None
+        for bm, (g1s, g2s) in candidates(M, sh.E, sh.topk, plan.block_shape is not None, plan.kind != "none").items():
+            rows = layout_rows(M * sh.topk, sh.E, bm)
+            lays = [align_routes(ids, bm, sh.E, None, sh.E, rows) for _, ids in routes]
+            ws13 = torch.empty(rows * sh.I * 4 + rows * (sh.I // 128 + 1) * 4 + 1024, dtype=torch.uint8, device=dev)
+            ws2 = torch.empty(max(rows * 2 * sh.I, M * sh.topk * sh.K) * 4 + 1024, dtype=torch.uint8, device=dev)
+
+            def timed(cfg, stage):
+                def call(i):
+                    r = i % R
+                    run_experts(out=outs, a1q=a1s[r][0], a1q_scale=a1s[r][1], w1=w1, w2=w2,
+                                topk_weights=routes[r][0], topk_ids=routes[r][1], activation=act, expert_map=None,
+                                num_ids=sh.E, qc=qc, plan=plan, cfg=cfg, ws13=ws13, ws2=ws2, layout=lays[r],
+                                stages=stage)
+                return time_graph(call, n_calls=8 if M <= 64 else 4, budget_s=reps_s)
+
+            default = C.sanitize_config(C.default_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype,
+                                                         plan.block_shape), block_shape=plan.block_shape)
+            g2_fixed = dict(default["gemm2"], BLOCK_SIZE_M=bm)
+            res1 = []
+            for g1 in g1s:
+                if not _smem_ok(g1, elt_w, True) or time.time() - T0 > budget_s + 45:
+                    continue
+                cfg = C.sanitize_config({"gemm1": g1, "gemm2": g2_fixed}, block_shape=plan.block_shape)
+                try:
+                    res1.append((timed(cfg, "gemm1"), g1))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"  skip gemm1 {g1}: {type(exc).__name__}: {str(exc)[:120]}")
+            if not res1:
+                continue
+            t1, g1b = min(res1, key=lambda r: r[0])
+            res2 = []
+            timed(C.sanitize_config({"gemm1": g1b, "gemm2": g2_fixed}, block_shape=plan.block_shape),
+                  "gemm1")  # leave GEMM1's output in the workspaces for GEMM2 to read
+            for g2 in g2s:
+                if not _smem_ok(g2, elt_w, False) or time.time() - T0 > budget_s + 45:
+                    continue
+                cfg = C.sanitize_config({"gemm1": g1b, "gemm2": g2}, block_shape=plan.block_shape)
+                try:
+                    res2.append((timed(cfg, "gemm2"), g2))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"  skip gemm2 {g2}: {type(exc).__name__}: {str(exc)[:120]}")
+            if not res2:
+                continue
+            t2, g2b = min(res2, key=lambda r: r[0])
+            log(f"{sh.name} M={M} BM={bm}: gemm1 {t1:.2f} us {g1b} | gemm2 {t2:.2f} us {g2b}")
+            if best is None or t1 + t2 < best[0]:
+                best = (t1 + t2, {"gemm1": g1b, "gemm2": g2b})
+            del ws13, ws2, lays
+            torch.cuda.empty_cache()
+        if best is not None:
+            table[str(M)] = best[1]
+            log(f"BEST {sh.name} M={M}: {best[0]:.2f} us")
+            os.makedirs(out_dir, exist_ok=True)
+            with open(fname, "w") as f:
+                json.dump(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), f, indent=1)
+    log(f"wrote {fname}")
+
+
+def parse_shape(spec):
+    from backends.triton.bench import SHAPES, Shape
+
+    for s in SHAPES:
+        if s.name == spec:
+            return s
+    parts = spec.split(",")
+    if len(parts) >= 5:
+        E, topk, K, I = map(int, parts[:4])
+        return Shape(f"custom_{E}_{topk}_{K}_{I}_{parts[4]}", E, topk, K, I, parts[4], {},
+                     activation=parts[5] if len(parts) > 5 else "silu")
+    raise SystemExit(f"unknown shape {spec!r}; names: {[s.name for s in SHAPES]} or E,topk,K,I,scheme[,act]")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="", help="';'-separated names or E,topk,K,I,scheme tuples (default: all)")
+    ap.add_argument("--ms", default="1,8,64,1024,4096")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "configs"))
+    ap.add_argument("--budget-s", type=float, default=540.0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: the tuner needs one")
+        return 2
+    from backends.triton.bench import SHAPES
+
+    specs = [s for s in args.shapes.replace(";", " ").split()] if args.shapes else [s.name for s in SHAPES]
+    if args.shapes and ";" not in args.shapes and all(p in {s.name for s in SHAPES} for p in args.shapes.split(",")):
+        specs = args.shapes.split(",")
+    dev = torch.device("cuda")
+    log(f"tuning on {torch.cuda.get_device_name()} -> {args.out}")
+    for spec in specs:
+        sh = parse_shape(spec)
+        try:
+            tune_shape(sh, [int(m) for m in args.ms.split(",")], dev, args.out, args.budget_s)
+        except Exception as exc:  # noqa: BLE001
+            log(f"FAILED {spec}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
