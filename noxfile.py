@@ -79,7 +79,7 @@ def conformance(session: nox.Session, backend: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Test the reference against independent oracles, and the harness (it must go red for broken backends)."""
-    _install(session)
+    _install(session, "test,plot")
     if not _passthrough(session):
         # The Triton kernels run under TRITON_INTERPRET=1 on CPU (tests/test_triton_interpret.py); same Triton as
         # the GPU machine.
