@@ -15,7 +15,7 @@ import torch
 
 from reference.activation import MoEActivation, adjust_N_for_activation
 from reference.config import FusedMoEQuantConfig
-from reference.experts import _experts_unreduced, local_expert_ids
+from reference.experts import ReferenceSupport, _experts_unreduced, local_expert_ids
 from reference.modular import (
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
@@ -131,7 +131,7 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         weight_and_reduce_impl.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
 
 
-class BatchedReferenceExperts(FusedMoEExpertsModular):
+class BatchedReferenceExperts(ReferenceSupport, FusedMoEExpertsModular):
     """The reference loop on the batched format: each expert slot runs its first ``expert_num_tokens[e]`` rows;
     output ``(E_local, max_tokens, K)`` unweighted (padding rows zero); reduction by the prepare/finalize
     (``Delegate`` -> ``NaiveBatched``). No chunking (the batched format has no token dimension to chunk)."""
@@ -139,26 +139,6 @@ class BatchedReferenceExperts(FusedMoEExpertsModular):
     @staticmethod
     def activation_format():
         return FusedMoEActivationFormat.BatchedExperts
-
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_no_act_and_mul() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return True
-
-    @staticmethod
-    def _supports_activation(activation) -> bool:
-        return activation is not MoEActivation.RELU2
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config) -> bool:
-        return True
 
     def supports_chunking(self) -> bool:
         return False

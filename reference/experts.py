@@ -39,7 +39,7 @@ from reference.modular import (
     moe_kernel_quantize_input,
 )
 
-__all__ = ["fused_experts", "ReferenceExperts", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
+__all__ = ["fused_experts", "ReferenceExperts", "ReferenceSupport", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
 
 
 def dequant_groups(q: torch.Tensor, scale: torch.Tensor | None, group_shape: tuple[int, int] | None) -> torch.Tensor:
@@ -254,16 +254,9 @@ def fused_experts(
     return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(act_dtype)
 
 
-class ReferenceExperts(FusedMoEExpertsModular):
-    """The reference loop as a ``FusedMoEExpertsModular`` (Standard format), so the modular kernel itself (chunking,
-    prepare/finalize, shared experts) can be tested against ``fused_experts``. Supports every activation, expert_map,
-    chunking, and the quant schemes the loop dequantizes. Output: ``(M, topk, K)`` unweighted, reduced by
-    ``TopKWeightAndReduceContiguous``.
-    """
-
-    @staticmethod
-    def activation_format():
-        return FusedMoEActivationFormat.Standard
+class ReferenceSupport:
+    """The support predicates of every reference experts class: any device, every activation vLLM can apply, every
+    quantization scheme the loop dequantizes, every parallel config (mixed into the reference experts classes)."""
 
     @staticmethod
     def _supports_current_device() -> bool:
@@ -284,6 +277,18 @@ class ReferenceExperts(FusedMoEExpertsModular):
     @staticmethod
     def _supports_parallel_config(moe_parallel_config) -> bool:
         return True
+
+
+class ReferenceExperts(ReferenceSupport, FusedMoEExpertsModular):
+    """The reference loop as a ``FusedMoEExpertsModular`` (Standard format), so the modular kernel itself (chunking,
+    prepare/finalize, shared experts) can be tested against ``fused_experts``. Supports every activation, expert_map,
+    chunking, and the quant schemes the loop dequantizes. Output: ``(M, topk, K)`` unweighted, reduced by
+    ``TopKWeightAndReduceContiguous``.
+    """
+
+    @staticmethod
+    def activation_format():
+        return FusedMoEActivationFormat.Standard
 
     def supports_chunking(self) -> bool:
         return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from reference.activation import MoEActivation
-from reference.experts import fused_experts
+from reference.experts import ReferenceSupport, fused_experts
 from reference.modular import (
     FusedMoEActivationFormat,
     FusedMoEExpertsMonolithic,
@@ -48,7 +48,7 @@ class MoEPrepareAndFinalizeNoEPMonolithic(FusedMoEPrepareAndFinalizeMonolithic):
         return fused_expert_output
 
 
-class ReferenceMonolithicExperts(FusedMoEExpertsMonolithic):
+class ReferenceMonolithicExperts(ReferenceSupport, FusedMoEExpertsMonolithic):
     """Routing + experts in one call. Routing settings come from the constructor (top_k, renormalize, scoring)
     and from ``apply``'s grouped-topk arguments, exactly as a fused router+experts kernel receives them.
 
@@ -64,26 +64,6 @@ class ReferenceMonolithicExperts(FusedMoEExpertsMonolithic):
     @staticmethod
     def activation_format():
         return FusedMoEActivationFormat.Standard
-
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_no_act_and_mul() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return True
-
-    @staticmethod
-    def _supports_activation(activation) -> bool:
-        return activation is not MoEActivation.RELU2
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config) -> bool:
-        return True
 
     @staticmethod
     def _supports_routing_method(routing_method, weight_key, activation_key) -> bool:
