@@ -261,6 +261,18 @@ class RoutePlan:
     valid_route: torch.Tensor
 
 
+def check_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local_experts: int) -> None:
+    """Reject ids outside [-1, E) with a clear error (-1 = no route); skipped under CUDA-graph capture, where the
+    host copy is not allowed (the plan then drops such ids instead of reading out of bounds)."""
+    n = expert_map.numel() if expert_map is not None else num_local_experts
+    if topk_ids.numel() == 0 or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    lo, hi = (int(v) for v in torch.aminmax(topk_ids))
+    if lo < -1 or hi >= n:
+        raise ValueError(f"topk_ids must lie in [0, {n}) (or be -1 for no route), got [{lo}, {hi}]: check the routing "
+                         "(non-finite router logits produce such ids, vLLM #39391)")
+
+
 def route_plan(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> RoutePlan:
     """Sort the routes by local expert without a host synchronization.
 
@@ -470,6 +482,7 @@ class CutlassExpertsBf16(_CutlassExpertsBase):
             raise ValueError(f"CutlassExpertsBf16: hidden_states must be bf16, got {hidden_states.dtype}")
         if topk_ids.shape[0] == 0:
             return
+        check_ids(topk_ids, expert_map, E)
         plan = route_plan(topk_ids, E, expert_map)
         a = hidden_states.index_select(0, plan.token)
         h = grouped_mm_bf16(a, w1, plan.offs)
@@ -572,6 +585,7 @@ class CutlassExpertsFp8(_CutlassExpertsBase):
         else:
             raise ValueError(f"CutlassExpertsFp8: hidden_states must be float8_e4m3fn codes or bf16, got "
                              f"{hidden_states.dtype}")
+        check_ids(topk_ids, expert_map, E)
         plan = route_plan(topk_ids, E, expert_map)
         R = plan.token.numel()
         a = a1q.contiguous().view(torch.uint8).index_select(0, plan.token).view(FP8)
