@@ -577,6 +577,9 @@ class TritonExperts(FusedMoEExpertsModular):
               apply_router_weight_on_input):
         check_device(hidden_states, w1, w2, topk_weights, topk_ids, output, what="experts operands")
         _check_weights(w1, w2, activation, self.plan)
+        if hidden_states.dim() != 2 or hidden_states.size(1) != w1.size(2):
+            raise ValueError(f"hidden_states must be (M, K={w1.size(2)}) to match w1 {tuple(w1.shape)}, got "
+                             f"{tuple(hidden_states.shape)}")
         if self.plan.kind == "none" and (w1.dtype != output.dtype or w2.dtype != output.dtype):
             raise ValueError(f"unquantized weights must have the activations' dtype {output.dtype}, got "
                              f"w1 {w1.dtype} and w2 {w2.dtype}")
