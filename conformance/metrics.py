@@ -5,6 +5,8 @@
   ``max_norm`` (max|out-ref| / max|ref|), ``rms_norm`` (RMS error / RMS of ref) and ``calc_diff`` (DeepGEMM's
   ``1 - 2 sum(xy) / sum(x^2 + y^2)`` in float64).
 - ``assert_routing``: per-token expert sets (ties accepted either way) and their weights.
+- ``assert_within_bound``: elementwise ``|out - ref| <= bound`` (the gate's fp32 accumulation bound).
+- ``assert_same_blocks``: equal as sets within each block (layouts filled by atomics, e.g. sorted_token_ids).
 
 Every failure raises ``ConformanceFailure`` whose message names the case, the metric and its bound, the worst
 coordinates with both values, and the one-line command that reproduces it.
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["ConformanceFailure", "ErrorStats", "error_stats", "calc_diff", "assert_close", "assert_exact",
-           "assert_routing", "assert_ulps"]
+           "assert_routing", "assert_ulps", "assert_within_bound", "assert_same_blocks"]
 
 
 class ConformanceFailure(AssertionError):
@@ -217,3 +219,45 @@ def assert_routing(out_w: torch.Tensor, out_ids: torch.Tensor, ref_w: torch.Tens
         if not torch.allclose(o_w.sort().values, r_w.sort().values, atol=atol, rtol=rtol):
             raise ConformanceFailure(f"routing: token {t} tie resolved differently and weights differ: got "
                                      f"{o_w.tolist()}, expected {r_w.tolist()}" + _footer(case, repro))
+
+
+def assert_within_bound(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, *, case: str, what: str,
+                        repro: str | None = None) -> None:
+    """Elementwise ``|out - ref| <= bound`` (float64); NaN anywhere fails.
+
+    Raises:
+        ConformanceFailure: shape/dtype mismatch, or elements outside the bound (count, first coordinates, both
+            values and the bound there).
+    """
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        raise ConformanceFailure(f"{what}: got {tuple(out.shape)} {out.dtype}, expected {tuple(ref.shape)} "
+                                 f"{ref.dtype}" + _footer(case, repro))
+    err = (out.detach().double().cpu() - ref.detach().double().cpu()).abs()
+    bad = ~(err <= bound.cpu())
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ConformanceFailure(
+            f"{what}: {int(bad.sum())} elements outside the bound; first at {_fmt_idx(idx)}: got {out[idx].item()!r}, "
+            f"expected {ref[idx].item()!r} (bound {bound[idx].item():.3e})" + _footer(case, repro))
+
+
+def assert_same_blocks(out: torch.Tensor, ref: torch.Tensor, block: int, *, case: str, what: str,
+                       repro: str | None = None) -> None:
+    """``out`` equals ``ref`` as a multiset within each run of ``block`` elements (exactly when the length is not a
+    multiple of ``block``).
+
+    Raises:
+        ConformanceFailure: shape/dtype mismatch or the first block whose contents differ (both sorted).
+    """
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        raise ConformanceFailure(f"{what}: got {tuple(out.shape)} {out.dtype}, expected {tuple(ref.shape)} "
+                                 f"{ref.dtype}" + _footer(case, repro))
+    if ref.numel() % block:
+        assert_exact(out, ref, case=case, what=what, repro=repro)
+        return
+    o = out.detach().cpu().view(-1, block).sort(dim=1).values
+    r = ref.detach().cpu().view(-1, block).sort(dim=1).values
+    if not torch.equal(o, r):
+        b = int((o != r).any(1).nonzero()[0])
+        raise ConformanceFailure(f"{what}: block {b} holds {o[b].tolist()}, expected {r[b].tolist()}" +
+                                 _footer(case, repro))
