@@ -253,7 +253,8 @@ class FusedMoEExperts(ABC):
             return f"kernel does not support {reason}"
 
         if not cls._supports_current_device():
-            return False, _make_reason("current device")
+            detail = cls._current_device_unsupported_detail()
+            return False, _make_reason("current device" + (f": {detail}" if detail else ""))
         if not (moe_config.is_act_and_mul or cls._supports_no_act_and_mul()):
             return False, _make_reason("no act_and_mul MLP layer")
         if not cls._supports_activation(moe_config.activation):
@@ -276,6 +277,12 @@ class FusedMoEExperts(ABC):
     @abstractmethod
     def _supports_current_device() -> bool:
         raise NotImplementedError
+
+    @staticmethod
+    def _current_device_unsupported_detail() -> str | None:
+        """Why ``_supports_current_device`` is False, appended to the support oracle's reason (this project's
+        extension of the seed, whose reason is only "kernel does not support current device"). None: no detail."""
+        return None
 
     @staticmethod
     @abstractmethod

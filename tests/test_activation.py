@@ -59,3 +59,46 @@ def test_gated_relu2_raises_and_is_gated():
         apply_moe_activation(A.SILU, torch.randn(2, 5))
     with pytest.raises(ValueError, match="unknown MoE activation"):
         A.from_str("swish")
+
+
+# --- the conformance check of activations (conformance/test_activation.py) against exact float64 values -----------
+def _exact_gelu_family(activation, x: torch.Tensor) -> torch.Tensor:
+    """GELU / GELU_TANH / GELU_NO_MUL in float64 (an oracle independent of torch's fp32 kernels), rounded once."""
+    xd = x.double()
+    g, u = (xd.chunk(2, dim=-1) if activation is not A.GELU_NO_MUL else (xd, 1.0))
+    if activation is A.GELU_TANH:
+        y = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+    else:
+        y = 0.5 * g * (1 + torch.special.erf(g / math.sqrt(2)))
+    return (y * u).to(x.dtype)
+
+
+@pytest.mark.parametrize("activation", [A.GELU, A.GELU_TANH, A.GELU_NO_MUL])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_conformance_activation_tolerance_accepts_exact_gelu_and_rejects_a_wrong_one(activation, dtype):
+    from conformance.metrics import ConformanceFailure, assert_ulps
+    from conformance.test_activation import gelu_cancellation_atol
+    from specs import load_tolerances
+
+    tol = load_tolerances()["activation"]
+    ulps = tol["ulps"][str(dtype).removeprefix("torch.")]
+    # Dense over the cancelling tail (x in [-12, -3]) and the rest of the conformance range.
+    g = torch.cat([torch.linspace(-12, -3, 4096), torch.linspace(-3, 12, 4096)])
+    # Packed halves (g | u) for the gated forms.
+    x = (g[None] if activation is A.GELU_NO_MUL else torch.cat([g[None], torch.full_like(g, 1.5)[None]], dim=1))
+    x = x.to(dtype)
+    ref = apply_moe_activation(activation, x)  # fp32 computation, one rounding: the spec
+    exact = _exact_gelu_family(activation, x)
+    atol = gelu_cancellation_atol(activation, x, tol["gelu_cancellation"])
+    # A correctly rounded implementation passes only thanks to the cancellation allowance (in bf16 the fp32
+    # reference is the inexact one there) ...
+    assert_ulps(exact, ref, ulps, case="exact", what="exact gelu", atol=atol)
+    if dtype is torch.bfloat16:
+        with pytest.raises(ConformanceFailure, match="beyond"):
+            assert_ulps(exact, ref, ulps, case="exact", what="exact gelu")
+    # ... and the allowance is far too small to hide a wrong formula (the other GELU variant).
+    other = {A.GELU: A.GELU_TANH, A.GELU_TANH: A.GELU, A.GELU_NO_MUL: A.GELU_TANH}[activation]
+    wrong = (_exact_gelu_family(other, x) if activation is not A.GELU_NO_MUL
+             else _exact_gelu_family(A.GELU_TANH, torch.cat([x, torch.ones_like(x)], dim=1)))
+    with pytest.raises(ConformanceFailure, match="beyond"):
+        assert_ulps(wrong, ref, ulps, case="wrong", what="wrong gelu", atol=atol)

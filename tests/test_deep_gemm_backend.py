@@ -124,7 +124,8 @@ def test_refuses_device_without_deep_gemm_or_sm90(monkeypatch):
     monkeypatch.setattr(platform, "current_capability", lambda: (10, 0))
     monkeypatch.setattr(platform, "device_name", lambda: "B200")
     ok, reason = supported(DeepGemmExperts)
-    assert not ok and "current device" in reason
+    # The reason names the device and what the backend needs, not only the seed's "current device".
+    assert not ok and "current device: B200 is sm_100" in reason and "SM90" in reason, reason
     # The seed's MXFP8 rule is kept as a predicate: SM100 family only.
     assert DeepGemmExperts._supports_quant_scheme(rq.kMxfp8Static, rq.kMxfp8Dynamic)
     monkeypatch.setattr(platform, "current_capability", lambda: (9, 0))
@@ -133,7 +134,7 @@ def test_refuses_device_without_deep_gemm_or_sm90(monkeypatch):
 
 def test_fp4_experts_declared_but_not_claimed(sm90):
     ok, reason = supported(DeepGemmFP4Experts, keys=(rq.kMxfp4Static, rq.kFp8Dynamic128Sym))
-    assert not ok and "current device" in reason
+    assert not ok and "current device: " in reason and "needs an SM100/SM120 GPU" in reason, reason
     assert DeepGemmFP4Experts._supports_quant_scheme(rq.kMxfp4Static, rq.kFp8Dynamic128Sym)
     assert not DeepGemmFP4Experts._supports_quant_scheme(*FP8_KEYS)
     assert DeepGemmFP4Experts._supports_activation(MoEActivation.SWIGLUSTEP)

@@ -626,11 +626,11 @@ class _UnsupportedOnSm90(_CutlassExpertsBase):
     def _supports_current_device() -> bool:
         return False
 
-    @staticmethod
-    def is_supported_config(cls, moe_config, weight_key, activation_key, activation_format):
+    @classmethod
+    def _current_device_unsupported_detail(cls) -> str:
         cap = _device_capability()
         where = f"this device is sm_{cap[0]}{cap[1]}" if cap else "no CUDA device here"
-        return False, f"kernel does not support current device: {cls.unsupported_reason} ({where})"
+        return f"{cls.unsupported_reason} ({where})"
 
     def _validate_quant_config(self) -> None:
         raise NotImplementedError(f"{type(self).__name__}: {self.unsupported_reason}")

@@ -232,6 +232,10 @@ class DeepGemmExperts(FusedMoEExpertsModular):
         return device_unsupported_reason() is None
 
     @staticmethod
+    def _current_device_unsupported_detail() -> str | None:
+        return device_unsupported_reason()
+
+    @staticmethod
     def _supports_no_act_and_mul() -> bool:
         return False
 
@@ -440,6 +444,10 @@ class DeepGemmFP4Experts(FusedMoEExpertsModular):
     @staticmethod
     def _supports_current_device() -> bool:
         return False
+
+    @staticmethod
+    def _current_device_unsupported_detail() -> str | None:
+        return DeepGemmFP4Experts.unsupported_reason()
 
     @staticmethod
     def _supports_no_act_and_mul() -> bool:
