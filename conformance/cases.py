@@ -85,8 +85,10 @@ class ActivationCase:
         return seed_of("activation-" + self.id)
 
 
-def experts_cases() -> list[ExpertsCase]:
-    """Every model x its unquantized scheme x decode/prefill token counts, then the extra option cases."""
+def experts_cases(include_gpu_only: bool = False) -> list[ExpertsCase]:
+    """Every model x its unquantized scheme x decode/prefill token counts, then the extra option cases
+    (those marked ``gpu_only`` in specs/cases.toml only with ``include_gpu_only``: large prefill batches whose
+    reference costs minutes on a CPU)."""
     spec = load_cases()["experts"]
     models = load_models()
     counts = list(spec["decode_tokens"]) + list(spec["prefill_tokens"])
@@ -101,6 +103,8 @@ def experts_cases() -> list[ExpertsCase]:
         for M in generic["tokens"]:
             cases.append(ExpertsCase(m, scheme, M, m.cpu_ep_size, 0))
     for extra in spec.get("extra", []):
+        if extra.get("gpu_only") and not include_gpu_only:
+            continue
         m = models[extra["model"]]
         cases.append(ExpertsCase(m, extra.get("scheme", "bf16"), extra["tokens"], m.cpu_ep_size,
                                  extra.get("ep_rank", 0), extra.get("chunk_size")))

@@ -30,7 +30,7 @@ from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepa
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames and "experts_cls" in metafunc.fixturenames:
         classes = list(metafunc.config._moe_backend.experts)
-        cases = experts_cases()
+        cases = experts_cases(include_gpu_only=metafunc.config._moe_backend.device == "cuda")
         params = []
         for c in cases:  # cases outermost: consecutive cases share the cached weights of their model
             for cls in classes or [None]:
