@@ -37,7 +37,7 @@ CHECKS = [
     "experts_router_weight_on_input",
     "experts_fp8_block", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8",
-    "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
+    "experts_permute_a", "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
 
 WORKER = r'''
@@ -405,6 +405,36 @@ def _():
     r1 = experts(x, q1, q2, *rest, "int8", qc=qc, cfg=CFG())
     r2 = experts(x, q1, q2, *rest, "int8", qc=qc, cfg=CFG(fuse=0))
     return r1 if r1 is not True else r2
+
+
+def permuted_a(x_, w1_, w2_, w_, ids_, emap_, Eg_, key, qc=None, **cfg):
+    """PERMUTE_A (GEMM1 reads its input rows pre-permuted into sorted order, with and without TMA) changes where
+    GEMM1's rows come from, never the arithmetic: bitwise equal to the gathering GEMM, and close to the reference."""
+    kw = dict(activation=A.SILU, global_num_experts=Eg_, expert_map=emap_, quant_config=qc)
+    base = tri_fe(x_, w1_, w2_, w_, ids_, config=CFG(**cfg), **kw)
+    for tma in (0, 1):
+        c = CFG(**dict(cfg, tma=tma))
+        c["gemm1"]["PERMUTE_A"] = 1
+        out = tri_fe(x_, w1_, w2_, w_, ids_, config=c, **kw)
+        if not torch.equal(out.view(torch.int16), base.view(torch.int16)):
+            return f"PERMUTE_A tma={tma}: differs from the gathering GEMM at {int((out != base).sum())} elements"
+    return close(base, ref_fe(x_, w1_, w2_, w_, ids_, **kw), key)
+
+
+@check("experts_permute_a")
+def _():
+    DP = make(23, 4, 128, 64, 2, torch.bfloat16, ep=2)  # EP: routes to other ranks' experts are dropped
+    r = [permuted_a(*DP, "bfloat16")]
+    q1, q2, qc = block()
+    r.append(permuted_a(x, q1, q2, *rest, "fp8", qc=qc, bn1=128, bk1=64, bk2=128))  # 1x128 group scales
+    f = lambda w: rq.scaled_fp8_quant(w, use_per_token_if_dynamic=True)  # noqa: E731
+    (c1, t1), (c2, t2) = per_expert(f, w1), per_expert(f, w2)
+    r.append(permuted_a(x, c1, c2, *rest, "fp8", qc=fp8_w8a8_moe_quant_config(
+        t1, t2, per_act_token_quant=True, per_out_ch_quant=True)))  # per-token scales
+    (i1, u1), (i2, u2) = rq.int8_quant_per_channel(w1), rq.int8_quant_per_channel(w2)
+    r.append(permuted_a(x, i1, i2, *rest, "int8", qc=int8_w8a8_moe_quant_config(u1, u2)))
+    bad = [v for v in r if v is not True]
+    return bad[0] if bad else True
 
 
 def modular(M, chunk, ep):

@@ -5,11 +5,13 @@ names its tables (``E={E},N={N},device_name={dev}[,dtype={dtype}][,block_shape=[
 intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
-                       USE_TMA, FUSE_ACT, FUSE_QUANT},
+                       USE_TMA, FUSE_ACT, FUSE_QUANT, PERMUTE_A},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA}},
      ...}
 
-``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. The entry whose ``M``
+``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``PERMUTE_A``
+(optional, default 0) copies GEMM1's input rows into the layout's sorted order first, so that GEMM1 reads
+contiguous row tiles (through TMA when ``USE_TMA``) instead of gathering them. The entry whose ``M``
 is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
 table) :func:`default_config` chooses by tokens per expert.
 """
@@ -117,6 +119,7 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
                              "(a K tile spanning two groups would use one scale: vLLM #52576)")
     out["gemm1"].setdefault("FUSE_ACT", 1)
     out["gemm1"].setdefault("FUSE_QUANT", 1)
+    out["gemm1"].setdefault("PERMUTE_A", 0)
     if out["gemm1"]["BLOCK_SIZE_M"] != out["gemm2"]["BLOCK_SIZE_M"]:
         raise ValueError("gemm1 and gemm2 must use the same BLOCK_SIZE_M (the route layout's block)")
     return out

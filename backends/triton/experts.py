@@ -3,6 +3,8 @@
 Pipeline of one call (``run_experts``), for ``M`` tokens, ``topk`` routes each, ``E`` local experts::
 
     align       align_routes(topk_ids)            -> sorted route ids (blocks of BLOCK_M per expert), expert ids
+    [permute]   PERMUTE_A: permute_rows_kernel     -> a1q (and its row / group scales) in sorted order, so GEMM1
+                                                      reads contiguous row tiles (TMA); else GEMM1 gathers rows
     GEMM1       fused_moe_kernel(A = a1q rows gathered by route // topk, W = w1)
                   FUSE_ACT:   gate+up tiles in one program, activation in the epilogue -> C2 (sorted rows, I cols)
                   FUSE_QUANT: + FP8 1x128 requantization in the epilogue (block-FP8)  -> C2 codes + scales
@@ -66,6 +68,7 @@ from .kernels import (
     QMODE_NONE,
     fused_moe_kernel,
     moe_sum_kernel,
+    permute_rows_kernel,
 )
 from .quant import launch_act_quant as _launch_act_quant
 from .quant import quantize_activation
@@ -240,6 +243,17 @@ def _descriptor(t2d: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t2d, block)
 
 
+def _permute_rows(src: torch.Tensor, sorted_ids, ntpp, rows: int, num_valid: int, top_k: int) -> torch.Tensor:
+    """``(rows, C)`` copy of ``src (M, C)`` in the route layout's sorted order (``permute_rows_kernel``)."""
+    src = src if src.dtype != _FP8 else src.view(torch.uint8)
+    dst = torch.empty((rows, src.shape[1]), dtype=src.dtype, device=src.device)
+    bc = min(512, next_pow2(src.shape[1]))
+    permute_rows_kernel[(cdiv(rows, 8), cdiv(src.shape[1], bc))](
+        src, dst, sorted_ids, ntpp, num_valid, src.shape[1], src.stride(0), dst.stride(0),
+        TOP_K=top_k, BLOCK_R=8, BLOCK_C=bc, num_warps=4)
+    return dst
+
+
 def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mode=0, bias=None,
                  sorted_ids, expert_ids, ntpp, rows, num_valid, top_k, a_gather, c_sorted, n_out,
                  fuse, act, act_dtype, alpha=1.0, beta=0.0, limit=0.0, has_limit=False,
@@ -369,18 +383,27 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
                   top_k=topk, act_dtype=act_dtype, rp=rp, use_ue8m0=plan.use_ue8m0, int8=int8,
                   group_n=plan.block_shape[0] if plan.block_shape else 128, group_k=group)
     c2_view = c2.view(torch.uint8) if quant and not int8 else c2
+    # ---- GEMM1's A: gathered by route inside the GEMM, or (PERMUTE_A) copied into sorted order first so that GEMM1
+    # reads contiguous row tiles (TMA with USE_TMA)
+    a1, a1s, gather = a1q, a1q_scale, True
+    if g1.get("PERMUTE_A", 0) and stages != "gemm2":
+        a1 = _permute_rows(a1q, sorted_ids, ntpp, rows, numel, topk)
+        a1 = a1.view(_FP8) if a1q.dtype == _FP8 else a1
+        if plan.a1_mode in (_S_ROW, _S_GROUP):
+            a1s = _permute_rows(a1q_scale.reshape(M, -1).to(torch.float32), sorted_ids, ntpp, rows, numel, topk)
+        gather = False
     # ---- GEMM1 (+ activation (+ requantization))
     if stages == "gemm2":
         pass
     elif fuse and (out_quant or not quant):
-        _launch_gemm(a=a1q, w=w1, c=c2_view, cs=c2s if out_quant else None, a_scale=a1q_scale, a_mode=plan.a1_mode,
-                     w_scale=qc.w1_scale, b_mode=plan.b_mode, bias=w1_bias, a_gather=True, c_sorted=True, n_out=I,
+        _launch_gemm(a=a1, w=w1, c=c2_view, cs=c2s if out_quant else None, a_scale=a1s, a_mode=plan.a1_mode,
+                     w_scale=qc.w1_scale, b_mode=plan.b_mode, bias=w1_bias, a_gather=gather, c_sorted=True, n_out=I,
                      fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit,
                      out_quant=out_quant, cfg=g1, **common)
     else:
         c1 = _view(buf2, 0, (rows, c1_cols), act_dtype)
-        _launch_gemm(a=a1q, w=w1, c=c1, a_scale=a1q_scale, a_mode=plan.a1_mode, w_scale=qc.w1_scale,
-                     b_mode=plan.b_mode, bias=w1_bias, a_gather=True, c_sorted=True, n_out=I if fuse else NW1,
+        _launch_gemm(a=a1, w=w1, c=c1, a_scale=a1s, a_mode=plan.a1_mode, w_scale=qc.w1_scale,
+                     b_mode=plan.b_mode, bias=w1_bias, a_gather=gather, c_sorted=True, n_out=I if fuse else NW1,
                      fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit, cfg=g1,
                      **common)
         aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,
@@ -499,7 +522,8 @@ class TritonExperts(FusedMoEExpertsModular):
     ``workspace13 (R, cols)`` holds GEMM2's input (C2 in the activation dtype, or its FP8/INT8 codes + fp32 scales;
     it may alias the output, which is written only after C2 is dead); ``workspace2 (R, max(N, K, I))`` holds the
     unfused GEMM1 output / pre-quantization C2, then GEMM2's route-ordered output C3. Too-small or non-contiguous
-    workspaces are replaced by fresh allocations (never read uninitialized).
+    workspaces are replaced by fresh allocations (never read uninitialized). With ``PERMUTE_A`` the sorted copy of
+    the input (``R x K`` plus its scales) is a fresh allocation too.
 
     Supports: every ``MoEActivation`` except gated RELU2; bf16/fp16/fp32 and the quant schemes of the module table
     (``_supports_quant_scheme``); ``expert_map``; chunking; ``apply_router_weight_on_input``; w1/w2 biases.

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ._jit import apply_act, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn, to_act
 
-__all__ = ["fused_moe_kernel", "act_quant_kernel", "moe_sum_kernel",
+__all__ = ["fused_moe_kernel", "act_quant_kernel", "moe_sum_kernel", "permute_rows_kernel",
            "QMODE_NONE", "QMODE_FP8_GROUP", "QMODE_FP8_TOKEN", "QMODE_INT8_TOKEN", "QMODE_FP8_STATIC",
            "QMODE_INT8_STATIC", "QMODE_FP8_TENSOR_AMAX", "QMODE_FP8_TENSOR_QUANT"]
 
@@ -386,6 +386,26 @@ def act_quant_kernel(
                     codes = int8_code(mul_rn(y, tl.broadcast_to(mult[:, None], y.shape), EMU), EMU)
                 tl.store(y_rows + cols[None, :], codes, mask=mask)
             tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["num_valid"])
+def permute_rows_kernel(src_ptr, dst_ptr, sorted_ids_ptr, ntpp_ptr, num_valid, ncols, stride_src, stride_dst,
+                        TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``dst[p] = src[sorted_ids[p] // TOP_K]`` for the sorted positions ``p < num_tokens_post_padded``; padding
+    positions (ids ``>= num_valid``) get zeros. GEMM1 then reads contiguous row tiles (TMA) instead of a gather."""
+    pid_r = tl.program_id(0)
+    if pid_r * BLOCK_R >= tl.load(ntpp_ptr):
+        return
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < tl.load(ntpp_ptr)
+    ids = tl.load(sorted_ids_ptr + rows, mask=rmask, other=num_valid)
+    valid = ids < num_valid
+    src_rows = tl.where(valid, ids // TOP_K, 0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < ncols
+    x = tl.load(src_ptr + src_rows[:, None] * stride_src + cols[None, :], mask=valid[:, None] & cmask[None, :],
+                other=0)
+    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], x, mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit

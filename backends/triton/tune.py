@@ -180,6 +180,74 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
     log(f"wrote {fname}")
 
 
+def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
+    """For each M with a table entry: time GEMM1 + GEMM2 with GEMM1's input gathered in the GEMM (the entry as
+    is) and pre-permuted (``PERMUTE_A``, with the entry's and with TMA loads), check that the outputs are bitwise
+    equal, and keep the fastest."""
+    from backends.triton import configs as C
+    from backends.triton.align import align_routes
+    from backends.triton.bench import make_routing, make_weights, time_graph
+    from backends.triton.experts import layout_rows, plan_quant, quantize_activation, run_experts
+
+    w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
+    plan = plan_quant(qc)
+    fname = os.path.join(out_dir, C.config_file_name(sh.E, sh.I, plan.cfg_dtype, plan.block_shape))
+    if not os.path.isfile(fname):
+        log(f"{sh.name}: no table {fname}")
+        return
+    with open(fname) as f:
+        table = json.load(f)
+    for M in Ms:
+        if str(M) not in table:
+            log(f"{sh.name} M={M}: no entry")
+            continue
+        entry = {k: dict(v) for k, v in table[str(M)].items()}
+        entry["gemm1"].pop("PERMUTE_A", None)
+        bm = entry["gemm1"]["BLOCK_SIZE_M"]
+        rows = layout_rows(M * sh.topk, sh.E, bm)
+        R = 4
+        routes = [make_routing(M, sh.E, sh.topk, dev, seed=77 * M + r) for r in range(R)]
+        a1s = []
+        for _ in range(R):
+            x = torch.randn(M, sh.K, device=dev, dtype=dt)
+            a1s.append((x, None) if plan.kind == "none" else quantize_activation(
+                x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe, use_ue8m0=plan.use_ue8m0))
+        lays = [align_routes(ids, bm, sh.E, None, sh.E, rows) for _, ids in routes]
+        outs = torch.empty(M, sh.K, device=dev, dtype=dt)
+        res, first = [], None
+        variants = [("gather", entry),
+                    ("permute", {"gemm1": dict(entry["gemm1"], PERMUTE_A=1), "gemm2": entry["gemm2"]}),
+                    ("permute+tma", {"gemm1": dict(entry["gemm1"], PERMUTE_A=1, USE_TMA=1), "gemm2": entry["gemm2"]})]
+        for name, cand in variants:
+            cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
+
+            def call(i, cfg=cfg, stages="gemms"):
+                r = i % R
+                run_experts(out=outs, a1q=a1s[r][0], a1q_scale=a1s[r][1], w1=w1, w2=w2, topk_weights=routes[r][0],
+                            topk_ids=routes[r][1], activation=act, expert_map=None, num_ids=sh.E, qc=qc, plan=plan,
+                            cfg=cfg, layout=lays[r], stages=stages)
+            try:
+                call(0, stages="all")
+                same = True
+                if first is None:
+                    first = outs.clone()
+                else:
+                    same = torch.equal(outs.view(torch.int16), first.view(torch.int16))
+                t = time_graph(call, n_calls=4, budget_s=reps_s)
+            except Exception as exc:  # noqa: BLE001
+                log(f"  skip {name}: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            log(f"{sh.name} M={M} BM={bm} {name}: {t:.2f} us {'bitwise equal' if same else 'OUTPUT DIFFERS'}")
+            if same:
+                res.append((t, name, cand))
+        if res:
+            t, name, cand = min(res, key=lambda r: r[0])
+            table[str(M)] = cand
+            log(f"BEST {sh.name} M={M}: {name} {t:.2f} us (gather: {res[0][0]:.2f} us)")
+    with open(fname, "w") as f:
+        json.dump(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), f, indent=1)
+
+
 def parse_shape(spec):
     from backends.triton.bench import SHAPES, Shape
 
@@ -200,6 +268,9 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,8,64,1024,4096")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "configs"))
     ap.add_argument("--budget-s", type=float, default=540.0)
+    ap.add_argument("--variants", action="store_true",
+                    help="only decide GEMM1's input path (gathered / PERMUTE_A / PERMUTE_A + TMA) for the existing "
+                         "table entries of --ms")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: the tuner needs one")
@@ -214,7 +285,11 @@ def main(argv=None):
     for spec in specs:
         sh = parse_shape(spec)
         try:
-            tune_shape(sh, [int(m) for m in args.ms.split(",")], dev, args.out, args.budget_s)
+            ms = [int(m) for m in args.ms.split(",")]
+            if args.variants:
+                tune_variants(sh, ms, dev, args.out)
+            else:
+                tune_shape(sh, ms, dev, args.out, args.budget_s)
         except Exception as exc:  # noqa: BLE001
             log(f"FAILED {spec}: {type(exc).__name__}: {exc}")
             traceback.print_exc()
