@@ -37,7 +37,8 @@ CHECKS = [
     "experts_router_weight_on_input",
     "experts_fp8_block", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8",
-    "experts_permute_a", "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
+    "experts_permute_a",
+    "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
 
 WORKER = r'''
