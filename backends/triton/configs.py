@@ -27,13 +27,14 @@ import torch
 
 from ._host import INTERPRET
 
-__all__ = ["CONFIG_DIR", "config_file_name", "device_name", "load_table", "default_config", "get_config",
-           "sanitize_config"]
+__all__ = ["CONFIG_DIR", "GEMM1_KEYS", "GEMM2_KEYS", "config_file_name", "device_name", "load_table", "default_config",
+           "get_config", "sanitize_config"]
 
 CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_name("configs")))
 
-_G1_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
-            "FUSE_ACT", "FUSE_QUANT")
+# The keys a table entry may hold (anything else is a typo that would be ignored).
+GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA")
+GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A")
 
 
 def device_name() -> str:
