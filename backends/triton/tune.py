@@ -15,6 +15,9 @@ fp8_block128, fp8_tensor, fp8_channel_token, int8_channel_token). For each shape
 and merges the winners into ``E={E},N={I},device_name={GPU}[,dtype=..][,block_shape=[..]].json`` (existing entries
 for other M are kept). A candidate that fails to compile or launch is skipped. Stops starting new shapes / Ms after
 ``--budget-s`` seconds, writing what it has.
+
+``--variants`` (after tuning) only revisits the existing entries of ``--ms``: GEMM1 gathering its input rows vs
+reading them pre-permuted (``PERMUTE_A``, with and without TMA); outputs must be bitwise equal, the fastest is kept.
 """
 
 from __future__ import annotations
