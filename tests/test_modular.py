@@ -164,3 +164,25 @@ def test_weight_and_reduce_impls():
     batched[2, :1, 0] = torch.tensor([7.0])  # token 2
     out = TopKWeightAndReduceNaiveBatched().apply(None, batched, w, ids, False)
     assert out[:, 0].tolist() == [0.5 * 10 + 0.25 * 1, 2.0 * 20 + 1.0 * 2, 3.0 * 30 + 4.0 * 7]
+
+
+def test_support_oracle_reason_for_the_current_device():
+    """Seed 002's reason is "kernel does not support current device"; an experts class may append why."""
+    from reference.modular import FusedMoEActivationFormat
+
+    class NoDevice(ReferenceExperts):
+        @staticmethod
+        def _supports_current_device() -> bool:
+            return False
+
+    class NoDeviceWhy(NoDevice):
+        @staticmethod
+        def _current_device_unsupported_detail() -> str:
+            return "needs sm_100"
+
+    std = FusedMoEActivationFormat.Standard
+    assert ReferenceExperts.is_supported_config(ReferenceExperts, CFG, None, None, std) == (True, None)
+    assert NoDevice.is_supported_config(NoDevice, CFG, None, None, std) == (
+        False, "kernel does not support current device")
+    assert NoDeviceWhy.is_supported_config(NoDeviceWhy, CFG, None, None, std) == (
+        False, "kernel does not support current device: needs sm_100")

@@ -351,6 +351,12 @@ class _CutlassExpertsBase(FusedMoEExpertsModular):
         return _is_sm90()
 
     @staticmethod
+    def _current_device_unsupported_detail() -> str:
+        cap = _device_capability()
+        return ("torch's CUTLASS grouped GEMMs, built and checked on SM90 (H100/H200) only; this device is "
+                f"{f'sm_{cap[0]}{cap[1]}' if cap else 'not a CUDA GPU'}")
+
+    @staticmethod
     def _supports_no_act_and_mul() -> bool:
         return True
 

@@ -549,6 +549,12 @@ class TritonExperts(FusedMoEExpertsModular):
         return _availability() is None
 
     @staticmethod
+    def _current_device_unsupported_detail() -> str | None:
+        from backends.triton import _availability
+
+        return _availability()
+
+    @staticmethod
     def _supports_no_act_and_mul() -> bool:
         return True
 
