@@ -1,10 +1,14 @@
-"""The performance gate of ``nox -s benchmark`` works: a planted 20% slowdown fails ``--benchmark-compare-fail``.
+"""The performance gate of ``nox -s benchmark`` works: a planted slowdown fails ``--benchmark-compare-fail``.
 
 Runs one tiny benchmark of the suite twice in subprocesses (CPU forced, a temporary storage and results folder):
-first saving a baseline, then with ``MOE_BENCH_PLANTED_SLOWDOWN=0.2`` (the torch backend's rounds take 20% longer,
-honoured by ``benchmarks/`` only) and ``--benchmark-compare --benchmark-compare-fail=median:10%``: the second run
-must fail and name the regressed benchmark. A third run checks that the suite's own ``--bench-gate`` switch does
-the same. About 15 s on a CPU.
+first saving a baseline, then with ``MOE_BENCH_PLANTED_SLOWDOWN`` (the torch backend's rounds take that fraction
+longer, honoured by ``benchmarks/`` only) and ``--benchmark-compare --benchmark-compare-fail=median:10%``: the
+second run must fail and name the regressed benchmark. A third run checks that the suite's own ``--bench-gate``
+switch does the same. About 15 s on a CPU.
+
+The planted slowdown is 2x here: on a shared 2-core CI machine two runs of the same code differ by more than the
+10% threshold's margin over a 20% slowdown (a CI run once measured the 20% one under the gate); the gate's 10%
+sensitivity itself is shown on the GPU, where a planted 20% failed it (docs/GPU_NOTES.md).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "qwen3_30b-bf16-cpu_small-M16-torch.TorchExperts"
+PLANTED = "1.0"  # rounds take twice as long: far outside run-to-run noise on a shared CPU
 
 
 def _run(args: list[str], env_extra: dict, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -52,15 +57,15 @@ def test_compare_fail_catches_planted_slowdown(tmp_path):
 
     # pytest-benchmark's own options.
     slow = _run([f"--benchmark-storage=file://{storage}", "--benchmark-compare", "--benchmark-compare-fail=median:10%"],
-                {"MOE_BENCH_PLANTED_SLOWDOWN": "0.2"}, tmp_path)
+                {"MOE_BENCH_PLANTED_SLOWDOWN": PLANTED}, tmp_path)
     out = slow.stdout + slow.stderr
-    assert slow.returncode != 0, f"the gate did not fail on a planted 20% slowdown:\n{out[-3000:]}"
+    assert slow.returncode != 0, f"the gate did not fail on a planted 2x slowdown:\n{out[-3000:]}"
     assert "Performance has regressed" in out, out[-3000:]
     assert TINY in out.split("Performance has regressed", 1)[1], out[-3000:]
     assert "fused-MoE benchmarks side by side" in out  # the table is still printed when the gate fails
 
     # The suite's --bench-gate switch: compare with the latest run in the storage, fail on median +10%.
-    slow = _run([f"--benchmark-storage=file://{storage}", "--bench-gate"], {"MOE_BENCH_PLANTED_SLOWDOWN": "0.2"},
+    slow = _run([f"--benchmark-storage=file://{storage}", "--bench-gate"], {"MOE_BENCH_PLANTED_SLOWDOWN": PLANTED},
                 tmp_path)
     out = slow.stdout + slow.stderr
     assert slow.returncode != 0 and "Performance has regressed" in out, out[-3000:]
