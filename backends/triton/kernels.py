@@ -394,10 +394,11 @@ def permute_rows_kernel(src_ptr, dst_ptr, sorted_ids_ptr, ntpp_ptr, num_valid, n
     """``dst[p] = src[sorted_ids[p] // TOP_K]`` for the sorted positions ``p < num_tokens_post_padded``; padding
     positions (ids ``>= num_valid``) get zeros. GEMM1 then reads contiguous row tiles (TMA) instead of a gather."""
     pid_r = tl.program_id(0)
-    if pid_r * BLOCK_R >= tl.load(ntpp_ptr):
+    ntpp = tl.load(ntpp_ptr)
+    if pid_r * BLOCK_R >= ntpp:
         return
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < tl.load(ntpp_ptr)
+    rmask = rows < ntpp
     ids = tl.load(sorted_ids_ptr + rows, mask=rmask, other=num_valid)
     valid = ids < num_valid
     src_rows = tl.where(valid, ids // TOP_K, 0).to(tl.int64)

@@ -98,31 +98,50 @@ def _smem_ok(cfg, elt, fuse_pair):
     return st * (bm * bk + b_rows * bk) * elt <= 220 * 1024
 
 
+def _draw_inputs(sh, M, dev, plan, qc, dt, R=4):
+    """``R`` routings (seeded by M) and GEMM1 inputs (quantized per ``plan``): ``(routes, [(a1q, a1q_scale)])``."""
+    from backends.triton.bench import make_routing
+    from backends.triton.experts import quantize_activation
+
+    routes, a1s = [], []
+    for r in range(R):
+        x = torch.randn(M, sh.K, device=dev, dtype=dt)
+        routes.append(make_routing(M, sh.E, sh.topk, dev, seed=77 * M + r))
+        a1s.append((x, None) if plan.kind == "none" else quantize_activation(
+            x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe, use_ue8m0=plan.use_ue8m0))
+    return routes, a1s
+
+
+def _read_table(fname) -> dict:
+    if not os.path.isfile(fname):
+        return {}
+    with open(fname) as f:
+        return json.load(f)
+
+
+def _write_table(fname, table: dict) -> None:
+    os.makedirs(os.path.dirname(fname) or ".", exist_ok=True)
+    with open(fname, "w") as f:
+        json.dump(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), f, indent=1)
+
+
 def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
     from backends.triton import configs as C
     from backends.triton.align import align_routes
-    from backends.triton.bench import make_routing, make_weights, time_graph
-    from backends.triton.experts import layout_rows, plan_quant, quantize_activation, run_experts
+    from backends.triton.bench import make_weights, time_graph
+    from backends.triton.experts import layout_rows, plan_quant, run_experts
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
     plan = plan_quant(qc)
     elt_w = w1.element_size()
     fname = os.path.join(out_dir, C.config_file_name(sh.E, sh.I, plan.cfg_dtype, plan.block_shape))
-    table = {}
-    if os.path.isfile(fname):
-        with open(fname) as f:
-            table = json.load(f)
+    table = _read_table(fname)
     for M in Ms:
         if time.time() - T0 > budget_s:
             log(f"budget reached, skipping {sh.name} M={M}")
             continue
         R = 4
-        routes, a1s = [], []
-        for r in range(R):
-            x = torch.randn(M, sh.K, device=dev, dtype=dt)
-            routes.append(make_routing(M, sh.E, sh.topk, dev, seed=77 * M + r))
-            a1s.append((x, None) if plan.kind == "none" else quantize_activation(
-                x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe, use_ue8m0=plan.use_ue8m0))
+        routes, a1s = _draw_inputs(sh, M, dev, plan, qc, dt, R)
         outs = torch.empty(M, sh.K, device=dev, dtype=dt)
         best = None
         for bm, (g1s, g2s) in candidates(M, sh.E, sh.topk, plan.block_shape is not None, plan.kind != "none").items():
@@ -177,9 +196,7 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
         if best is not None:
             table[str(M)] = best[1]
             log(f"BEST {sh.name} M={M}: {best[0]:.2f} us")
-            os.makedirs(out_dir, exist_ok=True)
-            with open(fname, "w") as f:
-                json.dump(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), f, indent=1)
+            _write_table(fname, table)
     log(f"wrote {fname}")
 
 
@@ -189,17 +206,16 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
     equal, and keep the fastest."""
     from backends.triton import configs as C
     from backends.triton.align import align_routes
-    from backends.triton.bench import make_routing, make_weights, time_graph
-    from backends.triton.experts import layout_rows, plan_quant, quantize_activation, run_experts
+    from backends.triton.bench import make_weights, time_graph
+    from backends.triton.experts import layout_rows, plan_quant, run_experts
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
     plan = plan_quant(qc)
     fname = os.path.join(out_dir, C.config_file_name(sh.E, sh.I, plan.cfg_dtype, plan.block_shape))
-    if not os.path.isfile(fname):
+    table = _read_table(fname)
+    if not table:
         log(f"{sh.name}: no table {fname}")
         return
-    with open(fname) as f:
-        table = json.load(f)
     for M in Ms:
         if str(M) not in table:
             log(f"{sh.name} M={M}: no entry")
@@ -209,12 +225,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
         bm = entry["gemm1"]["BLOCK_SIZE_M"]
         rows = layout_rows(M * sh.topk, sh.E, bm)
         R = 4
-        routes = [make_routing(M, sh.E, sh.topk, dev, seed=77 * M + r) for r in range(R)]
-        a1s = []
-        for _ in range(R):
-            x = torch.randn(M, sh.K, device=dev, dtype=dt)
-            a1s.append((x, None) if plan.kind == "none" else quantize_activation(
-                x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe, use_ue8m0=plan.use_ue8m0))
+        routes, a1s = _draw_inputs(sh, M, dev, plan, qc, dt, R)
         lays = [align_routes(ids, bm, sh.E, None, sh.E, rows) for _, ids in routes]
         outs = torch.empty(M, sh.K, device=dev, dtype=dt)
         res, first = [], None
@@ -247,8 +258,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
             t, name, cand = min(res, key=lambda r: r[0])
             table[str(M)] = cand
             log(f"BEST {sh.name} M={M}: {name} {t:.2f} us (gather: {res[0][0]:.2f} us)")
-    with open(fname, "w") as f:
-        json.dump(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), f, indent=1)
+    _write_table(fname, table)
 
 
 def parse_shape(spec):
