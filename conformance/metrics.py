@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from reference.activation import MoEActivation
+
 __all__ = ["ConformanceFailure", "ErrorStats", "error_stats", "calc_diff", "assert_close", "assert_exact",
-           "assert_routing", "assert_ulps", "assert_within_bound", "assert_same_blocks"]
+           "assert_routing", "assert_ulps", "gelu_cancellation_atol", "assert_within_bound", "assert_same_blocks"]
 
 
 class ConformanceFailure(AssertionError):
@@ -171,6 +173,22 @@ def assert_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: int, *, case: str, w
         raise ConformanceFailure(
             f"{what}: {n} elements beyond {ulps} ulp; first at {_fmt_idx(idx)}: got {o[idx].item()!r}, "
             f"expected {r[idx].item()!r}" + _footer(case, repro))
+
+
+_GELU_FAMILY = {MoEActivation.GELU: True, MoEActivation.GELU_TANH: True, MoEActivation.GELU_NO_MUL: False}
+
+
+def gelu_cancellation_atol(activation: MoEActivation, x: torch.Tensor, factor: float) -> torch.Tensor | None:
+    """``factor * 2^-24 * |g| * |u|`` per output element for the GELU family (None for the others).
+
+    ``x`` is the activation input (M, 2I) for gated GELUs (g, u = the packed halves) or (M, I) for GELU_NO_MUL."""
+    if activation not in _GELU_FAMILY:
+        return None
+    xf = x.float()
+    if _GELU_FAMILY[activation]:
+        g, u = xf.chunk(2, dim=-1)
+        return factor * 2.0**-24 * (g * u).abs()
+    return factor * 2.0**-24 * xf.abs()
 
 
 def assert_routing(out_w: torch.Tensor, out_ids: torch.Tensor, ref_w: torch.Tensor, ref_ids: torch.Tensor,

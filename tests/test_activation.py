@@ -76,8 +76,7 @@ def _exact_gelu_family(activation, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("activation", [A.GELU, A.GELU_TANH, A.GELU_NO_MUL])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_conformance_activation_tolerance_accepts_exact_gelu_and_rejects_a_wrong_one(activation, dtype):
-    from conformance.metrics import ConformanceFailure, assert_ulps
-    from conformance.test_activation import gelu_cancellation_atol
+    from conformance.metrics import ConformanceFailure, assert_ulps, gelu_cancellation_atol
     from specs import load_tolerances
 
     tol = load_tolerances()["activation"]
