@@ -37,7 +37,7 @@ CHECKS = [
     "experts_router_weight_on_input",
     "experts_fp8_block", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8",
-    "experts_permute_a",
+    "experts_permute_a", "align_tiles", "experts_half_tail",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
 
@@ -292,9 +292,9 @@ def make(M, E, K, I, topk, dtype, act=A.SILU, ep=None):
     return x, w1, w2, w, ids, emap, Eg
 
 
-def CFG(bm=16, bn1=32, bk1=64, bn2=32, bk2=64, fuse=1, fq=1, tma=0):
+def CFG(bm=16, bn1=32, bk1=64, bn2=32, bk2=64, fuse=1, fq=1, tma=0, half=0):
     return {"gemm1": dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk1, FUSE_ACT=fuse, FUSE_QUANT=fq,
-                          USE_TMA=tma),
+                          USE_TMA=tma, HALF_TAIL=half),
             "gemm2": dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn2, BLOCK_SIZE_K=bk2, USE_TMA=tma)}
 
 
@@ -434,6 +434,57 @@ def _():
         t1, t2, per_act_token_quant=True, per_out_ch_quant=True)))  # per-token scales
     (i1, u1), (i2, u2) = rq.int8_quant_per_channel(w1), rq.int8_quant_per_channel(w2)
     r.append(permuted_a(x, i1, i2, *rest, "int8", qc=int8_w8a8_moe_quant_config(u1, u2)))
+    bad = [v for v in r if v is not True]
+    return bad[0] if bad else True
+
+
+@check("align_tiles")
+def _():
+    """The HALF_TAIL tile list against one built here from the reference layout's expert_ids: each expert's run of
+    blocks cut into pairs, an odd last block alone."""
+    from backends.triton.experts import layout_rows
+    bad = []
+    for M, topk, E, bs, ep in ((70, 2, 4, 16, None), (300, 8, 128, 16, None), (33, 8, 64, 32, 4), (1, 8, 16, 16, None),
+                               (0, 2, 4, 16, None), (64, 1, 2, 16, None)):
+        ids = (torch.stack([torch.randperm(E, generator=G)[:topk] for _ in range(M)]) if M
+               else torch.empty(0, topk, dtype=torch.int64)).to(torch.int32)
+        emap = determine_expert_map(ep, ep - 1, E)[1] if ep else None
+        nl = E // ep if ep else E
+        _, r_eids, r_ntpp = ref_align(ids, bs, E, emap)
+        want, nb = [], int(r_ntpp) // bs
+        j = 0
+        while j < nb:
+            k = j
+            while k < nb and r_eids[k] == r_eids[j]:
+                k += 1
+            want += [b * 2 + int(b + 1 < k) for b in range(j, k, 2)]
+            j = k
+        lay = T_align.align_routes(ids, bs, nl, emap.to(torch.int32) if emap is not None else None,
+                                   E if ep else nl, layout_rows(ids.numel(), nl, bs), tiles=True)
+        n = int(lay.num_tiles)
+        if n != len(want) or lay.tiles[:n].tolist() != want or n > lay.tiles.numel():
+            bad.append((M, topk, E, bs, ep, n, len(want)))
+    return bad or None
+
+
+@check("experts_half_tail")
+def _():
+    """HALF_TAIL (experts padded to BLOCK_M / 2, full tiles plus one half-height tail tile per expert in one
+    launch) is close to the reference, on its own and with TMA A tiles (GEMM2; GEMM1 with PERMUTE_A), for bf16 with
+    EP, block-FP8 with the fused requantization, and INT8."""
+    DH = make(70, 4, 128, 64, 2, torch.bfloat16, ep=2)
+    r = []
+    for tma, perm in ((0, 0), (1, 0), (1, 1)):
+        c = CFG(bm=32, tma=tma, half=1)
+        c["gemm1"]["PERMUTE_A"] = perm
+        r.append(experts(*DH, "bfloat16", cfg=c))
+    xh = torch.randn(70, 256, generator=G).bfloat16()
+    q1, q2, qc = block()
+    r.append(experts(xh, q1, q2, *make(70, 4, 256, 128, 2, torch.bfloat16)[3:], "fp8", qc=qc,
+                     cfg=CFG(bm=32, bn1=128, bk1=64, bk2=128, tma=1, half=1)))
+    (i1, u1), (i2, u2) = rq.int8_quant_per_channel(w1), rq.int8_quant_per_channel(w2)
+    r.append(experts(xh, i1, i2, *make(70, 4, 256, 128, 2, torch.bfloat16)[3:], "int8",
+                     qc=int8_w8a8_moe_quant_config(u1, u2), cfg=CFG(bm=32, half=1)))
     bad = [v for v in r if v is not True]
     return bad[0] if bad else True
 

@@ -21,13 +21,16 @@ All index arithmetic is int32 (the layout is refused when it does not fit, as th
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from ._host import INTERPRET, cdiv, check_device, next_pow2, round_up
 
-__all__ = ["moe_align_block_size", "count_expert_num_tokens", "align_routes", "max_num_tokens_padded"]
+__all__ = ["moe_align_block_size", "count_expert_num_tokens", "align_routes", "max_num_tokens_padded", "max_num_tiles",
+           "RouteLayout"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -54,8 +57,8 @@ def _align_count_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, counts_ptr, nume
 
 
 @triton.jit
-def _align_scan_kernel(counts_ptr, off_ptr, end_ptr, ntpp_ptr, num_chunks, E,
-                       BS: tl.constexpr, E_PAD: tl.constexpr, CB: tl.constexpr):
+def _align_scan_kernel(counts_ptr, off_ptr, end_ptr, ntpp_ptr, tile_end_ptr, ntiles_ptr, num_chunks, E,
+                       BS: tl.constexpr, E_PAD: tl.constexpr, CB: tl.constexpr, TILES: tl.constexpr):
     cols = tl.arange(0, E_PAD)
     carry = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, num_chunks, CB):
@@ -70,12 +73,17 @@ def _align_scan_kernel(counts_ptr, off_ptr, end_ptr, ntpp_ptr, num_chunks, E,
     end = tl.cumsum(padded, axis=0)
     tl.store(end_ptr + cols, end)
     tl.store(ntpp_ptr, tl.sum(padded, axis=0))
+    if TILES:  # tiles of two blocks, plus one single-block tile where an expert has an odd number of blocks
+        nt = (padded // BS + 1) // 2
+        tl.store(tile_end_ptr + cols, tl.cumsum(nt, axis=0))
+        tl.store(ntiles_ptr, tl.sum(nt, axis=0))
 
 
 @triton.jit
-def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, expert_ids_ptr,
+def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, expert_ids_ptr, tile_end_ptr, tiles_ptr,
                           numel, num_blocks, E, blocks_per_prog,
-                          CHUNK: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr):
+                          CHUNK: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr,
+                          TILES: tl.constexpr):
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < numel
@@ -99,6 +107,17 @@ def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, exp
         eid = tl.sum(((ends[None, :] <= p[:, None]) & ecol[None, :]).to(tl.int32), axis=1)
         eid = tl.where(eid >= E, -1, eid)
         tl.store(expert_ids_ptr + b, eid, mask=b < b_stop)
+        if TILES:
+            # block b starts a tile when it is an even block of its expert's segment; the tile is "full" (two
+            # blocks) when the segment goes on past the next block. Value: b * 2 + full.
+            ok = (b < b_stop) & (eid >= 0)
+            ec = tl.where(ok, eid, 0)
+            seg_start = tl.load(end_ptr + ec - 1, mask=ok & (ec > 0), other=0)
+            seg_end = tl.load(end_ptr + ec, mask=ok, other=0)
+            r = b - seg_start // BS
+            t = tl.load(tile_end_ptr + ec - 1, mask=ok & (ec > 0), other=0) + r // 2
+            full = ((b + 2) * BS <= seg_end).to(tl.int32)
+            tl.store(tiles_ptr + t, b * 2 + full, mask=ok & (r % 2 == 0))
 
 
 def max_num_tokens_padded(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
@@ -123,8 +142,25 @@ def _chunk_sizes(e_pad: int) -> tuple[int, int]:
     return chunk, cb
 
 
+class RouteLayout(NamedTuple):
+    """The route layout of one call (see :func:`align_routes`)."""
+
+    sorted_token_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_tokens_post_padded: torch.Tensor
+    local_ids: torch.Tensor
+    tiles: torch.Tensor | None = None
+    num_tiles: torch.Tensor | None = None
+
+
+def max_num_tiles(numel: int, num_experts: int, block_size: int, total_len: int) -> int:
+    """Upper bound of the tile list's length: an expert with ``c`` routes has ``ceil(c / (2 * block_size))`` tiles,
+    so at most ``numel // (2 * block_size) + min(E, numel)`` in all, and never more than the layout's blocks."""
+    return max(1, min(cdiv(total_len, block_size), numel // (2 * block_size) + min(num_experts, numel)))
+
+
 def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert_map: torch.Tensor | None,
-                 num_ids: int, total_len: int):
+                 num_ids: int, total_len: int, tiles: bool = False) -> RouteLayout:
     """The layout kernels without argument checks (the experts' fast path).
 
     Args:
@@ -133,11 +169,15 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
         expert_map: int ``(num_ids,)`` global -> local map or None (then ids are local ids).
         num_ids: ids outside ``[0, num_ids)`` are dropped (``len(expert_map)``, or ``num_slots`` without a map).
         total_len: length of ``sorted_token_ids`` (>= any layout: ``max_num_tokens_padded``).
+        tiles: also build the tile list of the ``HALF_TAIL`` GEMMs: each expert's segment cut into tiles of two
+            blocks, the last one a single block when the segment has an odd number of blocks.
 
     Returns:
-        ``(sorted_token_ids int32 (total_len,), expert_ids int32 (cdiv(total_len, bs),),
-        num_tokens_post_padded int32 (1,), local_ids int32 (numel,))``; ``local_ids`` is each route's local expert,
-        -1 when dropped.
+        ``RouteLayout(sorted_token_ids int32 (total_len,), expert_ids int32 (cdiv(total_len, bs),),
+        num_tokens_post_padded int32 (1,), local_ids int32 (numel,), tiles, num_tiles)``; ``local_ids`` is each
+        route's local expert, -1 when dropped. With ``tiles``: ``tiles`` int32 ``(max_num_tiles,)``, entry ``t <
+        num_tiles`` = ``first_block * 2 + (1 if the tile has two blocks else 0)``, tiles in sorted-row order (entries
+        from ``num_tiles`` on are undefined); ``num_tiles`` int32 (1,). Otherwise both are None.
     """
     dev = topk_ids.device
     numel = topk_ids.numel()
@@ -146,10 +186,17 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
     expert_ids = torch.empty((num_blocks,), dtype=torch.int32, device=dev)
     ntpp = torch.empty((1,), dtype=torch.int32, device=dev)
     local = torch.empty((numel,), dtype=torch.int32, device=dev)
+    tile_list = ntiles = None
+    if tiles:
+        tile_list = torch.empty((max_num_tiles(numel, num_slots, block_size, total_len),), dtype=torch.int32,
+                                device=dev)
+        ntiles = torch.empty((1,), dtype=torch.int32, device=dev)
     if numel == 0:
         ntpp.zero_()
         expert_ids.fill_(-1)
-        return sorted_ids, expert_ids, ntpp, local
+        if tiles:
+            ntiles.zero_()
+        return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
     e_pad = next_pow2(num_slots + 1)
     chunk, cb = _chunk_sizes(e_pad)
     num_chunks = cdiv(numel, chunk)
@@ -157,17 +204,20 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
     offs = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
     ends = torch.empty((e_pad,), dtype=torch.int32, device=dev)
+    tile_ends = torch.empty((e_pad,), dtype=torch.int32, device=dev) if tiles else ends
     ids = topk_ids.reshape(-1)
     emap = expert_map if expert_map is not None else ids  # dummy pointer when there is no map
     _align_count_kernel[(num_chunks,)](ids, emap, local, rank, counts, numel, num_ids,
                                        CHUNK=chunk, E_PAD=e_pad, HAS_MAP=expert_map is not None)
-    _align_scan_kernel[(1,)](counts, offs, ends, ntpp, num_chunks, num_slots, BS=block_size, E_PAD=e_pad, CB=cb)
+    _align_scan_kernel[(1,)](counts, offs, ends, ntpp, tile_ends, ntiles if tiles else ntpp, num_chunks, num_slots,
+                             BS=block_size, E_PAD=e_pad, CB=cb, TILES=tiles)
     blocks_per_prog = cdiv(num_blocks, num_chunks)
     blk = max(16, min(128, next_pow2(blocks_per_prog), 8192 // e_pad))
-    _align_scatter_kernel[(num_chunks,)](local, rank, offs, ends, sorted_ids, expert_ids, numel, num_blocks,
+    _align_scatter_kernel[(num_chunks,)](local, rank, offs, ends, sorted_ids, expert_ids, tile_ends,
+                                         tile_list if tiles else expert_ids, numel, num_blocks,
                                          num_slots, blocks_per_prog, CHUNK=chunk, E_PAD=e_pad, BS=block_size,
-                                         BLK=blk)
-    return sorted_ids, expert_ids, ntpp, local
+                                         BLK=blk, TILES=tiles)
+    return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
 
 
 def _check_ids_and_map(fn, topk_ids, expert_map, num_slots, num_ids_no_map, drop_out_of_range_ids):
@@ -272,5 +322,5 @@ def moe_align_block_size(
     total_len = max_num_tokens_padded(numel, num_experts, block_size, pad_sorted_ids) if numel else 0
     if total_len > _INT32_MAX:
         raise ValueError(f"{fn}: sorted_token_ids would need {total_len} int32 entries (> 2**31 - 1)")
-    sorted_ids, expert_ids, ntpp, _ = align_routes(ids, block_size, num_experts, emap, num_experts, total_len)
+    sorted_ids, expert_ids, ntpp = align_routes(ids, block_size, num_experts, emap, num_experts, total_len)[:3]
     return sorted_ids, expert_ids, ntpp

@@ -360,8 +360,7 @@ def time_graph(make_call, n_calls=10, budget_s=0.4):
 
 def bench_shape(sh: Shape, Ms, dev, w1, w2, qc, act, dt, ceil, rows):
     from backends.triton import configs as C
-    from backends.triton.align import align_routes
-    from backends.triton.experts import fused_experts, layout_rows, plan_quant, quantize_activation, run_experts
+    from backends.triton.experts import fused_experts, plan_quant, quantize_activation, route_layout, run_experts
 
     bw, pk_bf16, pk_fp8 = ceil
     plan = plan_quant(qc)
@@ -377,14 +376,13 @@ def bench_shape(sh: Shape, Ms, dev, w1, w2, qc, act, dt, ceil, rows):
         try:
             R = 10 if M <= 64 else 1
             cfg = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, plan.block_shape)
-            BM = cfg["gemm1"]["BLOCK_SIZE_M"]
             xs, routes, lays, a1s = [], [], [], []
             touched = 0
             for r in range(R):
                 x = torch.randn(M, sh.K, device=dev, dtype=dt)
                 w, ids = make_routing(M, sh.E, sh.topk, dev, seed=1000 * M + r)
                 touched += ids.unique().numel()
-                lay = align_routes(ids, BM, sh.E, None, sh.E, layout_rows(M * sh.topk, sh.E, BM))
+                lay = route_layout(ids, cfg, sh.E)
                 if plan.kind == "none":
                     aq = (x, None)
                 else:

@@ -5,13 +5,16 @@ names its tables (``E={E},N={N},device_name={dev}[,dtype={dtype}][,block_shape=[
 intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
-                       USE_TMA, FUSE_ACT, FUSE_QUANT, PERMUTE_A},
+                       USE_TMA, FUSE_ACT, FUSE_QUANT, PERMUTE_A, HALF_TAIL},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA}},
      ...}
 
 ``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``PERMUTE_A``
 (optional, default 0) copies GEMM1's input rows into the layout's sorted order first, so that GEMM1 reads
-contiguous row tiles (through TMA when ``USE_TMA``) instead of gathering them. The entry whose ``M``
+contiguous row tiles (through TMA when ``USE_TMA``) instead of gathering them. ``HALF_TAIL`` (optional, default 0;
+``BLOCK_SIZE_M >= 32``) pads each expert's routes to ``BLOCK_SIZE_M / 2`` rows instead of ``BLOCK_SIZE_M`` and runs
+both GEMMs over a tile list: ``BLOCK_SIZE_M``-row tiles plus, where an expert's segment has an odd number of
+half blocks, one ``BLOCK_SIZE_M / 2``-row tail tile in the same launch. The entry whose ``M``
 is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
 table) :func:`default_config` chooses by tokens per expert.
 """
@@ -34,7 +37,7 @@ CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_na
 
 # The keys a table entry may hold (anything else is a typo that would be ignored).
 GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA")
-GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A")
+GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL")
 
 
 def device_name() -> str:
@@ -121,6 +124,10 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
     out["gemm1"].setdefault("FUSE_ACT", 1)
     out["gemm1"].setdefault("FUSE_QUANT", 1)
     out["gemm1"].setdefault("PERMUTE_A", 0)
+    out["gemm1"].setdefault("HALF_TAIL", 0)
+    if out["gemm1"]["HALF_TAIL"] and out["gemm1"]["BLOCK_SIZE_M"] < 32:
+        raise ValueError(f"HALF_TAIL needs BLOCK_SIZE_M >= 32 (tail tiles of BLOCK_SIZE_M / 2 >= 16 rows), got "
+                         f"{out['gemm1']['BLOCK_SIZE_M']}")
     if out["gemm1"]["BLOCK_SIZE_M"] != out["gemm2"]["BLOCK_SIZE_M"]:
         raise ValueError("gemm1 and gemm2 must use the same BLOCK_SIZE_M (the route layout's block)")
     return out

@@ -56,7 +56,7 @@ from ._host import (
     recipe_params,
     round_up,
 )
-from .align import align_routes, max_num_tokens_padded
+from .align import RouteLayout, align_routes, max_num_tokens_padded
 from .kernels import (
     QMODE_FP8_GROUP,
     QMODE_FP8_STATIC,
@@ -74,7 +74,7 @@ from .quant import launch_act_quant as _launch_act_quant
 from .quant import quantize_activation
 
 __all__ = ["TritonExperts", "fused_experts", "run_experts", "plan_quant", "QuantPlan", "quantize_activation",
-           "layout_rows"]
+           "layout_rows", "layout_block", "route_layout"]
 
 _FP8 = torch.float8_e4m3fn
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -186,6 +186,23 @@ def layout_rows(numel: int, num_experts: int, block_m: int) -> int:
     return round_up(max(max_num_tokens_padded(numel, num_experts, block_m), 1), block_m)
 
 
+def layout_block(cfg: dict) -> int:
+    """The route layout's block (rows each expert is padded to) for a config: ``BLOCK_SIZE_M``, or half of it with
+    ``HALF_TAIL`` (tiles of ``BLOCK_SIZE_M`` rows plus one ``BLOCK_SIZE_M / 2`` tail tile per expert)."""
+    g1 = cfg["gemm1"]
+    return g1["BLOCK_SIZE_M"] // 2 if g1.get("HALF_TAIL", 0) else g1["BLOCK_SIZE_M"]
+
+
+def route_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map: torch.Tensor | None = None,
+                 num_ids: int | None = None) -> RouteLayout:
+    """``align_routes`` for this config (block :func:`layout_block`, tile list with ``HALF_TAIL``); ids must be
+    int32/int64 and contiguous, ``expert_map`` int32 or None."""
+    bs = layout_block(cfg)
+    rows = layout_rows(topk_ids.numel(), num_experts, bs)
+    return align_routes(topk_ids, bs, num_experts, expert_map, num_experts if num_ids is None else num_ids, rows,
+                        tiles=bool(cfg["gemm1"].get("HALF_TAIL", 0)))
+
+
 def _fusion(activation: MoEActivation) -> int:
     if activation is MoEActivation.SWIGLUOAI:
         return 2
@@ -255,12 +272,14 @@ def _permute_rows(src: torch.Tensor, sorted_ids, ntpp, rows: int, num_valid: int
 
 
 def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mode=0, bias=None,
-                 sorted_ids, expert_ids, ntpp, rows, num_valid, top_k, a_gather, c_sorted, n_out,
+                 layout, rows, num_valid, top_k, a_gather, c_sorted, n_out,
                  fuse, act, act_dtype, alpha=1.0, beta=0.0, limit=0.0, has_limit=False,
                  out_quant=False, rp=None, use_ue8m0=False, group_n=128, group_k=128, cfg, int8=False):
-    """Launch ``fused_moe_kernel`` for one GEMM (see its docstring for the modes)."""
+    """Launch ``fused_moe_kernel`` for one GEMM (see its docstring for the modes) over ``layout`` (its tile list
+    when ``layout.tiles`` is set: ``HALF_TAIL``)."""
     E, NW, K = w.shape
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    half_tail = layout.tiles is not None
     up_off = n_out if fuse == 1 else 0
     ws, sbe, sbn, sbk = _scale_strides(w_scale, b_mode, E, NW)
     if a_mode == _S_GROUP:
@@ -275,6 +294,7 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     bn_load = 2 * BN if fuse == 2 else BN
     b_desc = _descriptor(w.view(E * NW, K), [bn_load, BK]) if tma_b else None
     a_desc = _descriptor(a, [BM, BK]) if tma_a else None
+    a_desc_h = _descriptor(a, [BM // 2, BK]) if tma_a and half_tail else a_desc
     if bias is not None:
         sbias_e, sbias_n = bias.stride(0), bias.stride(1)
     else:
@@ -282,18 +302,21 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     # one block scale per K tile when every tile's rows (and up rows) stay inside one GROUP_N block
     b_scalar = (FLAGS["b_scalar"] and b_mode == _S_GROUP and group_n % bn_load == 0
                 and (fuse != 1 or up_off % group_n == 0) and (NW % bn_load == 0))
-    grid = (cdiv(rows, BM) * cdiv(n_out, BN),)
+    # EM: the layout's rows, or (HALF_TAIL) the tile list's length
+    em = layout.tiles.numel() if half_tail else rows
+    grid = ((em if half_tail else cdiv(rows, BM)) * cdiv(n_out, BN),)
     fused_moe_kernel[grid](
-        a, w, c, cs, a_scale, ws, bias, a_desc, b_desc,
-        sorted_ids, expert_ids, ntpp,
-        n_out, K, rows, num_valid, up_off, NW,
+        a, w, c, cs, a_scale, ws, bias, a_desc, a_desc_h, b_desc,
+        layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
+        layout.tiles if half_tail else layout.expert_ids, layout.num_tiles if half_tail else layout.expert_ids,
+        n_out, K, em, num_valid, up_off, NW,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         asm, ask, sbe, sbn, sbk, sbias_e, sbias_n,
         cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
         alpha, beta, limit,
         rp["amax_floor"] if rp else 0.0, rp["ue8m0_floor"] if rp else 0.0,
         GROUP_N=group_n, GROUP_K=group_k,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), HALF_TAIL=half_tail,
         TOP_K=top_k, A_GATHER=a_gather, C_SORTED=c_sorted,
         A_SCALE=a_mode, B_SCALE=b_mode, B_SCALAR=b_scalar, INT8=int8, HAS_BIAS=bias is not None,
         FUSE=fuse, ACT=act, HAS_LIMIT=has_limit, ACT_DT=_TL_DTYPES[act_dtype],
@@ -316,10 +339,10 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
                 expert_map: torch.Tensor | None, num_ids: int, qc: FusedMoEQuantConfig, plan: QuantPlan,
                 cfg: dict, ws13: torch.Tensor | None = None, ws2: torch.Tensor | None = None,
                 apply_router_weight_on_input: bool = False, a2_scale: torch.Tensor | None = None,
-                layout: tuple | None = None, stages: str = "all") -> torch.Tensor:
+                layout: RouteLayout | None = None, stages: str = "all") -> torch.Tensor:
     """The experts step on already-quantized input: writes ``out (M, K)`` (activation dtype) and returns it.
 
-    ``layout``: a precomputed ``align_routes`` result for this ``topk_ids`` and ``BLOCK_SIZE_M`` (benchmarks);
+    ``layout``: a precomputed :func:`route_layout` for this ``topk_ids`` and ``cfg`` (benchmarks);
     ``stages``: ``"all"``; ``"gemms"`` = GEMM1 (+ activation / requantization) and GEMM2 only; ``"gemm1"`` /
     ``"gemm2"`` = one of them (the tuner; with explicit workspaces so GEMM2 reads what GEMM1 left).
 
@@ -340,15 +363,16 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     if M == 0:
         return out
     g1, g2 = cfg["gemm1"], cfg["gemm2"]
-    BM = g1["BLOCK_SIZE_M"]
+    BM = layout_block(cfg)  # the layout's block: BLOCK_SIZE_M, or half of it with HALF_TAIL
     rows = layout_rows(numel, E, BM)
-    ids = topk_ids if topk_ids.is_contiguous() and topk_ids.dtype in (torch.int32, torch.int64) \
-        else topk_ids.contiguous().to(torch.int32)
-    emap = expert_map.to(torch.int32).contiguous() if expert_map is not None and expert_map.dtype != torch.int32 \
-        else expert_map
     if layout is None:
-        layout = align_routes(ids, BM, E, emap, num_ids, rows)
-    sorted_ids, expert_ids, ntpp, local = layout
+        ids = topk_ids if topk_ids.is_contiguous() and topk_ids.dtype in (torch.int32, torch.int64) \
+            else topk_ids.contiguous().to(torch.int32)
+        emap = expert_map.to(torch.int32).contiguous() if expert_map is not None and expert_map.dtype != torch.int32 \
+            else expert_map
+        layout = route_layout(ids, cfg, E, emap, num_ids)
+    sorted_ids, ntpp, local = layout.sorted_token_ids, layout.num_tokens_post_padded, layout.local_ids
+    expert_ids = layout.expert_ids
 
     act = activation_code(activation)
     alpha, beta, limit, has_limit = act_params(activation, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
@@ -379,7 +403,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     c3 = _view(buf2, 0, (numel, K), act_dtype)
 
     w1_bias, w2_bias = qc.w1_bias, qc.w2_bias
-    common = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, num_valid=numel,
+    common = dict(layout=layout, rows=rows, num_valid=numel,
                   top_k=topk, act_dtype=act_dtype, rp=rp, use_ue8m0=plan.use_ue8m0, int8=int8,
                   group_n=plan.block_shape[0] if plan.block_shape else 128, group_k=group)
     c2_view = c2.view(torch.uint8) if quant and not int8 else c2
@@ -518,7 +542,8 @@ class TritonExperts(FusedMoEExpertsModular):
 
     Output: ``(M, K)`` already weighted and reduced, so the finalize step is ``TopKWeightAndReduceNoOP``.
 
-    Workspaces (``workspace_shapes``, activation dtype elements, ``R = layout_rows(M * topk, E_local, BLOCK_M)``):
+    Workspaces (``workspace_shapes``, activation dtype elements,
+    ``R = layout_rows(M * topk, E_local, layout_block(cfg))``):
     ``workspace13 (R, cols)`` holds GEMM2's input (C2 in the activation dtype, or its FP8/INT8 codes + fp32 scales;
     it may alias the output, which is written only after C2 is dead); ``workspace2 (R, max(N, K, I))`` holds the
     unfused GEMM1 output / pre-quantization C2, then GEMM2's route-ordered output C3. Too-small or non-contiguous
@@ -596,7 +621,7 @@ class TritonExperts(FusedMoEExpertsModular):
                          activation):
         I = adjust_N_for_activation(N, activation)
         cfg = self.config_for(M, local_num_experts, I, K, topk)
-        rows = layout_rows(M * topk, local_num_experts, cfg["gemm1"]["BLOCK_SIZE_M"])
+        rows = layout_rows(M * topk, local_num_experts, layout_block(cfg))
         elt = self._act_elt()
         need13 = round_up(rows * I, 16) + rows * cdiv(I, self.plan.group_k) * 4
         cols13 = max(I, cdiv(need13, rows * elt))

@@ -43,18 +43,18 @@ QMODE_FP8_TENSOR_AMAX = 6  # pass 1 of dynamic per-tensor fp8: amax over all rou
 QMODE_FP8_TENSOR_QUANT = 7  # pass 2: quantize with amax / 448
 
 
-@triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
-def fused_moe_kernel(
+@triton.jit
+def _moe_tile(
     a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     a_desc, b_desc,
-    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-    N, K, EM, num_valid_tokens, UP_OFF, NW,
+    sorted_token_ids_ptr, row0, e, pid_n,
+    N, K, num_valid_tokens, UP_OFF, NW,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
     stride_csm, stride_csg,
     alpha, beta, limit, amax_floor, ue8m0_floor,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TOP_K: tl.constexpr, A_GATHER: tl.constexpr, C_SORTED: tl.constexpr,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, B_SCALAR: tl.constexpr, INT8: tl.constexpr,
     HAS_BIAS: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
@@ -62,38 +62,11 @@ def fused_moe_kernel(
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One ``BLOCK_M x BLOCK_N`` output tile of one expert: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)``.
-
-    Rows: ``sorted_token_ids[pid_m*BM : (pid_m+1)*BM]`` (flat route ids, ``>= num_valid_tokens`` = padding).
-    ``A_GATHER``: A row = route // TOP_K (GEMM1 reads hidden states), else A row = sorted position (GEMM2 reads
-    GEMM1's sorted output). ``C_SORTED``: C row = sorted position (GEMM1), else the route id (GEMM2).
-    ``N`` = output columns; ``NW`` = weight rows per expert (``2N`` when the gated activation is fused).
-    ``FUSE``: 0 plain; 1 gated halves (gate row n, up row ``UP_OFF + n``); 2 gated interleaved (rows 2n, 2n+1);
-    3 non-gated activation on the tile.
-    ``A_SCALE``: 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K.
-    ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
-    (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).
-    ``OUT_QUANT``: quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns).
-    """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
-    if pid_m * BLOCK_M >= num_tokens_post_padded:
-        return
-    e = tl.load(expert_ids_ptr + pid_m)
-    if e < 0:
-        return
+    """One ``BLOCK_M x BLOCK_N`` output tile of expert ``e``: sorted rows ``[row0, row0 + BLOCK_M)``, output
+    columns of N tile ``pid_n`` (see :func:`fused_moe_kernel` for the modes)."""
     e64 = e.to(tl.int64)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_token = tl.load(sorted_token_ids_ptr + offs_m)
     token_mask = offs_token < num_valid_tokens
     if A_GATHER:
@@ -141,7 +114,7 @@ def fused_moe_kernel(
         k0 = kk * BLOCK_K
         # ---- A tile [BM, BK]
         if TMA_A:
-            a = a_desc.load([(pid_m * BLOCK_M).to(tl.int32), k0])
+            a = a_desc.load([row0.to(tl.int32), k0])
         elif A_GATHER:
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
@@ -270,6 +243,118 @@ def fused_moe_kernel(
         tl.store(cs_ptr + c_rows.to(tl.int64) * stride_csm + pid_n * stride_csg, s, mask=row_mask)
     else:
         tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+
+
+
+
+@triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
+def fused_moe_kernel(
+    a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_desc, a_desc_h, b_desc,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
+    N, K, EM, num_valid_tokens, UP_OFF, NW,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
+    stride_csm, stride_csg,
+    alpha, beta, limit, amax_floor, ue8m0_floor,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HALF_TAIL: tl.constexpr,
+    TOP_K: tl.constexpr, A_GATHER: tl.constexpr, C_SORTED: tl.constexpr,
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, B_SCALAR: tl.constexpr, INT8: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
+    OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
+    RECIP_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
+
+    Rows: ``sorted_token_ids`` (flat route ids, ``>= num_valid_tokens`` = padding), cut into tiles of one expert.
+    Without ``HALF_TAIL`` the tiles are the layout's ``BLOCK_M`` blocks (``EM`` rows at most,
+    ``num_tokens_post_padded`` used). With ``HALF_TAIL`` the layout's blocks are ``BLOCK_M / 2`` rows and the tiles
+    come from ``tiles`` (``align_routes(..., tiles=True)``: ``first_block * 2 + full``; ``EM`` = its length,
+    ``num_tiles`` used): a full tile is ``BLOCK_M`` rows, an expert's odd last block a ``BLOCK_M / 2``-row tile, so
+    an expert pads to ``BLOCK_M / 2`` rows while its other tiles keep the larger MMA shape (one launch, the tail
+    next to its expert's full tiles so their weight tiles are still in L2). ``a_desc_h``: A's TMA descriptor of
+    ``BLOCK_M / 2``-row boxes.
+    ``A_GATHER``: A row = route // TOP_K (GEMM1 reads hidden states), else A row = sorted position (GEMM2 reads
+    GEMM1's sorted output). ``C_SORTED``: C row = sorted position (GEMM1), else the route id (GEMM2).
+    ``N`` = output columns; ``NW`` = weight rows per expert (``2N`` when the gated activation is fused).
+    ``FUSE``: 0 plain; 1 gated halves (gate row n, up row ``UP_OFF + n``); 2 gated interleaved (rows 2n, 2n+1);
+    3 non-gated activation on the tile.
+    ``A_SCALE``: 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K.
+    ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
+    (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).
+    ``OUT_QUANT``: quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns).
+    """
+    pid = tl.program_id(0)
+    if HALF_TAIL:
+        num_pid_m = EM
+    else:
+        num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    if HALF_TAIL:
+        if pid_m >= tl.load(num_tiles_ptr):
+            return
+        tile = tl.load(tiles_ptr + pid_m)
+        block = tile // 2
+        row0 = block * (BLOCK_M // 2)
+        e = tl.load(expert_ids_ptr + block)
+        if tile % 2 == 1:
+            _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+                  a_desc, b_desc,
+                  sorted_token_ids_ptr, row0, e, pid_n,
+                  N, K, num_valid_tokens, UP_OFF, NW,
+                  stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                  stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
+                  stride_csm, stride_csg,
+                  alpha, beta, limit, amax_floor, ue8m0_floor,
+                  GROUP_N, GROUP_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                  TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
+                  HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
+                  OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC)
+        else:
+            _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+                  a_desc_h, b_desc,
+                  sorted_token_ids_ptr, row0, e, pid_n,
+                  N, K, num_valid_tokens, UP_OFF, NW,
+                  stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                  stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
+                  stride_csm, stride_csg,
+                  alpha, beta, limit, amax_floor, ue8m0_floor,
+                  GROUP_N, GROUP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                  TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
+                  HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
+                  OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+            return
+        e = tl.load(expert_ids_ptr + pid_m)
+        if e < 0:
+            return
+        row0 = pid_m * BLOCK_M
+        _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+                  a_desc, b_desc,
+                  sorted_token_ids_ptr, row0, e, pid_n,
+                  N, K, num_valid_tokens, UP_OFF, NW,
+                  stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                  stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
+                  stride_csm, stride_csg,
+                  alpha, beta, limit, amax_floor, ue8m0_floor,
+                  GROUP_N, GROUP_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                  TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
+                  HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
+                  OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC)
 
 
 @triton.jit
