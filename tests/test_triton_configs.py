@@ -41,3 +41,32 @@ def test_table_entries_are_valid(path):
         cfg = C.sanitize_config(entry, block_shape=block)  # raises ValueError on a violated constraint
         for g in ("gemm1", "gemm2"):
             assert cfg[g]["num_warps"] in (2, 4, 8) and 1 <= cfg[g]["num_stages"] <= 8, (path.name, M, g, cfg[g])
+
+
+def test_half_tail_needs_tiles_of_32_rows():
+    """HALF_TAIL's tail tile is BLOCK_SIZE_M / 2 rows; a dot needs 16 at least, so BLOCK_SIZE_M 16 is refused."""
+    g = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64)
+    with pytest.raises(ValueError, match="HALF_TAIL needs BLOCK_SIZE_M >= 32"):
+        C.sanitize_config({"gemm1": dict(g, HALF_TAIL=1), "gemm2": g})
+    cfg = C.sanitize_config({"gemm1": dict(g, BLOCK_SIZE_M=32, HALF_TAIL=1), "gemm2": dict(g, BLOCK_SIZE_M=32)})
+    assert cfg["gemm1"]["HALF_TAIL"] == 1
+    assert C.sanitize_config({"gemm1": g, "gemm2": g})["gemm1"]["HALF_TAIL"] == 0
+
+
+def test_tuner_candidate_lists_are_complete():
+    """Each GEMM's candidate list is deduplicated on its own (a GEMM2 candidate equal to a GEMM1 candidate is still
+    timed), and prefill has the 128-row HALF_TAIL key."""
+    from backends.triton.tune import candidates
+
+    for M, E, topk in ((1, 128, 8), (8, 128, 8), (4096, 128, 8), (1024, 32, 8)):
+        for fp8_block in (False, True):
+            for key, (g1s, g2s) in candidates(M, E, topk, fp8_block, fp8_block).items():
+                for lst in (g1s, g2s):
+                    keys = [json.dumps(c, sort_keys=True) for c in lst]
+                    assert len(keys) == len(set(keys)), (M, key)
+                shared = {json.dumps(c, sort_keys=True) for c in g1s} & {json.dumps(c, sort_keys=True) for c in g2s}
+                if M == 1 and not fp8_block:
+                    assert shared, "the decode lists share configs; each list must keep its own copy"
+                if key == "128h":
+                    assert all(c["HALF_TAIL"] == 1 and c["BLOCK_SIZE_M"] == 128 for c in g1s)
+    assert "128h" in candidates(4096, 128, 8, False, False)

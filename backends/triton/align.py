@@ -16,6 +16,10 @@ reproduces the reference's order exactly, in four launches and without host sync
 4. ``_align_scatter_kernel`` (one program per chunk): writes every kept route at
    ``start[e] + chunk_offset[c, e] + rank``, and fills a slice of ``expert_ids`` from the segment ends.
 
+With ``tiles=True`` (the experts' ``HALF_TAIL`` configs) launches 3 and 4 also build a tile list: each expert's
+blocks in pairs, plus its odd last block alone (``first_block * 2 + full``), in sorted-row order, so that the GEMMs
+run two-block tiles and one single-block tail per expert in one launch.
+
 All index arithmetic is int32 (the layout is refused when it does not fit, as the reference does).
 """
 

@@ -3,6 +3,7 @@
 Pipeline of one call (``run_experts``), for ``M`` tokens, ``topk`` routes each, ``E`` local experts::
 
     align       align_routes(topk_ids)            -> sorted route ids (blocks of BLOCK_M per expert), expert ids
+                  HALF_TAIL: blocks of BLOCK_M / 2 and a tile list (BLOCK_M tiles + one half tile per expert)
     [permute]   PERMUTE_A: permute_rows_kernel     -> a1q (and its row / group scales) in sorted order, so GEMM1
                                                       reads contiguous row tiles (TMA); else GEMM1 gathers rows
     GEMM1       fused_moe_kernel(A = a1q rows gathered by route // topk, W = w1)

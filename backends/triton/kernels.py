@@ -300,10 +300,13 @@ def fused_moe_kernel(
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
 
+    # the bookkeeping loads are issued together, before the branches that use them (at decode the dependent chain
+    # of global loads is a visible part of a program's life)
     if HALF_TAIL:
-        if pid_m >= tl.load(num_tiles_ptr):
+        num_tiles = tl.load(num_tiles_ptr)
+        tile = tl.load(tiles_ptr + pid_m)  # pid_m < EM = the list's length; entries past num_tiles are not used
+        if pid_m >= num_tiles:
             return
-        tile = tl.load(tiles_ptr + pid_m)
         block = tile // 2
         row0 = block * (BLOCK_M // 2)
         e = tl.load(expert_ids_ptr + block)
@@ -336,9 +339,10 @@ def fused_moe_kernel(
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
                   EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC)
     else:
-        if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        ntpp = tl.load(num_tokens_post_padded_ptr)
+        e = tl.load(expert_ids_ptr + pid_m)  # pid_m < cdiv(EM, BLOCK_M) = the layout's block count
+        if pid_m * BLOCK_M >= ntpp:
             return
-        e = tl.load(expert_ids_ptr + pid_m)
         if e < 0:
             return
         row0 = pid_m * BLOCK_M

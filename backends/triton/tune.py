@@ -70,6 +70,10 @@ def candidates(M, E, topk, fp8_block, fp8):
                   _c(bm, 128, 128, 1, 4, 3), _c(bm, 32, bk2, 1, 4, 4), _c(bm, 64, 64, 1, 4, 6)]
             g2 = [_c(bm, 64, 128, 1, 4, 4), _c(bm, 64, 128, 1, 4, 4, 1), _c(bm, 128, 128, 1, 4, 3),
                   _c(bm, 32, 128, 1, 4, 4), _c(bm, 64, bk2, 1, 4, 3), _c(bm, 128, 64, 1, 4, 5)]
+            # GEMM2's K (= I) is short: a program's few K tiles can all be in flight at once (deep pipelines, wide
+            # tiles, about one program per SM), so that a program's life is one memory round trip, not several
+            g2 += [_c(bm, 128, 128, 1, 4, 5), _c(bm, 128, 128, 1, 4, 6), _c(bm, 256, 64, 1, 8, 6),
+                   _c(bm, 256, 128, 1, 8, 5), _c(bm, 64, 256, 1, 4, 3), _c(bm, 128, 256, 1, 8, 3)]
             if T <= 2:  # M ~ 1: a few experts x one row; more, narrower programs and fewer warps cut latency
                 g1 += [_c(bm, 16, 128, 1, 2, 4), _c(bm, 32, 128, 1, 2, 5), _c(bm, 16, bk2, 1, 4, 3),
                        _c(bm, 32, 128, 1, 4, 4, 1)]
@@ -89,11 +93,20 @@ def candidates(M, E, topk, fp8_block, fp8):
             g1 = [dict(c, BLOCK_SIZE_K=128) for c in g1 if c["BLOCK_SIZE_N"] in (32, 64, 128)]
             g1 = [dict(c, FUSE_QUANT=int(c["BLOCK_SIZE_N"] == 128)) for c in g1]
             g2 = [dict(c, BLOCK_SIZE_K=128) for c in g2]
-        seen = set()
-        out[bm] = tuple([c for c in lst if not (json.dumps(c, sort_keys=True) in seen
-                                                 or seen.add(json.dumps(c, sort_keys=True)))] for lst in (g1, g2))
+        out[bm] = (_dedupe(g1), _dedupe(g2))
     if 128 in out:  # 128-row tiles over a 64-row padding (one 64-row tail tile per expert): HALF_TAIL
         out["128h"] = ([dict(c, HALF_TAIL=1) for c in out[128][0]], out[128][1])
+    return out
+
+
+def _dedupe(configs):
+    """The configs in order, without repeats (each list on its own: GEMM1 and GEMM2 may share a config)."""
+    seen, out = set(), []
+    for c in configs:
+        key = json.dumps(c, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
     return out
 
 
