@@ -118,10 +118,9 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
             v = g[k]
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{k}={v} must be a power of two >= 16")
-        if block_shape is not None and block_shape[1] % g["BLOCK_SIZE_K"] and g["BLOCK_SIZE_K"] != 2 * block_shape[1]:
-            raise ValueError(f"BLOCK_SIZE_K={g['BLOCK_SIZE_K']} must divide the scale group {block_shape[1]} or be "
-                             "two groups (then each group is scaled on its own); a K tile spanning two groups with "
-                             "one scale is the bug of vLLM #52576")
+        if block_shape is not None and block_shape[1] % g["BLOCK_SIZE_K"]:
+            raise ValueError(f"BLOCK_SIZE_K={g['BLOCK_SIZE_K']} must divide the scale group {block_shape[1]} "
+                             "(a K tile spanning two groups would use one scale: vLLM #52576)")
     out["gemm1"].setdefault("FUSE_ACT", 1)
     out["gemm1"].setdefault("FUSE_QUANT", 1)
     out["gemm1"].setdefault("PERMUTE_A", 0)

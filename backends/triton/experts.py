@@ -289,18 +289,13 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         asm, ask = a_scale.stride(0), 0
     else:
         asm, ask = 0, 0
-    # KPAIR: BLOCK_K of two block-scale groups, one MMA chain per group (K must be a multiple of both)
-    kpair = a_mode == _S_GROUP and BK == 2 * group_k
-    if kpair and K % BK:
-        BK, kpair = group_k, False
-    bk_load = BK // 2 if kpair else BK
     use_tma = bool(cfg.get("USE_TMA", 0))
     tma_b = use_tma and _tma_ok(w, K)
     tma_a = use_tma and not a_gather and _tma_ok(a, K)
     bn_load = 2 * BN if fuse == 2 else BN
-    b_desc = _descriptor(w.view(E * NW, K), [bn_load, bk_load]) if tma_b else None
-    a_desc = _descriptor(a, [BM, bk_load]) if tma_a else None
-    a_desc_h = _descriptor(a, [BM // 2, bk_load]) if tma_a and half_tail else a_desc
+    b_desc = _descriptor(w.view(E * NW, K), [bn_load, BK]) if tma_b else None
+    a_desc = _descriptor(a, [BM, BK]) if tma_a else None
+    a_desc_h = _descriptor(a, [BM // 2, BK]) if tma_a and half_tail else a_desc
     if bias is not None:
         sbias_e, sbias_n = bias.stride(0), bias.stride(1)
     else:
@@ -330,7 +325,7 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         UE8M0_EXACT=rp["UE8M0_EXACT"] if rp else False, SCALE_INV=rp["SCALE_INV"] if rp else False,
         RECIP_MUL=rp["RECIP_MUL"] if rp else False,
         EVEN_K=K % BK == 0, TMA_A=tma_a, TMA_B=tma_b, EMU=INTERPRET,
-        DOT_PREC="ieee" if act_dtype == torch.float32 else "tf32", KPAIR=kpair,
+        DOT_PREC="ieee" if act_dtype == torch.float32 else "tf32",
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
 

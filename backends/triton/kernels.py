@@ -44,62 +44,6 @@ QMODE_FP8_TENSOR_QUANT = 7  # pass 2: quantize with amax / 448
 
 
 @triton.jit
-def _ab_tiles(a_ptrs, b_ptrs, bu_ptrs, a_desc, b_desc, row0, b_row0, k0, K, UP_OFF, token_mask, offs_k,
-              A_GATHER: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, FUSE: tl.constexpr,
-              EVEN_K: tl.constexpr, INT8: tl.constexpr, EMU: tl.constexpr):
-    """The A tile ``[BM, BK]`` and the weight tile(s) ``[BK, BN]`` (gate and up when ``FUSE == 1``) at K offset
-    ``k0`` (``offs_k``: the tile's K columns; the pointers already point at ``k0``)."""
-    if TMA_A:
-        a = a_desc.load([row0.to(tl.int32), k0])
-    elif A_GATHER:
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-    else:
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-    if TMA_B:
-        b = b_desc.load([b_row0, k0]).T
-        if FUSE == 1:
-            bu = b_desc.load([b_row0 + UP_OFF, k0]).T
-        else:
-            bu = b
-    else:
-        if EVEN_K:
-            b = tl.load(b_ptrs)
-            if FUSE == 1:
-                bu = tl.load(bu_ptrs)
-            else:
-                bu = b
-        else:
-            kmask = offs_k[:, None] < K - k0
-            b = tl.load(b_ptrs, mask=kmask, other=0.0)
-            if FUSE == 1:
-                bu = tl.load(bu_ptrs, mask=kmask, other=0.0)
-            else:
-                bu = b
-    if EMU:
-        if not INT8:
-            if a.dtype != tl.float8e4nv:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-                bu = bu.to(tl.float32)
-    return a, b, bu
-
-
-@triton.jit
-def _group_scaled(d, a_s, b_s, B_SCALAR: tl.constexpr):
-    """One K group's dot product dequantized: ``d * a_s[row] * b_s`` (scalar or per column), in fp32."""
-    if B_SCALAR:
-        return d * (a_s * b_s)[:, None]
-    else:
-        return d * a_s[:, None] * b_s[None, :]
-
-
-@triton.jit
 def _moe_tile(
     a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     a_desc, b_desc,
@@ -117,7 +61,6 @@ def _moe_tile(
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
-    KPAIR: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of expert ``e``: sorted rows ``[row0, row0 + BLOCK_M)``, output
     columns of N tile ``pid_n`` (see :func:`fused_moe_kernel` for the modes)."""
@@ -136,9 +79,7 @@ def _moe_tile(
         offs_bn = (pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
     else:
         offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    # KPAIR: an iteration covers BLOCK_K = 2 * GROUP_K columns of K, loaded as two GROUP_K-wide tiles
-    BK_LOAD: tl.constexpr = BLOCK_K // (2 if KPAIR else 1)
-    offs_k = tl.arange(0, BK_LOAD)
+    offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_base = b_ptr + e64 * stride_be
     b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_bn[None, :].to(tl.int64) * stride_bn
@@ -171,35 +112,65 @@ def _moe_tile(
 
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         k0 = kk * BLOCK_K
-        a, b, bu = _ab_tiles(a_ptrs, b_ptrs, bu_ptrs, a_desc, b_desc, row0, b_row0, k0, K, UP_OFF, token_mask,
-                             offs_k, A_GATHER, TMA_A, TMA_B, FUSE, EVEN_K, INT8, EMU)
+        # ---- A tile [BM, BK]
+        if TMA_A:
+            a = a_desc.load([row0.to(tl.int32), k0])
+        elif A_GATHER:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+        else:
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+        # ---- B tile(s) [BK, BN]
+        if TMA_B:
+            if FUSE == 2:
+                b = b_desc.load([b_row0, k0]).T
+            else:
+                b = b_desc.load([b_row0, k0]).T
+            if FUSE == 1:
+                bu = b_desc.load([b_row0 + UP_OFF, k0]).T
+            else:
+                bu = b
+        else:
+            if EVEN_K:
+                b = tl.load(b_ptrs)
+                if FUSE == 1:
+                    bu = tl.load(bu_ptrs)
+                else:
+                    bu = b
+            else:
+                kmask = offs_k[:, None] < K - k0
+                b = tl.load(b_ptrs, mask=kmask, other=0.0)
+                if FUSE == 1:
+                    bu = tl.load(bu_ptrs, mask=kmask, other=0.0)
+                else:
+                    bu = b
+        if EMU:
+            if not INT8:
+                if a.dtype != tl.float8e4nv:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                    bu = bu.to(tl.float32)
+        # ---- MMA
         if A_SCALE == 3:
             kg = k0 // GROUP_K
             a_s = tl.load(a_s_ptrs + kg * stride_ask, mask=token_mask, other=0.0)
-            b_s = tl.load(b_s_ptrs + kg * stride_bsk)
-            if KPAIR:
-                # two scale groups per iteration: both groups' MMAs are issued before either result is scaled,
-                # then promoted in K order (the same fp32 operations as one group per iteration)
-                a1, b1, bu1 = _ab_tiles(a_ptrs + BK_LOAD * stride_ak, b_ptrs + BK_LOAD * stride_bk,
-                                        bu_ptrs + BK_LOAD * stride_bk, a_desc, b_desc, row0, b_row0, k0 + BK_LOAD,
-                                        K, UP_OFF, token_mask, offs_k, A_GATHER, TMA_A, TMA_B, FUSE, EVEN_K, INT8,
-                                        EMU)
-                a_s1 = tl.load(a_s_ptrs + (kg + 1) * stride_ask, mask=token_mask, other=0.0)
-                b_s1 = tl.load(b_s_ptrs + (kg + 1) * stride_bsk)
-                d0 = tl.dot(a, b)
-                d1 = tl.dot(a1, b1)
+            if B_SCALAR:
+                b_s = tl.load(b_s_ptrs + kg * stride_bsk)
+                acc += tl.dot(a, b) * (a_s * b_s)[:, None]
                 if FUSE == 1:
-                    du0 = tl.dot(a, bu)
-                    du1 = tl.dot(a1, bu1)
-                acc += _group_scaled(d0, a_s, b_s, B_SCALAR)
-                acc += _group_scaled(d1, a_s1, b_s1, B_SCALAR)
-                if FUSE == 1:
-                    acc_u += _group_scaled(du0, a_s, tl.load(bu_s_ptrs + kg * stride_bsk), B_SCALAR)
-                    acc_u += _group_scaled(du1, a_s1, tl.load(bu_s_ptrs + (kg + 1) * stride_bsk), B_SCALAR)
+                    bu_s = tl.load(bu_s_ptrs + kg * stride_bsk)
+                    acc_u += tl.dot(a, bu) * (a_s * bu_s)[:, None]
             else:
-                acc += _group_scaled(tl.dot(a, b), a_s, b_s, B_SCALAR)
+                b_s = tl.load(b_s_ptrs + kg * stride_bsk)
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
                 if FUSE == 1:
-                    acc_u += _group_scaled(tl.dot(a, bu), a_s, tl.load(bu_s_ptrs + kg * stride_bsk), B_SCALAR)
+                    bu_s = tl.load(bu_s_ptrs + kg * stride_bsk)
+                    acc_u += tl.dot(a, bu) * a_s[:, None] * bu_s[None, :]
         else:
             if INT8:
                 acc = tl.dot(a, b, acc, out_dtype=tl.int32)
@@ -295,7 +266,6 @@ def fused_moe_kernel(
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
-    KPAIR: tl.constexpr,
 ):
     """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
 
@@ -316,9 +286,6 @@ def fused_moe_kernel(
     ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
     (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).
     ``OUT_QUANT``: quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns).
-    ``KPAIR`` (``A_SCALE`` 3 only): ``BLOCK_K = 2 * GROUP_K``; each iteration loads two ``GROUP_K``-wide tiles and
-    issues both groups' MMAs before scaling either (bitwise equal to ``BLOCK_K = GROUP_K``); TMA boxes are
-    ``GROUP_K`` wide.
     """
     pid = tl.program_id(0)
     if HALF_TAIL:
@@ -356,7 +323,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, KPAIR)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC)
         else:
             _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
                   a_desc_h, b_desc,
@@ -370,7 +337,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, KPAIR)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC)
     else:
         ntpp = tl.load(num_tokens_post_padded_ptr)
         e = tl.load(expert_ids_ptr + pid_m)  # pid_m < cdiv(EM, BLOCK_M) = the layout's block count
@@ -391,7 +358,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, KPAIR)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC)
 
 
 @triton.jit

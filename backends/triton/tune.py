@@ -19,8 +19,8 @@ for other M are kept). A candidate that fails to compile or launch is skipped. S
 
 ``--variants`` (after tuning) only revisits the existing entries of ``--ms``: GEMM1 gathering its input rows vs
 reading them pre-permuted (``PERMUTE_A``, with and without TMA), each with and without ``HALF_TAIL`` (experts
-padded to half a tile, one half-height tail tile each), and for block FP8 with ``BLOCK_SIZE_K`` of two scale groups
-(``KPAIR``); outputs must agree (see ``tune_variants``), the fastest is kept.
+padded to half a tile, one half-height tail tile each); outputs must agree (see ``tune_variants``), the fastest is
+kept.
 """
 
 from __future__ import annotations
@@ -115,14 +115,6 @@ def _smem_ok(cfg, elt, fuse_pair):
     bm, bn, bk, st = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["num_stages"]
     b_rows = 2 * bn if fuse_pair else bn
     return st * (bm * bk + b_rows * bk) * elt <= 220 * 1024
-
-
-def _fit_stages(cfg, elt, fuse_pair):
-    """``cfg`` with num_stages lowered (not below 2) until its tiles fit in shared memory."""
-    cfg = dict(cfg)
-    while cfg["num_stages"] > 2 and not _smem_ok(cfg, elt, fuse_pair):
-        cfg["num_stages"] -= 1
-    return cfg
 
 
 def _draw_inputs(sh, M, dev, plan, qc, dt, R=4):
@@ -235,15 +227,13 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
     (``BLOCK_SIZE_M >= 64``; for a 64-row entry also with 128-row tiles over the same 32-row padding), and keep the
     fastest whose output is bitwise equal to the gathering one (the input
     path changes no arithmetic) or, for ``HALF_TAIL`` (whose tail tiles may take another MMA shape), equal up to
-    ``max_norm`` 1e-3 (a tenth of the experts tolerance). Block-FP8 entries also try ``KPAIR`` (``BLOCK_SIZE_K`` of
-    two scale groups: bitwise equal by construction)."""
+    ``max_norm`` 1e-3 (a tenth of the experts tolerance)."""
     from backends.triton import configs as C
     from backends.triton.bench import make_weights, time_graph
     from backends.triton.experts import plan_quant, route_layout, run_experts
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
     plan = plan_quant(qc)
-    elt_w = w1.element_size()
     fname = os.path.join(out_dir, C.config_file_name(sh.E, sh.I, plan.cfg_dtype, plan.block_shape))
     table = _read_table(fname)
     if not table:
@@ -269,11 +259,6 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
         if bm == 64:  # same 32-row padding as the entry, but 128-row tiles where an expert has them
             variants += [(f"{n}+bm128+half_tail", dict(g, BLOCK_SIZE_M=128, HALF_TAIL=1, num_warps=8),
                           dict(g2, BLOCK_SIZE_M=128, num_warps=8)) for n, g in (paths[0], paths[2])]
-        if plan.block_shape is not None:  # KPAIR: two scale groups per K iteration, two MMA chains
-            bk = 2 * plan.block_shape[1]
-            variants += [(f"{n}+kpair", _fit_stages(dict(v1, BLOCK_SIZE_K=bk), elt_w, True),
-                          _fit_stages(dict(v2, BLOCK_SIZE_K=bk), elt_w, False))
-                         for n, v1, v2 in list(variants) if "half_tail" not in n or "bm128" in n]
         for name, v1, v2 in variants:
             cand = {"gemm1": v1, "gemm2": v2}
             cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
