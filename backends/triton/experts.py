@@ -303,9 +303,12 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     # one block scale per K tile when every tile's rows (and up rows) stay inside one GROUP_N block
     b_scalar = (FLAGS["b_scalar"] and b_mode == _S_GROUP and group_n % bn_load == 0
                 and (fuse != 1 or up_off % group_n == 0) and (NW % bn_load == 0))
-    # EM: the layout's rows, or (HALF_TAIL) the tile list's length
-    em = layout.tiles.numel() if half_tail else rows
-    grid = ((em if half_tail else cdiv(rows, BM)) * cdiv(n_out, BN),)
+    # EM: the layout's rows (BLOCK_M-row programs), or (HALF_TAIL) the tile list's length (one program per tile)
+    if half_tail:
+        em = num_pid_m = layout.tiles.numel()
+    else:
+        em, num_pid_m = rows, cdiv(rows, BM)
+    grid = (num_pid_m * cdiv(n_out, BN),)
     fused_moe_kernel[grid](
         a, w, c, cs, a_scale, ws, bias, a_desc, a_desc_h, b_desc,
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
@@ -372,8 +375,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
         emap = expert_map.to(torch.int32).contiguous() if expert_map is not None and expert_map.dtype != torch.int32 \
             else expert_map
         layout = route_layout(ids, cfg, E, emap, num_ids)
-    sorted_ids, ntpp, local = layout.sorted_token_ids, layout.num_tokens_post_padded, layout.local_ids
-    expert_ids = layout.expert_ids
+    sorted_ids, expert_ids, ntpp, local = layout[:4]
 
     act = activation_code(activation)
     alpha, beta, limit, has_limit = act_params(activation, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)

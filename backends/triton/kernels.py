@@ -245,8 +245,6 @@ def _moe_tile(
         tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
 
 
-
-
 @triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
 def fused_moe_kernel(
     a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
