@@ -37,7 +37,7 @@ CHECKS = [
     "experts_router_weight_on_input",
     "experts_fp8_block", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8",
-    "experts_permute_a", "align_tiles", "experts_half_tail",
+    "experts_permute_a", "align_tiles", "experts_half_tail", "experts_n_tiles",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
 
@@ -487,6 +487,36 @@ def _():
                      qc=int8_w8a8_moe_quant_config(u1, u2), cfg=CFG(bm=32, half=1)))
     bad = [v for v in r if v is not True]
     return bad[0] if bad else True
+
+
+@check("experts_n_tiles")
+def _():
+    """N_TILES (a program computes several N tiles of its rows in turn; FLATTEN pipelines them as one loop) only
+    regroups programs: bitwise equal to one tile per program, including a last group that runs past N (wrapped
+    columns, nothing stored: for the fused FP8 requantization also no scale), with HALF_TAIL, the interleaved
+    SWIGLUOAI epilogue and block FP8."""
+    DH = make(70, 4, 128, 64, 2, torch.bfloat16, ep=2)
+
+    def nt(c, n, flat):
+        for g in ("gemm1", "gemm2"):
+            c[g].update(N_TILES=n, FLATTEN=flat)
+        return c
+
+    cases = [(D[:5], dict(global_num_experts=D[6]), dict()),
+             (DB[:5], dict(global_num_experts=DB[6], activation=A.SWIGLUOAI, quant_config=QB), dict()),
+             (DH[:5], dict(global_num_experts=DH[6], expert_map=DH[5]), dict(bm=32, half=1))]
+    xb = torch.randn(9, 256, generator=G).bfloat16()
+    q1, q2, qc = block()
+    cases.append(((xb, q1, q2) + make(9, 4, 256, 128, 2, torch.bfloat16)[3:5], dict(quant_config=qc),
+                  dict(bn1=128, bk1=64, bk2=128)))
+    bad = []
+    for args, kw, c in cases:
+        base = tri_fe(*args, config=CFG(**c), **kw)
+        for n, flat in ((2, 0), (3, 1), (4, 1)):
+            out = tri_fe(*args, config=nt(CFG(**c), n, flat), **kw)
+            if not torch.equal(out.view(torch.int16), base.view(torch.int16)):
+                bad.append(f"{c} N_TILES={n} FLATTEN={flat}: {int((out != base).sum())} elements differ")
+    return bad or None
 
 
 def modular(M, chunk, ep):

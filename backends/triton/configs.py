@@ -5,11 +5,15 @@ names its tables (``E={E},N={N},device_name={dev}[,dtype={dtype}][,block_shape=[
 intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
-                       USE_TMA, FUSE_ACT, FUSE_QUANT, PERMUTE_A, HALF_TAIL},
-             "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA}},
+                       USE_TMA, N_TILES, FLATTEN, FUSE_ACT, FUSE_QUANT, PERMUTE_A, HALF_TAIL},
+             "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
+                       N_TILES, FLATTEN}},
      ...}
 
-``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``PERMUTE_A``
+``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``N_TILES``
+(optional, default 1) is the number of consecutive N tiles one program computes in turn over the same rows, and
+``FLATTEN`` (default 0) asks Triton to software-pipeline that tile loop and the K loop as one (the next tile's loads
+then overlap this tile's epilogue: short-K GEMMs whose programs are otherwise a chain of latencies). ``PERMUTE_A``
 (optional, default 0) copies GEMM1's input rows into the layout's sorted order first, so that GEMM1 reads
 contiguous row tiles (through TMA when ``USE_TMA``) instead of gathering them. ``HALF_TAIL`` (optional, default 0;
 ``BLOCK_SIZE_M >= 32``) pads each expert's routes to ``BLOCK_SIZE_M / 2`` rows instead of ``BLOCK_SIZE_M`` and runs
@@ -36,7 +40,8 @@ __all__ = ["CONFIG_DIR", "GEMM1_KEYS", "GEMM2_KEYS", "config_file_name", "device
 CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_name("configs")))
 
 # The keys a table entry may hold (anything else is a typo that would be ignored).
-GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA")
+GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
+              "N_TILES", "FLATTEN")
 GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL")
 
 
@@ -114,6 +119,10 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
         g.setdefault("num_warps", 4)
         g.setdefault("num_stages", 3)
         g.setdefault("USE_TMA", 0)
+        g.setdefault("N_TILES", 1)
+        g.setdefault("FLATTEN", 0)
+        if not (isinstance(g["N_TILES"], int) and g["N_TILES"] >= 1):
+            raise ValueError(f"N_TILES={g['N_TILES']!r} must be a positive int (N tiles per program)")
         for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
             v = g[k]
             if v < 16 or v & (v - 1):

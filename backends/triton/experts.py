@@ -308,7 +308,8 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         em = num_pid_m = layout.tiles.numel()
     else:
         em, num_pid_m = rows, cdiv(rows, BM)
-    grid = (num_pid_m * cdiv(n_out, BN),)
+    n_tiles = cfg.get("N_TILES", 1)
+    grid = (num_pid_m * cdiv(cdiv(n_out, BN), n_tiles),)
     fused_moe_kernel[grid](
         a, w, c, cs, a_scale, ws, bias, a_desc, a_desc_h, b_desc,
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
@@ -328,7 +329,7 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         UE8M0_EXACT=rp["UE8M0_EXACT"] if rp else False, SCALE_INV=rp["SCALE_INV"] if rp else False,
         RECIP_MUL=rp["RECIP_MUL"] if rp else False,
         EVEN_K=K % BK == 0, TMA_A=tma_a, TMA_B=tma_b, EMU=INTERPRET,
-        DOT_PREC="ieee" if act_dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if act_dtype == torch.float32 else "tf32", N_TILES=n_tiles, FLATTEN=bool(cfg.get("FLATTEN", 0)),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
 

@@ -47,7 +47,7 @@ QMODE_FP8_TENSOR_QUANT = 7  # pass 2: quantize with amax / 448
 def _moe_tile(
     a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     a_desc, b_desc,
-    sorted_token_ids_ptr, row0, e, pid_n,
+    sorted_token_ids_ptr, row0, e, pid_ng,
     N, K, num_valid_tokens, UP_OFF, NW,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
@@ -61,9 +61,10 @@ def _moe_tile(
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
+    N_TILES: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """One ``BLOCK_M x BLOCK_N`` output tile of expert ``e``: sorted rows ``[row0, row0 + BLOCK_M)``, output
-    columns of N tile ``pid_n`` (see :func:`fused_moe_kernel` for the modes)."""
+    """``N_TILES`` ``BLOCK_M x BLOCK_N`` output tiles of expert ``e``: sorted rows ``[row0, row0 + BLOCK_M)``,
+    output columns of N tiles ``pid_ng * N_TILES + j`` (see :func:`fused_moe_kernel` for the modes)."""
     e64 = e.to(tl.int64)
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -74,175 +75,180 @@ def _moe_tile(
     else:
         a_rows = offs_m
 
-    # weight rows of this tile (wrapped into range: columns past N are computed on valid rows, never stored)
-    if FUSE == 2:
-        offs_bn = (pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
-    else:
-        offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-    b_base = b_ptr + e64 * stride_be
-    b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_bn[None, :].to(tl.int64) * stride_bn
-    bu_ptrs = b_base + offs_k[:, None] * stride_bk + (offs_bn + UP_OFF)[None, :].to(tl.int64) * stride_bn
-    if FUSE == 2:
-        b_row0 = (e * NW + pid_n * 2 * BLOCK_N).to(tl.int32)
-    else:
-        b_row0 = (e * NW + pid_n * BLOCK_N).to(tl.int32)
+    # N_TILES consecutive N tiles per program: the rows and their bookkeeping are loaded once, and with FLATTEN the
+    # compiler pipelines the flattened (tile, K) loop, so the next tile's loads overlap this tile's epilogue
+    for j in tl.range(0, N_TILES, flatten=FLATTEN):
+        pid_n = pid_ng * N_TILES + j
+        # weight rows of this tile (wrapped into range: columns past N are computed on valid rows, never stored)
+        if FUSE == 2:
+            offs_bn = (pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
+        else:
+            offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+        b_base = b_ptr + e64 * stride_be
+        b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_bn[None, :].to(tl.int64) * stride_bn
+        bu_ptrs = b_base + offs_k[:, None] * stride_bk + (offs_bn + UP_OFF)[None, :].to(tl.int64) * stride_bn
+        if FUSE == 2:
+            b_row0 = (e * NW + pid_n * 2 * BLOCK_N).to(tl.int32)
+        else:
+            b_row0 = (e * NW + pid_n * BLOCK_N).to(tl.int32)
 
-    if FUSE == 2:
-        if INT8:
-            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.int32)
-        else:
-            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    else:
-        if INT8:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = acc
-
-    if A_SCALE == 3:
-        a_s_ptrs = a_scale_ptr + a_rows.to(tl.int64) * stride_asm
-        if B_SCALAR:  # the tile's weight rows lie in one GROUP_N block: one weight scale per K tile
-            b_s_ptrs = b_scale_ptr + e64 * stride_bse + ((b_row0 - e * NW) // GROUP_N) * stride_bsn
-            bu_s_ptrs = b_scale_ptr + e64 * stride_bse + ((b_row0 - e * NW + UP_OFF) // GROUP_N) * stride_bsn
-        else:
-            b_s_ptrs = b_scale_ptr + e64 * stride_bse + (offs_bn // GROUP_N) * stride_bsn
-            bu_s_ptrs = b_scale_ptr + e64 * stride_bse + ((offs_bn + UP_OFF) // GROUP_N) * stride_bsn
-
-    for kk in range(0, tl.cdiv(K, BLOCK_K)):
-        k0 = kk * BLOCK_K
-        # ---- A tile [BM, BK]
-        if TMA_A:
-            a = a_desc.load([row0.to(tl.int32), k0])
-        elif A_GATHER:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
+        if FUSE == 2:
+            if INT8:
+                acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.int32)
             else:
-                a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-        else:
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-        # ---- B tile(s) [BK, BN]
-        if TMA_B:
-            if FUSE == 2:
-                b = b_desc.load([b_row0, k0]).T
-            else:
-                b = b_desc.load([b_row0, k0]).T
-            if FUSE == 1:
-                bu = b_desc.load([b_row0 + UP_OFF, k0]).T
-            else:
-                bu = b
-        else:
-            if EVEN_K:
-                b = tl.load(b_ptrs)
-                if FUSE == 1:
-                    bu = tl.load(bu_ptrs)
-                else:
-                    bu = b
-            else:
-                kmask = offs_k[:, None] < K - k0
-                b = tl.load(b_ptrs, mask=kmask, other=0.0)
-                if FUSE == 1:
-                    bu = tl.load(bu_ptrs, mask=kmask, other=0.0)
-                else:
-                    bu = b
-        if EMU:
-            if not INT8:
-                if a.dtype != tl.float8e4nv:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                    bu = bu.to(tl.float32)
-        # ---- MMA
-        if A_SCALE == 3:
-            kg = k0 // GROUP_K
-            a_s = tl.load(a_s_ptrs + kg * stride_ask, mask=token_mask, other=0.0)
-            if B_SCALAR:
-                b_s = tl.load(b_s_ptrs + kg * stride_bsk)
-                acc += tl.dot(a, b) * (a_s * b_s)[:, None]
-                if FUSE == 1:
-                    bu_s = tl.load(bu_s_ptrs + kg * stride_bsk)
-                    acc_u += tl.dot(a, bu) * (a_s * bu_s)[:, None]
-            else:
-                b_s = tl.load(b_s_ptrs + kg * stride_bsk)
-                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-                if FUSE == 1:
-                    bu_s = tl.load(bu_s_ptrs + kg * stride_bsk)
-                    acc_u += tl.dot(a, bu) * a_s[:, None] * bu_s[None, :]
+                acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         else:
             if INT8:
-                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-                if FUSE == 1:
-                    acc_u = tl.dot(a, bu, acc_u, out_dtype=tl.int32)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
             else:
-                acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = acc
+
+        if A_SCALE == 3:
+            a_s_ptrs = a_scale_ptr + a_rows.to(tl.int64) * stride_asm
+            if B_SCALAR:  # the tile's weight rows lie in one GROUP_N block: one weight scale per K tile
+                b_s_ptrs = b_scale_ptr + e64 * stride_bse + ((b_row0 - e * NW) // GROUP_N) * stride_bsn
+                bu_s_ptrs = b_scale_ptr + e64 * stride_bse + ((b_row0 - e * NW + UP_OFF) // GROUP_N) * stride_bsn
+            else:
+                b_s_ptrs = b_scale_ptr + e64 * stride_bse + (offs_bn // GROUP_N) * stride_bsn
+                bu_s_ptrs = b_scale_ptr + e64 * stride_bse + ((offs_bn + UP_OFF) // GROUP_N) * stride_bsn
+
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            k0 = kk * BLOCK_K
+            # ---- A tile [BM, BK]
+            if TMA_A:
+                a = a_desc.load([row0.to(tl.int32), k0])
+            elif A_GATHER:
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            else:
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+            # ---- B tile(s) [BK, BN]
+            if TMA_B:
+                if FUSE == 2:
+                    b = b_desc.load([b_row0, k0]).T
+                else:
+                    b = b_desc.load([b_row0, k0]).T
                 if FUSE == 1:
-                    acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-        bu_ptrs += BLOCK_K * stride_bk
+                    bu = b_desc.load([b_row0 + UP_OFF, k0]).T
+                else:
+                    bu = b
+            else:
+                if EVEN_K:
+                    b = tl.load(b_ptrs)
+                    if FUSE == 1:
+                        bu = tl.load(bu_ptrs)
+                    else:
+                        bu = b
+                else:
+                    kmask = offs_k[:, None] < K - k0
+                    b = tl.load(b_ptrs, mask=kmask, other=0.0)
+                    if FUSE == 1:
+                        bu = tl.load(bu_ptrs, mask=kmask, other=0.0)
+                    else:
+                        bu = b
+            if EMU:
+                if not INT8:
+                    if a.dtype != tl.float8e4nv:
+                        a = a.to(tl.float32)
+                        b = b.to(tl.float32)
+                        bu = bu.to(tl.float32)
+            # ---- MMA
+            if A_SCALE == 3:
+                kg = k0 // GROUP_K
+                a_s = tl.load(a_s_ptrs + kg * stride_ask, mask=token_mask, other=0.0)
+                if B_SCALAR:
+                    b_s = tl.load(b_s_ptrs + kg * stride_bsk)
+                    acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+                    if FUSE == 1:
+                        bu_s = tl.load(bu_s_ptrs + kg * stride_bsk)
+                        acc_u += tl.dot(a, bu) * (a_s * bu_s)[:, None]
+                else:
+                    b_s = tl.load(b_s_ptrs + kg * stride_bsk)
+                    acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+                    if FUSE == 1:
+                        bu_s = tl.load(bu_s_ptrs + kg * stride_bsk)
+                        acc_u += tl.dot(a, bu) * a_s[:, None] * bu_s[None, :]
+            else:
+                if INT8:
+                    acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+                    if FUSE == 1:
+                        acc_u = tl.dot(a, bu, acc_u, out_dtype=tl.int32)
+                else:
+                    acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+                    if FUSE == 1:
+                        acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+            bu_ptrs += BLOCK_K * stride_bk
 
-    # ---- epilogue: dequantize, bias, (activation), round, (quantize), store
-    accf = acc.to(tl.float32)
-    accu = acc_u.to(tl.float32)
-    if A_SCALE == 1:
-        sa = tl.load(a_scale_ptr)
-        accf = accf * sa
-        accu = accu * sa
-    elif A_SCALE == 2:
-        sa = tl.load(a_scale_ptr + a_rows.to(tl.int64) * stride_asm, mask=token_mask, other=0.0)
-        accf = accf * sa[:, None]
-        accu = accu * sa[:, None]
-    if B_SCALE == 1:
-        sb = tl.load(b_scale_ptr + e64 * stride_bse)
-        accf = accf * sb
-        accu = accu * sb
-    elif B_SCALE == 2:
-        sb = tl.load(b_scale_ptr + e64 * stride_bse + offs_bn * stride_bsn)
-        accf = accf * sb[None, :]
-        if FUSE == 1:
-            sbu = tl.load(b_scale_ptr + e64 * stride_bse + (offs_bn + UP_OFF) * stride_bsn)
-            accu = accu * sbu[None, :]
-    if HAS_BIAS:
-        accf = accf + tl.load(bias_ptr + e64 * stride_biase + offs_bn * stride_biasn).to(tl.float32)[None, :]
-        if FUSE == 1:
-            accu = accu + tl.load(bias_ptr + e64 * stride_biase + (offs_bn + UP_OFF) * stride_biasn
-                                  ).to(tl.float32)[None, :]
+        # ---- epilogue: dequantize, bias, (activation), round, (quantize), store
+        accf = acc.to(tl.float32)
+        accu = acc_u.to(tl.float32)
+        if A_SCALE == 1:
+            sa = tl.load(a_scale_ptr)
+            accf = accf * sa
+            accu = accu * sa
+        elif A_SCALE == 2:
+            sa = tl.load(a_scale_ptr + a_rows.to(tl.int64) * stride_asm, mask=token_mask, other=0.0)
+            accf = accf * sa[:, None]
+            accu = accu * sa[:, None]
+        if B_SCALE == 1:
+            sb = tl.load(b_scale_ptr + e64 * stride_bse)
+            accf = accf * sb
+            accu = accu * sb
+        elif B_SCALE == 2:
+            sb = tl.load(b_scale_ptr + e64 * stride_bse + offs_bn * stride_bsn)
+            accf = accf * sb[None, :]
+            if FUSE == 1:
+                sbu = tl.load(b_scale_ptr + e64 * stride_bse + (offs_bn + UP_OFF) * stride_bsn)
+                accu = accu * sbu[None, :]
+        if HAS_BIAS:
+            accf = accf + tl.load(bias_ptr + e64 * stride_biase + offs_bn * stride_biasn).to(tl.float32)[None, :]
+            if FUSE == 1:
+                accu = accu + tl.load(bias_ptr + e64 * stride_biase + (offs_bn + UP_OFF) * stride_biasn
+                                      ).to(tl.float32)[None, :]
 
-    if FUSE == 0:
-        y = to_act(accf, ACT_DT, EMU)
-    else:
-        if FUSE == 2:
-            g, u = tl.split(tl.reshape(accf, (BLOCK_M, BLOCK_N, 2)))
-        elif FUSE == 1:
-            g = accf
-            u = accu
+        if FUSE == 0:
+            y = to_act(accf, ACT_DT, EMU)
         else:
-            g = accf
-            u = accf
-        # GEMM1 rounding point (h), then the activation in fp32 and its rounding point (g)
-        g = to_act(g, ACT_DT, EMU).to(tl.float32)
-        u = to_act(u, ACT_DT, EMU).to(tl.float32)
-        y = to_act(apply_act(g, u, ACT, alpha, beta, limit, HAS_LIMIT), ACT_DT, EMU)
+            if FUSE == 2:
+                g, u = tl.split(tl.reshape(accf, (BLOCK_M, BLOCK_N, 2)))
+            elif FUSE == 1:
+                g = accf
+                u = accu
+            else:
+                g = accf
+                u = accf
+            # GEMM1 rounding point (h), then the activation in fp32 and its rounding point (g)
+            g = to_act(g, ACT_DT, EMU).to(tl.float32)
+            u = to_act(u, ACT_DT, EMU).to(tl.float32)
+            y = to_act(apply_act(g, u, ACT, alpha, beta, limit, HAS_LIMIT), ACT_DT, EMU)
 
-    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_cn < N
-    if C_SORTED:
-        c_rows = offs_m
-        row_mask = offs_m >= 0
-    else:
-        c_rows = offs_token
-        row_mask = token_mask
-    c_ptrs = c_ptr + c_rows[:, None].to(tl.int64) * stride_cm + offs_cn[None, :] * stride_cn
-    if OUT_QUANT:
-        yq = tl.where(n_mask[None, :], y.to(tl.float32), 0.0)
-        codes, s = fp8_quant_rows(yq, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL, EMU)
-        tl.store(c_ptrs, codes, mask=row_mask[:, None] & n_mask[None, :])
-        tl.store(cs_ptr + c_rows.to(tl.int64) * stride_csm + pid_n * stride_csg, s, mask=row_mask)
-    else:
-        tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_cn < N
+        if C_SORTED:
+            c_rows = offs_m
+            row_mask = offs_m >= 0
+        else:
+            c_rows = offs_token
+            row_mask = token_mask
+        c_ptrs = c_ptr + c_rows[:, None].to(tl.int64) * stride_cm + offs_cn[None, :] * stride_cn
+        if OUT_QUANT:
+            yq = tl.where(n_mask[None, :], y.to(tl.float32), 0.0)
+            codes, s = fp8_quant_rows(yq, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL, EMU)
+            tl.store(c_ptrs, codes, mask=row_mask[:, None] & n_mask[None, :])
+            tl.store(cs_ptr + c_rows.to(tl.int64) * stride_csm + pid_n * stride_csg, s,
+                     mask=row_mask & (pid_n * BLOCK_N < N))
+        else:
+            tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
@@ -264,6 +270,7 @@ def fused_moe_kernel(
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
+    N_TILES: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
 
@@ -284,13 +291,15 @@ def fused_moe_kernel(
     ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
     (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).
     ``OUT_QUANT``: quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns).
+    ``N_TILES``: a program computes that many consecutive N tiles of its rows in turn (``FLATTEN``: as one
+    flattened, software-pipelined loop); N tiles past ``N`` are computed on wrapped columns and not stored.
     """
     pid = tl.program_id(0)
     if HALF_TAIL:
         num_pid_m = EM
     else:
         num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = tl.cdiv(tl.cdiv(N, BLOCK_N), N_TILES)  # groups of N_TILES N tiles
     num_pid_in_group = GROUP_M * num_pid_n
     group_id = pid // num_pid_in_group
     first_pid_m = group_id * GROUP_M
@@ -321,7 +330,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN)
         else:
             _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
                   a_desc_h, b_desc,
@@ -335,7 +344,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN)
     else:
         ntpp = tl.load(num_tokens_post_padded_ptr)
         e = tl.load(expert_ids_ptr + pid_m)  # pid_m < cdiv(EM, BLOCK_M) = the layout's block count
@@ -356,7 +365,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN)
 
 
 @triton.jit

@@ -89,10 +89,16 @@ def candidates(M, E, topk, fp8_block, fp8):
                   _c(128, 64, 128, 8, 8, 3, 1), _c(128, 128, 64, 16, 8, 4), _c(128, 128, 64, 8, 8, 3, 1)]
             g2 = [_c(128, 128, 64, 8, 8, 3), _c(128, 128, 64, 8, 8, 4, 1), _c(128, 256, 64, 8, 8, 3),
                   _c(128, 128, 128, 8, 8, 3, 1), _c(128, 256, 64, 16, 8, 3, 1), _c(128, 128, 64, 16, 8, 5)]
+        if bm >= 64:  # short GEMM2 K (I = 256 / 384): two stages free shared memory for more programs per SM
+            g2 += [dict(c, num_stages=2) for c in g2[:3]]
         if fp8_block:  # K tiles inside one 128 scale group; GEMM1 N tile 128 fuses the 1x128 requantization
             g1 = [dict(c, BLOCK_SIZE_K=128) for c in g1 if c["BLOCK_SIZE_N"] in (32, 64, 128)]
             g1 = [dict(c, FUSE_QUANT=int(c["BLOCK_SIZE_N"] == 128)) for c in g1]
             g2 = [dict(c, BLOCK_SIZE_K=128) for c in g2]
+        # several N tiles per program over the same rows (FLATTEN: the tile loop and the K loop pipelined as one)
+        g2 += [dict(c, N_TILES=n, FLATTEN=f) for c in g2[:2] for n in (2, 4) for f in (0, 1)]
+        if bm >= 64:
+            g1 += [dict(c, N_TILES=2, FLATTEN=f) for c in g1[:2] for f in (0, 1)]
         out[bm] = (_dedupe(g1), _dedupe(g2))
     if 128 in out:  # 128-row tiles over a 64-row padding (one 64-row tail tile per expert): HALF_TAIL
         out["128h"] = ([dict(c, HALF_TAIL=1) for c in out[128][0]], out[128][1])
