@@ -38,6 +38,7 @@ CHECKS = [
     "experts_fp8_block", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8",
     "experts_permute_a", "align_tiles", "experts_half_tail", "experts_n_tiles",
+    "experts_joint_gate_up",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
 
@@ -516,6 +517,30 @@ def _():
             out = tri_fe(*args, config=nt(CFG(**c), n, flat), **kw)
             if not torch.equal(out.view(torch.int16), base.view(torch.int16)):
                 bad.append(f"{c} N_TILES={n} FLATTEN={flat}: {int((out != base).sum())} elements differ")
+    return bad or None
+
+
+@check("experts_joint_gate_up")
+def _():
+    """JOINT_GATE_UP (an N tile's gate and up rows as one weight tile, split in the epilogue) is close to the
+    reference: bf16 with and without TMA (a rank-3 weight box), bias, EP with HALF_TAIL, block FP8 with the fused
+    requantization, per-channel FP8 weight scales and INT8."""
+    def joint(c):
+        c["gemm1"]["JOINT_GATE_UP"] = 1
+        return c
+
+    r = [experts(*D, "bfloat16", cfg=joint(CFG())), experts(*D, "bfloat16", cfg=joint(CFG(tma=1, bn1=64, bk2=32))),
+         experts(*DB, "bfloat16", qc=QB, cfg=joint(CFG())),
+         experts(*make(70, 4, 128, 64, 2, torch.bfloat16, ep=2), "bfloat16", cfg=joint(CFG(bm=32, tma=1, half=1)))]
+    q1, q2, qc = block()
+    r.append(experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=joint(CFG(bn1=128, bk1=64, bk2=128))))
+    f = lambda w: rq.scaled_fp8_quant(w, use_per_token_if_dynamic=True)  # noqa: E731
+    (c1, t1), (c2, t2) = per_expert(f, w1), per_expert(f, w2)
+    r.append(experts(x, c1, c2, *rest, "fp8", qc=fp8_w8a8_moe_quant_config(
+        t1, t2, per_act_token_quant=True, per_out_ch_quant=True), cfg=joint(CFG())))
+    (i1, u1), (i2, u2) = rq.int8_quant_per_channel(w1), rq.int8_quant_per_channel(w2)
+    r.append(experts(x, i1, i2, *rest, "int8", qc=int8_w8a8_moe_quant_config(u1, u2), cfg=joint(CFG())))
+    bad = [v for v in r if v is not True]
     return bad or None
 
 

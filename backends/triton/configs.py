@@ -5,7 +5,7 @@ names its tables (``E={E},N={N},device_name={dev}[,dtype={dtype}][,block_shape=[
 intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
-                       USE_TMA, N_TILES, FLATTEN, FUSE_ACT, FUSE_QUANT, PERMUTE_A, HALF_TAIL},
+                       USE_TMA, N_TILES, FLATTEN, FUSE_ACT, FUSE_QUANT, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
                        N_TILES, FLATTEN}},
      ...}
@@ -13,7 +13,9 @@ intermediate size I = ``w2.shape[2]``). Content::
 ``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``N_TILES``
 (optional, default 1) is the number of consecutive N tiles one program computes in turn over the same rows, and
 ``FLATTEN`` (default 0) asks Triton to software-pipeline that tile loop and the K loop as one (the next tile's loads
-then overlap this tile's epilogue: short-K GEMMs whose programs are otherwise a chain of latencies). ``PERMUTE_A``
+then overlap this tile's epilogue: short-K GEMMs whose programs are otherwise a chain of latencies).
+``JOINT_GATE_UP`` (optional, default 0; gated activations with gate / up halves) computes an N tile's gate and up
+rows as one ``2 * BLOCK_SIZE_N``-wide weight tile (one MMA chain, split in the epilogue) instead of two chains. ``PERMUTE_A``
 (optional, default 0) copies GEMM1's input rows into the layout's sorted order first, so that GEMM1 reads
 contiguous row tiles (through TMA when ``USE_TMA``) instead of gathering them. ``HALF_TAIL`` (optional, default 0;
 ``BLOCK_SIZE_M >= 32``) pads each expert's routes to ``BLOCK_SIZE_M / 2`` rows instead of ``BLOCK_SIZE_M`` and runs
@@ -42,7 +44,7 @@ CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_na
 # The keys a table entry may hold (anything else is a typo that would be ignored).
 GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
               "N_TILES", "FLATTEN")
-GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL")
+GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL", "JOINT_GATE_UP")
 
 
 def device_name() -> str:
@@ -134,6 +136,7 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
     out["gemm1"].setdefault("FUSE_QUANT", 1)
     out["gemm1"].setdefault("PERMUTE_A", 0)
     out["gemm1"].setdefault("HALF_TAIL", 0)
+    out["gemm1"].setdefault("JOINT_GATE_UP", 0)
     if out["gemm1"]["HALF_TAIL"] and out["gemm1"]["BLOCK_SIZE_M"] < 32:
         raise ValueError(f"HALF_TAIL needs BLOCK_SIZE_M >= 32 (tail tiles of BLOCK_SIZE_M / 2 >= 16 rows), got "
                          f"{out['gemm1']['BLOCK_SIZE_M']}")

@@ -281,7 +281,7 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     E, NW, K = w.shape
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     half_tail = layout.tiles is not None
-    up_off = n_out if fuse == 1 else 0
+    up_off = n_out if fuse in (1, 4) else 0
     ws, sbe, sbn, sbk = _scale_strides(w_scale, b_mode, E, NW)
     if a_mode == _S_GROUP:
         asm, ask = a_scale.stride(0), a_scale.stride(1)
@@ -292,8 +292,11 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     use_tma = bool(cfg.get("USE_TMA", 0))
     tma_b = use_tma and _tma_ok(w, K)
     tma_a = use_tma and not a_gather and _tma_ok(a, K)
-    bn_load = 2 * BN if fuse == 2 else BN
-    b_desc = _descriptor(w.view(E * NW, K), [bn_load, BK]) if tma_b else None
+    bn_load = 2 * BN if fuse in (2, 4) else BN
+    if tma_b and fuse == 4:  # the gate and up halves as one rank-3 box
+        b_desc = _descriptor(w.view(E * 2, NW // 2, K), [2, BN, BK])
+    else:
+        b_desc = _descriptor(w.view(E * NW, K), [bn_load, BK]) if tma_b else None
     a_desc = _descriptor(a, [BM, BK]) if tma_a else None
     a_desc_h = _descriptor(a, [BM // 2, BK]) if tma_a and half_tail else a_desc
     if bias is not None:
@@ -301,7 +304,7 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     else:
         sbias_e = sbias_n = 0
     # one block scale per K tile when every tile's rows (and up rows) stay inside one GROUP_N block
-    b_scalar = (FLAGS["b_scalar"] and b_mode == _S_GROUP and group_n % bn_load == 0
+    b_scalar = (FLAGS["b_scalar"] and b_mode == _S_GROUP and fuse != 4 and group_n % bn_load == 0
                 and (fuse != 1 or up_off % group_n == 0) and (NW % bn_load == 0))
     # EM: the layout's rows (BLOCK_M-row programs), or (HALF_TAIL) the tile list's length (one program per tile)
     if half_tail:
@@ -381,6 +384,8 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     act = activation_code(activation)
     alpha, beta, limit, has_limit = act_params(activation, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
     fuse = _fusion(activation) if g1.get("FUSE_ACT", 1) else 0
+    if fuse == 1 and g1.get("JOINT_GATE_UP", 0):
+        fuse = 4  # gate and up rows of an N tile as one weight tile (one MMA chain of 2 * BLOCK_N columns)
     split = {1: 1, 2: 2, 3: 0}[_fusion(activation)]
     quant = plan.kind != "none"
     int8 = plan.kind == "int8"

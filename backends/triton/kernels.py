@@ -83,6 +83,9 @@ def _moe_tile(
         # weight rows of this tile (wrapped into range: columns past N are computed on valid rows, never stored)
         if FUSE == 2:
             offs_bn = (pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
+        elif FUSE == 4:  # the tile's gate rows, then its up rows: one [2 * BLOCK_N] weight tile
+            offs_j = tl.arange(0, 2 * BLOCK_N)
+            offs_bn = (pid_n * BLOCK_N + offs_j % BLOCK_N) % N + (offs_j // BLOCK_N) * UP_OFF
         else:
             offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
@@ -91,10 +94,12 @@ def _moe_tile(
         bu_ptrs = b_base + offs_k[:, None] * stride_bk + (offs_bn + UP_OFF)[None, :].to(tl.int64) * stride_bn
         if FUSE == 2:
             b_row0 = (e * NW + pid_n * 2 * BLOCK_N).to(tl.int32)
+        elif FUSE == 4:  # b_desc: the weights viewed as (E * 2, N, K) halves, boxes of [2, BLOCK_N, BLOCK_K]
+            b_row0 = (pid_n * BLOCK_N).to(tl.int32)
         else:
             b_row0 = (e * NW + pid_n * BLOCK_N).to(tl.int32)
 
-        if FUSE == 2:
+        if FUSE == 2 or FUSE == 4:
             if INT8:
                 acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.int32)
             else:
@@ -132,8 +137,8 @@ def _moe_tile(
                     a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
             # ---- B tile(s) [BK, BN]
             if TMA_B:
-                if FUSE == 2:
-                    b = b_desc.load([b_row0, k0]).T
+                if FUSE == 4:
+                    b = tl.reshape(b_desc.load([(e * 2).to(tl.int32), b_row0, k0]), (2 * BLOCK_N, BLOCK_K)).T
                 else:
                     b = b_desc.load([b_row0, k0]).T
                 if FUSE == 1:
@@ -221,6 +226,8 @@ def _moe_tile(
         else:
             if FUSE == 2:
                 g, u = tl.split(tl.reshape(accf, (BLOCK_M, BLOCK_N, 2)))
+            elif FUSE == 4:
+                g, u = tl.split(tl.permute(tl.reshape(accf, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             elif FUSE == 1:
                 g = accf
                 u = accu
@@ -285,8 +292,10 @@ def fused_moe_kernel(
     ``A_GATHER``: A row = route // TOP_K (GEMM1 reads hidden states), else A row = sorted position (GEMM2 reads
     GEMM1's sorted output). ``C_SORTED``: C row = sorted position (GEMM1), else the route id (GEMM2).
     ``N`` = output columns; ``NW`` = weight rows per expert (``2N`` when the gated activation is fused).
-    ``FUSE``: 0 plain; 1 gated halves (gate row n, up row ``UP_OFF + n``); 2 gated interleaved (rows 2n, 2n+1);
-    3 non-gated activation on the tile.
+    ``FUSE``: 0 plain; 1 gated halves (gate row n, up row ``UP_OFF + n``; two MMA chains); 2 gated interleaved
+    (rows 2n, 2n+1); 3 non-gated activation on the tile; 4 gated halves as one ``[2 * BLOCK_N]`` weight tile (the
+    N tile's gate rows, then its up rows: one MMA chain twice as wide, split in the epilogue; ``b_desc`` is then a
+    rank-3 descriptor over the ``(E * 2, N, K)`` halves).
     ``A_SCALE``: 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K.
     ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
     (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).

@@ -18,9 +18,9 @@ for other M are kept). A candidate that fails to compile or launch is skipped. S
 ``--budget-s`` seconds, writing what it has.
 
 ``--variants`` (after tuning) only revisits the existing entries of ``--ms``: GEMM1 gathering its input rows vs
-reading them pre-permuted (``PERMUTE_A``, with and without TMA), each with and without ``HALF_TAIL`` (experts
-padded to half a tile, one half-height tail tile each); outputs must agree (see ``tune_variants``), the fastest is
-kept.
+reading them pre-permuted (``PERMUTE_A``, with and without TMA), with the gate and up halves as one weight tile or
+two (``JOINT_GATE_UP``), each with and without ``HALF_TAIL`` (experts padded to half a tile, one half-height tail
+tile each); outputs must agree (see ``tune_variants``), the fastest is kept.
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def candidates(M, E, topk, fp8_block, fp8):
         g2 += [dict(c, N_TILES=n, FLATTEN=f) for c in g2[:2] for n in (2, 4) for f in (0, 1)]
         if bm >= 64:
             g1 += [dict(c, N_TILES=2, FLATTEN=f) for c in g1[:2] for f in (0, 1)]
+            # gate and up rows as one weight tile: one MMA chain twice as wide (a 128 x 256 tile at BLOCK_N 128)
+            g1 += [dict(c, JOINT_GATE_UP=1) for c in g1[:4]]
         out[bm] = (_dedupe(g1), _dedupe(g2))
     if 128 in out:  # 128-row tiles over a 64-row padding (one 64-row tail tile per expert): HALF_TAIL
         out["128h"] = ([dict(c, HALF_TAIL=1) for c in out[128][0]], out[128][1])
@@ -229,11 +231,11 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
 
 def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
     """For each M with a table entry: time GEMM1 + GEMM2 with GEMM1's input gathered in the GEMM (the entry as
-    is) and pre-permuted (``PERMUTE_A``, with the entry's and with TMA loads), each with and without ``HALF_TAIL``
-    (``BLOCK_SIZE_M >= 64``; for a 64-row entry also with 128-row tiles over the same 32-row padding), and keep the
-    fastest whose output is bitwise equal to the gathering one (the input
-    path changes no arithmetic) or, for ``HALF_TAIL`` (whose tail tiles may take another MMA shape), equal up to
-    ``max_norm`` 1e-3 (a tenth of the experts tolerance)."""
+    is) and pre-permuted (``PERMUTE_A``, with the entry's and with TMA loads), each also with ``JOINT_GATE_UP``
+    flipped (gated halves), each with and without ``HALF_TAIL`` (``BLOCK_SIZE_M >= 64``; for a 64-row entry also
+    with 128-row tiles over the same 32-row padding), and keep the fastest whose output is bitwise equal to the
+    gathering one (the input path changes no arithmetic) or, for ``HALF_TAIL`` and ``JOINT_GATE_UP`` (which may take
+    another MMA shape), equal up to ``max_norm`` 1e-3 (a tenth of the experts tolerance)."""
     from backends.triton import configs as C
     from backends.triton.bench import make_weights, time_graph
     from backends.triton.experts import plan_quant, route_layout, run_experts
@@ -259,6 +261,9 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
         res, first = [], None
         g1, g2 = entry["gemm1"], entry["gemm2"]
         paths = [("gather", g1), ("permute", dict(g1, PERMUTE_A=1)), ("permute+tma", dict(g1, PERMUTE_A=1, USE_TMA=1))]
+        if sh.activation != "swigluoai":  # gate / up halves: also as one joint weight tile (JOINT_GATE_UP)
+            flip = 1 - g1.get("JOINT_GATE_UP", 0)
+            paths += [(f"{n}+joint" if flip else f"{n}-joint", dict(g, JOINT_GATE_UP=flip)) for n, g in paths]
         variants = [(n, g, g2) for n, g in paths]
         if bm >= 64:
             variants += [(f"{n}+half_tail", dict(g, HALF_TAIL=1), g2) for n, g in paths]
@@ -282,7 +287,8 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
                     first = outs.clone()
                 elif not torch.equal(outs.view(torch.int16), first.view(torch.int16)):
                     d = ((outs.double() - first.double()).abs().max() / first.double().abs().max()).item()
-                    ok = "half_tail" in name and d <= 1e-3  # tail tiles may take another MMA shape
+                    # tail tiles and the joint gate / up tile may take another MMA shape
+                    ok = ("half_tail" in name or "joint" in name) and d <= 1e-3
                     verdict = f"differs: max_norm {d:.2e}" + ("" if ok else " (REJECTED)")
                 t = time_graph(call, n_calls=4, budget_s=reps_s)
             except Exception as exc:  # noqa: BLE001
