@@ -17,10 +17,11 @@ and merges the winners into ``E={E},N={I},device_name={GPU}[,dtype=..][,block_sh
 for other M are kept). A candidate that fails to compile or launch is skipped. Stops starting new shapes / Ms after
 ``--budget-s`` seconds, writing what it has.
 
-``--variants`` (after tuning) only revisits the existing entries of ``--ms``: GEMM1 gathering its input rows vs
-reading them pre-permuted (``PERMUTE_A``, with and without TMA), with the gate and up halves as one weight tile or
-two (``JOINT_GATE_UP``), each with and without ``HALF_TAIL`` (experts padded to half a tile, one half-height tail
-tile each); outputs must agree (see ``tune_variants``), the fastest is kept.
+``--variants [FAMILIES]`` (after tuning) only revisits the existing entries of ``--ms``: GEMM1 gathering its input
+rows vs reading them pre-permuted (``input``: ``PERMUTE_A``, with and without TMA), with the gate and up halves as
+one weight tile or two (``joint``: ``JOINT_GATE_UP``), each with and without ``HALF_TAIL`` (``half_tail``: experts
+padded to half a tile, one half-height tail tile each); outputs must agree (see ``tune_variants``), the fastest is
+kept. ``--variants half_tail`` (for example) tries only that family against the entry.
 """
 
 from __future__ import annotations
@@ -229,13 +230,21 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
     log(f"wrote {fname}")
 
 
-def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
-    """For each M with a table entry: time GEMM1 + GEMM2 with GEMM1's input gathered in the GEMM (the entry as
-    is) and pre-permuted (``PERMUTE_A``, with the entry's and with TMA loads), each also with ``JOINT_GATE_UP``
-    flipped (gated halves), each with and without ``HALF_TAIL`` (``BLOCK_SIZE_M >= 64``; for a 64-row entry also
-    with 128-row tiles over the same 32-row padding), and keep the fastest whose output is bitwise equal to the
-    gathering one (the input path changes no arithmetic) or, for ``HALF_TAIL`` and ``JOINT_GATE_UP`` (which may take
-    another MMA shape), equal up to ``max_norm`` 1e-3 (a tenth of the experts tolerance)."""
+VARIANT_FAMILIES = ("input", "joint", "half_tail")
+
+
+def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES):
+    """For each M with a table entry: time GEMM1 + GEMM2 with GEMM1's input gathered in the GEMM (the entry without
+    ``PERMUTE_A`` / ``HALF_TAIL``: the reference output) and the variants of ``families``:
+
+    - ``input``: pre-permuted input (``PERMUTE_A``, with the entry's and with TMA loads);
+    - ``joint``: each input path also with ``JOINT_GATE_UP`` flipped (gated halves);
+    - ``half_tail``: each with ``HALF_TAIL`` (``BLOCK_SIZE_M >= 64``; for a 64-row entry also with 128-row tiles
+      over the same 32-row padding);
+
+    and keep the fastest whose output is bitwise equal to the gathering one (the input path changes no arithmetic)
+    or, for ``HALF_TAIL`` and ``JOINT_GATE_UP`` (which may take another MMA shape), equal up to ``max_norm`` 1e-3
+    (a tenth of the experts tolerance)."""
     from backends.triton import configs as C
     from backends.triton.bench import make_weights, time_graph
     from backends.triton.experts import plan_quant, route_layout, run_experts
@@ -252,24 +261,28 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3):
             log(f"{sh.name} M={M}: no entry")
             continue
         entry = {k: dict(v) for k, v in table[str(M)].items()}
-        entry["gemm1"].pop("PERMUTE_A", None)
-        entry["gemm1"].pop("HALF_TAIL", None)
-        bm = entry["gemm1"]["BLOCK_SIZE_M"]
+        g2 = entry["gemm2"]
+        g1 = {k: v for k, v in entry["gemm1"].items() if k not in ("PERMUTE_A", "HALF_TAIL")}
+        bm = g1["BLOCK_SIZE_M"]
         R = 4
         routes, a1s = _draw_inputs(sh, M, dev, plan, qc, dt, R)
         outs = torch.empty(M, sh.K, device=dev, dtype=dt)
         res, first = [], None
-        g1, g2 = entry["gemm1"], entry["gemm2"]
-        paths = [("gather", g1), ("permute", dict(g1, PERMUTE_A=1)), ("permute+tma", dict(g1, PERMUTE_A=1, USE_TMA=1))]
-        if sh.activation != "swigluoai":  # gate / up halves: also as one joint weight tile (JOINT_GATE_UP)
+        paths = [("gather", g1)]
+        if "input" in families:
+            paths += [("permute", dict(g1, PERMUTE_A=1)), ("permute+tma", dict(g1, PERMUTE_A=1, USE_TMA=1))]
+        if "joint" in families and sh.activation != "swigluoai":  # gate / up halves: also as one joint tile
             flip = 1 - g1.get("JOINT_GATE_UP", 0)
             paths += [(f"{n}+joint" if flip else f"{n}-joint", dict(g, JOINT_GATE_UP=flip)) for n, g in paths]
         variants = [(n, g, g2) for n, g in paths]
-        if bm >= 64:
+        if entry["gemm1"] != g1 and not set(families) >= {"input", "half_tail"}:
+            variants.append(("entry", entry["gemm1"], g2))  # the entry's own input path, timed against the others
+        if "half_tail" in families and bm >= 64:
             variants += [(f"{n}+half_tail", dict(g, HALF_TAIL=1), g2) for n, g in paths]
-        if bm == 64:  # same 32-row padding as the entry, but 128-row tiles where an expert has them
-            variants += [(f"{n}+bm128+half_tail", dict(g, BLOCK_SIZE_M=128, HALF_TAIL=1, num_warps=8),
-                          dict(g2, BLOCK_SIZE_M=128, num_warps=8)) for n, g in (paths[0], paths[2])]
+            if bm == 64:  # same 32-row padding as the entry, but 128-row tiles where an expert has them
+                variants += [(f"{n}+bm128+half_tail", dict(g, BLOCK_SIZE_M=128, HALF_TAIL=1, num_warps=8),
+                              dict(g2, BLOCK_SIZE_M=128, num_warps=8))
+                             for n, g in paths if n in ("gather", "permute+tma")]
         for name, v1, v2 in variants:
             cand = {"gemm1": v1, "gemm2": v2}
             cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
@@ -324,10 +337,14 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,8,64,1024,4096")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "configs"))
     ap.add_argument("--budget-s", type=float, default=540.0)
-    ap.add_argument("--variants", action="store_true",
-                    help="only decide GEMM1's input path (gathered / PERMUTE_A / PERMUTE_A + TMA) and HALF_TAIL for "
-                         "the existing table entries of --ms")
+    ap.add_argument("--variants", nargs="?", const=",".join(VARIANT_FAMILIES), default=None, metavar="FAMILIES",
+                    help="only revisit the existing table entries of --ms with the variant families given "
+                         f"(comma-separated, default all: {','.join(VARIANT_FAMILIES)}; see tune_variants)")
     args = ap.parse_args(argv)
+    families = tuple(args.variants.split(",")) if args.variants else ()
+    if set(families) - set(VARIANT_FAMILIES):
+        ap.error(f"unknown variant families {sorted(set(families) - set(VARIANT_FAMILIES))}; "
+                 f"known: {','.join(VARIANT_FAMILIES)}")
     if not torch.cuda.is_available():
         print("no CUDA GPU: the tuner needs one")
         return 2
@@ -342,8 +359,8 @@ def main(argv=None):
         sh = parse_shape(spec)
         try:
             ms = [int(m) for m in args.ms.split(",")]
-            if args.variants:
-                tune_variants(sh, ms, dev, args.out)
+            if families:
+                tune_variants(sh, ms, dev, args.out, families=families)
             else:
                 tune_shape(sh, ms, dev, args.out, args.budget_s)
         except Exception as exc:  # noqa: BLE001

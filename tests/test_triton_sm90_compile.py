@@ -1,0 +1,84 @@
+"""Every tuned launch configuration of the triton backend compiles for sm_90 (H100 / H200), checked on a CPU.
+
+``backends.triton.sm90`` swaps Triton's driver for one that compiles for ``cuda:90`` with Triton's bundled ptxas and
+launches nothing, then runs the real experts step (host code, JIT specialization, every kernel launch) on CPU
+tensors for each entry of the H200 and H100 tables. This catches what the interpreter subset cannot: a tile code
+path that does not compile for the GPU (a ``CompilationError`` only some configurations reach), a shared-memory
+request above the SM's 227 KiB, a TMA box Triton rejects. It checks compilation only, not numerics or speed. On the
+H200 the registers, spill flag, shared memory and warps it reports matched the driver's for all 97 (shape, M,
+kernel) groups compared (backends/triton/NOTES.md).
+
+Runs in subprocesses (one per GPU's tables, in parallel) because it replaces process-wide Triton state.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPUS = ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"]
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (pip install -e .[triton])")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    procs = {g: subprocess.Popen([sys.executable, "-m", "backends.triton.sm90", "--gpus", g, "--json"], cwd=ROOT,
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for g in GPUS}
+    out = {}
+    for g, p in procs.items():
+        stdout, stderr = p.communicate(timeout=1800)
+        rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        out[g] = (p.returncode, rows, stderr)
+    return out
+
+
+def _table_entries(gpu):
+    """(shape, M) of every entry of ``gpu``'s tables for the bench shapes, read from the JSON files directly."""
+    from backends.triton import configs as C
+    from backends.triton.bench import SHAPES
+
+    entries = set()
+    for sh in SHAPES:
+        dtype, block = ("fp8_w8a8", (128, 128)) if sh.scheme == "fp8_block128" else (None, None)
+        table = C.load_table(sh.E, sh.I, dtype, block, gpu)
+        entries |= {(sh.name, M) for M in (table or {})}
+    return entries
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+def test_every_table_entry_compiles_for_sm90(compiled, gpu):
+    rc, rows, stderr = compiled[gpu]
+    errors = [r for r in rows if "error" in r]
+    assert not errors, f"{gpu}: entries that do not compile for sm_90: {errors}"
+    assert rc == 0, f"backends.triton.sm90 --gpus {gpu} exited {rc}:\n{stderr[-3000:]}"
+    expected = _table_entries(gpu)
+    assert expected, f"no tuned tables found for {gpu}"
+    seen = {(r["shape"], r["M"]) for r in rows if r.get("kernel") == "fused_moe_kernel"}
+    assert seen == expected, f"{gpu}: entries without a compiled GEMM: {sorted(expected - seen)}"
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+def test_gemms_use_the_hopper_paths_and_do_not_spill(compiled, gpu):
+    """The GEMMs of every entry fit the SM's registers without spilling to local memory and its shared memory;
+    those of the prefill entries (M >= 1024: 64- and 128-row tiles) compile to wgmma (HGMMA / QGMMA), the Hopper
+    tensor-core path, not mma.sync."""
+    from backends.triton.sm90 import SM90
+
+    gemms = [r for r in compiled[gpu][1] if r.get("kernel") == "fused_moe_kernel"]
+    assert gemms
+    spills = [(r["shape"], r["M"], r["regs"], r["stack"]) for r in gemms if r["stack"] > 0]
+    assert not spills, f"{gpu}: GEMMs spilling to local memory (shape, M, regs, stack bytes): {spills}"
+    assert all(r["shared"] <= SM90["max_shared_mem"] for r in gemms)
+    no_wgmma = [(r["shape"], r["M"], r["ops"]) for r in gemms
+                if r["M"] >= 1024 and not {"HGMMA", "QGMMA", "IGMMA"} & set(r["ops"])]
+    assert not no_wgmma, f"{gpu}: prefill GEMMs without wgmma: {no_wgmma}"
