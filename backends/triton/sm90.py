@@ -40,7 +40,6 @@ class Compiled:
     num_stages: int
     shared: int  # bytes of shared memory the kernel requests
     cubin: bytes
-    constants: dict
 
     def resources(self) -> dict:
         """``{"regs", "stack", "ops"}`` from the cubin: registers per thread, stack bytes (local-memory spills), and
@@ -50,7 +49,7 @@ class Compiled:
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
         ops = {o: sass.count(o) for o in ("HGMMA", "QGMMA", "IGMMA", "HMMA", "UTMALDG", "LDGSTS", "STL", "LDL")}
         return dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
-                    ops={k: v for k, v in ops.items() if v}, sass=sass)
+                    ops={k: v for k, v in ops.items() if v})
 
 
 def _bin(tool: str) -> str:
@@ -157,7 +156,7 @@ def compile_only(gpu_name: str = "NVIDIA_H200"):
         k = real_compile(*a, **kw)
         md = k.metadata
         log.append(Compiled(name=md.name, num_warps=md.num_warps, num_stages=md.num_stages, shared=md.shared,
-                            cubin=k.asm["cubin"], constants=dict(a[0].constants) if a else {}))
+                            cubin=k.asm["cubin"]))
         return k
 
     def accept_cpu(*tensors, what="operands"):
@@ -199,10 +198,9 @@ def _jit_functions():
     return out
 
 
-def _operands(sh, M: int):
-    """CPU operands of a bench shape at M tokens: weights uninitialized (``torch.empty``), scales of ones,
-    a routing drawn as the bench draws it."""
-    from backends.triton.bench import make_routing
+def _weights(sh):
+    """CPU weights of a bench shape, uninitialized (``torch.empty``: never touched), with scales of ones / zero
+    biases: ``(w1, w2, quant_config, activation)``."""
     from reference.activation import MoEActivation
     from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, biased_moe_quant_config, fp8_w8a8_moe_quant_config
 
@@ -217,9 +215,7 @@ def _operands(sh, M: int):
                                      torch.zeros(E, K, dtype=torch.bfloat16))
     else:
         qc = FUSED_MOE_UNQUANTIZED_CONFIG
-    x = torch.empty(M, K, dtype=torch.bfloat16)
-    w, ids = make_routing(M, E, sh.topk, torch.device("cpu"), seed=M)
-    return x, w1, w2, w, ids, qc, MoEActivation.from_str(sh.activation)
+    return w1, w2, qc, MoEActivation.from_str(sh.activation)
 
 
 def compile_tables(gpu_name: str, shapes=None, Ms=None, progress=print) -> list[dict]:
@@ -228,14 +224,14 @@ def compile_tables(gpu_name: str, shapes=None, Ms=None, progress=print) -> list[
     shared, regs, stack, ops}``, or ``{shape, M, error}`` for an entry whose step raised (compilation error, shared
     memory above the SM's, a launch argument Triton rejects)."""
     from backends.triton import configs as C
-    from backends.triton.bench import SHAPES
+    from backends.triton.bench import SHAPES, make_routing
     from backends.triton.experts import fused_experts, plan_quant
 
     rows = []
     for sh in SHAPES:
         if shapes and sh.name not in shapes:
             continue
-        x, w1, w2, w, ids, qc, act = _operands(sh, 1)
+        w1, w2, qc, act = _weights(sh)
         plan = plan_quant(qc)
         table = C.load_table(sh.E, sh.I, plan.cfg_dtype, plan.block_shape, gpu_name)
         if not table:
@@ -244,7 +240,8 @@ def compile_tables(gpu_name: str, shapes=None, Ms=None, progress=print) -> list[
             if Ms and M not in Ms:
                 continue
             t0 = time.time()
-            x, w1, w2, w, ids, qc, act = _operands(sh, M)
+            x = torch.empty(M, sh.K, dtype=torch.bfloat16)
+            w, ids = make_routing(M, sh.E, sh.topk, torch.device("cpu"), seed=M)  # as the bench draws it
             with compile_only(gpu_name) as log:
                 try:
                     fused_experts(x, w1, w2, w, ids, activation=act, quant_config=qc)
