@@ -70,3 +70,63 @@ def test_tuner_candidate_lists_are_complete():
                 if key == "128h":
                     assert all(c["HALF_TAIL"] == 1 and c["BLOCK_SIZE_M"] == 128 for c in g1s)
     assert "128h" in candidates(4096, 128, 8, False, False)
+
+
+def _gluon_args(gemm, g, sh):
+    """``gluon_sm90.supported`` arguments for table entry ``g`` of a block-FP8 bench shape ``sh`` (meta tensors of
+    the real shapes: only their layout is looked at)."""
+    import torch
+
+    E, K, I = sh.E, sh.K, sh.I
+    k, n_out = (K, 2 * I) if gemm == "gemm1" else (I, K)
+    fuse = 0 if gemm == "gemm2" or not g.get("FUSE_ACT", 1) else 1
+    return dict(a_mode=3, b_mode=3, a_gather=gemm == "gemm1" and not g.get("PERMUTE_A", 0), fuse=fuse, bias=None,
+                half_tail=bool(g.get("HALF_TAIL", 0)), out_quant=False, group_n=128, group_k=128, K=k, n_out=n_out,
+                cfg=g, a=torch.empty(64, k, dtype=torch.float8_e4m3fn, device="meta"),
+                w=torch.empty(E, n_out, k, dtype=torch.float8_e4m3fn, device="meta"),
+                c=torch.empty(64, n_out, dtype=torch.bfloat16, device="meta"))
+
+
+def test_gluon_entries_run_the_gluon_kernel():
+    """A ``GLUON`` entry was tuned for the Gluon GEMM: if ``gluon_sm90.supported`` refused it, the step would fall
+    back to ``fused_moe_kernel`` with a configuration chosen for the other kernel, silently slower."""
+    from backends.triton import gluon_sm90
+    from backends.triton.bench import SHAPES
+
+    seen = 0
+    for sh in SHAPES:
+        if sh.scheme != "fp8_block128":
+            continue
+        for dev in ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"):
+            for M, entry in (C.load_table(sh.E, sh.I, "fp8_w8a8", (128, 128), dev) or {}).items():
+                g1 = entry["gemm1"]
+                for gemm, g in entry.items():
+                    if g.get("GLUON", 0):
+                        seen += 1
+                        why = gluon_sm90.supported(**_gluon_args(gemm, dict(g, HALF_TAIL=g1.get("HALF_TAIL", 0)), sh))
+                        assert why is None, f"{dev} {sh.name} M={M} {gemm}: GLUON entry the kernel refuses: {why}"
+    if not seen:
+        pytest.skip("no table entry uses the Gluon GEMM (GLUON)")
+
+
+def test_gluon_kernel_names_what_it_does_not_cover():
+    from backends.triton import gluon_sm90
+    from backends.triton.bench import SHAPES
+
+    sh = next(s for s in SHAPES if s.name == "dsv3_ep8_fp8blk")
+    g = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, num_warps=8, num_stages=4, PERMUTE_A=1,
+             FUSE_ACT=0)
+    assert gluon_sm90.supported(**_gluon_args("gemm1", g, sh)) is None
+    assert gluon_sm90.supported(**_gluon_args("gemm2", g, sh)) is None
+    refusals = {
+        "gathered": ("gemm1", dict(g, PERMUTE_A=0), "contiguous"),
+        "fused activation": ("gemm1", dict(g, FUSE_ACT=1), "plain epilogue"),
+        "half tail": ("gemm2", dict(g, HALF_TAIL=1), "HALF_TAIL"),
+        "warps": ("gemm2", dict(g, num_warps=4), "num_warps"),
+        "K tile": ("gemm2", dict(g, BLOCK_SIZE_K=64), "BLOCK_K = 128"),
+        "wide N": ("gemm2", dict(g, BLOCK_SIZE_N=256), "BLOCK_N in (64, 128)"),
+    }
+    for what, (gemm, cfg, reason) in refusals.items():
+        why = gluon_sm90.supported(**_gluon_args(gemm, cfg, sh))
+        assert why is not None and reason in why, f"{what}: {why!r}"
+    assert "block-FP8" in gluon_sm90.supported(**dict(_gluon_args("gemm2", g, sh), a_mode=2, b_mode=2))

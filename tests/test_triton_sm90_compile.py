@@ -23,6 +23,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPUS = ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"]
+# the grouped GEMMs: the Triton kernel, and the Gluon block-FP8 one (table entries with GLUON)
+GEMMS = ("fused_moe_kernel", "fp8_block_moe_gemm_kernel")
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install -e .[triton])")
@@ -63,7 +65,7 @@ def test_every_table_entry_compiles_for_sm90(compiled, gpu):
     assert rc == 0, f"backends.triton.sm90 --gpus {gpu} exited {rc}:\n{stderr[-3000:]}"
     expected = _table_entries(gpu)
     assert expected, f"no tuned tables found for {gpu}"
-    seen = {(r["shape"], r["M"]) for r in rows if r.get("kernel") == "fused_moe_kernel"}
+    seen = {(r["shape"], r["M"]) for r in rows if r.get("kernel") in GEMMS}
     assert seen == expected, f"{gpu}: entries without a compiled GEMM: {sorted(expected - seen)}"
 
 
@@ -74,7 +76,7 @@ def test_gemms_use_the_hopper_paths_and_do_not_spill(compiled, gpu):
     tensor-core path, not mma.sync."""
     from backends.triton.sm90 import SM90
 
-    gemms = [r for r in compiled[gpu][1] if r.get("kernel") == "fused_moe_kernel"]
+    gemms = [r for r in compiled[gpu][1] if r.get("kernel") in GEMMS]
     assert gemms
     spills = [(r["shape"], r["M"], r["regs"], r["stack"]) for r in gemms if r["stack"] > 0]
     assert not spills, f"{gpu}: GEMMs spilling to local memory (shape, M, regs, stack bytes): {spills}"
@@ -82,3 +84,17 @@ def test_gemms_use_the_hopper_paths_and_do_not_spill(compiled, gpu):
     no_wgmma = [(r["shape"], r["M"], r["ops"]) for r in gemms
                 if r["M"] >= 1024 and not {"HGMMA", "QGMMA", "IGMMA"} & set(r["ops"])]
     assert not no_wgmma, f"{gpu}: prefill GEMMs without wgmma: {no_wgmma}"
+
+
+def test_gluon_gemm_overlaps_the_scale_promotion_with_the_mmas(compiled):
+    """The Gluon block-FP8 GEMM exists to keep one K tile's wgmma in flight while the previous tile's result is
+    scaled into the accumulator: its SASS must wait with one group outstanding (``WARPGROUP.DEPBAR.LE gsb0, 0x1``).
+    ptxas drops those waits and serializes every wgmma when a non-wgmma instruction touches an in-flight
+    accumulator (a register copy between the wgmmas of a tile, e.g. from a loop-carried swap of the two register
+    sets, or the promotion sunk past the next MMA), which would silently turn the kernel back into the Triton
+    kernel's schedule."""
+    rows = [r for r in compiled["NVIDIA_H200"][1] if r.get("kernel") == "fp8_block_moe_gemm_kernel"]
+    if not rows:
+        pytest.skip("no NVIDIA_H200 table entry uses the Gluon GEMM (GLUON)")
+    serialized = [(r["shape"], r["M"], r["ops"]) for r in rows if not r["ops"].get("DEPBAR_LE_1")]
+    assert not serialized, f"Gluon GEMMs whose wgmmas ptxas serialized: {serialized}"

@@ -5,9 +5,10 @@ names its tables (``E={E},N={N},device_name={dev}[,dtype={dtype}][,block_shape=[
 intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
-                       USE_TMA, N_TILES, FLATTEN, FUSE_ACT, FUSE_QUANT, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
+                       USE_TMA, N_TILES, FLATTEN, GLUON, FUSE_ACT, FUSE_QUANT, PERMUTE_A, HALF_TAIL,
+                       JOINT_GATE_UP},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
-                       N_TILES, FLATTEN}},
+                       N_TILES, FLATTEN, GLUON}},
      ...}
 
 ``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``N_TILES``
@@ -20,7 +21,11 @@ rows as one ``2 * BLOCK_SIZE_N``-wide weight tile (one MMA chain, split in the e
 contiguous row tiles (through TMA when ``USE_TMA``) instead of gathering them. ``HALF_TAIL`` (optional, default 0;
 ``BLOCK_SIZE_M >= 32``) pads each expert's routes to ``BLOCK_SIZE_M / 2`` rows instead of ``BLOCK_SIZE_M`` and runs
 both GEMMs over a tile list: ``BLOCK_SIZE_M``-row tiles plus, where an expert's segment has an odd number of
-half blocks, one ``BLOCK_SIZE_M / 2``-row tail tile in the same launch. The entry whose ``M``
+half blocks, one ``BLOCK_SIZE_M / 2``-row tail tile in the same launch. ``GLUON`` (optional, default 0) runs
+the GEMM on the Gluon block-FP8 kernel of ``gluon_sm90.py`` (weight-scale promotion overlapped with the wgmmas;
+``num_stages`` = its TMA stages, ``num_warps`` = ``BLOCK_SIZE_M / 16``) where that kernel applies (block-FP8
+scales, contiguous A rows, plain epilogue: GEMM2, or GEMM1 with ``PERMUTE_A`` and ``FUSE_ACT`` 0; see
+``gluon_sm90.supported``), and on ``fused_moe_kernel`` otherwise. The entry whose ``M``
 is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
 table) :func:`default_config` chooses by tokens per expert.
 """
@@ -43,7 +48,7 @@ CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_na
 
 # The keys a table entry may hold (anything else is a typo that would be ignored).
 GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
-              "N_TILES", "FLATTEN")
+              "N_TILES", "FLATTEN", "GLUON")
 GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL", "JOINT_GATE_UP")
 
 

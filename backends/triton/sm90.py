@@ -44,10 +44,14 @@ class Compiled:
     def resources(self) -> dict:
         """``{"regs", "stack", "ops"}`` from the cubin: registers per thread, stack bytes (local-memory spills), and
         counts of the instructions that show the code path (HGMMA / QGMMA / IGMMA = wgmma, HMMA = mma.sync,
-        UTMALDG = TMA loads, LDGSTS = cp.async, STL / LDL = local memory)."""
+        UTMALDG = TMA loads, LDGSTS = cp.async, STL / LDL = local memory, DEPBAR_LE_1 = wgmma waits that leave one
+        group in flight)."""
         sass, res = _cuobjdump(self.cubin)
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
         ops = {o: sass.count(o) for o in ("HGMMA", "QGMMA", "IGMMA", "HMMA", "UTMALDG", "LDGSTS", "STL", "LDL")}
+        # waits that leave one wgmma group in flight (an MMA overlapping other work; ptxas drops them when it
+        # serializes the wgmmas)
+        ops["DEPBAR_LE_1"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1")
         return dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
                     ops={k: v for k, v in ops.items() if v})
 
@@ -188,10 +192,10 @@ def _jit_functions():
     """The backend's ``@triton.jit`` kernels (the ones a launch can compile)."""
     import triton
 
-    from backends.triton import align, kernels, quant, routing
+    from backends.triton import align, gluon_sm90, kernels, quant, routing
 
     out = []
-    for mod in (kernels, align, quant, routing):
+    for mod in (kernels, align, quant, routing, gluon_sm90):
         for v in vars(mod).values():
             if isinstance(v, triton.runtime.jit.JITFunction) and v not in out:
                 out.append(v)

@@ -230,7 +230,30 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
     log(f"wrote {fname}")
 
 
-VARIANT_FAMILIES = ("input", "joint", "half_tail")
+VARIANT_FAMILIES = ("input", "joint", "half_tail", "gluon")
+
+
+def _gluon_variants(g1, g2):
+    """Block FP8: GEMM2 on the Gluon kernel (``GLUON``, at the entry's BLOCK_SIZE_M), GEMM1 on it (unfused over its
+    pre-permuted input, activation and requantization in ``act_quant_kernel``) with the entry's GEMM2 on
+    ``fused_moe_kernel``, and both GEMMs on it with 64- and 128-row tiles (one warpgroup per 64 rows, 128-column
+    tiles)."""
+    bm = g1["BLOCK_SIZE_M"]
+    out = []
+
+    def gl(m, stages):
+        return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=m // 16,
+                    num_stages=stages, USE_TMA=1, GLUON=1)
+
+    if bm in (64, 128):
+        out.append(("gluon2", g1, gl(bm, 4)))
+        g2t = {k: v for k, v in g2.items() if k != "GLUON"}
+        out += [(f"gluon1-bm{bm}-s{st}", dict(gl(bm, st), PERMUTE_A=1, FUSE_ACT=0), g2t) for st in (3, 4)]
+    for m in (64, 128):
+        for st in (3, 4):
+            g1g = dict(gl(m, st), PERMUTE_A=1, FUSE_ACT=0)
+            out.append((f"gluon12-bm{m}-s{st}", g1g, gl(m, st)))
+    return out
 
 
 def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES):
@@ -241,9 +264,10 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES):
     - ``joint``: each input path also with ``JOINT_GATE_UP`` flipped (gated halves);
     - ``half_tail``: each with ``HALF_TAIL`` (``BLOCK_SIZE_M >= 64``; for a 64-row entry also with 128-row tiles
       over the same 32-row padding);
+    - ``gluon`` (block FP8): the Gluon kernel for GEMM2, and for both GEMMs (see ``_gluon_variants``);
 
     and keep the fastest whose output is bitwise equal to the gathering one (the input path changes no arithmetic)
-    or, for ``HALF_TAIL`` and ``JOINT_GATE_UP`` (which may take another MMA shape), equal up to ``max_norm`` 1e-3
+    or, for ``HALF_TAIL``, ``JOINT_GATE_UP`` and ``GLUON`` (which may take another MMA shape), equal up to ``max_norm`` 1e-3
     (a tenth of the experts tolerance)."""
     from backends.triton import configs as C
     from backends.triton.bench import make_weights, time_graph
@@ -283,6 +307,8 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES):
                 variants += [(f"{n}+bm128+half_tail", dict(g, BLOCK_SIZE_M=128, HALF_TAIL=1, num_warps=8),
                               dict(g2, BLOCK_SIZE_M=128, num_warps=8))
                              for n, g in paths if n in ("gather", "permute+tma")]
+        if "gluon" in families and plan.block_shape is not None:
+            variants += _gluon_variants(g1, g2)
         for name, v1, v2 in variants:
             cand = {"gemm1": v1, "gemm2": v2}
             cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
@@ -301,7 +327,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES):
                 elif not torch.equal(outs.view(torch.int16), first.view(torch.int16)):
                     d = ((outs.double() - first.double()).abs().max() / first.double().abs().max()).item()
                     # tail tiles and the joint gate / up tile may take another MMA shape
-                    ok = ("half_tail" in name or "joint" in name) and d <= 1e-3
+                    ok = ("half_tail" in name or "joint" in name or "gluon" in name) and d <= 1e-3
                     verdict = f"differs: max_norm {d:.2e}" + ("" if ok else " (REJECTED)")
                 t = time_graph(call, n_calls=4, budget_s=reps_s)
             except Exception as exc:  # noqa: BLE001

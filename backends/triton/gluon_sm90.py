@@ -1,0 +1,201 @@
+"""Block-FP8 grouped expert GEMM for sm_90, written in Gluon: the weight-scale promotion overlapped with the MMAs.
+
+Why a second kernel: with 128x128 block scales the dot of every K tile must be scaled before it is summed
+(``acc += dot(a, b) * a_s[:, None] * b_s``). Triton's ``tl.dot`` pipeliner makes a wgmma asynchronous only when its
+result is the next wgmma's accumulator; here the result is scaled first, so every K tile ends in
+``wgmma.wait_group 0`` and the tensor cores idle while the warpgroup scales and issues the next tile (checked in the
+sm_90 PTX with ``backends/triton/sm90.py``, also when the scaling is moved one iteration later by hand). Gluon
+exposes the wgmma groups: K tile ``k``'s MMA is issued into its own registers, then K tile ``k - 1``'s result is
+waited for (``warpgroup_mma_wait(1)``: one group may stay in flight) and promoted into the fp32 accumulator while
+tile ``k`` runs on the tensor cores. This is the promotion DeepGEMM performs (``deep_gemm`` FP8 GEMMs on SM90),
+within one warpgroup and without warp specialization.
+
+Numerics are those of ``fused_moe_kernel``'s block-FP8 path (``A_SCALE = B_SCALE = 3``): per K tile of 128, the
+fp32 wgmma result times ``a_s[row, kb] * w_s[e, nb, kb]`` added to an fp32 accumulator, in K order; one rounding to
+the output dtype. What it covers (the rest stays with ``fused_moe_kernel``, see :func:`supported`): contiguous A rows
+(GEMM2, or GEMM1 after ``PERMUTE_A``), a plain epilogue (no bias, no fused activation or requantization), 128x128
+weight blocks with ``BLOCK_K = 128``, one tile height (no ``HALF_TAIL``), TMA-able operands, an sm_90 GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["fp8_block_moe_gemm_kernel", "supported", "launch"]
+
+GROUP = 128  # the weight block (GROUP_N = GROUP_K) and the K tile this kernel is written for
+
+
+@gluon.jit
+def fp8_block_moe_gemm_kernel(
+    a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    N, K, EM, num_valid_tokens, NW,
+    stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    C_SORTED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``C[rows, n] = sum_kb (A[rows, kb] @ W[e, n, kb]^T) * a_s[rows, kb] * w_s[e, n // 128, kb]`` over the route
+    layout's ``BLOCK_M`` blocks (one expert each), rounded once to C's dtype.
+
+    ``a_desc``: TMA descriptor of A ``(EM, K)`` fp8 in sorted-row order, boxes ``[BLOCK_M, BLOCK_K]``;
+    ``b_desc``: of W viewed ``(E * NW, K)`` fp8, boxes ``[BLOCK_N, BLOCK_K]``; ``a_scale`` ``(EM, K / 128)`` fp32;
+    ``b_scale`` ``(E, NW / 128, K / 128)`` fp32. ``C_SORTED``: C row = sorted position (GEMM1), else the route id
+    from ``sorted_token_ids`` (GEMM2; padding rows are not stored). Program ids map to (block, N tile) as in
+    ``fused_moe_kernel`` (``GROUP_M`` blocks share the N sweep, for L2 reuse of the weight tiles).
+    """
+    pid = gl.program_id(0)
+    num_pid_m = gl.cdiv(EM, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    ntpp = gl.load(num_tokens_post_padded_ptr)
+    e = gl.load(expert_ids_ptr + pid_m)
+    if pid_m * BLOCK_M >= ntpp:
+        return
+    if e < 0:
+        return
+    row0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    b_row0 = e * NW + n0
+    nk = gl.cdiv(K, BLOCK_K)
+
+    # one warpgroup per 64 rows; the wgmma instruction spans the tile's N
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, BLOCK_N, 32])
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    tile_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+
+    # prologue: K tiles 0 .. STAGES - 1 in flight (step k refills tile k - 1's stage with tile k - 1 + STAGES)
+    for i in gl.static_range(STAGES):
+        ok = i < nk
+        mbarrier.expect(ready.index(i), tile_bytes, pred=ok)
+        tma.async_copy_global_to_shared(a_desc, [row0, i * BLOCK_K], ready.index(i), a_smem.index(i), pred=ok)
+        tma.async_copy_global_to_shared(b_desc, [b_row0, i * BLOCK_K], ready.index(i), b_smem.index(i), pred=ok)
+
+    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    a_s_ptrs = a_scale_ptr + offs_m.to(gl.int64) * stride_asm
+    b_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
+
+    # Two register sets take turns (unrolled by two so that neither changes role: a loop-carried swap would make
+    # the compiler copy registers between the wgmmas of a tile, and ptxas then serializes every wgmma): x holds the
+    # tile in flight, y is free to be issued into.
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    mbarrier.wait(ready.index(0), 0)
+    x = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
+    s_x = gl.load(a_s_ptrs) * gl.load(b_s_ptr)
+    y = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    for k in range(1, nk - 1, 2):
+        y, x, acc, s_y = _promote_step(k, nk, x, y, acc, s_x, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0,
+                                       a_s_ptrs, b_s_ptr, stride_ask, stride_bsk, STAGES, BLOCK_K, num_warps)
+        x, y, acc, s_x = _promote_step(k + 1, nk, y, x, acc, s_y, a_desc, b_desc, a_smem, b_smem, ready, row0,
+                                       b_row0, a_s_ptrs, b_s_ptr, stride_ask, stride_bsk, STAGES, BLOCK_K, num_warps)
+    if nk % 2 == 0:  # one K tile left: issue it into y, promote x, then y
+        last, _, acc, s_last = _promote_step(nk - 1, nk, x, y, acc, s_x, a_desc, b_desc, a_smem, b_smem, ready, row0,
+                                             b_row0, a_s_ptrs, b_s_ptr, stride_ask, stride_bsk, STAGES, BLOCK_K,
+                                             num_warps)
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(last, ))
+        acc += done * s_last[:, None]
+    else:
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
+        acc += done * s_x[:, None]
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    # epilogue: one rounding, 16-byte row-contiguous stores
+    out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BLOCK_N,
+                                                BLOCK_N // 8], warps_per_cta=[num_warps, 1], order=[1, 0])
+    y = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
+    offs_cm = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+    offs_cn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+    if C_SORTED:
+        c_rows = offs_cm
+        row_mask = offs_cm >= 0
+    else:
+        c_rows = gl.load(sorted_token_ids_ptr + offs_cm)
+        row_mask = c_rows < num_valid_tokens
+    c_ptrs = c_ptr + c_rows.to(gl.int64)[:, None] * stride_cm + offs_cn[None, :]
+    gl.store(c_ptrs, y, mask=row_mask[:, None] & (offs_cn < N)[None, :])
+
+
+@gluon.jit
+def _promote_step(k, nk, busy, free, acc, s_busy, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, a_s_ptrs,
+                  b_s_ptr, stride_ask, stride_bsk, STAGES: gl.constexpr, BLOCK_K: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """Issue K tile ``k``'s MMA into ``free`` (use_acc=False), wait for K tile ``k - 1``'s (``busy``), refill its
+    stage with K tile ``k - 1 + STAGES``, and promote it: ``acc += busy * s_busy``. Returns ``(k's MMA in flight,
+    the promoted register set (now free), acc, k's scale)``."""
+    st = k % STAGES
+    mbarrier.wait(ready.index(st), (k // STAGES) & 1)
+    issued = warpgroup_mma(a_smem.index(st), b_smem.index(st).permute((1, 0)), free, use_acc=False, is_async=True)
+    done = warpgroup_mma_wait(num_outstanding=1, deps=(busy, ))
+    if num_warps > 4:  # every warpgroup's MMA k - 1 must be done before its stage is overwritten
+        gl.thread_barrier()
+    kn = k - 1 + STAGES
+    sp = (k - 1) % STAGES
+    ok = kn < nk
+    mbarrier.expect(ready.index(sp), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(a_desc, [row0, kn * BLOCK_K], ready.index(sp), a_smem.index(sp), pred=ok)
+    tma.async_copy_global_to_shared(b_desc, [b_row0, kn * BLOCK_K], ready.index(sp), b_smem.index(sp), pred=ok)
+    s_k = gl.load(a_s_ptrs + k * stride_ask) * gl.load(b_s_ptr + k * stride_bsk)
+    acc += done * s_busy[:, None]
+    # pin the promotion here: LLVM would otherwise sink it past the next step's MMA, which is issued into `done`'s
+    # registers (a copy, and ptxas then serializes the wgmmas); a wait for <= 1 group is a no-op at this point
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    return issued, done, acc, s_k
+
+
+def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half_tail: bool, out_quant: bool,
+              group_n: int, group_k: int, K: int, n_out: int, cfg: dict, a: torch.Tensor, w: torch.Tensor,
+              c: torch.Tensor) -> str | None:
+    """``None`` when :func:`launch` computes this GEMM, else why not (a table entry's ``GLUON`` key then falls back to
+    ``fused_moe_kernel``)."""
+    BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    checks = [
+        (a_mode == 3 and b_mode == 3, "block-FP8 scales (1x128 activations, 128x128 weights) only"),
+        (not a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
+        (fuse == 0 and bias is None and not out_quant, "plain epilogue only (no fused activation, bias, quant)"),
+        (not half_tail, "one tile height only (no HALF_TAIL)"),
+        (group_n == GROUP and group_k == GROUP and BK == GROUP, "128x128 weight blocks and BLOCK_K = 128 only"),
+        (K % GROUP == 0 and n_out % BN == 0 and BN in (64, 128) and BM in (64, 128),
+         "K % 128 == 0, N % BLOCK_N == 0, BLOCK_N in (64, 128), BLOCK_M in (64, 128)"),
+        (cfg.get("num_warps", 4) * 16 == BM, "num_warps must be BLOCK_M / 16 (one warpgroup per 64 rows)"),
+        (a.is_contiguous() and w.is_contiguous() and c.stride(1) == 1 and a.data_ptr() % 16 == 0
+         and w.data_ptr() % 16 == 0, "TMA needs contiguous, 16-byte aligned A and W"),
+        (a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] == 9, "sm_90 (Hopper) GPUs only"),
+    ]
+    return next((why for ok, why in checks if not ok), None)
+
+
+def launch(*, a, w, c, a_scale, w_scale, layout, rows, num_valid, c_sorted, n_out, cfg):
+    """Launch :func:`fp8_block_moe_gemm_kernel` for one GEMM (arguments as ``experts._launch_gemm``'s; call
+    :func:`supported` first)."""
+    E, NW, K = w.shape
+    BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    a8 = a.view(torch.float8_e4m3fn) if a.dtype != torch.float8_e4m3fn else a
+    a_desc = TensorDescriptor.from_tensor(a8, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv))
+    b_desc = TensorDescriptor.from_tensor(w.view(E * NW, K), [BN, BK],
+                                          gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv))
+    grid = (triton.cdiv(rows, BM) * triton.cdiv(n_out, BN),)
+    fp8_block_moe_gemm_kernel[grid](
+        a_desc, b_desc, c, a_scale, w_scale,
+        layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
+        n_out, K, rows, num_valid, NW,
+        c.stride(0), a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), C_SORTED=c_sorted,
+        STAGES=cfg.get("num_stages", 4), num_warps=cfg.get("num_warps", 4),
+    )
