@@ -285,12 +285,14 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     ws, sbe, sbn, sbk = _scale_strides(w_scale, b_mode, E, NW)
     if cfg.get("GLUON", 0) and not INTERPRET:
         # the Gluon block-FP8 kernel (scale promotion overlapped with the MMAs) where it applies, else this one
-        from . import gluon_sm90
-
-        why_not = gluon_sm90.supported(a_mode=a_mode, b_mode=b_mode, a_gather=a_gather, fuse=fuse, bias=bias,
-                                       half_tail=half_tail, out_quant=out_quant, group_n=group_n, group_k=group_k,
-                                       K=K, n_out=n_out, cfg=cfg, a=a, w=w, c=c)
-        if why_not is None:
+        try:
+            from . import gluon_sm90
+        except ImportError:  # a Triton without Gluon's Hopper API: the tuned entry runs on fused_moe_kernel
+            gluon_sm90 = None
+        if gluon_sm90 is not None and gluon_sm90.supported(
+                a_mode=a_mode, b_mode=b_mode, a_gather=a_gather, fuse=fuse, bias=bias, half_tail=half_tail,
+                out_quant=out_quant, group_n=group_n, group_k=group_k, K=K, n_out=n_out, cfg=cfg, a=a, w=w,
+                c=c) is None:
             gluon_sm90.launch(a=a, w=w, c=c, a_scale=a_scale, w_scale=ws, layout=layout, rows=rows,
                               num_valid=num_valid, c_sorted=c_sorted, n_out=n_out, cfg=cfg)
             return
