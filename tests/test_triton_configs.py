@@ -77,14 +77,21 @@ def _gluon_args(gemm, g, sh):
     the real shapes: only their layout is looked at)."""
     import torch
 
+    from backends.triton._jit import ACT_SILU
+
     E, K, I = sh.E, sh.K, sh.I
     k, n_out = (K, 2 * I) if gemm == "gemm1" else (I, K)
     fuse = 0 if gemm == "gemm2" or not g.get("FUSE_ACT", 1) else 1
+    if fuse:
+        k, n_out = K, I  # gate / up halves in, I columns out
+    # as experts.run_experts decides it: the 1x128 requantization fused into GEMM1's epilogue
+    out_quant = bool(fuse and g.get("FUSE_QUANT", 1) and g["BLOCK_SIZE_N"] == 128 and I % 128 == 0)
     return dict(a_mode=3, b_mode=3, a_gather=gemm == "gemm1" and not g.get("PERMUTE_A", 0), fuse=fuse, bias=None,
-                half_tail=bool(g.get("HALF_TAIL", 0)), out_quant=False, group_n=128, group_k=128, K=k, n_out=n_out,
+                half_tail=bool(g.get("HALF_TAIL", 0)), out_quant=out_quant, group_n=128, group_k=128, K=k, n_out=n_out,
                 cfg=g, a=torch.empty(64, k, dtype=torch.float8_e4m3fn, device="meta"),
-                w=torch.empty(E, n_out, k, dtype=torch.float8_e4m3fn, device="meta"),
-                c=torch.empty(64, n_out, dtype=torch.bfloat16, device="meta"))
+                w=torch.empty(E, 2 * n_out if fuse else n_out, k, dtype=torch.float8_e4m3fn, device="meta"),
+                c=torch.empty(64, n_out, dtype=torch.bfloat16, device="meta"),
+                act=ACT_SILU if sh.activation == "silu" else -1, has_limit=False)
 
 
 def test_gluon_entries_run_the_gluon_kernel():
@@ -111,6 +118,7 @@ def test_gluon_entries_run_the_gluon_kernel():
 
 def test_gluon_kernel_names_what_it_does_not_cover():
     from backends.triton import gluon_sm90
+    from backends.triton._jit import ACT_SILU
     from backends.triton.bench import SHAPES
 
     sh = next(s for s in SHAPES if s.name == "dsv3_ep8_fp8blk")
@@ -118,11 +126,16 @@ def test_gluon_kernel_names_what_it_does_not_cover():
              FUSE_ACT=0)
     assert gluon_sm90.supported(**_gluon_args("gemm1", g, sh)) is None
     assert gluon_sm90.supported(**_gluon_args("gemm2", g, sh)) is None
+    gated = dict(g, FUSE_ACT=1, FUSE_QUANT=0, BLOCK_SIZE_N=64)
+    assert gluon_sm90.supported(**_gluon_args("gemm1", gated, sh)) is None
+    assert "SiLU" in gluon_sm90.supported(**dict(_gluon_args("gemm1", gated, sh), act=ACT_SILU + 1))
+    assert "SiLU" in gluon_sm90.supported(**dict(_gluon_args("gemm1", gated, sh), has_limit=True))
     refusals = {
         "gathered": ("gemm1", dict(g, PERMUTE_A=0), "contiguous"),
-        "fused activation": ("gemm1", dict(g, FUSE_ACT=1), "plain epilogue"),
+        "fused requantization": ("gemm1", dict(g, FUSE_ACT=1, FUSE_QUANT=1), "FUSE_QUANT 0"),
         "half tail": ("gemm2", dict(g, HALF_TAIL=1), "HALF_TAIL"),
         "warps": ("gemm2", dict(g, num_warps=4), "num_warps"),
+        "gated wide N": ("gemm1", dict(g, FUSE_ACT=1, FUSE_QUANT=0, BLOCK_SIZE_N=128), "(32, 64) with gate / up"),
         "K tile": ("gemm2", dict(g, BLOCK_SIZE_K=64), "BLOCK_K = 128"),
         "wide N": ("gemm2", dict(g, BLOCK_SIZE_N=256), "BLOCK_N in (64, 128)"),
     }

@@ -292,9 +292,9 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         if gluon_sm90 is not None and gluon_sm90.supported(
                 a_mode=a_mode, b_mode=b_mode, a_gather=a_gather, fuse=fuse, bias=bias, half_tail=half_tail,
                 out_quant=out_quant, group_n=group_n, group_k=group_k, K=K, n_out=n_out, cfg=cfg, a=a, w=w,
-                c=c) is None:
+                c=c, act=act, has_limit=has_limit) is None:
             gluon_sm90.launch(a=a, w=w, c=c, a_scale=a_scale, w_scale=ws, layout=layout, rows=rows,
-                              num_valid=num_valid, c_sorted=c_sorted, n_out=n_out, cfg=cfg)
+                              num_valid=num_valid, c_sorted=c_sorted, n_out=n_out, cfg=cfg, fuse=fuse)
             return
     if a_mode == _S_GROUP:
         asm, ask = a_scale.stride(0), a_scale.stride(1)

@@ -26,6 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._jit import ACT_SILU  # the one activation the GATED epilogue implements
+
 __all__ = ["fp8_block_moe_gemm_kernel", "supported", "launch"]
 
 GROUP = 128  # the weight block (GROUP_N = GROUP_K) and the K tile this kernel is written for
@@ -35,10 +37,10 @@ GROUP = 128  # the weight block (GROUP_N = GROUP_K) and the K tile this kernel i
 def fp8_block_moe_gemm_kernel(
     a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-    N, K, EM, num_valid_tokens, NW,
+    N, K, EM, num_valid_tokens, NW, UP_OFF,
     stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    C_SORTED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    C_SORTED: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``C[rows, n] = sum_kb (A[rows, kb] @ W[e, n, kb]^T) * a_s[rows, kb] * w_s[e, n // 128, kb]`` over the route
     layout's ``BLOCK_M`` blocks (one expert each), rounded once to C's dtype.
@@ -48,6 +50,10 @@ def fp8_block_moe_gemm_kernel(
     ``b_scale`` ``(E, NW / 128, K / 128)`` fp32. ``C_SORTED``: C row = sorted position (GEMM1), else the route id
     from ``sorted_token_ids`` (GEMM2; padding rows are not stored). Program ids map to (block, N tile) as in
     ``fused_moe_kernel`` (``GROUP_M`` blocks share the N sweep, for L2 reuse of the weight tiles).
+    ``GATED`` (GEMM1 with SiLU-and-mul, ``fused_moe_kernel``'s ``FUSE`` 1): an N tile's gate rows ``n`` and up rows
+    ``UP_OFF + n`` are loaded as one ``[2 * BLOCK_N, BLOCK_K]`` weight tile (two TMA boxes, one MMA chain of
+    ``2 * BLOCK_N`` columns); the epilogue rounds gate and up to C's dtype (the GEMM1 rounding point), computes
+    ``silu(g) * u`` in fp32 as ``fused_moe_kernel`` does and rounds it: C has ``N`` = I columns.
     """
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(EM, BLOCK_M)
@@ -69,57 +75,69 @@ def fp8_block_moe_gemm_kernel(
     n0 = pid_n * BLOCK_N
     b_row0 = e * NW + n0
     nk = gl.cdiv(K, BLOCK_K)
+    BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # columns of the MMA chain (gate | up when GATED)
 
     # one warpgroup per 64 rows; the wgmma instruction spans the tile's N
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, BLOCK_N, 32])
+                                                          instr_shape=[16, BN_MMA, 32])
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN_MMA, BLOCK_K], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-    tile_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
 
     # prologue: K tiles 0 .. STAGES - 1 in flight (step k refills tile k - 1's stage with tile k - 1 + STAGES)
     for i in gl.static_range(STAGES):
-        ok = i < nk
-        mbarrier.expect(ready.index(i), tile_bytes, pred=ok)
-        tma.async_copy_global_to_shared(a_desc, [row0, i * BLOCK_K], ready.index(i), a_smem.index(i), pred=ok)
-        tma.async_copy_global_to_shared(b_desc, [b_row0, i * BLOCK_K], ready.index(i), b_smem.index(i), pred=ok)
+        _load_k_tile(i, i < nk, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF, STAGES, BLOCK_N,
+                     BLOCK_K, GATED)
 
     offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
     a_s_ptrs = a_scale_ptr + offs_m.to(gl.int64) * stride_asm
     b_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
+    bu_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + ((UP_OFF + n0) // 128) * stride_bsn
+    # GATED: which MMA columns are gate columns (scaled by the gate rows' block scale), the rest are up columns
+    is_gate = gl.arange(0, BN_MMA, layout=gl.SliceLayout(0, acc_layout)) < BLOCK_N
 
     # Two register sets take turns (unrolled by two so that neither changes role: a loop-carried swap would make
     # the compiler copy registers between the wgmmas of a tile, and ptxas then serializes every wgmma): x holds the
     # tile in flight, y is free to be issued into.
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    acc = gl.zeros([BLOCK_M, BN_MMA], gl.float32, acc_layout)
     mbarrier.wait(ready.index(0), 0)
     x = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
-    s_x = gl.load(a_s_ptrs) * gl.load(b_s_ptr)
-    y = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    s_x = _k_tile_scales(0, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, GATED)
+    y = gl.zeros([BLOCK_M, BN_MMA], gl.float32, acc_layout)
     for k in range(1, nk - 1, 2):
         y, x, acc, s_y = _promote_step(k, nk, x, y, acc, s_x, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0,
-                                       a_s_ptrs, b_s_ptr, stride_ask, stride_bsk, STAGES, BLOCK_K, num_warps)
+                                       UP_OFF, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate,
+                                       STAGES, BLOCK_N, BLOCK_K, GATED, num_warps)
         x, y, acc, s_x = _promote_step(k + 1, nk, y, x, acc, s_y, a_desc, b_desc, a_smem, b_smem, ready, row0,
-                                       b_row0, a_s_ptrs, b_s_ptr, stride_ask, stride_bsk, STAGES, BLOCK_K, num_warps)
+                                       b_row0, UP_OFF, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate,
+                                       STAGES, BLOCK_N, BLOCK_K, GATED, num_warps)
     if nk % 2 == 0:  # one K tile left: issue it into y, promote x, then y
-        last, _, acc, s_last = _promote_step(nk - 1, nk, x, y, acc, s_x, a_desc, b_desc, a_smem, b_smem, ready, row0,
-                                             b_row0, a_s_ptrs, b_s_ptr, stride_ask, stride_bsk, STAGES, BLOCK_K,
-                                             num_warps)
+        last, _, acc, s_last = _promote_step(nk - 1, nk, x, y, acc, s_x, a_desc, b_desc, a_smem, b_smem, ready,
+                                             row0, b_row0, UP_OFF, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask,
+                                             stride_bsk, is_gate, STAGES, BLOCK_N, BLOCK_K, GATED, num_warps)
         done = warpgroup_mma_wait(num_outstanding=0, deps=(last, ))
-        acc += done * s_last[:, None]
+        acc += done * s_last
     else:
         done = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
-        acc += done * s_x[:, None]
+        acc += done * s_x
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
-    # epilogue: one rounding, 16-byte row-contiguous stores
+    # epilogue: one rounding (GATED: h, then the activation and its rounding), 16-byte row-contiguous stores
     out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BLOCK_N,
                                                 BLOCK_N // 8], warps_per_cta=[num_warps, 1], order=[1, 0])
-    y = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
+    h = acc.to(c_ptr.dtype.element_ty)
+    if GATED:  # split gate | up through shared memory, as two [BLOCK_M, BLOCK_N] halves in the store layout
+        h_smem = gl.allocate_shared_memory(h.dtype, [BLOCK_M, BN_MMA],
+                                           gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+        h_smem.store(h)
+        g = h_smem.slice(0, BLOCK_N, dim=1).load(out_layout).to(gl.float32)
+        u = h_smem.slice(BLOCK_N, BLOCK_N, dim=1).load(out_layout).to(gl.float32)
+        out = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(c_ptr.dtype.element_ty)  # _jit.apply_act, SILU
+    else:
+        out = gl.convert_layout(h, out_layout)
     offs_cm = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
     offs_cn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
     if C_SORTED:
@@ -129,30 +147,60 @@ def fp8_block_moe_gemm_kernel(
         c_rows = gl.load(sorted_token_ids_ptr + offs_cm)
         row_mask = c_rows < num_valid_tokens
     c_ptrs = c_ptr + c_rows.to(gl.int64)[:, None] * stride_cm + offs_cn[None, :]
-    gl.store(c_ptrs, y, mask=row_mask[:, None] & (offs_cn < N)[None, :])
+    gl.store(c_ptrs, out, mask=row_mask[:, None] & (offs_cn < N)[None, :])
 
 
 @gluon.jit
-def _promote_step(k, nk, busy, free, acc, s_busy, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, a_s_ptrs,
-                  b_s_ptr, stride_ask, stride_bsk, STAGES: gl.constexpr, BLOCK_K: gl.constexpr,
-                  num_warps: gl.constexpr):
+def _load_k_tile(k, ok, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF, STAGES: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GATED: gl.constexpr):
+    """TMA loads of K tile ``k`` (A rows, weight rows; GATED: gate rows, then up rows) into stage ``k % STAGES``."""
+    st = k % STAGES
+    if GATED:
+        mbarrier.expect(ready.index(st), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes, pred=ok)
+    else:
+        mbarrier.expect(ready.index(st), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(a_desc, [row0, k * BLOCK_K], ready.index(st), a_smem.index(st), pred=ok)
+    if GATED:
+        b_st = b_smem.index(st)
+        tma.async_copy_global_to_shared(b_desc, [b_row0, k * BLOCK_K], ready.index(st), b_st.slice(0, BLOCK_N),
+                                        pred=ok)
+        tma.async_copy_global_to_shared(b_desc, [b_row0 + UP_OFF, k * BLOCK_K], ready.index(st),
+                                        b_st.slice(BLOCK_N, BLOCK_N), pred=ok)
+    else:
+        tma.async_copy_global_to_shared(b_desc, [b_row0, k * BLOCK_K], ready.index(st), b_smem.index(st), pred=ok)
+
+
+@gluon.jit
+def _k_tile_scales(k, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, GATED: gl.constexpr):
+    """K tile ``k``'s dequantization factors ``a_s[row, k] * w_s[block, k]`` as a ``[BLOCK_M, BN_MMA]`` tensor
+    (``fused_moe_kernel``'s B_SCALAR order: the two scales multiplied first; GATED: the gate block's scale on the
+    gate columns, the up block's on the up columns)."""
+    a_s = gl.load(a_s_ptrs + k * stride_ask)
+    s = a_s * gl.load(b_s_ptr + k * stride_bsk)
+    if GATED:
+        su = a_s * gl.load(bu_s_ptr + k * stride_bsk)
+        return gl.where(is_gate[None, :], s[:, None], su[:, None])
+    else:
+        return s[:, None]
+
+
+@gluon.jit
+def _promote_step(k, nk, busy, free, acc, s_busy, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF,
+                  a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, STAGES: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
     """Issue K tile ``k``'s MMA into ``free`` (use_acc=False), wait for K tile ``k - 1``'s (``busy``), refill its
     stage with K tile ``k - 1 + STAGES``, and promote it: ``acc += busy * s_busy``. Returns ``(k's MMA in flight,
-    the promoted register set (now free), acc, k's scale)``."""
+    the promoted register set (now free), acc, k's scales)``."""
     st = k % STAGES
     mbarrier.wait(ready.index(st), (k // STAGES) & 1)
     issued = warpgroup_mma(a_smem.index(st), b_smem.index(st).permute((1, 0)), free, use_acc=False, is_async=True)
     done = warpgroup_mma_wait(num_outstanding=1, deps=(busy, ))
     if num_warps > 4:  # every warpgroup's MMA k - 1 must be done before its stage is overwritten
         gl.thread_barrier()
-    kn = k - 1 + STAGES
-    sp = (k - 1) % STAGES
-    ok = kn < nk
-    mbarrier.expect(ready.index(sp), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(a_desc, [row0, kn * BLOCK_K], ready.index(sp), a_smem.index(sp), pred=ok)
-    tma.async_copy_global_to_shared(b_desc, [b_row0, kn * BLOCK_K], ready.index(sp), b_smem.index(sp), pred=ok)
-    s_k = gl.load(a_s_ptrs + k * stride_ask) * gl.load(b_s_ptr + k * stride_bsk)
-    acc += done * s_busy[:, None]
+    _load_k_tile(k - 1 + STAGES, k - 1 + STAGES < nk, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF,
+                 STAGES, BLOCK_N, BLOCK_K, GATED)
+    s_k = _k_tile_scales(k, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, GATED)
+    acc += done * s_busy
     # pin the promotion here: LLVM would otherwise sink it past the next step's MMA, which is issued into `done`'s
     # registers (a copy, and ptxas then serializes the wgmmas); a wait for <= 1 group is a no-op at this point
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
@@ -161,18 +209,23 @@ def _promote_step(k, nk, busy, free, acc, s_busy, a_desc, b_desc, a_smem, b_smem
 
 def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half_tail: bool, out_quant: bool,
               group_n: int, group_k: int, K: int, n_out: int, cfg: dict, a: torch.Tensor, w: torch.Tensor,
-              c: torch.Tensor) -> str | None:
+              c: torch.Tensor, act: int = 0, has_limit: bool = False) -> str | None:
     """``None`` when :func:`launch` computes this GEMM, else why not (a table entry's ``GLUON`` key then falls back to
-    ``fused_moe_kernel``)."""
+    ``fused_moe_kernel``). ``fuse`` / ``act`` / ``has_limit`` as ``fused_moe_kernel``'s ``FUSE`` / ``ACT`` /
+    ``HAS_LIMIT``; ``n_out`` = output columns (I for a gated GEMM1)."""
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    gated = fuse == 1
     checks = [
         (a_mode == 3 and b_mode == 3, "block-FP8 scales (1x128 activations, 128x128 weights) only"),
         (not a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
-        (fuse == 0 and bias is None and not out_quant, "plain epilogue only (no fused activation, bias, quant)"),
+        (fuse == 0 or (gated and act == ACT_SILU and not has_limit),
+         "plain epilogue, or gate / up halves with SiLU (no clamp) only"),
+        (bias is None and not out_quant, "no bias, no fused requantization (FUSE_QUANT 0)"),
         (not half_tail, "one tile height only (no HALF_TAIL)"),
         (group_n == GROUP and group_k == GROUP and BK == GROUP, "128x128 weight blocks and BLOCK_K = 128 only"),
-        (K % GROUP == 0 and n_out % BN == 0 and BN in (64, 128) and BM in (64, 128),
-         "K % 128 == 0, N % BLOCK_N == 0, BLOCK_N in (64, 128), BLOCK_M in (64, 128)"),
+        (K % GROUP == 0 and n_out % BN == 0 and BM in (64, 128), "K % 128 == 0, N % BLOCK_N == 0, BLOCK_M in (64, 128)"),
+        (BN in ((32, 64) if gated else (64, 128)), "BLOCK_N in (64, 128), or in (32, 64) with gate / up halves"),
+        (not gated or n_out % GROUP == 0, "gate / up halves need I % 128 == 0 (one weight block per half tile)"),
         (cfg.get("num_warps", 4) * 16 == BM, "num_warps must be BLOCK_M / 16 (one warpgroup per 64 rows)"),
         (a.is_contiguous() and w.is_contiguous() and c.stride(1) == 1 and a.data_ptr() % 16 == 0
          and w.data_ptr() % 16 == 0, "TMA needs contiguous, 16-byte aligned A and W"),
@@ -181,7 +234,7 @@ def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half
     return next((why for ok, why in checks if not ok), None)
 
 
-def launch(*, a, w, c, a_scale, w_scale, layout, rows, num_valid, c_sorted, n_out, cfg):
+def launch(*, a, w, c, a_scale, w_scale, layout, rows, num_valid, c_sorted, n_out, cfg, fuse=0):
     """Launch :func:`fp8_block_moe_gemm_kernel` for one GEMM (arguments as ``experts._launch_gemm``'s; call
     :func:`supported` first)."""
     E, NW, K = w.shape
@@ -194,8 +247,9 @@ def launch(*, a, w, c, a_scale, w_scale, layout, rows, num_valid, c_sorted, n_ou
     fp8_block_moe_gemm_kernel[grid](
         a_desc, b_desc, c, a_scale, w_scale,
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
-        n_out, K, rows, num_valid, NW,
+        n_out, K, rows, num_valid, NW, n_out if fuse == 1 else 0,
         c.stride(0), a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), C_SORTED=c_sorted,
-        STAGES=cfg.get("num_stages", 4), num_warps=cfg.get("num_warps", 4),
+        GATED=fuse == 1, STAGES=cfg.get("num_stages", 4), num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
     )

@@ -234,25 +234,29 @@ VARIANT_FAMILIES = ("input", "joint", "half_tail", "gluon")
 
 
 def _gluon_variants(g1, g2):
-    """Block FP8: GEMM2 on the Gluon kernel (``GLUON``, at the entry's BLOCK_SIZE_M), GEMM1 on it (unfused over its
-    pre-permuted input, activation and requantization in ``act_quant_kernel``) with the entry's GEMM2 on
-    ``fused_moe_kernel``, and both GEMMs on it with 64- and 128-row tiles (one warpgroup per 64 rows, 128-column
-    tiles)."""
+    """Block FP8, on the Gluon kernel (``GLUON``; one warpgroup per 64 rows): GEMM2 alone (at the entry's
+    BLOCK_SIZE_M, 128-column tiles); GEMM1 alone over its pre-permuted input, either unfused (``FUSE_ACT`` 0: the
+    activation and requantization in ``act_quant_kernel``) or with SiLU-and-mul in its epilogue (64 output columns:
+    gate | up as one 128-column MMA; ``FUSE_QUANT`` 0: requantization in ``act_quant_kernel``); and both GEMMs, at
+    64- and 128-row tiles."""
     bm = g1["BLOCK_SIZE_M"]
-    out = []
 
-    def gl(m, stages):
-        return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=m // 16,
+    def gl(m, bn=128, stages=4):
+        return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=m // 16,
                     num_stages=stages, USE_TMA=1, GLUON=1)
 
+    def gemm1(m, fused, stages=4):
+        if fused:
+            return dict(gl(m, 64, stages), PERMUTE_A=1, FUSE_ACT=1, FUSE_QUANT=0)
+        return dict(gl(m, 128, stages), PERMUTE_A=1, FUSE_ACT=0)
+
+    out = []
     if bm in (64, 128):
-        out.append(("gluon2", g1, gl(bm, 4)))
         g2t = {k: v for k, v in g2.items() if k != "GLUON"}
-        out += [(f"gluon1-bm{bm}-s{st}", dict(gl(bm, st), PERMUTE_A=1, FUSE_ACT=0), g2t) for st in (3, 4)]
+        out += [("gluon2", g1, gl(bm)), (f"gluon1-bm{bm}", gemm1(bm, False), g2t),
+                (f"gluon1act-bm{bm}", gemm1(bm, True), g2t)]
     for m in (64, 128):
-        for st in (3, 4):
-            g1g = dict(gl(m, st), PERMUTE_A=1, FUSE_ACT=0)
-            out.append((f"gluon12-bm{m}-s{st}", g1g, gl(m, st)))
+        out += [(f"gluon12-bm{m}", gemm1(m, False), gl(m)), (f"gluon12act-bm{m}", gemm1(m, True), gl(m))]
     return out
 
 
@@ -264,7 +268,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES):
     - ``joint``: each input path also with ``JOINT_GATE_UP`` flipped (gated halves);
     - ``half_tail``: each with ``HALF_TAIL`` (``BLOCK_SIZE_M >= 64``; for a 64-row entry also with 128-row tiles
       over the same 32-row padding);
-    - ``gluon`` (block FP8): the Gluon kernel for GEMM2, and for both GEMMs (see ``_gluon_variants``);
+    - ``gluon`` (block FP8): the Gluon kernel for GEMM1, GEMM2 or both (see ``_gluon_variants``);
 
     and keep the fastest whose output is bitwise equal to the gathering one (the input path changes no arithmetic)
     or, for ``HALF_TAIL``, ``JOINT_GATE_UP`` and ``GLUON`` (which may take another MMA shape), equal up to ``max_norm`` 1e-3
