@@ -5,10 +5,10 @@ names its tables (``E={E},N={N},device_name={dev}[,dtype={dtype}][,block_shape=[
 intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
-                       USE_TMA, N_TILES, FLATTEN, GLUON, FUSE_ACT, FUSE_QUANT, PERMUTE_A, HALF_TAIL,
+                       USE_TMA, N_TILES, FLATTEN, GLUON, PERSISTENT, FUSE_ACT, FUSE_QUANT, PERMUTE_A, HALF_TAIL,
                        JOINT_GATE_UP},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
-                       N_TILES, FLATTEN, GLUON}},
+                       N_TILES, FLATTEN, GLUON, PERSISTENT}},
      ...}
 
 ``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``N_TILES``
@@ -25,7 +25,8 @@ half blocks, one ``BLOCK_SIZE_M / 2``-row tail tile in the same launch. ``GLUON`
 the GEMM on the Gluon block-FP8 kernel of ``gluon_sm90.py`` (weight-scale promotion overlapped with the wgmmas;
 ``num_stages`` = its TMA stages, ``num_warps`` = ``BLOCK_SIZE_M / 16``) where that kernel applies (block-FP8
 scales, contiguous A rows, plain epilogue: GEMM2, or GEMM1 with ``PERMUTE_A`` and ``FUSE_ACT`` 0; see
-``gluon_sm90.supported``), and on ``fused_moe_kernel`` otherwise. The entry whose ``M``
+``gluon_sm90.supported``), and on ``fused_moe_kernel`` otherwise; with ``PERSISTENT`` (optional, default 0) its grid
+is one program per resident CTA, each loading its next tile while storing this one. The entry whose ``M``
 is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
 table) :func:`default_config` chooses by tokens per expert.
 """
@@ -48,7 +49,7 @@ CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_na
 
 # The keys a table entry may hold (anything else is a typo that would be ignored).
 GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
-              "N_TILES", "FLATTEN", "GLUON")
+              "N_TILES", "FLATTEN", "GLUON", "PERSISTENT")
 GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL", "JOINT_GATE_UP")
 
 

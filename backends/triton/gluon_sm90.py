@@ -37,7 +37,7 @@ GROUP = 128  # the weight block (GROUP_N = GROUP_K) and the K tile this kernel i
 def fp8_block_moe_gemm_kernel(
     a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-    N, K, EM, num_valid_tokens, NW, UP_OFF,
+    N, K, num_valid_tokens, NW, UP_OFF,
     stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     C_SORTED: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
@@ -48,73 +48,124 @@ def fp8_block_moe_gemm_kernel(
     ``a_desc``: TMA descriptor of A ``(EM, K)`` fp8 in sorted-row order, boxes ``[BLOCK_M, BLOCK_K]``;
     ``b_desc``: of W viewed ``(E * NW, K)`` fp8, boxes ``[BLOCK_N, BLOCK_K]``; ``a_scale`` ``(EM, K / 128)`` fp32;
     ``b_scale`` ``(E, NW / 128, K / 128)`` fp32. ``C_SORTED``: C row = sorted position (GEMM1), else the route id
-    from ``sorted_token_ids`` (GEMM2; padding rows are not stored). Program ids map to (block, N tile) as in
-    ``fused_moe_kernel`` (``GROUP_M`` blocks share the N sweep, for L2 reuse of the weight tiles).
+    from ``sorted_token_ids`` (GEMM2; padding rows are not stored). Tiles (block, N tile) are ordered as
+    ``fused_moe_kernel``'s programs (``GROUP_M`` blocks share the N sweep, for L2 reuse of the weight tiles); blocks
+    past ``num_tokens_post_padded`` and of non-local experts (id -1) are skipped. Program ``p`` of ``P`` computes
+    tiles ``p, p + P, ...``: with one program per tile that is one tile; with fewer (persistent), the next tile's
+    first ``STAGES`` K tiles are loaded while this tile's epilogue runs.
     ``GATED`` (GEMM1 with SiLU-and-mul, ``fused_moe_kernel``'s ``FUSE`` 1): an N tile's gate rows ``n`` and up rows
     ``UP_OFF + n`` are loaded as one ``[2 * BLOCK_N, BLOCK_K]`` weight tile (two TMA boxes, one MMA chain of
     ``2 * BLOCK_N`` columns); the epilogue rounds gate and up to C's dtype (the GEMM1 rounding point), computes
     ``silu(g) * u`` in fp32 as ``fused_moe_kernel`` does and rounds it: C has ``N`` = I columns.
     """
-    pid = gl.program_id(0)
-    num_pid_m = gl.cdiv(EM, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
     ntpp = gl.load(num_tokens_post_padded_ptr)
-    e = gl.load(expert_ids_ptr + pid_m)
-    if pid_m * BLOCK_M >= ntpp:
-        return
-    if e < 0:
-        return
-    row0 = pid_m * BLOCK_M
-    n0 = pid_n * BLOCK_N
-    b_row0 = e * NW + n0
+    num_pid_m = gl.cdiv(ntpp, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    nprog = gl.num_programs(0)
     nk = gl.cdiv(K, BLOCK_K)
     BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # columns of the MMA chain (gate | up when GATED)
 
     # one warpgroup per 64 rows; the wgmma instruction spans the tile's N
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                           instr_shape=[16, BN_MMA, 32])
+    out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BLOCK_N,
+                                                BLOCK_N // 8], warps_per_cta=[num_warps, 1], order=[1, 0])
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN_MMA, BLOCK_K], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-
-    # prologue: K tiles 0 .. STAGES - 1 in flight (step k refills tile k - 1's stage with tile k - 1 + STAGES)
-    for i in gl.static_range(STAGES):
-        _load_k_tile(i, i < nk, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF, STAGES, BLOCK_N,
-                     BLOCK_K, GATED)
-
-    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    a_s_ptrs = a_scale_ptr + offs_m.to(gl.int64) * stride_asm
-    b_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
-    bu_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + ((UP_OFF + n0) // 128) * stride_bsn
     # GATED: which MMA columns are gate columns (scaled by the gate rows' block scale), the rest are up columns
     is_gate = gl.arange(0, BN_MMA, layout=gl.SliceLayout(0, acc_layout)) < BLOCK_N
 
-    # Two register sets take turns (unrolled by two so that neither changes role: a loop-carried swap would make
-    # the compiler copy registers between the wgmmas of a tile, and ptxas then serializes every wgmma): x holds the
-    # tile in flight, y is free to be issued into.
+    # The K tiles of a program's tiles go through the STAGES-deep TMA ring in one sequence: K tile j of the program's
+    # t-th tile is the ring's (t * nk + j)-th load (stage and mbarrier phase from that index, `base` = t * nk).
+    tile = _next_tile(gl.program_id(0), num_tiles, nprog, expert_ids_ptr, num_pid_m, num_pid_n, GROUP_M)
+    if tile < num_tiles:
+        row0, n0, e = _tile_coords(tile, expert_ids_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
+        for i in gl.static_range(STAGES):
+            _load_k_tile(i, 0, i < nk, a_desc, b_desc, a_smem, b_smem, ready, row0, e * NW + n0, UP_OFF, STAGES,
+                         BLOCK_N, BLOCK_K, GATED)
+    base = 0
+    while tile < num_tiles:
+        row0, n0, e = _tile_coords(tile, expert_ids_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _tile_mainloop(base, nk, a_desc, b_desc, a_smem, b_smem, ready, row0, e * NW + n0, UP_OFF,
+                             a_scale_ptr + (row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+                                            ).to(gl.int64) * stride_asm,
+                             b_scale_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn,
+                             b_scale_ptr + e.to(gl.int64) * stride_bse + ((UP_OFF + n0) // 128) * stride_bsn,
+                             stride_ask, stride_bsk, is_gate, acc_layout, BLOCK_M, BN_MMA, STAGES, BLOCK_N, BLOCK_K,
+                             GATED, num_warps)
+        # every stage is free (all MMAs of the tile waited for): start the next tile's loads, then the epilogue
+        nxt = _next_tile(tile + nprog, num_tiles, nprog, expert_ids_ptr, num_pid_m, num_pid_n, GROUP_M)
+        if num_warps > 4:
+            gl.thread_barrier()
+        if nxt < num_tiles:
+            nrow0, nn0, ne = _tile_coords(nxt, expert_ids_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
+            for i in gl.static_range(STAGES):
+                _load_k_tile(i, base + nk, i < nk, a_desc, b_desc, a_smem, b_smem, ready, nrow0, ne * NW + nn0,
+                             UP_OFF, STAGES, BLOCK_N, BLOCK_K, GATED)
+        _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, out_layout, BLOCK_M,
+                  BLOCK_N, BN_MMA, C_SORTED, GATED)
+        base += nk
+        tile = nxt
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+
+@gluon.jit
+def _tile_coords(tile, expert_ids_ptr, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 GROUP_M: gl.constexpr):
+    """``(row0, n0, expert)`` of a tile (``fused_moe_kernel``'s program order)."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile // num_pid_in_group) * GROUP_M
+    group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+    pid_n = (tile % num_pid_in_group) // group_size_m
+    return pid_m * BLOCK_M, pid_n * BLOCK_N, gl.load(expert_ids_ptr + pid_m)
+
+
+@gluon.jit
+def _next_tile(tile, num_tiles, nprog, expert_ids_ptr, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """The first of ``tile, tile + nprog, ...`` whose block belongs to a local expert, or ``>= num_tiles``."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    searching = tile < num_tiles
+    while searching:
+        first_pid_m = (tile // num_pid_in_group) * GROUP_M
+        group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+        skip = gl.load(expert_ids_ptr + pid_m) < 0
+        tile += nprog * skip.to(gl.int32)
+        searching = skip & (tile < num_tiles)
+    return tile
+
+
+@gluon.jit
+def _tile_mainloop(base, nk, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF, a_s_ptrs, b_s_ptr,
+                   bu_s_ptr, stride_ask, stride_bsk, is_gate, acc_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BN_MMA: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   GATED: gl.constexpr, num_warps: gl.constexpr):
+    """The fp32 accumulator of one tile; its first ``STAGES`` K tiles are already loading (ring index ``base``).
+
+    Two register sets take turns (unrolled by two so that neither changes role: a loop-carried swap would make the
+    compiler copy registers between the wgmmas of a tile, and ptxas then serializes every wgmma): x holds the K
+    tile in flight, y is free to be issued into."""
     acc = gl.zeros([BLOCK_M, BN_MMA], gl.float32, acc_layout)
-    mbarrier.wait(ready.index(0), 0)
-    x = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
+    mbarrier.wait(ready.index(base % STAGES), (base // STAGES) & 1)
+    x = warpgroup_mma(a_smem.index(base % STAGES), b_smem.index(base % STAGES).permute((1, 0)), acc, use_acc=False,
+                      is_async=True)
     s_x = _k_tile_scales(0, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, GATED)
     y = gl.zeros([BLOCK_M, BN_MMA], gl.float32, acc_layout)
     for k in range(1, nk - 1, 2):
-        y, x, acc, s_y = _promote_step(k, nk, x, y, acc, s_x, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0,
-                                       UP_OFF, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate,
+        y, x, acc, s_y = _promote_step(k, base, nk, x, y, acc, s_x, a_desc, b_desc, a_smem, b_smem, ready, row0,
+                                       b_row0, UP_OFF, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate,
                                        STAGES, BLOCK_N, BLOCK_K, GATED, num_warps)
-        x, y, acc, s_x = _promote_step(k + 1, nk, y, x, acc, s_y, a_desc, b_desc, a_smem, b_smem, ready, row0,
+        x, y, acc, s_x = _promote_step(k + 1, base, nk, y, x, acc, s_y, a_desc, b_desc, a_smem, b_smem, ready, row0,
                                        b_row0, UP_OFF, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate,
                                        STAGES, BLOCK_N, BLOCK_K, GATED, num_warps)
     if nk % 2 == 0:  # one K tile left: issue it into y, promote x, then y
-        last, _, acc, s_last = _promote_step(nk - 1, nk, x, y, acc, s_x, a_desc, b_desc, a_smem, b_smem, ready,
+        last, _, acc, s_last = _promote_step(nk - 1, base, nk, x, y, acc, s_x, a_desc, b_desc, a_smem, b_smem, ready,
                                              row0, b_row0, UP_OFF, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask,
                                              stride_bsk, is_gate, STAGES, BLOCK_N, BLOCK_K, GATED, num_warps)
         done = warpgroup_mma_wait(num_outstanding=0, deps=(last, ))
@@ -122,12 +173,14 @@ def fp8_block_moe_gemm_kernel(
     else:
         done = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
         acc += done * s_x
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
+    return acc
 
-    # epilogue: one rounding (GATED: h, then the activation and its rounding), 16-byte row-contiguous stores
-    out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BLOCK_N,
-                                                BLOCK_N // 8], warps_per_cta=[num_warps, 1], order=[1, 0])
+
+@gluon.jit
+def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, out_layout: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BN_MMA: gl.constexpr, C_SORTED: gl.constexpr,
+              GATED: gl.constexpr):
+    """One rounding (GATED: h, then the activation and its rounding) and 16-byte row-contiguous stores."""
     h = acc.to(c_ptr.dtype.element_ty)
     if GATED:  # split gate | up through shared memory, as two [BLOCK_M, BLOCK_N] halves in the store layout
         h_smem = gl.allocate_shared_memory(h.dtype, [BLOCK_M, BN_MMA],
@@ -151,10 +204,11 @@ def fp8_block_moe_gemm_kernel(
 
 
 @gluon.jit
-def _load_k_tile(k, ok, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF, STAGES: gl.constexpr,
+def _load_k_tile(k, base, ok, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF, STAGES: gl.constexpr,
                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GATED: gl.constexpr):
-    """TMA loads of K tile ``k`` (A rows, weight rows; GATED: gate rows, then up rows) into stage ``k % STAGES``."""
-    st = k % STAGES
+    """TMA loads of a tile's K tile ``k`` (A rows, weight rows; GATED: gate rows, then up rows) into stage
+    ``(base + k) % STAGES`` of the ring."""
+    st = (base + k) % STAGES
     if GATED:
         mbarrier.expect(ready.index(st), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes, pred=ok)
     else:
@@ -185,19 +239,19 @@ def _k_tile_scales(k, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_ga
 
 
 @gluon.jit
-def _promote_step(k, nk, busy, free, acc, s_busy, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF,
+def _promote_step(k, base, nk, busy, free, acc, s_busy, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF,
                   a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, STAGES: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
     """Issue K tile ``k``'s MMA into ``free`` (use_acc=False), wait for K tile ``k - 1``'s (``busy``), refill its
     stage with K tile ``k - 1 + STAGES``, and promote it: ``acc += busy * s_busy``. Returns ``(k's MMA in flight,
     the promoted register set (now free), acc, k's scales)``."""
-    st = k % STAGES
-    mbarrier.wait(ready.index(st), (k // STAGES) & 1)
+    st = (base + k) % STAGES
+    mbarrier.wait(ready.index(st), ((base + k) // STAGES) & 1)
     issued = warpgroup_mma(a_smem.index(st), b_smem.index(st).permute((1, 0)), free, use_acc=False, is_async=True)
     done = warpgroup_mma_wait(num_outstanding=1, deps=(busy, ))
     if num_warps > 4:  # every warpgroup's MMA k - 1 must be done before its stage is overwritten
         gl.thread_barrier()
-    _load_k_tile(k - 1 + STAGES, k - 1 + STAGES < nk, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF,
+    _load_k_tile(k - 1 + STAGES, base, k - 1 + STAGES < nk, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row0, UP_OFF,
                  STAGES, BLOCK_N, BLOCK_K, GATED)
     s_k = _k_tile_scales(k, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, GATED)
     acc += done * s_busy
@@ -243,13 +297,21 @@ def launch(*, a, w, c, a_scale, w_scale, layout, rows, num_valid, c_sorted, n_ou
     a_desc = TensorDescriptor.from_tensor(a8, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv))
     b_desc = TensorDescriptor.from_tensor(w.view(E * NW, K), [BN, BK],
                                           gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv))
-    grid = (triton.cdiv(rows, BM) * triton.cdiv(n_out, BN),)
-    fp8_block_moe_gemm_kernel[grid](
+    tiles = triton.cdiv(rows, BM) * triton.cdiv(n_out, BN)  # an upper bound: the kernel reads the layout's count
+    if cfg.get("PERSISTENT", 0):  # one program per resident CTA (one per SM at 8 warps, two at 4: registers)
+        tiles = min(tiles, _num_sms(a.device) * (2 if cfg.get("num_warps", 4) == 4 else 1))
+    fp8_block_moe_gemm_kernel[(tiles,)](
         a_desc, b_desc, c, a_scale, w_scale,
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
-        n_out, K, rows, num_valid, NW, n_out if fuse == 1 else 0,
+        n_out, K, num_valid, NW, n_out if fuse == 1 else 0,
         c.stride(0), a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), C_SORTED=c_sorted,
         GATED=fuse == 1, STAGES=cfg.get("num_stages", 4), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
     )
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":  # compile-only runs (sm90.py): the H100 / H200's 132
+        return triton.runtime.driver.active.utils.get_device_properties(0)["multiprocessor_count"]
+    return torch.cuda.get_device_properties(device).multi_processor_count

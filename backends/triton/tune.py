@@ -238,7 +238,7 @@ def _gluon_variants(g1, g2):
     BLOCK_SIZE_M, 128-column tiles); GEMM1 alone over its pre-permuted input, either unfused (``FUSE_ACT`` 0: the
     activation and requantization in ``act_quant_kernel``) or with SiLU-and-mul in its epilogue (64 output columns:
     gate | up as one 128-column MMA; ``FUSE_QUANT`` 0: requantization in ``act_quant_kernel``); and both GEMMs, at
-    64- and 128-row tiles."""
+    64- and 128-row tiles; each with one program per tile and persistent (``PERSISTENT``)."""
     bm = g1["BLOCK_SIZE_M"]
 
     def gl(m, bn=128, stages=4):
@@ -257,7 +257,9 @@ def _gluon_variants(g1, g2):
                 (f"gluon1act-bm{bm}", gemm1(bm, True), g2t)]
     for m in (64, 128):
         out += [(f"gluon12-bm{m}", gemm1(m, False), gl(m)), (f"gluon12act-bm{m}", gemm1(m, True), gl(m))]
-    return out
+    # each also persistent: one program per resident CTA, the next tile's loads overlapping this tile's epilogue
+    return out + [(f"{n}+persist", dict(v1, PERSISTENT=1) if v1.get("GLUON") else v1,
+                   dict(v2, PERSISTENT=1) if v2.get("GLUON") else v2) for n, v1, v2 in out]
 
 
 def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES):
