@@ -7,14 +7,16 @@ result is the next wgmma's accumulator; here the result is scaled first, so ever
 sm_90 PTX with ``backends/triton/sm90.py``, also when the scaling is moved one iteration later by hand). Gluon
 exposes the wgmma groups: K tile ``k``'s MMA is issued into its own registers, then K tile ``k - 1``'s result is
 waited for (``warpgroup_mma_wait(1)``: one group may stay in flight) and promoted into the fp32 accumulator while
-tile ``k`` runs on the tensor cores. This is the promotion DeepGEMM performs (``deep_gemm`` FP8 GEMMs on SM90),
-within one warpgroup and without warp specialization.
+tile ``k`` runs on the tensor cores: the per-block promotion of DeepGEMM's SM90 FP8 GEMMs, overlapped here by two
+register sets within one warpgroup rather than by warp specialization.
 
-Numerics are those of ``fused_moe_kernel``'s block-FP8 path (``A_SCALE = B_SCALE = 3``): per K tile of 128, the
-fp32 wgmma result times ``a_s[row, kb] * w_s[e, nb, kb]`` added to an fp32 accumulator, in K order; one rounding to
-the output dtype. What it covers (the rest stays with ``fused_moe_kernel``, see :func:`supported`): contiguous A rows
-(GEMM2, or GEMM1 after ``PERMUTE_A``), a plain epilogue (no bias, no fused activation or requantization), 128x128
-weight blocks with ``BLOCK_K = 128``, one tile height (no ``HALF_TAIL``), TMA-able operands, an sm_90 GPU.
+Numerics are those of ``fused_moe_kernel``'s block-FP8 path (``A_SCALE = B_SCALE = 3``, ``B_SCALAR``): per K tile of
+128, the fp32 wgmma result times ``a_s[row, kb] * w_s[e, nb, kb]`` added to an fp32 accumulator, in K order; one
+rounding to the output dtype (bitwise equal to it on the H200 for every variant the tuner tried, backends/triton/
+NOTES.md). What it covers (the rest stays with ``fused_moe_kernel``, see :func:`supported`): contiguous A rows
+(GEMM2, or GEMM1 after ``PERMUTE_A``); a plain epilogue, or SiLU-and-mul of gate / up halves (no bias, no clamp, the
+FP8 requantization left to ``act_quant_kernel``); 128x128 weight blocks with ``BLOCK_K = 128``; one tile height
+(no ``HALF_TAIL``); TMA-able operands; an sm_90 GPU. A grid smaller than the tile count makes it persistent.
 """
 
 from __future__ import annotations
@@ -115,26 +117,28 @@ def fp8_block_moe_gemm_kernel(
 
 
 @gluon.jit
-def _tile_coords(tile, expert_ids_ptr, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 GROUP_M: gl.constexpr):
-    """``(row0, n0, expert)`` of a tile (``fused_moe_kernel``'s program order)."""
+def _tile_pids(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """``(pid_m, pid_n)`` of a tile: ``fused_moe_kernel``'s program order (``GROUP_M`` blocks share the N sweep)."""
     num_pid_in_group = GROUP_M * num_pid_n
     first_pid_m = (tile // num_pid_in_group) * GROUP_M
     group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-    pid_n = (tile % num_pid_in_group) // group_size_m
+    return first_pid_m + ((tile % num_pid_in_group) % group_size_m), (tile % num_pid_in_group) // group_size_m
+
+
+@gluon.jit
+def _tile_coords(tile, expert_ids_ptr, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 GROUP_M: gl.constexpr):
+    """``(row0, n0, expert)`` of a tile."""
+    pid_m, pid_n = _tile_pids(tile, num_pid_m, num_pid_n, GROUP_M)
     return pid_m * BLOCK_M, pid_n * BLOCK_N, gl.load(expert_ids_ptr + pid_m)
 
 
 @gluon.jit
 def _next_tile(tile, num_tiles, nprog, expert_ids_ptr, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
     """The first of ``tile, tile + nprog, ...`` whose block belongs to a local expert, or ``>= num_tiles``."""
-    num_pid_in_group = GROUP_M * num_pid_n
     searching = tile < num_tiles
     while searching:
-        first_pid_m = (tile // num_pid_in_group) * GROUP_M
-        group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+        pid_m, _ = _tile_pids(tile, num_pid_m, num_pid_n, GROUP_M)
         skip = gl.load(expert_ids_ptr + pid_m) < 0
         tile += nprog * skip.to(gl.int32)
         searching = skip & (tile < num_tiles)
@@ -277,7 +281,8 @@ def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half
         (bias is None and not out_quant, "no bias, no fused requantization (FUSE_QUANT 0)"),
         (not half_tail, "one tile height only (no HALF_TAIL)"),
         (group_n == GROUP and group_k == GROUP and BK == GROUP, "128x128 weight blocks and BLOCK_K = 128 only"),
-        (K % GROUP == 0 and n_out % BN == 0 and BM in (64, 128), "K % 128 == 0, N % BLOCK_N == 0, BLOCK_M in (64, 128)"),
+        (K % GROUP == 0 and n_out % BN == 0 and BM in (64, 128),
+         "K % 128 == 0, N % BLOCK_N == 0, BLOCK_M in (64, 128)"),
         (BN in ((32, 64) if gated else (64, 128)), "BLOCK_N in (64, 128), or in (32, 64) with gate / up halves"),
         (not gated or n_out % GROUP == 0, "gate / up halves need I % 128 == 0 (one weight block per half tile)"),
         (cfg.get("num_warps", 4) * 16 == BM, "num_warps must be BLOCK_M / 16 (one warpgroup per 64 rows)"),

@@ -20,8 +20,10 @@ for other M are kept). A candidate that fails to compile or launch is skipped. S
 ``--variants [FAMILIES]`` (after tuning) only revisits the existing entries of ``--ms``: GEMM1 gathering its input
 rows vs reading them pre-permuted (``input``: ``PERMUTE_A``, with and without TMA), with the gate and up halves as
 one weight tile or two (``joint``: ``JOINT_GATE_UP``), each with and without ``HALF_TAIL`` (``half_tail``: experts
-padded to half a tile, one half-height tail tile each); outputs must agree (see ``tune_variants``), the fastest is
-kept. ``--variants half_tail`` (for example) tries only that family against the entry.
+padded to half a tile, one half-height tail tile each), and for block FP8 with GEMM1, GEMM2 or both on the Gluon
+kernel of ``gluon_sm90.py`` (``gluon``: ``GLUON``, unfused or gated, one program per tile or ``PERSISTENT``); outputs
+must agree (see ``tune_variants``), the fastest is kept. ``--variants half_tail`` (for example) tries only that
+family against the entry.
 """
 
 from __future__ import annotations
