@@ -141,7 +141,8 @@ def _chunk_sizes(e_pad: int) -> tuple[int, int]:
     chunk = max(16, min(1024, next_pow2(budget // e_pad) if budget >= e_pad else 16))
     if chunk * e_pad > budget and chunk > 16:
         chunk //= 2
-    cb = max(1, min(256, budget // e_pad))
+    # the scan's [cb, e_pad] tiles: a quarter of the budget (its cumsum temporaries spilled registers at the full one)
+    cb = max(1, min(256, budget // 4 // e_pad))
     cb = 1 << (cb.bit_length() - 1)
     return chunk, cb
 
@@ -214,7 +215,8 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
     _align_count_kernel[(num_chunks,)](ids, emap, local, rank, counts, numel, num_ids,
                                        CHUNK=chunk, E_PAD=e_pad, HAS_MAP=expert_map is not None)
     _align_scan_kernel[(1,)](counts, offs, ends, ntpp, tile_ends, ntiles if tiles else ntpp, num_chunks, num_slots,
-                             BS=block_size, E_PAD=e_pad, CB=cb, TILES=tiles)
+                             BS=block_size, E_PAD=e_pad, CB=cb, TILES=tiles,
+                             num_warps=8)  # one CTA scans [CB, E_PAD] tiles: at 4 warps E = 128 spilled 192 bytes
     blocks_per_prog = cdiv(num_blocks, num_chunks)
     blk = max(16, min(128, next_pow2(blocks_per_prog), 8192 // e_pad))
     _align_scatter_kernel[(num_chunks,)](local, rank, offs, ends, sorted_ids, expert_ids, tile_ends,
