@@ -275,8 +275,8 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES):
     - ``gluon`` (block FP8): the Gluon kernel for GEMM1, GEMM2 or both (see ``_gluon_variants``);
 
     and keep the fastest whose output is bitwise equal to the gathering one (the input path changes no arithmetic)
-    or, for ``HALF_TAIL``, ``JOINT_GATE_UP`` and ``GLUON`` (which may take another MMA shape), equal up to ``max_norm`` 1e-3
-    (a tenth of the experts tolerance)."""
+    or, for ``HALF_TAIL``, ``JOINT_GATE_UP`` and ``GLUON`` (which may take another MMA shape or accumulation
+    schedule), equal up to ``max_norm`` 1e-3 (a tenth of the experts tolerance)."""
     from backends.triton import configs as C
     from backends.triton.bench import make_weights, time_graph
     from backends.triton.experts import plan_quant, route_layout, run_experts
@@ -334,7 +334,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES):
                     first = outs.clone()
                 elif not torch.equal(outs.view(torch.int16), first.view(torch.int16)):
                     d = ((outs.double() - first.double()).abs().max() / first.double().abs().max()).item()
-                    # tail tiles and the joint gate / up tile may take another MMA shape
+                    # tail tiles, the joint gate / up tile and the Gluon kernel may take another MMA shape
                     ok = ("half_tail" in name or "joint" in name or "gluon" in name) and d <= 1e-3
                     verdict = f"differs: max_norm {d:.2e}" + ("" if ok else " (REJECTED)")
                 t = time_graph(call, n_calls=4, budget_s=reps_s)
