@@ -94,28 +94,6 @@ def _gluon_args(gemm, g, sh):
                 act=ACT_SILU if sh.activation == "silu" else -1, has_limit=False)
 
 
-def test_gluon_entries_run_the_gluon_kernel():
-    """A ``GLUON`` entry was tuned for the Gluon GEMM: if ``gluon_sm90.supported`` refused it, the step would fall
-    back to ``fused_moe_kernel`` with a configuration chosen for the other kernel, silently slower."""
-    from backends.triton import gluon_sm90
-    from backends.triton.bench import SHAPES
-
-    seen = 0
-    for sh in SHAPES:
-        if sh.scheme != "fp8_block128":
-            continue
-        for dev in ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"):
-            for M, entry in (C.load_table(sh.E, sh.I, "fp8_w8a8", (128, 128), dev) or {}).items():
-                g1 = entry["gemm1"]
-                for gemm, g in entry.items():
-                    if g.get("GLUON", 0):
-                        seen += 1
-                        why = gluon_sm90.supported(**_gluon_args(gemm, dict(g, HALF_TAIL=g1.get("HALF_TAIL", 0)), sh))
-                        assert why is None, f"{dev} {sh.name} M={M} {gemm}: GLUON entry the kernel refuses: {why}"
-    if not seen:
-        pytest.skip("no table entry uses the Gluon GEMM (GLUON)")
-
-
 def test_gluon_kernel_names_what_it_does_not_cover():
     from backends.triton import gluon_sm90
     from backends.triton._jit import ACT_SILU
@@ -143,3 +121,52 @@ def test_gluon_kernel_names_what_it_does_not_cover():
         why = gluon_sm90.supported(**_gluon_args(gemm, cfg, sh))
         assert why is not None and reason in why, f"{what}: {why!r}"
     assert "block-FP8" in gluon_sm90.supported(**dict(_gluon_args("gemm2", g, sh), a_mode=2, b_mode=2))
+
+
+def _ws_args(gemm, g, sh):
+    """``gluon_ws.supported`` arguments (``gluon_sm90.supported``'s) for entry ``g`` of bench shape ``sh``."""
+    import torch
+
+    args = _gluon_args(gemm, g, sh)
+    if sh.scheme == "bf16":
+        k, n_out, fuse = args["K"], args["n_out"], args["fuse"]
+        args.update(a_mode=0, b_mode=0, out_quant=False,
+                    a=torch.empty(64, k, dtype=torch.bfloat16, device="meta"),
+                    w=torch.empty(sh.E, 2 * n_out if fuse else n_out, k, dtype=torch.bfloat16, device="meta"))
+    return args
+
+
+def test_warp_specialized_kernel_names_what_it_does_not_cover():
+    from backends.triton import gluon_ws
+    from backends.triton._jit import ACT_SILU
+    from backends.triton.bench import SHAPES
+
+    bf16 = next(s for s in SHAPES if s.name == "qwen3_30b_bf16")
+    fp8 = next(s for s in SHAPES if s.name == "dsv3_ep8_fp8blk")
+    pp = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, num_warps=4, num_stages=4, PINGPONG=1,
+              PERMUTE_A=1)
+    coop = dict(pp, PINGPONG=0, COOPERATIVE=1, BLOCK_SIZE_N=256, num_stages=3)
+    coop8 = dict(coop, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, num_stages=5, FUSE_QUANT=0)
+    covered = [("gemm2", pp, bf16), ("gemm2", dict(pp, HALF_TAIL=1), bf16), ("gemm1", dict(pp, BLOCK_SIZE_N=64), bf16),
+               ("gemm2", coop, bf16), ("gemm1", dict(coop, BLOCK_SIZE_N=128, HALF_TAIL=1), bf16),
+               ("gemm2", coop8, fp8), ("gemm1", dict(coop8, BLOCK_SIZE_N=64), fp8),
+               ("gemm2", dict(coop8, COOPERATIVE=0, PINGPONG=1, BLOCK_SIZE_M=64, num_stages=6), fp8)]
+    for gemm, cfg, sh in covered:
+        assert gluon_ws.supported(**_ws_args(gemm, cfg, sh)) is None, (gemm, cfg, sh.name)
+    gated = dict(pp, BLOCK_SIZE_N=64)
+    assert "SiLU" in gluon_ws.supported(**dict(_ws_args("gemm1", gated, bf16), act=ACT_SILU + 1))
+    assert "SiLU" in gluon_ws.supported(**dict(_ws_args("gemm1", gated, bf16), has_limit=True))
+    refusals = {
+        "gathered": ("gemm1", dict(gated, PERMUTE_A=0), bf16, "contiguous"),
+        "accumulator over a warpgroup": ("gemm2", dict(pp, BLOCK_SIZE_N=256), bf16, "registers per thread"),
+        "block FP8 ping-pong at 128 rows": ("gemm2", dict(coop8, COOPERATIVE=0, PINGPONG=1), fp8,
+                                            "registers per thread"),
+        "fused requantization": ("gemm1", dict(coop8, BLOCK_SIZE_N=128, FUSE_QUANT=1), fp8, "requantization"),
+        "64-row tiles with tails": ("gemm2", dict(pp, BLOCK_SIZE_M=64, HALF_TAIL=1), bf16, "HALF_TAIL"),
+        "FP8 K tile": ("gemm2", dict(coop8, BLOCK_SIZE_K=64), fp8, "BLOCK_K = 128"),
+        "shared memory": ("gemm2", dict(coop, num_stages=4), bf16, "shared memory"),
+    }
+    for what, (gemm, cfg, sh, reason) in refusals.items():
+        why = gluon_ws.supported(**_ws_args(gemm, cfg, sh))
+        assert why is not None and reason in why, f"{what}: {why!r}"
+    assert "block-FP8" in gluon_ws.supported(**dict(_ws_args("gemm2", coop8, fp8), a_mode=2, b_mode=2))

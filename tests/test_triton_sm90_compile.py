@@ -23,8 +23,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPUS = ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"]
-# the grouped GEMMs: the Triton kernel, and the Gluon block-FP8 one (table entries with GLUON)
-GEMMS = ("fused_moe_kernel", "fp8_block_moe_gemm_kernel")
+# the grouped GEMMs: the Triton kernel, the Gluon block-FP8 one (entries with GLUON) and the warp-specialized Gluon
+# one (PINGPONG / COOPERATIVE)
+GEMMS = ("fused_moe_kernel", "fp8_block_moe_gemm_kernel", "ws_moe_gemm_kernel")
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install -e .[triton])")
@@ -96,18 +97,37 @@ def test_gemms_use_the_hopper_paths_and_do_not_spill(compiled, gpu):
     assert not no_wgmma, f"{gpu}: prefill GEMMs without wgmma: {no_wgmma}"
 
 
+def _gluon_fp8(r):
+    """A block-FP8 GEMM of a Gluon kernel (the promotion of one K tile overlapping the next K tile's wgmma)."""
+    return r.get("kernel") == "fp8_block_moe_gemm_kernel" or (r.get("kernel") == "ws_moe_gemm_kernel"
+                                                              and "QGMMA" in r.get("ops", {}))
+
+
 def test_gluon_gemm_overlaps_the_scale_promotion_with_the_mmas(compiled):
-    """The Gluon block-FP8 GEMM exists to keep one K tile's wgmma in flight while the previous tile's result is
-    scaled into the accumulator: its SASS must wait with one group outstanding (``WARPGROUP.DEPBAR.LE gsb0, 0x1``).
+    """The Gluon block-FP8 GEMMs exist to keep one K tile's wgmma in flight while the previous tile's result is
+    scaled into the accumulator: their SASS must wait with one group outstanding (``WARPGROUP.DEPBAR.LE gsb0, 0x1``).
     ptxas drops those waits and serializes every wgmma when a non-wgmma instruction touches an in-flight
     accumulator (a register copy between the wgmmas of a tile, e.g. from a loop-carried swap of the two register
     sets, or the promotion sunk past the next MMA), which would silently turn the kernel back into the Triton
     kernel's schedule."""
-    rows = [r for r in compiled["NVIDIA_H200"][1] if r.get("kernel") == "fp8_block_moe_gemm_kernel"]
+    rows = [r for r in compiled["NVIDIA_H200"][1] if _gluon_fp8(r)]
     if not rows:
-        pytest.skip("no NVIDIA_H200 table entry uses the Gluon GEMM (GLUON)")
-    serialized = [(r["shape"], r["M"], r["ops"]) for r in rows if not r["ops"].get("DEPBAR_LE_1")]
+        pytest.skip("no NVIDIA_H200 table entry runs block FP8 on a Gluon GEMM (GLUON, PINGPONG, COOPERATIVE)")
+    serialized = [(r["shape"], r["M"], r["kernel"], r["ops"]) for r in rows if not r["ops"].get("DEPBAR_LE_1")]
     assert not serialized, f"Gluon GEMMs whose wgmmas ptxas serialized: {serialized}"
+
+
+def test_warp_specialized_entries_run_their_partitions(compiled):
+    """A ``PINGPONG`` / ``COOPERATIVE`` GEMM compiles to the three partitions: 12 warps (two consumer warpgroups and
+    the producer's warp rounded up to a warpgroup) within the 64K registers of an SM at launch (168 per thread,
+    rebalanced by setmaxnreg), with TMA loads and wgmma."""
+    rows = [r for r in compiled["NVIDIA_H200"][1] if r.get("kernel") == "ws_moe_gemm_kernel"]
+    if not rows:
+        pytest.skip("no NVIDIA_H200 table entry uses the warp-specialized GEMM")
+    bad = [(r["shape"], r["M"], r["num_warps"], r["regs"], r["ops"]) for r in rows
+           if r["num_warps"] != 12 or r["regs"] * 12 * 32 > 65536 or "UTMALDG" not in r["ops"]
+           or not {"HGMMA", "QGMMA"} & set(r["ops"])]
+    assert not bad, f"warp-specialized GEMMs off their partition layout: {bad}"
 
 
 GLUON_VARIANTS = r"""
@@ -145,3 +165,71 @@ def test_every_gluon_variant_compiles_with_overlapped_mmas():
     assert {r["variant"] for r in rows} >= {"gluon1act-bm64", "gluon12-bm128", "gluon12act-bm128+persist"}, rows
     bad = [r for r in rows if r["stack"] > 0 or r["shared"] > SM90["max_shared_mem"] or not r["ops"].get("DEPBAR_LE_1")]
     assert not bad, f"Gluon variants spilling, over shared memory or with serialized wgmmas: {bad}"
+
+
+WS_VARIANTS = r"""
+import json, torch
+from backends.triton import configs as C, sm90, tune
+from backends.triton.bench import SHAPES, make_routing
+from backends.triton.experts import fused_experts, strict_kernels
+
+for name, M in (("qwen3_30b_bf16", 1024), ("qwen3_30b_bf16", 4096), ("qwen3_30b_fp8blk", 1024),
+                ("dsv3_ep8_fp8blk", 4096)):
+    sh = next(s for s in SHAPES if s.name == name)
+    w1, w2, qc, act = sm90._weights(sh)
+    x = torch.empty(M, sh.K, dtype=torch.bfloat16)
+    w, ids = make_routing(M, sh.E, sh.topk, torch.device("cpu"), seed=M)
+    fp8 = sh.scheme == "fp8_block128"
+    bm = 64 if M == 1024 else 128
+    g = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128 if fp8 else 64, GROUP_SIZE_M=8,
+             num_warps=bm // 16, num_stages=3)
+    for variant, g1, g2 in tune._ws_variants(dict(g, HALF_TAIL=int(bm == 128)), g, g, fp8):
+        with sm90.compile_only() as log, strict_kernels():
+            fused_experts(x, w1, w2, w, ids, activation=act, quant_config=qc, config={"gemm1": g1, "gemm2": g2})
+        for k in log:
+            if k.name == "ws_moe_gemm_kernel":
+                print(json.dumps(dict(shape=name, variant=variant, warps=k.num_warps, shared=k.shared,
+                                      **k.resources())), flush=True)
+# an entry the kernel does not cover: ValueError with the reason under strict_kernels, else fused_moe_kernel
+sh = next(s for s in SHAPES if s.name == "qwen3_30b_bf16")
+w1, w2, qc, act = sm90._weights(sh)
+x = torch.empty(256, sh.K, dtype=torch.bfloat16)
+w, ids = make_routing(256, sh.E, sh.topk, torch.device("cpu"), seed=256)
+g = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=4, PINGPONG=1)
+bad = {"gemm1": dict(g, BLOCK_SIZE_N=64, PINGPONG=0, HALF_TAIL=1), "gemm2": g}  # 32-row tails: not ping-pong
+try:
+    with sm90.compile_only(), strict_kernels():
+        fused_experts(x, w1, w2, w, ids, activation=act, quant_config=qc, config=bad)
+    print(json.dumps(dict(strict="no error")))
+except ValueError as exc:
+    print(json.dumps(dict(strict=str(exc))))
+with sm90.compile_only() as log:
+    fused_experts(x, w1, w2, w, ids, activation=act, quant_config=qc, config=bad)
+print(json.dumps(dict(fallback=[k.name for k in log])))
+"""
+
+
+def test_every_warp_specialized_variant_compiles():
+    """Every warp-specialized variant the tuner tries (ping-pong and cooperative; bf16 and block FP8; GEMM1 with
+    SiLU-and-mul and GEMM2; 64- and 128-row tiles, HALF_TAIL) compiles for sm_90 to 12 warps without spills, within
+    the SM's shared memory, on wgmma, the block-FP8 ones with their promotion overlapped; and an entry the kernel
+    does not cover names why under ``strict_kernels`` (as the tuner runs) and falls back to ``fused_moe_kernel``
+    otherwise."""
+    from backends.triton.sm90 import SM90
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", WS_VARIANTS], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    kernels = [r for r in rows if "variant" in r]
+    names = {r["variant"] for r in kernels}
+    assert {"ws2-pingpong", "ws12-coop-bm128+half_tail", "ws12-pingpong-bm64", "ws1-coop+ws2-pingpong"} <= names, names
+    bad = [r for r in kernels if r["stack"] > 0 or r["shared"] > SM90["max_shared_mem"] or r["warps"] != 12
+           or not {"HGMMA", "QGMMA"} & set(r["ops"]) or ("QGMMA" in r["ops"] and not r["ops"].get("DEPBAR_LE_1"))]
+    assert not bad, f"warp-specialized variants spilling, over shared memory, or with serialized wgmmas: {bad}"
+    strict = next(r["strict"] for r in rows if "strict" in r)
+    assert "not covered by gluon_ws" in strict and "HALF_TAIL" in strict, strict
+    fallback = next(r["fallback"] for r in rows if "fallback" in r)
+    assert "fused_moe_kernel" in fallback and "ws_moe_gemm_kernel" not in fallback, fallback

@@ -34,6 +34,7 @@ int8 per-channel               int8 per-token         int32 acc * a_s[row] * w_s
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -85,8 +86,19 @@ _GATED_HALVES = {MoEActivation.SILU, MoEActivation.GELU, MoEActivation.GELU_TANH
 # A_SCALE / B_SCALE modes of fused_moe_kernel
 _S_NONE, _S_TENSOR, _S_ROW, _S_GROUP = 0, 1, 2, 3
 # Diagnostics switches (environment): MOE_TRITON_BSCALAR=0 loads 128x128 weight scales per column instead of one
-# scalar per K tile.
-FLAGS = {"b_scalar": os.environ.get("MOE_TRITON_BSCALAR", "1") != "0"}
+# scalar per K tile. "strict": see strict_kernels.
+FLAGS = {"b_scalar": os.environ.get("MOE_TRITON_BSCALAR", "1") != "0", "strict": False}
+
+
+@contextlib.contextmanager
+def strict_kernels():
+    """Within the block, a ``GLUON`` / ``PINGPONG`` / ``COOPERATIVE`` GEMM its Gluon kernel does not cover raises
+    ``ValueError`` with the reason instead of running on ``fused_moe_kernel`` (``FLAGS["strict"]``)."""
+    saved, FLAGS["strict"] = FLAGS["strict"], True
+    try:
+        yield
+    finally:
+        FLAGS["strict"] = saved
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -272,6 +284,16 @@ def _permute_rows(src: torch.Tensor, sorted_ids, ntpp, rows: int, num_valid: int
     return dst
 
 
+def _gluon_module(name: str):
+    """``backends.triton.<name>`` (a Gluon kernel module), or None on a Triton without Gluon's Hopper API."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"{__package__}.{name}")
+    except ImportError:
+        return None
+
+
 def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mode=0, bias=None,
                  layout, rows, num_valid, top_k, a_gather, c_sorted, n_out,
                  fuse, act, act_dtype, alpha=1.0, beta=0.0, limit=0.0, has_limit=False,
@@ -283,19 +305,23 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     half_tail = layout.tiles is not None
     up_off = n_out if fuse in (1, 4) else 0
     ws, sbe, sbn, sbk = _scale_strides(w_scale, b_mode, E, NW)
-    if cfg.get("GLUON", 0) and not INTERPRET:
-        # the Gluon block-FP8 kernel (scale promotion overlapped with the MMAs) where it applies, else this one
-        try:
-            from . import gluon_sm90
-        except ImportError:  # a Triton without Gluon's Hopper API: the tuned entry runs on fused_moe_kernel
-            gluon_sm90 = None
-        if gluon_sm90 is not None and gluon_sm90.supported(
-                a_mode=a_mode, b_mode=b_mode, a_gather=a_gather, fuse=fuse, bias=bias, half_tail=half_tail,
-                out_quant=out_quant, group_n=group_n, group_k=group_k, K=K, n_out=n_out, cfg=cfg, a=a, w=w,
-                c=c, act=act, has_limit=has_limit) is None:
-            gluon_sm90.launch(a=a, w=w, c=c, a_scale=a_scale, w_scale=ws, layout=layout, rows=rows,
-                              num_valid=num_valid, c_sorted=c_sorted, n_out=n_out, cfg=cfg, fuse=fuse)
+    special = "gluon_sm90" if cfg.get("GLUON", 0) else (
+        "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None)
+    if special is not None and not INTERPRET:
+        # a Gluon kernel (GLUON: block-FP8 with the scale promotion overlapped; PINGPONG / COOPERATIVE: warp
+        # specialized) where it covers this GEMM, else fused_moe_kernel below
+        mod = _gluon_module(special)
+        why = f"{special} needs Gluon's Hopper API, which this Triton lacks" if mod is None else mod.supported(
+            a_mode=a_mode, b_mode=b_mode, a_gather=a_gather, fuse=fuse, bias=bias, half_tail=half_tail,
+            out_quant=out_quant, group_n=group_n, group_k=group_k, K=K, n_out=n_out, cfg=cfg, a=a, w=w, c=c, act=act,
+            has_limit=has_limit)
+        if why is None:
+            mod.launch(a=a, w=w, c=c, a_scale=a_scale if a_mode == _S_GROUP else None,
+                       w_scale=ws if b_mode == _S_GROUP else None, layout=layout, rows=rows, num_valid=num_valid,
+                       c_sorted=c_sorted, n_out=n_out, cfg=cfg, fuse=fuse)
             return
+        if FLAGS["strict"]:
+            raise ValueError(f"table entry {cfg} is not covered by {special}: {why}")
     if a_mode == _S_GROUP:
         asm, ask = a_scale.stride(0), a_scale.stride(1)
     elif a_mode == _S_ROW:

@@ -192,10 +192,10 @@ def _jit_functions():
     """The backend's ``@triton.jit`` kernels (the ones a launch can compile)."""
     import triton
 
-    from backends.triton import align, gluon_sm90, kernels, quant, routing
+    from backends.triton import align, gluon_sm90, gluon_ws, kernels, quant, routing
 
     out = []
-    for mod in (kernels, align, quant, routing, gluon_sm90):
+    for mod in (kernels, align, quant, routing, gluon_sm90, gluon_ws):
         for v in vars(mod).values():
             if isinstance(v, triton.runtime.jit.JITFunction) and v not in out:
                 out.append(v)
@@ -226,10 +226,11 @@ def compile_tables(gpu_name: str, shapes=None, Ms=None, progress=print) -> list[
     """Compile, for sm_90, every kernel of the experts step for each entry of ``gpu_name``'s tuned tables (those
     of the bench shapes): one row per entry and kernel it launches, ``{shape, M, kernel, num_warps, num_stages,
     shared, regs, stack, ops}``, or ``{shape, M, error}`` for an entry whose step raised (compilation error, shared
-    memory above the SM's, a launch argument Triton rejects)."""
+    memory above the SM's, a launch argument Triton rejects, a ``GLUON`` / ``PINGPONG`` / ``COOPERATIVE`` GEMM its
+    Gluon kernel does not cover)."""
     from backends.triton import configs as C
     from backends.triton.bench import SHAPES, make_routing
-    from backends.triton.experts import fused_experts, plan_quant
+    from backends.triton.experts import fused_experts, plan_quant, strict_kernels
 
     rows = []
     for sh in SHAPES:
@@ -246,7 +247,9 @@ def compile_tables(gpu_name: str, shapes=None, Ms=None, progress=print) -> list[
             t0 = time.time()
             x = torch.empty(M, sh.K, dtype=torch.bfloat16)
             w, ids = make_routing(M, sh.E, sh.topk, torch.device("cpu"), seed=M)  # as the bench draws it
-            with compile_only(gpu_name) as log:
+            # strict: an entry tuned for a Gluon kernel that does not cover it (it would silently run
+            # fused_moe_kernel) is an error
+            with compile_only(gpu_name) as log, strict_kernels():
                 try:
                     fused_experts(x, w1, w2, w, ids, activation=act, quant_config=qc)
                     err = None

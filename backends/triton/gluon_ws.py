@@ -1,0 +1,498 @@
+"""Warp-specialized, persistent grouped expert GEMM for sm_90 in Gluon: one TMA producer warp feeds two MMA consumer
+warpgroups, in CUTLASS's two schedules.
+
+Why: ``fused_moe_kernel`` (and the block-FP8 Gluon kernel of ``gluon_sm90``) run the loads, the MMAs and the epilogue
+of a tile in the same warps, so the first loads of a tile and its epilogue (rounding, activation, row-scattered
+stores) are exposed; with a short K (GEMM2 of Qwen3: K = I = 768; of DeepSeek-V3 TP8: K = 256, two K tiles) they are
+a large part of a tile's life (backends/triton/NOTES.md). Here each CTA stays resident (one per SM) and splits into
+three partitions (``gl.warp_specialize``):
+
+* the producer (one warp) walks the program's tiles and streams their A / W K tiles into a ``STAGES``-deep TMA ring
+  (``ready[s]``: loaded; ``empty[s]``: released by the consumers), running ahead across tile boundaries, so a tile's
+  first loads overlap the previous tile's epilogue;
+* ping-pong (``COOP`` 0): consumer 0 (the default partition, one warpgroup) computes the program's even tiles,
+  consumer 1 (a worker warpgroup) its odd tiles, each a whole ``BLOCK_M x BLOCK_N`` tile. A consumer's mainloop
+  starts once the other has taken every K tile of the previous tile from the ring (``order[c]``: CUTLASS's ping-pong
+  order barrier), so the mainloops alternate on the tensor cores and each epilogue overlaps the other's MMAs. The
+  order is also what keeps the ring's phase parity unambiguous: no consumer waits on a stage two fills ahead of the
+  last one it saw;
+* cooperative (``COOP`` 1): both consumers compute every tile, consumer ``c`` its rows ``[c BLOCK_M / 2, (c + 1)
+  BLOCK_M / 2)`` (a stage is released when both are done with it): twice the tile area of one warpgroup's registers
+  (128 x 256), so half the operand traffic per FLOP of a 128 x 128 tile, with the epilogue exposed.
+
+Numerics are ``fused_moe_kernel``'s: unquantized, the fp32 accumulator of wgmmas over K tiles in K order, rounded
+once to C's dtype; block FP8 (``SCALED``: 1x128 activation and 128x128 weight scales, ``BLOCK_K = 128``), each K
+tile's wgmma result times ``a_s[row, kb] * w_s[e, nb, kb]`` added to the fp32 accumulator in K order, the promotion of
+K tile ``k - 1`` overlapping K tile ``k``'s wgmma (two register sets, as ``gluon_sm90``). ``GATED`` (GEMM1 with
+SiLU-and-mul: the gate rows ``n`` and up rows ``UP_OFF + n`` of an N tile as one ``[2 * BLOCK_N, BLOCK_K]`` weight
+tile) then rounds gate and up to C's dtype, computes ``silu(g) * u`` in fp32 and rounds again, as ``fused_moe_kernel``'s
+``FUSE`` 1 / 4 epilogue. What it covers (see :func:`supported`): bf16 / fp16 or block-FP8 operands; contiguous A rows
+(GEMM2, or GEMM1 after ``PERMUTE_A``); a plain or SiLU-gated epilogue without bias, clamp or fused requantization;
+``HALF_TAIL`` tile lists (128-row tiles, 64-row tails: ping-pong runs them as 64-row MMAs; cooperative on consumer 0
+alone); an sm_90 GPU. The layout's bookkeeping (``sorted_token_ids``,
+``expert_ids``, ``num_tokens_post_padded``, the tile list) is ``reference.align``'s / ``align.align_routes``'.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ._jit import ACT_SILU
+from .gluon_sm90 import GROUP, _k_tile_scales, _tile_pids
+
+GROUP_C = gl.constexpr(GROUP)  # the 128x128 weight block, inside kernels
+
+__all__ = ["ws_moe_gemm_kernel", "supported", "launch"]
+
+CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup per consumer
+PRODUCER_REGS = gl.constexpr(24)  # the producer only issues TMA: the fewest registers setmaxnreg allows
+CONSUMER_REGS = gl.constexpr(232)  # the worker consumer's share of the SM's 64K registers (the default gets 256)
+# launch-time registers per thread: 12 warps (two consumer warpgroups, the producer's warp rounded up to a warpgroup)
+# must fit the SM's 64K; the partitions then move them to the consumers (setmaxnreg)
+LAUNCH_MAXNREG = 168
+
+
+@gluon.jit
+def ws_moe_gemm_kernel(
+    a_desc, a_desc_h, b_desc, c_ptr, a_scale_ptr, b_scale_ptr,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
+    N, K, num_valid_tokens, NW, UP_OFF,
+    stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    HALF_TAIL: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr,
+    COOP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``C[rows, n] = epilogue(sum_k A[rows, k] W[e, n, k] (x scales))`` over the route layout's tiles (one expert each).
+
+    ``a_desc``: TMA descriptor of A ``(EM, K)`` in sorted-row order, boxes ``[BLOCK_M, BLOCK_K]`` (``a_desc_h``:
+    ``[BLOCK_M / 2, BLOCK_K]`` boxes, for ``HALF_TAIL``); ``b_desc``: of W viewed ``(E * NW, K)``, boxes
+    ``[BLOCK_N, BLOCK_K]``. ``SCALED``: ``a_scale (EM, K / 128)`` and ``b_scale (E, NW / 128, K / 128)`` fp32 (else
+    unused). Row tiles: the layout's ``BLOCK_M`` blocks, or with ``HALF_TAIL`` the tile list (``tiles[t] =
+    first_block * 2 + full`` over ``BLOCK_M / 2``-row blocks, ``num_tiles`` entries: full tiles of ``BLOCK_M`` rows, an
+    expert's odd last block as a ``BLOCK_M / 2``-row tile). ``C_SORTED``: C row = sorted position (GEMM1), else the
+    route id from ``sorted_token_ids`` (GEMM2; padding rows are not stored). ``GATED``: gate rows ``n`` and up rows
+    ``UP_OFF + n`` of an N tile as one MMA of ``2 * BLOCK_N`` columns, SiLU-and-mul in the epilogue (C has ``N`` = I
+    columns). Tiles (row tile, N tile) are in ``fused_moe_kernel``'s program order (``GROUP_M`` row tiles share the N
+    sweep); program ``p`` of ``P`` takes tiles ``p, p + P, ...`` (row tiles of non-local experts and past the layout's
+    end skipped); ``COOP`` picks the schedule (module docstring)."""
+    BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN_MMA, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2 if COOP else 1)  # cooperative: both consumers release each stage
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+
+    # worker partitions take scalars, descriptors and shared memory (no distributed tensors)
+    gl.warp_specialize([
+        (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+                     tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
+                     stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
+                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 0)),
+        (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+                     tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
+                     stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
+                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 1)),
+        (_producer, (a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
+                     N, K, NW, UP_OFF, a_smem, b_smem, ready, empty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HALF_TAIL,
+                     GATED, STAGES)),
+    ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---- the tile schedule (every partition walks it alike) ----------------------------------------------------------
+
+
+@gluon.jit
+def _schedule(num_tokens_post_padded_ptr, num_tiles_ptr, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_K: gl.constexpr, HALF_TAIL: gl.constexpr):
+    """``(row tiles, N tiles, tiles, K tiles)`` of the launch."""
+    if HALF_TAIL:
+        num_pid_m = gl.load(num_tiles_ptr)
+    else:
+        num_pid_m = gl.cdiv(gl.load(num_tokens_post_padded_ptr), BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    return num_pid_m, num_pid_n, num_pid_m * num_pid_n, gl.cdiv(K, BLOCK_K)
+
+
+@gluon.jit
+def _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr):
+    """``(row0, n0, expert, full)`` of a tile: its first sorted row and column, its expert (-1: not local) and
+    whether it has ``BLOCK_M`` rows (else ``BLOCK_M / 2``: a ``HALF_TAIL`` tail; always True without)."""
+    pid_m, pid_n = _tile_pids(tile, num_pid_m, num_pid_n, GROUP_M)
+    if HALF_TAIL:
+        t = gl.load(tiles_ptr + pid_m)
+        block = t // 2
+        return block * (BLOCK_M // 2), pid_n * BLOCK_N, gl.load(expert_ids_ptr + block), t % 2 == 1
+    else:
+        return pid_m * BLOCK_M, pid_n * BLOCK_N, gl.load(expert_ids_ptr + pid_m), True
+
+
+@gluon.jit
+def _next(tile, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr):
+    """The first of ``tile, tile + nprog, ...`` of a local expert, or ``>= num_tiles``."""
+    searching = tile < num_tiles
+    while searching:
+        _, _, e, _ = _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M,
+                              HALF_TAIL)
+        skip = e < 0
+        tile += nprog * skip.to(gl.int32)
+        searching = skip & (tile < num_tiles)
+    return tile
+
+
+# ---- producer ------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _producer(a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr, N, K,
+              NW, UP_OFF, a_smem, b_smem, ready, empty, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr, GATED: gl.constexpr,
+              STAGES: gl.constexpr):
+    """The TMA warp: the program's tiles' K tiles, in order, into the ring: load ``j`` into stage ``j % STAGES``
+    once its previous occupant, load ``j - STAGES``, has been released (a tail tile loads ``BLOCK_M / 2`` rows of A
+    into the stage's first half)."""
+    num_pid_m, num_pid_n, num_tiles, nk = _schedule(num_tokens_post_padded_ptr, num_tiles_ptr, N, K, BLOCK_M, BLOCK_N,
+                                                    BLOCK_K, HALF_TAIL)
+    nprog = gl.num_programs(0)
+    B_BYTES: gl.constexpr = 2 * b_desc.block_type.nbytes if GATED else b_desc.block_type.nbytes
+    tile = _next(gl.program_id(0), num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
+                 BLOCK_N, GROUP_M, HALF_TAIL)
+    j = 0
+    while tile < num_tiles:
+        row0, n0, e, full = _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
+                                     GROUP_M, HALF_TAIL)
+        b_row0 = e * NW + n0
+        for k in range(nk):
+            s = j % STAGES
+            # the ring's first pass waits on the phase before the first (complete from the start)
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            if HALF_TAIL:
+                mbarrier.expect(bar, a_desc.block_type.nbytes + B_BYTES, pred=full)
+                mbarrier.expect(bar, a_desc_h.block_type.nbytes + B_BYTES, pred=not full)
+                tma.async_copy_global_to_shared(a_desc, [row0, k * BLOCK_K], bar, a_smem.index(s), pred=full)
+                tma.async_copy_global_to_shared(a_desc_h, [row0, k * BLOCK_K], bar,
+                                                a_smem.index(s).slice(0, BLOCK_M // 2), pred=not full)
+            else:
+                mbarrier.expect(bar, a_desc.block_type.nbytes + B_BYTES)
+                tma.async_copy_global_to_shared(a_desc, [row0, k * BLOCK_K], bar, a_smem.index(s))
+            if GATED:
+                b_st = b_smem.index(s)
+                tma.async_copy_global_to_shared(b_desc, [b_row0, k * BLOCK_K], bar, b_st.slice(0, BLOCK_N))
+                tma.async_copy_global_to_shared(b_desc, [b_row0 + UP_OFF, k * BLOCK_K], bar,
+                                                b_st.slice(BLOCK_N, BLOCK_N))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [b_row0, k * BLOCK_K], bar, b_smem.index(s))
+            j += 1
+        tile = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
+                     BLOCK_N, GROUP_M, HALF_TAIL)
+
+
+# ---- consumers -----------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+              tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask, stride_bse,
+              stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr,
+              C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, COOP: gl.constexpr,
+              STAGES: gl.constexpr, C: gl.constexpr):
+    """Consumer ``C`` (0 or 1). Ping-pong: the program's tiles ``i`` with ``i % 2 == C``, the mainloop of tile ``i``
+    after the other consumer's of tile ``i - 1`` (its ``(i - 1) // 2``-th arrival on ``order[1 - C]``).
+    Cooperative: rows ``[C BLOCK_M / 2, (C + 1) BLOCK_M / 2)`` of every tile."""
+    num_pid_m, num_pid_n, num_tiles, nk = _schedule(num_tokens_post_padded_ptr, num_tiles_ptr, N, K, BLOCK_M, BLOCK_N,
+                                                    BLOCK_K, HALF_TAIL)
+    nprog = gl.num_programs(0)
+    tile = _next(gl.program_id(0), num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
+                 BLOCK_N, GROUP_M, HALF_TAIL)
+    i = 0
+    while tile < num_tiles:
+        row0, n0, e, full = _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
+                                     GROUP_M, HALF_TAIL)
+        base = i * nk  # the ring index of this tile's first K tile
+        if COOP:
+            if HALF_TAIL and C == 1 and not full:  # a tail's rows are consumer 0's half: only release the stages
+                _release(base, nk, ready, empty, STAGES)
+            else:
+                _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                      sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
+                      stride_ask, stride_bse, stride_bsn, stride_bsk, C * (BLOCK_M // 2), BLOCK_M // 2, BLOCK_M,
+                      BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C)
+        elif i % 2 == C:
+            if i > 0:
+                mbarrier.wait(order.index(1 - C), ((i - 1) // 2) & 1)
+            if HALF_TAIL and not full:  # a tail: BLOCK_M / 2 rows (the first half of each A stage)
+                _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                      sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
+                      stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M // 2, BLOCK_M, BLOCK_N, C_SORTED,
+                      GATED, SCALED, True, STAGES, C)
+            else:
+                _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                      sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
+                      stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M, BLOCK_M, BLOCK_N, C_SORTED, GATED,
+                      SCALED, True, STAGES, C)
+        tile = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
+                     BLOCK_N, GROUP_M, HALF_TAIL)
+        i += 1
+
+
+@gluon.jit
+def _release(base, nk, ready, empty, STAGES: gl.constexpr):
+    """Cooperative consumer 1 on a ``HALF_TAIL`` tail tile (no rows of its own): take each K tile once it has
+    landed and release it (the stage is refilled when consumer 0 has released it too; waiting for it to land first
+    keeps this consumer from releasing a later fill of the same stage early)."""
+    for k in range(nk):
+        j = base + k
+        mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+        mbarrier.arrive(empty.index(j % STAGES))
+
+
+@gluon.jit
+def _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, row0,
+          n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+          ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, ORDERED: gl.constexpr,
+          STAGES: gl.constexpr, C: gl.constexpr):
+    """This consumer's ``ROWS x BLOCK_N`` output rows ``[row0 + ROW_OFF, + ROWS)`` of a tile: mainloop, epilogue."""
+    if SCALED:
+        BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+        rows_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(BN_MMA, 32))
+        a_s_ptrs = a_scale_ptr + (row0 + ROW_OFF + gl.arange(0, ROWS, layout=rows_layout)).to(gl.int64) * stride_asm
+        b_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + (n0 // GROUP_C) * stride_bsn
+        bu_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + ((UP_OFF + n0) // GROUP_C) * stride_bsn
+        acc = _mainloop_scaled(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask,
+                               stride_bsk, ROW_OFF, ROWS, BLOCK_M, BLOCK_N, GATED, ORDERED, STAGES, C)
+    else:
+        acc = _mainloop(base, nk, a_smem, b_smem, ready, empty, order, ROW_OFF, ROWS, BLOCK_M, BLOCK_N, GATED, ORDERED,
+                        STAGES, C)
+    _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0 + ROW_OFF, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N,
+              C_SORTED, GATED)
+
+
+@gluon.constexpr_function
+def _acc_layout(bn_mma, k_instr):
+    """A warpgroup's wgmma accumulator layout (64-row instructions, repeated down the tile's rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, bn_mma, k_instr])
+
+
+@gluon.jit
+def _a_stage(a_smem, s, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr):
+    """This consumer's rows of A stage ``s``."""
+    a_st = a_smem.index(s)
+    if ROWS != BLOCK_M:
+        a_st = a_st.slice(ROW_OFF, ROWS)
+    return a_st
+
+
+@gluon.jit
+def _mainloop(base, nk, a_smem, b_smem, ready, empty, order, ROW_OFF: gl.constexpr, ROWS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GATED: gl.constexpr, ORDERED: gl.constexpr,
+              STAGES: gl.constexpr, C: gl.constexpr):
+    """Unscaled: the fp32 accumulator ``[ROWS, MMA columns]`` over ring loads ``base .. base + nk``. One wgmma group
+    stays in flight while the next stage is waited for; a stage is released once its MMA is done; ``ORDERED``
+    (ping-pong): ``order[C]`` is announced once the last K tile is taken, before the last MMA drains."""
+    BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    acc = gl.zeros([ROWS, BN_MMA], gl.float32, _acc_layout(BN_MMA, 16))
+    for k in range(nk):
+        j = base + k
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        acc = warpgroup_mma(_a_stage(a_smem, s, ROW_OFF, ROWS, BLOCK_M), b_smem.index(s).permute((1, 0)), acc,
+                            is_async=True)
+        # K tile k - 1's MMA is done (one group stays in flight): its stage goes back to the producer
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=k > 0)
+    if ORDERED:
+        mbarrier.arrive(order.index(C))  # every K tile of this tile taken: the other consumer may start
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((base + nk - 1) % STAGES))
+    return acc
+
+
+@gluon.jit
+def _mainloop_scaled(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask,
+                     stride_bsk, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, GATED: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
+                     C: gl.constexpr):
+    """Block FP8: the fp32 accumulator ``[ROWS, MMA columns]``, each K tile's wgmma result scaled before it is added.
+    Two register sets take turns (unrolled by two so that neither changes role: a loop-carried swap makes the
+    compiler copy registers between a tile's wgmmas, and ptxas then serializes them): x holds the K tile in flight,
+    y is free to be issued into (``gluon_sm90._tile_mainloop``'s schedule over this ring)."""
+    BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    acc_layout: gl.constexpr = _acc_layout(BN_MMA, 32)
+    # GATED: which MMA columns are gate columns (scaled by the gate rows' block scale), the rest are up columns
+    is_gate = gl.arange(0, BN_MMA, layout=gl.SliceLayout(0, acc_layout)) < BLOCK_N
+    acc = gl.zeros([ROWS, BN_MMA], gl.float32, acc_layout)
+    s0 = base % STAGES
+    mbarrier.wait(ready.index(s0), (base // STAGES) & 1)
+    x = warpgroup_mma(_a_stage(a_smem, s0, ROW_OFF, ROWS, BLOCK_M), b_smem.index(s0).permute((1, 0)), acc,
+                      use_acc=False, is_async=True)
+    s_x = _k_tile_scales(0, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, GATED)
+    y = gl.zeros([ROWS, BN_MMA], gl.float32, acc_layout)
+    for k in range(1, nk - 1, 2):
+        y, x, acc, s_y = _promote_step(k, base, x, y, acc, s_x, a_smem, b_smem, ready, empty, a_s_ptrs, b_s_ptr,
+                                       bu_s_ptr, stride_ask, stride_bsk, is_gate, ROW_OFF, ROWS, BLOCK_M, GATED, STAGES)
+        x, y, acc, s_x = _promote_step(k + 1, base, y, x, acc, s_y, a_smem, b_smem, ready, empty, a_s_ptrs, b_s_ptr,
+                                       bu_s_ptr, stride_ask, stride_bsk, is_gate, ROW_OFF, ROWS, BLOCK_M, GATED, STAGES)
+    if nk % 2 == 0:  # one K tile left: issue it into y, promote x, then it
+        last, _, acc, s_last = _promote_step(nk - 1, base, x, y, acc, s_x, a_smem, b_smem, ready, empty, a_s_ptrs,
+                                             b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, ROW_OFF, ROWS, BLOCK_M,
+                                             GATED, STAGES)
+        if ORDERED:
+            mbarrier.arrive(order.index(C))
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(last, ))
+        mbarrier.arrive(empty.index((base + nk - 1) % STAGES))
+        acc += done * s_last
+    else:
+        if ORDERED:
+            mbarrier.arrive(order.index(C))
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
+        mbarrier.arrive(empty.index((base + nk - 1) % STAGES))
+        acc += done * s_x
+    return acc
+
+
+@gluon.jit
+def _promote_step(k, base, busy, free, acc, s_busy, a_smem, b_smem, ready, empty, a_s_ptrs, b_s_ptr, bu_s_ptr,
+                  stride_ask, stride_bsk, is_gate, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  GATED: gl.constexpr, STAGES: gl.constexpr):
+    """Issue K tile ``k``'s MMA into ``free`` (use_acc=False), wait for K tile ``k - 1``'s (``busy``), release its
+    stage and promote it: ``acc += busy * s_busy``. Returns ``(k's MMA in flight, the promoted register set (now
+    free), acc, k's scales)``."""
+    j = base + k
+    s = j % STAGES
+    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+    issued = warpgroup_mma(_a_stage(a_smem, s, ROW_OFF, ROWS, BLOCK_M), b_smem.index(s).permute((1, 0)), free,
+                           use_acc=False, is_async=True)
+    done = warpgroup_mma_wait(num_outstanding=1, deps=(busy, ))
+    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES))
+    s_k = _k_tile_scales(k, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, GATED)
+    acc += done * s_busy
+    # pin the promotion here: LLVM would otherwise sink it past the next step's MMA, which is issued into `done`'s
+    # registers (a copy, and ptxas then serializes the wgmmas); a wait for <= 1 group is a no-op at this point
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    return issued, done, acc, s_k
+
+
+@gluon.jit
+def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS: gl.constexpr,
+              BLOCK_N: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr):
+    """One rounding (GATED: h, then SiLU-and-mul in fp32 and its rounding) and 16-byte row-contiguous stores."""
+    out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BLOCK_N,
+                                                BLOCK_N // 8], warps_per_cta=[4, 1], order=[1, 0])
+    h = acc.to(c_ptr.dtype.element_ty)
+    if GATED:  # columns [0, BLOCK_N) are gate, [BLOCK_N, 2 BLOCK_N) up: a thread holds both of a pair
+        g, u = h.to(gl.float32).reshape([ROWS, 2, BLOCK_N]).permute(0, 2, 1).split()
+        out = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(c_ptr.dtype.element_ty)  # _jit.apply_act, SILU
+        out = gl.convert_layout(out, out_layout)
+    else:
+        out = gl.convert_layout(h, out_layout)
+    offs_cm = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
+    offs_cn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+    if C_SORTED:
+        c_rows = offs_cm
+        row_mask = offs_cm >= 0
+    else:
+        c_rows = gl.load(sorted_token_ids_ptr + offs_cm)
+        row_mask = c_rows < num_valid_tokens
+    c_ptrs = c_ptr + c_rows.to(gl.int64)[:, None] * stride_cm + offs_cn[None, :]
+    gl.store(c_ptrs, out, mask=row_mask[:, None] & (offs_cn < N)[None, :])
+
+
+# ---- host ----------------------------------------------------------------------------------------------------------
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half_tail: bool, out_quant: bool,
+              group_n: int, group_k: int, K: int, n_out: int, cfg: dict, a: torch.Tensor, w: torch.Tensor,
+              c: torch.Tensor, act: int = 0, has_limit: bool = False) -> str | None:
+    """``None`` when :func:`launch` computes this GEMM, else why not (a table entry's ``PINGPONG`` / ``COOPERATIVE``
+    key then falls back to ``fused_moe_kernel``). Arguments as ``gluon_sm90.supported``."""
+    BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    coop = bool(cfg.get("COOPERATIVE", 0))
+    scaled = a_mode == 3
+    gated = fuse in (1, 4)
+    bn_mma = 2 * BN if gated else BN
+    rows = BM // 2 if coop else BM  # a consumer's rows
+    # accumulator registers per thread: one set, or (block FP8) the accumulator and two MMA register sets
+    acc_regs = rows * bn_mma // 128 * (3 if scaled else 1)
+    elt = a.element_size()
+    smem = cfg.get("num_stages", 4) * (BM + bn_mma) * BK * elt + BM * BN * c.element_size()  # ring + epilogue
+    a8 = a.dtype == torch.float8_e4m3fn or (scaled and a.dtype == torch.uint8)
+    checks = [
+        ((a_mode, b_mode) == (0, 0) and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
+         or (a_mode, b_mode) == (3, 3) and a8 and w.dtype == torch.float8_e4m3fn,
+         "bf16 / fp16 operands, or block-FP8 (1x128 activation, 128x128 weight scales)"),
+        (c.dtype in (torch.bfloat16, torch.float16), "bf16 / fp16 output"),
+        (not scaled or (group_n == GROUP and group_k == GROUP and BK == GROUP and BN <= GROUP),
+         "block FP8: 128x128 weight blocks, BLOCK_K = 128 and BLOCK_N <= 128 (one weight scale per K tile)"),
+        (not a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
+        (fuse == 0 or (gated and act == ACT_SILU and not has_limit),
+         "plain epilogue, or gate / up halves with SiLU (no clamp) only"),
+        (bias is None and not out_quant, "no bias, no fused requantization"),
+        (not half_tail or BM == 128, "HALF_TAIL needs BLOCK_M = 128 (64-row tail MMAs)"),
+        (BM in (64, 128) and rows >= 64 and bn_mma <= 256 and BN >= 32 and BK in (32, 64, 128),
+         "BLOCK_M in (64, 128) (a consumer's rows >= 64), MMA columns <= 256, BLOCK_K in (32, 64, 128)"),
+        (acc_regs <= (192 if scaled else 128), f"a consumer's accumulators ({acc_regs} registers per thread) must fit "
+         "its warpgroup: at most 128 x 128 MMA columns x rows (block FP8: 64 x 128)"),
+        (K % BK == 0 and n_out % BN == 0 and (not gated or w.shape[1] == 2 * n_out),
+         "K % BLOCK_K == 0, N % BLOCK_N == 0 (gated: w1 rows = 2 I)"),
+        (not (scaled and gated) or n_out % GROUP == 0, "block-FP8 gate / up halves need I % 128 == 0"),
+        (smem <= 220 * 1024, f"shared memory {smem} B over the SM's 227 KiB: fewer stages"),
+        (a.is_contiguous() and w.is_contiguous() and c.stride(1) == 1 and a.data_ptr() % 16 == 0
+         and w.data_ptr() % 16 == 0, "TMA needs contiguous, 16-byte aligned A and W"),
+        (a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] == 9, "sm_90 (Hopper) GPUs only"),
+    ]
+    return next((why for ok, why in checks if not ok), None)
+
+
+def launch(*, a, w, c, a_scale=None, w_scale=None, layout, rows, num_valid, c_sorted, n_out, cfg, fuse=0):
+    """Launch :func:`ws_moe_gemm_kernel` for one GEMM, one CTA per SM (arguments as ``experts._launch_gemm``'s;
+    ``layout.tiles`` set: ``HALF_TAIL``; call :func:`supported` first)."""
+    E, NW, K = w.shape
+    BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    scaled = a_scale is not None and a_scale.dim() == 2 and w_scale is not None
+    half_tail = layout.tiles is not None
+    a = a.view(torch.float8_e4m3fn) if a.dtype == torch.uint8 else a
+    dt = _GL_DTYPES[a.dtype]
+    a_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], dt)
+    a_desc = TensorDescriptor.from_tensor(a, [BM, BK], a_layout)
+    a_desc_h = TensorDescriptor.from_tensor(a, [BM // 2, BK], a_layout) if half_tail else a_desc
+    b_desc = TensorDescriptor.from_tensor(w.view(E * NW, K), [BN, BK],
+                                          gl.NVMMASharedLayout.get_default_for([BN, BK], dt))
+    # an upper bound of the tiles (the kernel reads the layout's count): programs beyond it would find no work
+    row_tiles = layout.tiles.numel() if half_tail else triton.cdiv(rows, BM)
+    grid = (min(row_tiles * triton.cdiv(n_out, BN), _num_sms(a.device)), )
+    sa = (a_scale.stride(0), a_scale.stride(1)) if scaled else (0, 0)
+    sw = (w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)) if scaled else (0, 0, 0)
+    ws_moe_gemm_kernel[grid](
+        a_desc, a_desc_h, b_desc, c, a_scale if scaled else c, w_scale if scaled else c,
+        layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
+        layout.tiles if half_tail else layout.expert_ids,
+        layout.num_tiles if half_tail else layout.num_tokens_post_padded,
+        n_out, K, num_valid, NW, n_out if fuse in (1, 4) else 0, c.stride(0), *sa, *sw,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), HALF_TAIL=half_tail,
+        C_SORTED=c_sorted, GATED=fuse in (1, 4), SCALED=scaled, COOP=bool(cfg.get("COOPERATIVE", 0)),
+        STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS,
+        num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
+        maxnreg=LAUNCH_MAXNREG,
+    )
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":  # compile-only runs (sm90.py): the H100 / H200's 132
+        return triton.runtime.driver.active.utils.get_device_properties(0)["multiprocessor_count"]
+    return torch.cuda.get_device_properties(device).multi_processor_count
