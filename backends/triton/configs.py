@@ -5,10 +5,10 @@ names its tables (``E={E},N={N},device_name={dev}[,dtype={dtype}][,block_shape=[
 intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
-                       USE_TMA, N_TILES, FLATTEN, GLUON, PERSISTENT, FUSE_ACT, FUSE_QUANT, PERMUTE_A, HALF_TAIL,
-                       JOINT_GATE_UP},
+                       USE_TMA, N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, FUSE_ACT, FUSE_QUANT,
+                       PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
-                       N_TILES, FLATTEN, GLUON, PERSISTENT}},
+                       N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, PDL}},
      ...}
 
 ``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``N_TILES``
@@ -26,7 +26,13 @@ the GEMM on the Gluon block-FP8 kernel of ``gluon_sm90.py`` (weight-scale promot
 ``num_stages`` = its TMA stages, ``num_warps`` = ``BLOCK_SIZE_M / 16``) where that kernel applies (block-FP8
 scales, contiguous A rows, plain epilogue: GEMM2, or GEMM1 with ``PERMUTE_A`` and ``FUSE_ACT`` 0; see
 ``gluon_sm90.supported``), and on ``fused_moe_kernel`` otherwise; with ``PERSISTENT`` (optional, default 0) its grid
-is one program per resident CTA, each loading its next tile while storing this one. The entry whose ``M``
+is one program per resident CTA, each loading its next tile while storing this one. ``PINGPONG`` / ``COOPERATIVE``
+(optional, default 0) run the GEMM on the warp-specialized Gluon kernel of ``gluon_ws.py`` (a TMA producer warp and
+two consumer warpgroups, one CTA per SM; ``num_stages`` = its TMA ring, ``num_warps`` = 4 per consumer): ping-pong
+(each consumer a whole tile, the epilogue of one overlapping the other's MMAs) or cooperative (both share a 128-row
+tile), bf16 / fp16 or block FP8, contiguous A rows, plain or SiLU-gated epilogue (``gluon_ws.supported``), else
+``fused_moe_kernel``. ``PDL`` (optional, default 0; GEMM2) launches GEMM2, and the requantization before it, with
+programmatic dependent launch: they start during GEMM1's last wave and wait for its output. The entry whose ``M``
 is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
 table) :func:`default_config` chooses by tokens per expert.
 """
@@ -49,7 +55,7 @@ CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_na
 
 # The keys a table entry may hold (anything else is a typo that would be ignored).
 GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
-              "N_TILES", "FLATTEN", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE")
+              "N_TILES", "FLATTEN", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE", "PDL")
 GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL", "JOINT_GATE_UP")
 
 

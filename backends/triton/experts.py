@@ -284,6 +284,9 @@ def _permute_rows(src: torch.Tensor, sorted_ids, ntpp, rows: int, num_valid: int
     return dst
 
 
+_GLUON_KEYS = ("GLUON", "PINGPONG", "COOPERATIVE")  # table keys that put a GEMM on a Gluon kernel
+
+
 def _gluon_module(name: str):
     """``backends.triton.<name>`` (a Gluon kernel module), or None on a Triton without Gluon's Hopper API."""
     import importlib
@@ -297,9 +300,11 @@ def _gluon_module(name: str):
 def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mode=0, bias=None,
                  layout, rows, num_valid, top_k, a_gather, c_sorted, n_out,
                  fuse, act, act_dtype, alpha=1.0, beta=0.0, limit=0.0, has_limit=False,
-                 out_quant=False, rp=None, use_ue8m0=False, group_n=128, group_k=128, cfg, int8=False):
+                 out_quant=False, rp=None, use_ue8m0=False, group_n=128, group_k=128, cfg, int8=False,
+                 pdl_trigger=False, pdl_wait=False):
     """Launch ``fused_moe_kernel`` for one GEMM (see its docstring for the modes) over ``layout`` (its tile list
-    when ``layout.tiles`` is set: ``HALF_TAIL``)."""
+    when ``layout.tiles`` is set: ``HALF_TAIL``). ``pdl_trigger`` / ``pdl_wait``: programmatic dependent launch
+    (``PDL_TRIGGER`` / ``PDL_WAIT``; ``pdl_wait`` launches with the attribute)."""
     E, NW, K = w.shape
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     half_tail = layout.tiles is not None
@@ -372,7 +377,9 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         RECIP_MUL=rp["RECIP_MUL"] if rp else False,
         EVEN_K=K % BK == 0, TMA_A=tma_a, TMA_B=tma_b, EMU=INTERPRET,
         DOT_PREC="ieee" if act_dtype == torch.float32 else "tf32", N_TILES=n_tiles, FLATTEN=bool(cfg.get("FLATTEN", 0)),
+        PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        **({"launch_pdl": True} if pdl_wait else {}),
     )
 
 
@@ -435,6 +442,11 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     elt = torch.empty((), dtype=act_dtype).element_size()
     out_quant = bool(fuse and plan.a2_qmode == QMODE_FP8_GROUP and g1.get("FUSE_QUANT", 1)
                      and g1["BLOCK_SIZE_N"] == group and I % group == 0)
+    # PDL (gemm2 entry key): GEMM2 (and the requantization between the GEMMs) are launched during GEMM1's last wave
+    # and wait for its output (programmatic dependent launch); fused_moe_kernel on both GEMMs only, and not around
+    # the two-pass per-tensor requantization
+    pdl = bool(g2.get("PDL", 0)) and not INTERPRET and stages in ("all", "gemms") and plan.a2_qmode != \
+        QMODE_FP8_TENSOR_AMAX and not any(g.get(k, 0) for g in (g1, g2) for k in _GLUON_KEYS)
     if plan.a2_qmode == QMODE_FP8_GROUP and I % group:
         raise ValueError(f"block-FP8 requantization needs I % {group} == 0, got I = {I}")
 
@@ -471,13 +483,13 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
         _launch_gemm(a=a1, w=w1, c=c2_view, cs=c2s if out_quant else None, a_scale=a1s, a_mode=plan.a1_mode,
                      w_scale=qc.w1_scale, b_mode=plan.b_mode, bias=w1_bias, a_gather=gather, c_sorted=True, n_out=I,
                      fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit,
-                     out_quant=out_quant, cfg=g1, **common)
+                     out_quant=out_quant, cfg=g1, pdl_trigger=pdl, **common)
     else:
         c1 = _view(buf2, 0, (rows, c1_cols), act_dtype)
         _launch_gemm(a=a1, w=w1, c=c1, a_scale=a1s, a_mode=plan.a1_mode, w_scale=qc.w1_scale,
                      b_mode=plan.b_mode, bias=w1_bias, a_gather=gather, c_sorted=True, n_out=I if fuse else NW1,
                      fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit, cfg=g1,
-                     **common)
+                     pdl_trigger=pdl, **common)
         aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,
                   up_off=I if split == 1 else 0, num_e=1, block_m=BM, act_dtype=act_dtype, rp=rp,
                   use_ue8m0=plan.use_ue8m0, group=group, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit)
@@ -495,7 +507,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             a2s = None
             if qm in (QMODE_FP8_STATIC, QMODE_INT8_STATIC):
                 a2s = (a2_scale if a2_scale is not None else qc.a2_scale).reshape(1).to(torch.float32)
-            _launch_act_quant(x=c1, y=c2_view, ys=c2s, a2s=a2s, qmode=qm, **aq)
+            _launch_act_quant(x=c1, y=c2_view, ys=c2s, a2s=a2s, qmode=qm, pdl=pdl, **aq)
     if stages == "gemm1":
         return out
     # ---- GEMM2
@@ -509,7 +521,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
         else:
             a2_scale_arg = c2s
     _launch_gemm(a=c2, w=w2, c=c3, a_scale=a2_scale_arg, a_mode=a2_mode, w_scale=qc.w2_scale, b_mode=plan.b_mode,
-                 bias=w2_bias, a_gather=False, c_sorted=False, n_out=K, fuse=0, act=0, cfg=g2, **common)
+                 bias=w2_bias, a_gather=False, c_sorted=False, n_out=K, fuse=0, act=0, cfg=g2, pdl_wait=pdl, **common)
     if stages == "gemms":
         return out
     # ---- weighted top-k sum

@@ -13,7 +13,9 @@ block layout); the kernel structure is the classic grouped-GEMM over an expert-s
 * sorted intermediate rows: GEMM1 writes its output at the *sorted position* of each route (``C_SORTED``), so
   GEMM2 reads contiguous row tiles (no gather; TMA-able) and scatters only its final rows back to route order;
 * TMA tensor descriptors for weight tiles (and GEMM2's contiguous activation tiles) when ``TMA_A`` / ``TMA_B``;
-* int64 row/expert offsets everywhere (``M * topk * N`` may exceed 2^31: vLLM #5938 / #34279).
+* int64 row/expert offsets everywhere (``M * topk * N`` may exceed 2^31: vLLM #5938 / #34279);
+* programmatic dependent launch (``PDL_TRIGGER`` / ``PDL_WAIT``, sm_90): GEMM2's programs are launched while GEMM1's
+  last wave runs and wait for its output (``griddepcontrol.wait``), hiding GEMM2's launch at decode.
 
 Numerics (all schemes): fp32 accumulation (int32 for INT8), scales applied in fp32 (per K tile for 128x128
 blocks, in the epilogue otherwise), bias added in fp32, one rounding to the output dtype per rounding point of the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._jit import apply_act, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn, to_act
 
@@ -277,7 +280,7 @@ def fused_moe_kernel(
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
-    N_TILES: tl.constexpr, FLATTEN: tl.constexpr,
+    N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
 ):
     """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
 
@@ -302,7 +305,12 @@ def fused_moe_kernel(
     ``OUT_QUANT``: quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns).
     ``N_TILES``: a program computes that many consecutive N tiles of its rows in turn (``FLATTEN``: as one
     flattened, software-pipelined loop); N tiles past ``N`` are computed on wrapped columns and not stored.
+    ``PDL_TRIGGER``: let the next kernel (launched with programmatic dependent launch) start once every program has
+    started. ``PDL_WAIT`` (this kernel launched so): wait for the previous kernel before reading anything it wrote
+    (A, A's scales; the layout was written before it).
     """
+    if PDL_TRIGGER:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     if HALF_TAIL:
         num_pid_m = EM
@@ -326,6 +334,8 @@ def fused_moe_kernel(
         block = tile // 2
         row0 = block * (BLOCK_M // 2)
         e = tl.load(expert_ids_ptr + block)
+        if PDL_WAIT:
+            gdc_wait()
         if tile % 2 == 1:
             _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
                   a_desc, b_desc,
@@ -361,6 +371,8 @@ def fused_moe_kernel(
             return
         if e < 0:
             return
+        if PDL_WAIT:
+            gdc_wait()
         row0 = pid_m * BLOCK_M
         _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
                   a_desc, b_desc,
@@ -405,11 +417,15 @@ def act_quant_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BS: tl.constexpr, SORTED: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, QMODE: tl.constexpr, ACT_DT: tl.constexpr,
     USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr,
-    EMU: tl.constexpr,
+    EMU: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Activation (``ACT``; ``ACT_NONE`` = copy) of ``NC`` output columns per row, rounded to ``ACT_DT``, then stored
     as ``ACT_DT`` or quantized (``QMODE``). Rows are ``[0, R)`` or, with ``SORTED``, the sorted positions below
-    ``num_tokens_post_padded`` (padding rows are processed too; they are excluded from per-tensor amax)."""
+    ``num_tokens_post_padded`` (padding rows are processed too; they are excluded from per-tensor amax).
+    ``PDL`` (launched with programmatic dependent launch, between the two GEMMs): let the next kernel start early,
+    and wait for the previous one before reading its output."""
+    if PDL:
+        gdc_launch_dependents()
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -417,6 +433,8 @@ def act_quant_kernel(
         ntpp = tl.load(ntpp_ptr)
         if pid_r * BLOCK_R >= ntpp:
             return
+    if PDL:
+        gdc_wait()
         rmask = rows < ntpp
         route_ok = rmask & (tl.load(sorted_ids_ptr + rows, mask=rmask, other=num_valid) < num_valid)
     else:

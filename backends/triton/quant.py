@@ -150,8 +150,10 @@ def per_token_group_quant_fp8(
 
 def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, expert_ids=None, ntpp=None,
                       rows, nc, num_valid, up_off=0, num_e=1, block_m=16, act, split, qmode, act_dtype,
-                      alpha=1.0, beta=0.0, limit=0.0, has_limit=False, rp=None, use_ue8m0=False, group=128):
-    """Launch ``act_quant_kernel`` over ``rows`` rows (sorted layout when ``sorted_ids`` is given)."""
+                      alpha=1.0, beta=0.0, limit=0.0, has_limit=False, rp=None, use_ue8m0=False, group=128,
+                      pdl=False):
+    """Launch ``act_quant_kernel`` over ``rows`` rows (sorted layout when ``sorted_ids`` is given); ``pdl``: with
+    programmatic dependent launch (see ``kernels.act_quant_kernel``)."""
     sorted_ = sorted_ids is not None
     if qmode == QMODE_FP8_GROUP:
         bc = group
@@ -178,8 +180,8 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         alpha, beta, limit, rp["amax_floor"], rp["ue8m0_floor"], _MIN_TOKEN_SCALE,
         BLOCK_R=br, BLOCK_C=bc, BS=block_m, SORTED=sorted_, ACT=act, HAS_LIMIT=has_limit, SPLIT=split,
         QMODE=qmode, ACT_DT=_tl_dtype(act_dtype), USE_UE8M0=use_ue8m0, UE8M0_EXACT=rp["UE8M0_EXACT"],
-        SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET,
-        num_warps=4,
+        SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl,
+        num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
 
 

@@ -21,9 +21,11 @@ for other M are kept). A candidate that fails to compile or launch is skipped. S
 rows vs reading them pre-permuted (``input``: ``PERMUTE_A``, with and without TMA), with the gate and up halves as
 one weight tile or two (``joint``: ``JOINT_GATE_UP``), each with and without ``HALF_TAIL`` (``half_tail``: experts
 padded to half a tile, one half-height tail tile each), and for block FP8 with GEMM1, GEMM2 or both on the Gluon
-kernel of ``gluon_sm90.py`` (``gluon``: ``GLUON``, unfused or gated, one program per tile or ``PERSISTENT``); outputs
-must agree (see ``tune_variants``), the fastest is kept. ``--variants half_tail`` (for example) tries only that
-family against the entry.
+kernel of ``gluon_sm90.py`` (``gluon``: ``GLUON``, unfused or gated, one program per tile or ``PERSISTENT``), on the
+warp-specialized kernel of ``gluon_ws.py`` (``ws``: ``PINGPONG`` / ``COOPERATIVE``, bf16 and block FP8), and with
+programmatic dependent launch between the GEMMs (``pdl``: ``PDL``); outputs must agree (see ``tune_variants``), the
+fastest of ``--repeats`` round-robin timings is kept. ``--variants half_tail`` (for example) tries only that family
+against the entry.
 """
 
 from __future__ import annotations
@@ -232,7 +234,7 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
     log(f"wrote {fname}")
 
 
-VARIANT_FAMILIES = ("input", "joint", "half_tail", "gluon", "ws")
+VARIANT_FAMILIES = ("input", "joint", "half_tail", "gluon", "ws", "pdl")
 
 
 def _gluon_variants(g1, g2):
@@ -331,6 +333,8 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
     - ``gluon`` (block FP8): the Gluon kernel for GEMM1, GEMM2 or both (see ``_gluon_variants``);
     - ``ws`` (unquantized or block FP8, SiLU): the warp-specialized kernel, ping-pong or cooperative, for GEMM1,
       GEMM2 or both (see ``_ws_variants``);
+    - ``pdl`` (entries on ``fused_moe_kernel``): the entry with ``PDL`` flipped on GEMM2 (programmatic dependent
+      launch: GEMM2 is launched during GEMM1's last wave and waits for its output);
 
     and keep the fastest (best of ``repeats`` round-robin timings) whose output is bitwise equal to the gathering
     one (the input path changes no arithmetic) or, for ``HALF_TAIL``, ``JOINT_GATE_UP``, ``GLUON`` and the
@@ -386,6 +390,10 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
                              for n, g in paths if n in ("gather", "permute+tma")]
         if "gluon" in families and plan.block_shape is not None:
             variants += _gluon_variants(g1, g2)
+        if "pdl" in families and not any(entry[g].get(k, 0) for g in entry for k in ("GLUON", "PINGPONG",
+                                                                                     "COOPERATIVE")):
+            # GEMM2 (and the requantization before it) launched during GEMM1's last wave
+            variants.append(("pdl", entry["gemm1"], dict(g2, PDL=1 - g2.get("PDL", 0))))
         if "ws" in families and sh.activation == "silu" and not sh.bias and plan.kind in ("none", "fp8") and (
                 plan.kind == "none" or plan.block_shape is not None):
             variants += _ws_variants(entry["gemm1"], g1, g2, plan.block_shape is not None)
