@@ -195,8 +195,16 @@ def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, s
         out = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(c_ptr.dtype.element_ty)  # _jit.apply_act, SILU
     else:
         out = gl.convert_layout(h, out_layout)
-    offs_cm = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
-    offs_cn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+    _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, BLOCK_M, BLOCK_N, C_SORTED)
+
+
+@gluon.jit
+def _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS: gl.constexpr,
+                BLOCK_N: gl.constexpr, C_SORTED: gl.constexpr):
+    """Store a ``[ROWS, BLOCK_N]`` output tile (in its blocked store layout) at sorted rows ``row0..`` (``C_SORTED``)
+    or at their route ids (padding rows, ids ``>= num_valid_tokens``, not stored); columns past ``N`` masked."""
+    offs_cm = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out.type.layout))
+    offs_cn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out.type.layout))
     if C_SORTED:
         c_rows = offs_cm
         row_mask = offs_cm >= 0

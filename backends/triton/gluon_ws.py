@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._jit import ACT_SILU
-from .gluon_sm90 import GROUP, _k_tile_scales, _tile_pids
+from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids
 
 GROUP_C = gl.constexpr(GROUP)  # the 128x128 weight block, inside kernels
 
@@ -112,15 +112,19 @@ def ws_moe_gemm_kernel(
 
 
 @gluon.jit
-def _schedule(num_tokens_post_padded_ptr, num_tiles_ptr, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, HALF_TAIL: gl.constexpr):
-    """``(row tiles, N tiles, tiles, K tiles)`` of the launch."""
+def _schedule(expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr, N, K, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr):
+    """``(row tiles, N tiles, tiles, K tiles, programs, this program's first tile)`` of the launch."""
     if HALF_TAIL:
         num_pid_m = gl.load(num_tiles_ptr)
     else:
         num_pid_m = gl.cdiv(gl.load(num_tokens_post_padded_ptr), BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
-    return num_pid_m, num_pid_n, num_pid_m * num_pid_n, gl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    nprog = gl.num_programs(0)
+    first = _next(gl.program_id(0), num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
+                  BLOCK_N, GROUP_M, HALF_TAIL)
+    return num_pid_m, num_pid_n, num_tiles, gl.cdiv(K, BLOCK_K), nprog, first
 
 
 @gluon.jit
@@ -162,12 +166,10 @@ def _producer(a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_p
     """The TMA warp: the program's tiles' K tiles, in order, into the ring: load ``j`` into stage ``j % STAGES``
     once its previous occupant, load ``j - STAGES``, has been released (a tail tile loads ``BLOCK_M / 2`` rows of A
     into the stage's first half)."""
-    num_pid_m, num_pid_n, num_tiles, nk = _schedule(num_tokens_post_padded_ptr, num_tiles_ptr, N, K, BLOCK_M, BLOCK_N,
-                                                    BLOCK_K, HALF_TAIL)
-    nprog = gl.num_programs(0)
+    num_pid_m, num_pid_n, num_tiles, nk, nprog, tile = _schedule(
+        expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        HALF_TAIL)
     B_BYTES: gl.constexpr = 2 * b_desc.block_type.nbytes if GATED else b_desc.block_type.nbytes
-    tile = _next(gl.program_id(0), num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
-                 BLOCK_N, GROUP_M, HALF_TAIL)
     j = 0
     while tile < num_tiles:
         row0, n0, e, full = _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
@@ -212,11 +214,9 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
     """Consumer ``C`` (0 or 1). Ping-pong: the program's tiles ``i`` with ``i % 2 == C``, the mainloop of tile ``i``
     after the other consumer's of tile ``i - 1`` (its ``(i - 1) // 2``-th arrival on ``order[1 - C]``).
     Cooperative: rows ``[C BLOCK_M / 2, (C + 1) BLOCK_M / 2)`` of every tile."""
-    num_pid_m, num_pid_n, num_tiles, nk = _schedule(num_tokens_post_padded_ptr, num_tiles_ptr, N, K, BLOCK_M, BLOCK_N,
-                                                    BLOCK_K, HALF_TAIL)
-    nprog = gl.num_programs(0)
-    tile = _next(gl.program_id(0), num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
-                 BLOCK_N, GROUP_M, HALF_TAIL)
+    num_pid_m, num_pid_n, num_tiles, nk, nprog, tile = _schedule(
+        expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        HALF_TAIL)
     i = 0
     while tile < num_tiles:
         row0, n0, e, full = _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
@@ -399,16 +399,7 @@ def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, s
         out = gl.convert_layout(out, out_layout)
     else:
         out = gl.convert_layout(h, out_layout)
-    offs_cm = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
-    offs_cn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-    if C_SORTED:
-        c_rows = offs_cm
-        row_mask = offs_cm >= 0
-    else:
-        c_rows = gl.load(sorted_token_ids_ptr + offs_cm)
-        row_mask = c_rows < num_valid_tokens
-    c_ptrs = c_ptr + c_rows.to(gl.int64)[:, None] * stride_cm + offs_cn[None, :]
-    gl.store(c_ptrs, out, mask=row_mask[:, None] & (offs_cn < N)[None, :])
+    _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N, C_SORTED)
 
 
 # ---- host ----------------------------------------------------------------------------------------------------------
