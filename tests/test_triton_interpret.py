@@ -38,7 +38,7 @@ CHECKS = [
     "experts_fp8_block", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8",
     "experts_permute_a", "align_tiles", "experts_half_tail", "experts_n_tiles",
-    "experts_joint_gate_up",
+    "experts_joint_gate_up", "act_quant_tensor_amax_sorted",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
 
@@ -615,6 +615,25 @@ def _():
     except (NotImplementedError, ValueError):
         pass
     return bad or None
+
+
+@check("act_quant_tensor_amax_sorted")
+def _():
+    """Over the sorted layout the dynamic per-tensor amax (pass 1 of the per-tensor requantization) covers the routed
+    rows only: padding positions (ids >= num_valid) hold larger values here and must not raise it."""
+    from backends.triton.kernels import QMODE_FP8_TENSOR_AMAX
+    R, NC, nv, bm = 32, 64, 20, 16
+    ids = torch.arange(R, dtype=torch.int32)
+    ids[[5, 6, 21, 22, 23]] = nv  # padding positions
+    x = torch.randn(R, NC, generator=G).bfloat16()
+    x[ids >= nv] = 100.0
+    stat = torch.zeros(2, dtype=torch.float32)
+    T_quant.launch_act_quant(x=x, y=torch.empty(R, NC, dtype=torch.uint8), stat=stat, sorted_ids=ids,
+                             expert_ids=torch.zeros(R // bm, dtype=torch.int32),
+                             ntpp=torch.tensor([R], dtype=torch.int32), rows=R, nc=NC, num_valid=nv, block_m=bm,
+                             act=0, split=0, qmode=QMODE_FP8_TENSOR_AMAX, act_dtype=torch.bfloat16)
+    want = x.float()[ids < nv].abs().max()
+    return bool(stat[0] == want) or f"amax {stat[0].item()} != {want.item()} over the routed rows"
 
 
 @check("deterministic")

@@ -433,13 +433,13 @@ def act_quant_kernel(
         ntpp = tl.load(ntpp_ptr)
         if pid_r * BLOCK_R >= ntpp:
             return
-    if PDL:
-        gdc_wait()
         rmask = rows < ntpp
         route_ok = rmask & (tl.load(sorted_ids_ptr + rows, mask=rmask, other=num_valid) < num_valid)
     else:
         rmask = rows < R
         route_ok = rmask
+    if PDL:  # everything read from here on (x) is the previous kernel's output
+        gdc_wait()
     ex = rows * 0  # one dynamic per-tensor scale over all routed rows (slot 0 of stat)
     row64 = rows.to(tl.int64)
     y_rows = y_ptr + row64[:, None] * stride_ym
