@@ -150,18 +150,22 @@ for name, g1, g2 in tune._gluon_variants(g, g):
 """
 
 
+def _compile_script(code: str) -> list[dict]:
+    """Run a compile-only script in its own process (it swaps process-wide Triton state); its JSON lines."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+
+
 def test_every_gluon_variant_compiles_with_overlapped_mmas():
     """Every Gluon variant the tuner tries (plain and gated epilogues, 64- and 128-row tiles, persistent) compiles for
     sm_90 without spills, within the SM's shared memory, with one wgmma group left in flight during the promotion:
     also the variants no committed table uses today."""
     from backends.triton.sm90 import SM90
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", GLUON_VARIANTS], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1200)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    rows = _compile_script(GLUON_VARIANTS)
     assert {r["variant"] for r in rows} >= {"gluon1act-bm64", "gluon12-bm128", "gluon12act-bm128+persist"}, rows
     bad = [r for r in rows if r["stack"] > 0 or r["shared"] > SM90["max_shared_mem"] or not r["ops"].get("DEPBAR_LE_1")]
     assert not bad, f"Gluon variants spilling, over shared memory or with serialized wgmmas: {bad}"
@@ -217,12 +221,7 @@ def test_every_warp_specialized_variant_compiles():
     otherwise."""
     from backends.triton.sm90 import SM90
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", WS_VARIANTS], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1200)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    rows = _compile_script(WS_VARIANTS)
     kernels = [r for r in rows if "variant" in r]
     names = {r["variant"] for r in kernels}
     assert {"ws2-pingpong", "ws12-coop-bm128+half_tail", "ws12-pingpong-bm64", "ws1-coop+ws2-pingpong"} <= names, names

@@ -284,7 +284,7 @@ def _permute_rows(src: torch.Tensor, sorted_ids, ntpp, rows: int, num_valid: int
     return dst
 
 
-_GLUON_KEYS = ("GLUON", "PINGPONG", "COOPERATIVE")  # table keys that put a GEMM on a Gluon kernel
+GLUON_KEYS = ("GLUON", "PINGPONG", "COOPERATIVE")  # table keys that put a GEMM on a Gluon kernel
 
 
 def _gluon_module(name: str):
@@ -446,7 +446,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     # and wait for its output (programmatic dependent launch); fused_moe_kernel on both GEMMs only, and not around
     # the two-pass per-tensor requantization
     pdl = bool(g2.get("PDL", 0)) and not INTERPRET and stages in ("all", "gemms") and plan.a2_qmode != \
-        QMODE_FP8_TENSOR_AMAX and not any(g.get(k, 0) for g in (g1, g2) for k in _GLUON_KEYS)
+        QMODE_FP8_TENSOR_AMAX and not any(g.get(k, 0) for g in (g1, g2) for k in GLUON_KEYS)
     if plan.a2_qmode == QMODE_FP8_GROUP and I % group:
         raise ValueError(f"block-FP8 requantization needs I % {group} == 0, got I = {I}")
 

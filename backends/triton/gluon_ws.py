@@ -67,7 +67,8 @@ def ws_moe_gemm_kernel(
     HALF_TAIL: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr,
     COOP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """``C[rows, n] = epilogue(sum_k A[rows, k] W[e, n, k] (x scales))`` over the route layout's tiles (one expert each).
+    """``C[rows, n] = epilogue(sum_k A[rows, k] W[e, n, k] (x scales))`` over the route layout's tiles (one expert
+    each).
 
     ``a_desc``: TMA descriptor of A ``(EM, K)`` in sorted-row order, boxes ``[BLOCK_M, BLOCK_K]`` (``a_desc_h``:
     ``[BLOCK_M / 2, BLOCK_K]`` boxes, for ``HALF_TAIL``); ``b_desc``: of W viewed ``(E * NW, K)``, boxes

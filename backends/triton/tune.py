@@ -324,7 +324,7 @@ def _ws_variants(entry_g1, g1, g2, fp8_block):
 
 def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, repeats=2):
     """For each M with a table entry: time GEMM1 + GEMM2 with GEMM1's input gathered in the GEMM (the entry without
-    ``PERMUTE_A`` / ``HALF_TAIL``: the reference output) and the variants of ``families``:
+    ``PERMUTE_A`` / ``HALF_TAIL`` and on ``fused_moe_kernel``: the reference output) and the variants of ``families``:
 
     - ``input``: pre-permuted input (``PERMUTE_A``, with the entry's and with TMA loads);
     - ``joint``: each input path also with ``JOINT_GATE_UP`` flipped (gated halves);
@@ -350,7 +350,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
 def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
     from backends.triton import configs as C
     from backends.triton.bench import make_weights, time_graph
-    from backends.triton.experts import plan_quant, route_layout, run_experts
+    from backends.triton.experts import GLUON_KEYS, plan_quant, route_layout, run_experts
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
     plan = plan_quant(qc)
@@ -367,7 +367,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
         g2 = entry["gemm2"]
         # the reference path: fused_moe_kernel gathering its rows (no Gluon kernel: those need PERMUTE_A)
         g1 = {k: v for k, v in entry["gemm1"].items()
-              if k not in ("PERMUTE_A", "HALF_TAIL", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE")}
+              if k not in ("PERMUTE_A", "HALF_TAIL", "PERSISTENT") + GLUON_KEYS}
         bm = g1["BLOCK_SIZE_M"]
         R = 4
         routes, a1s = _draw_inputs(sh, M, dev, plan, qc, dt, R)
@@ -390,11 +390,10 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
                              for n, g in paths if n in ("gather", "permute+tma")]
         if "gluon" in families and plan.block_shape is not None:
             variants += _gluon_variants(g1, g2)
-        if "pdl" in families and not any(entry[g].get(k, 0) for g in entry for k in ("GLUON", "PINGPONG",
-                                                                                     "COOPERATIVE")):
+        if "pdl" in families and not any(g.get(k, 0) for g in entry.values() for k in GLUON_KEYS):
             # GEMM2 (and the requantization before it) launched during GEMM1's last wave
             variants.append(("pdl", entry["gemm1"], dict(g2, PDL=1 - g2.get("PDL", 0))))
-        if "ws" in families and sh.activation == "silu" and not sh.bias and plan.kind in ("none", "fp8") and (
+        if "ws" in families and sh.activation == "silu" and not sh.bias and (
                 plan.kind == "none" or plan.block_shape is not None):
             variants += _ws_variants(entry["gemm1"], g1, g2, plan.block_shape is not None)
         for name, v1, v2 in variants:
