@@ -429,25 +429,32 @@ def act_quant_kernel(
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    row64 = rows.to(tl.int64)
+    if SORTED and not PDL and (QMODE == 0 or QMODE == 1 or QMODE == 4 or QMODE == 5 or QMODE == 7):
+        # the tile is loaded before the test against num_tokens_post_padded, so that the two loads' latencies overlap
+        # (rows at or past it are never stored; rows are quantized independently)
+        y = _act_load(x_ptr, row64, cols, (rows < R)[:, None] & (cols < NC)[None, :], stride_xm, UP_OFF, alpha,
+                      beta, limit, SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
     if SORTED:
         ntpp = tl.load(ntpp_ptr)
         if pid_r * BLOCK_R >= ntpp:
             return
         rmask = rows < ntpp
-        route_ok = rmask & (tl.load(sorted_ids_ptr + rows, mask=rmask, other=num_valid) < num_valid)
+        if QMODE == 6:  # only the per-tensor amax asks which positions hold routes (one dependent load fewer)
+            route_ok = rmask & (tl.load(sorted_ids_ptr + rows, mask=rmask, other=num_valid) < num_valid)
     else:
         rmask = rows < R
         route_ok = rmask
     if PDL:  # everything read from here on (x) is the previous kernel's output
         gdc_wait()
     ex = rows * 0  # one dynamic per-tensor scale over all routed rows (slot 0 of stat)
-    row64 = rows.to(tl.int64)
     y_rows = y_ptr + row64[:, None] * stride_ym
     if QMODE == 0 or QMODE == 1 or QMODE == 4 or QMODE == 5 or QMODE == 7:
-        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = rmask[:, None] & (cols < NC)[None, :]
-        y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
-                      SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+        if PDL or not SORTED:
+            y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
+                          SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
         if QMODE == 0:
             tl.store(y_rows + cols[None, :], to_act(y, ACT_DT, EMU), mask=mask)
         elif QMODE == 1:

@@ -1,10 +1,19 @@
-"""Run one benchmark shape's experts step a few times, for a profiler to capture its kernels.
+"""Profile one benchmark shape's experts step: for an external profiler, or as a per-kernel breakdown.
 
     ncu -k regex:fused_moe_kernel --launch-skip 2 -c 2 --section SpeedOfLight --section Occupancy \
         python3 -m backends.triton.profile dsv3_tp8_fp8blk 4096
 
-The first call compiles and warms up; the second is the one to profile (GEMM1 and GEMM2 are its 3rd and 4th
-``fused_moe_kernel`` launches with ``--launch-skip 2``). Uses the tuned table entry of the GPU, as the bench does.
+runs the step a few times (default 2): the first call compiles and warms up; the second is the one to profile
+(GEMM1 and GEMM2 are its 3rd and 4th ``fused_moe_kernel`` launches with ``--launch-skip 2``).
+
+    python3 -m backends.triton.profile --breakdown qwen3_30b_fp8blk:8 dsv3_ep8_fp8blk:8
+
+times the GEMM stage as the bench does (GEMM1 with its fused activation, the requantization kernel when one runs,
+GEMM2; a CUDA graph of 10 calls over 10 routings) and prints, per kernel in launch order, its device time per
+call from ``torch.profiler`` over 5 graph replays, the sum, and the idle time between kernels (graph time per call
+minus the sum). A kernel launched with programmatic dependent launch (``PDL`` entries) starts during the previous
+one and counts its wait as device time, so the sum then exceeds the graph time. Both use the tuned table entry of
+the GPU, as the bench does.
 """
 
 from __future__ import annotations
@@ -14,21 +23,90 @@ import sys
 import torch
 
 
+def _shape(name):
+    from backends.triton.bench import SHAPES
+
+    sh = next((s for s in SHAPES if s.name == name), None)
+    if sh is None:
+        raise SystemExit(f"unknown shape {name!r}; names: {[s.name for s in SHAPES]}")
+    return sh
+
+
+def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
+    """Per-kernel device time (us per call) of the GEMM stage of bench shape ``name`` at ``M`` tokens:
+    ``{"graph_us", "kernels": [(position:name, us)], "sum_us"}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from backends.triton import configs as C
+    from backends.triton.bench import make_routing, make_weights, time_graph
+    from backends.triton.experts import plan_quant, quantize_activation, route_layout, run_experts
+
+    sh = _shape(name)
+    dev = torch.device("cuda")
+    w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
+    plan = plan_quant(qc)
+    cfg = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, plan.block_shape)
+    routes, lays, a1s = [], [], []
+    for r in range(R):  # the bench's routings (decode rotates them so the touched experts are not all in L2)
+        x = torch.randn(M, sh.K, device=dev, dtype=dt)
+        w, ids = make_routing(M, sh.E, sh.topk, dev, seed=1000 * M + r)
+        routes.append((w, ids))
+        lays.append(route_layout(ids, cfg, sh.E))
+        a1s.append((x, None) if plan.kind == "none" else quantize_activation(
+            x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe, use_ue8m0=plan.use_ue8m0))
+    out = torch.empty(M, sh.K, device=dev, dtype=dt)
+
+    def call(i):
+        r = i % R
+        run_experts(out=out, a1q=a1s[r][0], a1q_scale=a1s[r][1], w1=w1, w2=w2, topk_weights=routes[r][0],
+                    topk_ids=routes[r][1], activation=act, expert_map=None, num_ids=sh.E, qc=qc, plan=plan,
+                    cfg=cfg, layout=lays[r], stages="gemms")
+
+    graph_us = time_graph(call, n_calls=R)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(R):
+            call(i)
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
+                key=lambda e: e.time_range.start)
+    calls = replays * R
+    if not ev or len(ev) % calls:
+        raise RuntimeError(f"{len(ev)} kernel records for {calls} calls: the profiler did not see every kernel")
+    per = len(ev) // calls
+    kernels = [(f"{j}:{ev[j].name}", sum(ev[c * per + j].device_time for c in range(calls)) / calls)
+               for j in range(per)]
+    del g
+    return dict(graph_us=graph_us, kernels=kernels, sum_us=sum(t for _, t in kernels))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 2:
-        print("usage: python3 -m backends.triton.profile SHAPE M [calls]")
+    if not argv or (argv[0] != "--breakdown" and len(argv) < 2):
+        print("usage: python3 -m backends.triton.profile SHAPE M [calls]\n"
+              "       python3 -m backends.triton.profile --breakdown SHAPE:M [SHAPE:M ...]")
         return 2
     if not torch.cuda.is_available():
         print("no CUDA GPU: profiling needs one")
         return 2
-    from backends.triton.bench import SHAPES, make_routing, make_weights
+    if argv[0] == "--breakdown":
+        print(f"GEMM stage per kernel on {torch.cuda.get_device_name()} (us per call)")
+        for spec in argv[1:]:
+            name, _, m = spec.partition(":")
+            r = breakdown(name, int(m))
+            ks = ", ".join(f"{k} {t:.2f}" for k, t in r["kernels"])
+            print(f"{name} M={m}: graph {r['graph_us']:.2f}, kernels {r['sum_us']:.2f} ({ks}), "
+                  f"between kernels {r['graph_us'] - r['sum_us']:.2f}", flush=True)
+        return 0
+    from backends.triton.bench import make_routing, make_weights
     from backends.triton.experts import fused_experts
 
-    sh = next((s for s in SHAPES if s.name == argv[0]), None)
-    if sh is None:
-        print(f"unknown shape {argv[0]!r}; names: {[s.name for s in SHAPES]}")
-        return 2
+    sh = _shape(argv[0])
     M, calls = int(argv[1]), int(argv[2]) if len(argv) > 2 else 2
     dev = torch.device("cuda")
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
