@@ -340,9 +340,10 @@ def measure_ceilings(dev):
     return bw, bf16, fp8
 
 
-def time_graph(make_call, n_calls=10, budget_s=0.4):
-    """Median time per call (us) of ``n_calls`` calls captured in one CUDA graph; ``make_call(i)`` runs call i."""
-    for i in range(n_calls):  # warm-up / compile outside the capture
+def capture_graph(make_call, n_calls=10):
+    """``n_calls`` calls (``make_call(i)`` runs call i) captured in one CUDA graph, after one eager warm-up pass
+    (compilation happens outside the capture); replayed once before it is returned."""
+    for i in range(n_calls):
         make_call(i)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -351,13 +352,19 @@ def time_graph(make_call, n_calls=10, budget_s=0.4):
             make_call(i)
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def time_graph(make_call, n_calls=10, budget_s=0.4, graph=None):
+    """Median time per call (us) of ``n_calls`` calls captured in one CUDA graph (``graph``: one already captured by
+    :func:`capture_graph` with the same ``n_calls``)."""
+    g = graph if graph is not None else capture_graph(make_call, n_calls)
     t = time.time()
     g.replay()
     torch.cuda.synchronize()
     one = max(time.time() - t, 1e-6)
     reps = int(min(50, max(5, budget_s / one)))
     ms = _events_ms(g.replay, reps)
-    del g
     return ms * 1e3 / n_calls
 
 

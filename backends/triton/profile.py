@@ -38,7 +38,7 @@ def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from backends.triton import configs as C
-    from backends.triton.bench import make_routing, make_weights, time_graph
+    from backends.triton.bench import capture_graph, make_routing, make_weights, time_graph
     from backends.triton.experts import plan_quant, quantize_activation, route_layout, run_experts
 
     sh = _shape(name)
@@ -62,13 +62,8 @@ def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
                     topk_ids=routes[r][1], activation=act, expert_map=None, num_ids=sh.E, qc=qc, plan=plan,
                     cfg=cfg, layout=lays[r], stages="gemms")
 
-    graph_us = time_graph(call, n_calls=R)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(R):
-            call(i)
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_graph(call, n_calls=R)
+    graph_us = time_graph(call, n_calls=R, graph=g)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             g.replay()
