@@ -68,6 +68,18 @@ def test_half_tail_needs_tiles_of_32_rows():
     assert C.sanitize_config({"gemm1": g, "gemm2": g})["gemm1"]["HALF_TAIL"] == 0
 
 
+def test_ntiles_tuner_variants():
+    """The tuner's ntiles family: decode GEMM2s with 2 / 3 / 4 N tiles per program, with and without FLATTEN, at the
+    entry's BLOCK_SIZE_N and 64; nothing for prefill (BLOCK_SIZE_M > 32) or Gluon GEMM2s."""
+    from backends.triton.tune import _ntiles_variants
+    g2 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, PDL=1)
+    v = _ntiles_variants({}, g2)
+    assert {(c["BLOCK_SIZE_N"], c["N_TILES"], c["FLATTEN"]) for _, _, c in v} == {
+        (bn, n, f) for bn in (64, 128) for n in (2, 3, 4) for f in (0, 1)}
+    assert all(c["PDL"] == 1 and c["BLOCK_SIZE_M"] == 16 for _, _, c in v)
+    assert _ntiles_variants({}, dict(g2, BLOCK_SIZE_M=64)) == [] and _ntiles_variants({}, dict(g2, GLUON=1)) == []
+
+
 def test_tuner_candidate_lists_are_complete():
     """Each GEMM's candidate list is deduplicated on its own (a GEMM2 candidate equal to a GEMM1 candidate is still
     timed), and prefill has the 128-row HALF_TAIL key."""

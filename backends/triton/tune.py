@@ -23,7 +23,8 @@ one weight tile or two (``joint``: ``JOINT_GATE_UP``), each with and without ``H
 padded to half a tile, one half-height tail tile each), and for block FP8 with GEMM1, GEMM2 or both on the Gluon
 kernel of ``gluon_sm90.py`` (``gluon``: ``GLUON``, unfused or gated, one program per tile or ``PERSISTENT``), on the
 warp-specialized kernel of ``gluon_ws.py`` (``ws``: ``PINGPONG`` / ``COOPERATIVE``, bf16 and block FP8), and with
-programmatic dependent launch between the GEMMs (``pdl``: ``PDL``); outputs must agree (see ``tune_variants``), the
+programmatic dependent launch between the GEMMs (``pdl``: ``PDL``), and decode GEMM2s computing several N tiles
+per program (``ntiles``: ``N_TILES``, ``FLATTEN``); outputs must agree (see ``tune_variants``), the
 fastest of ``--repeats`` round-robin timings is kept. ``--variants half_tail`` (for example) tries only that family
 against the entry.
 """
@@ -234,7 +235,23 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
     log(f"wrote {fname}")
 
 
-VARIANT_FAMILIES = ("input", "joint", "half_tail", "gluon", "ws", "pdl")
+VARIANT_FAMILIES = ("input", "joint", "half_tail", "gluon", "ws", "pdl", "ntiles")
+
+
+def _ntiles_variants(entry_g1, g2):
+    """Decode GEMM2s (BLOCK_SIZE_M <= 32, on ``fused_moe_kernel``): several N tiles per program (``N_TILES`` 2 / 3 /
+    4, with and without ``FLATTEN``) at the entry's BLOCK_SIZE_N and at 64. Fewer, longer programs (a third of the
+    grid at 3: about one wave of resident CTAs at M = 8) whose next tile's loads overlap this tile's epilogue
+    (``FLATTEN``), against the one-tile programs whose short K (= I) makes each a chain of latencies."""
+    if g2["BLOCK_SIZE_M"] > 32 or any(g2.get(k, 0) for k in ("GLUON", "PINGPONG", "COOPERATIVE")):
+        return []
+    out = []
+    for bn in sorted({g2["BLOCK_SIZE_N"], 64}):
+        for n in (2, 3, 4):
+            for f in (0, 1):
+                out.append((f"ntiles-bn{bn}-x{n}" + ("-flat" if f else ""), entry_g1,
+                            dict(g2, BLOCK_SIZE_N=bn, N_TILES=n, FLATTEN=f)))
+    return out
 
 
 def _gluon_variants(g1, g2):
@@ -335,6 +352,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
       GEMM2 or both (see ``_ws_variants``);
     - ``pdl`` (entries on ``fused_moe_kernel``): the entry with ``PDL`` flipped on GEMM2 (programmatic dependent
       launch: GEMM2 is launched during GEMM1's last wave and waits for its output);
+    - ``ntiles`` (decode GEMM2s): ``N_TILES`` 2 / 3 / 4, with and without ``FLATTEN`` (see ``_ntiles_variants``);
 
     and keep the fastest (best of ``repeats`` round-robin timings) whose output is bitwise equal to the gathering
     one (the input path changes no arithmetic) or, for ``HALF_TAIL``, ``JOINT_GATE_UP``, ``GLUON`` and the
@@ -393,6 +411,8 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
         if "pdl" in families and not any(g.get(k, 0) for g in entry.values() for k in GLUON_KEYS):
             # GEMM2 (and the requantization before it) launched during GEMM1's last wave
             variants.append(("pdl", entry["gemm1"], dict(g2, PDL=1 - g2.get("PDL", 0))))
+        if "ntiles" in families:
+            variants += _ntiles_variants(entry["gemm1"], g2)
         if "ws" in families and sh.activation == "silu" and not sh.bias and (
                 plan.kind == "none" or plan.block_shape is not None):
             variants += _ws_variants(entry["gemm1"], g1, g2, plan.block_shape is not None)
