@@ -111,6 +111,23 @@ def make_routing(M, E, topk, dev, seed):
     return fused_topk(None, logits, topk, True)
 
 
+def draw_inputs(sh: Shape, M, dev, plan, qc, dt, R, seed):
+    """``R`` input sets of shape ``sh`` at ``M`` tokens (the bench, the tuner and the profiler time over several, so
+    that at decode the touched experts are not all in L2): ``(xs, routes, a1s)`` with ``xs[r]`` the ``(M, K)``
+    hidden states, ``routes[r] = (topk_weights, topk_ids)`` from :func:`make_routing` seeded ``seed + r``, and
+    ``a1s[r] = (a1q, a1q_scale)``: ``xs[r]`` quantized per ``plan`` (``(x, None)`` unquantized)."""
+    from backends.triton.experts import quantize_activation
+
+    xs, routes, a1s = [], [], []
+    for r in range(R):
+        x = torch.randn(M, sh.K, device=dev, dtype=dt)
+        routes.append(make_routing(M, sh.E, sh.topk, dev, seed=seed + r))
+        xs.append(x)
+        a1s.append((x, None) if plan.kind == "none" else quantize_activation(
+            x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe, use_ue8m0=plan.use_ue8m0))
+    return xs, routes, a1s
+
+
 # --------------------------------------------------------------------------------------------------------------
 # correctness
 # --------------------------------------------------------------------------------------------------------------
@@ -370,7 +387,7 @@ def time_graph(make_call, n_calls=10, budget_s=0.4, graph=None):
 
 def bench_shape(sh: Shape, Ms, dev, w1, w2, qc, act, dt, ceil, rows):
     from backends.triton import configs as C
-    from backends.triton.experts import fused_experts, plan_quant, quantize_activation, route_layout, run_experts
+    from backends.triton.experts import fused_experts, plan_quant, route_layout, run_experts
 
     bw, pk_bf16, pk_fp8 = ceil
     plan = plan_quant(qc)
@@ -386,20 +403,9 @@ def bench_shape(sh: Shape, Ms, dev, w1, w2, qc, act, dt, ceil, rows):
         try:
             R = 10 if M <= 64 else 4  # prefill: 4 routings, so the figure does not hang on one draw's padding
             cfg = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, plan.block_shape)
-            xs, routes, lays, a1s = [], [], [], []
-            touched = 0
-            for r in range(R):
-                x = torch.randn(M, sh.K, device=dev, dtype=dt)
-                w, ids = make_routing(M, sh.E, sh.topk, dev, seed=1000 * M + r)
-                touched += ids.unique().numel()
-                lay = route_layout(ids, cfg, sh.E)
-                if plan.kind == "none":
-                    aq = (x, None)
-                else:
-                    aq = quantize_activation(x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe,
-                                             use_ue8m0=plan.use_ue8m0)
-                xs.append(x), routes.append((w, ids)), lays.append(lay), a1s.append(aq)
-            touched /= R
+            xs, routes, a1s = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=1000 * M)
+            lays = [route_layout(ids, cfg, sh.E) for _, ids in routes]
+            touched = sum(ids.unique().numel() for _, ids in routes) / R
             outs = [torch.empty(M, sh.K, device=dev, dtype=dt) for _ in range(R)]
 
             def gemms(i):

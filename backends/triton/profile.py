@@ -38,22 +38,16 @@ def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from backends.triton import configs as C
-    from backends.triton.bench import capture_graph, make_routing, make_weights, time_graph
-    from backends.triton.experts import plan_quant, quantize_activation, route_layout, run_experts
+    from backends.triton.bench import capture_graph, draw_inputs, make_weights, time_graph
+    from backends.triton.experts import plan_quant, route_layout, run_experts
 
     sh = _shape(name)
     dev = torch.device("cuda")
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
     plan = plan_quant(qc)
     cfg = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, plan.block_shape)
-    routes, lays, a1s = [], [], []
-    for r in range(R):  # the bench's routings (decode rotates them so the touched experts are not all in L2)
-        x = torch.randn(M, sh.K, device=dev, dtype=dt)
-        w, ids = make_routing(M, sh.E, sh.topk, dev, seed=1000 * M + r)
-        routes.append((w, ids))
-        lays.append(route_layout(ids, cfg, sh.E))
-        a1s.append((x, None) if plan.kind == "none" else quantize_activation(
-            x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe, use_ue8m0=plan.use_ue8m0))
+    _, routes, a1s = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=1000 * M)  # the bench's inputs
+    lays = [route_layout(ids, cfg, sh.E) for _, ids in routes]
     out = torch.empty(M, sh.K, device=dev, dtype=dt)
 
     def call(i):

@@ -133,15 +133,9 @@ def _smem_ok(cfg, elt, fuse_pair):
 
 def _draw_inputs(sh, M, dev, plan, qc, dt, R=4):
     """``R`` routings (seeded by M) and GEMM1 inputs (quantized per ``plan``): ``(routes, [(a1q, a1q_scale)])``."""
-    from backends.triton.bench import make_routing
-    from backends.triton.experts import quantize_activation
+    from backends.triton.bench import draw_inputs
 
-    routes, a1s = [], []
-    for r in range(R):
-        x = torch.randn(M, sh.K, device=dev, dtype=dt)
-        routes.append(make_routing(M, sh.E, sh.topk, dev, seed=77 * M + r))
-        a1s.append((x, None) if plan.kind == "none" else quantize_activation(
-            x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe, use_ue8m0=plan.use_ue8m0))
+    _, routes, a1s = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=77 * M)
     return routes, a1s
 
 
@@ -243,7 +237,9 @@ def _ntiles_variants(entry_g1, g2):
     4, with and without ``FLATTEN``) at the entry's BLOCK_SIZE_N and at 64. Fewer, longer programs (a third of the
     grid at 3: about one wave of resident CTAs at M = 8) whose next tile's loads overlap this tile's epilogue
     (``FLATTEN``), against the one-tile programs whose short K (= I) makes each a chain of latencies."""
-    if g2["BLOCK_SIZE_M"] > 32 or any(g2.get(k, 0) for k in ("GLUON", "PINGPONG", "COOPERATIVE")):
+    from backends.triton.experts import GLUON_KEYS
+
+    if g2["BLOCK_SIZE_M"] > 32 or any(g2.get(k, 0) for k in GLUON_KEYS):
         return []
     out = []
     for bn in sorted({g2["BLOCK_SIZE_N"], 64}):
