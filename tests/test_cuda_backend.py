@@ -30,12 +30,12 @@ from backends.cuda.experts import (
     cuda_moe_activation,
     route_plan,
 )
-from conformance.metrics import error_stats
 from reference import gate as rg
 from reference import quant as rq
 from reference.activation import MoEActivation, apply_moe_activation
 from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEConfig, fp8_w8a8_moe_quant_config
 from reference.experts import fused_experts
+from reference.metrics import error_stats
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 from specs import load_tolerances
 

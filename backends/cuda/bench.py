@@ -300,10 +300,10 @@ def _qc_for(scheme, w1, w2):
 
 def experts_checks():
     from backends.cuda import experts as ce
-    from conformance.metrics import error_stats
     from reference.activation import MoEActivation
     from reference.config import FusedMoEConfig
     from reference.experts import fused_experts
+    from reference.metrics import error_stats
     from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
     from specs import load_tolerances
 

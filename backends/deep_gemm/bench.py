@@ -45,6 +45,8 @@ if __package__ in (None, ""):  # allow `python3 backends/deep_gemm/bench.py`
 
 import torch
 
+from reference.metrics import calc_diff, error_stats
+
 T0 = time.time()
 DEADLINE_S = 330.0
 ROWS: list[tuple[str, str, str, str]] = []  # (section, item, result, note)
@@ -68,21 +70,9 @@ def time_left() -> float:
     return DEADLINE_S - (time.time() - T0)
 
 
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    den = (x * x + y * y).sum()
-    return 0.0 if float(den) == 0 else float(1 - 2 * (x * y).sum() / den)
-
-
 def err_stats(out: torch.Tensor, ref: torch.Tensor) -> dict:
-    o, r = out.double(), ref.double()
-    d = (o - r).abs()
-    return {
-        "max_norm": float(d.max() / r.abs().max().clamp_min(1e-30)),
-        "rms_norm": float((d.pow(2).mean().sqrt()) / r.pow(2).mean().sqrt().clamp_min(1e-30)),
-        "calc_diff": calc_diff(out, ref),
-        "nonfinite": int((~torch.isfinite(out)).sum()),
-    }
+    """max_norm / rms_norm / calc_diff / nonfinite of ``out`` against ``ref`` (``reference.metrics``)."""
+    return error_stats(out, ref).as_dict()
 
 
 def cuda_time_us(fn, warmup: int = 3, iters: int = 10) -> float:

@@ -142,12 +142,10 @@ def tolerances():
 
 
 def stats(out, ref):
-    o, r = out.double(), ref.double()
-    d = o - r
-    return dict(max_norm=(d.abs().max() / r.abs().max().clamp_min(1e-30)).item(),
-                rms_norm=(d.pow(2).mean().sqrt() / r.pow(2).mean().sqrt().clamp_min(1e-30)).item(),
-                calc_diff=(1 - 2 * (o * r).sum() / (o * o + r * r).sum().clamp_min(1e-30)).item(),
-                nan=bool(torch.isnan(out).any()))
+    """``reference.metrics.error_stats`` as the dict this script prints (``nan``: any NaN in ``out``)."""
+    from reference.metrics import error_stats
+
+    return dict(error_stats(out, ref).as_dict(), nan=bool(torch.isnan(out).any()))
 
 
 def tol_key(scheme, dt):
