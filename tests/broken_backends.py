@@ -126,3 +126,36 @@ class _CrashesOnM4(TorchExperts):
 
 
 crashes_on_m4 = dataclasses.replace(_torch, name="broken_crash", experts=[_CrashesOnM4])
+
+
+# --- Padding routes (-1 ids) under an expert map: conformance/test_padding.py ------------------------------------
+
+
+class _PaddingIdClamped(TorchExperts):
+    """Looks -1 slots up as ``expert_map[max(id, 0)]``: under an expert map a padding slot becomes a route to global
+    expert 0 (wrong on the rank that holds it). Without an expert map it behaves (as the bug did)."""
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, *args, **kwargs):
+        if expert_map is not None:
+            topk_ids = topk_ids.clamp(min=0)
+        super().apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                      expert_map, *args, **kwargs)
+
+
+padding_id_clamped = dataclasses.replace(_torch, name="broken_padding_id_clamped", experts=[_PaddingIdClamped])
+
+
+class _PaddingIdWraps(TorchExperts):
+    """Looks -1 slots up as ``expert_map[id]`` with wrap-around indexing (vLLM #48371 read ``expert_map[-1]``): a
+    padding slot becomes a route to the last global expert (wrong on the rank that holds it)."""
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, *args, **kwargs):
+        if expert_map is not None:
+            topk_ids = torch.where(topk_ids < 0, topk_ids + expert_map.numel(), topk_ids)
+        super().apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                      expert_map, *args, **kwargs)
+
+
+padding_id_wraps = dataclasses.replace(_torch, name="broken_padding_id_wraps", experts=[_PaddingIdWraps])
