@@ -6,7 +6,7 @@ Every available backend runs on the same inputs in one run: each experts class o
 skipped with the class's reason; an unavailable backend is skipped with its ``unavailable_reason()``.
 
 Inputs (deterministic, seeded from the shape id): weights ``w1 ~ N(0, 1/K)``, ``w2 ~ N(0, 1/I)`` drawn in bf16 on
-the device and quantized with ``conformance.schemes.quantize_weights`` (the reference quantizers, as conformance);
+the device and quantized with ``reference.schemes.quantize_weights`` (the reference quantizers, as conformance);
 ``n_sets`` rotating sets of hidden states ``~ N(0, 1)`` and routing (top-k of the softmax of random logits over the
 held experts, int32 ids); weight copies too when the layer's weights are smaller than 4 x L2.
 
@@ -264,7 +264,7 @@ def _weights(shape: S.ExpertsShape, device: torch.device, l2_bytes: int) -> Expe
     _ORACLE.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    from conformance.schemes import quantize_weights
+    from reference.schemes import quantize_weights
 
     g = _gen(device, "weights-" + shape.id)
     E, N, K, I = shape.E, shape.N, shape.K, shape.I  # noqa: E741
@@ -376,7 +376,7 @@ def supported(p: ExpertsParam) -> tuple[bool, str]:
 @cache
 def _weights_qc_key(shape: S.ExpertsShape):
     """(weight_key, activation_key) of the shape's scheme, from a tiny quantization (no big weights needed)."""
-    from conformance.schemes import quantize_weights
+    from reference.schemes import quantize_weights
 
     n = 2 if shape.activation.is_gated else 1
     w1 = torch.randn(1, 128 * n, 128).to(torch.bfloat16)

@@ -18,9 +18,9 @@ from functools import lru_cache
 import torch
 
 from conformance.cases import ExpertsCase, RoutingCase
-from conformance.schemes import quantize_weights
 from reference.config import FusedMoEQuantConfig
 from reference.routing import determine_expert_map, llama4_routing, select_experts, topk_softmax
+from reference.schemes import quantize_weights
 from specs import ModelSpec
 
 __all__ = ["ExpertsInputs", "make_experts_inputs", "route", "router_logits", "routing_bias"]

@@ -20,11 +20,11 @@ import torch
 from conformance.cases import ExpertsCase, experts_cases
 from conformance.inputs import ExpertsInputs, make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, error_stats
-from conformance.schemes import scheme_tolerance_key
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
 from reference.experts import fused_experts
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
+from reference.schemes import scheme_tolerance_key
 
 
 def pytest_generate_tests(metafunc):

@@ -18,12 +18,12 @@ import torch
 from conformance.cases import ExpertsCase
 from conformance.inputs import make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, assert_exact
-from conformance.schemes import quantize_weights, scheme_tolerance_key
 from conformance.test_experts import moe_config_for
 from reference.batched import BatchedPrepareAndFinalize
 from reference.experts import fused_experts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 from reference.routing import fused_topk
+from reference.schemes import quantize_weights, scheme_tolerance_key
 from specs import load_models
 
 SCHEMES = ["bf16", "fp8_block128"]

@@ -4,7 +4,7 @@ constructor rules, per-chunk expert metadata, workspace sharing, finalize reduct
 import pytest
 import torch
 
-from conformance.schemes import quantize_weights
+from reference.schemes import quantize_weights
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts, batch_by_expert
 from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEConfig
 from reference.experts import ReferenceExperts, fused_experts

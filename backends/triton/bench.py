@@ -97,7 +97,7 @@ def make_weights(sh: Shape, scheme: str, dev, seed=0):
         if extra:
             qc = FusedMoEQuantConfig(a1=qc.a1, a2=qc.a2, w1=qc.w1, w2=qc.w2, **extra)
         return w1, w2, qc, act, dt
-    from conformance.schemes import quantize_weights
+    from reference.schemes import quantize_weights
 
     w1q, w2q, qc = quantize_weights(scheme, w1, w2, w1_bias=b1, w2_bias=b2, **extra)
     return w1q, w2q, qc, act, dt

@@ -1,0 +1,195 @@
+"""The quantization schemes of the experts: name -> how the weights and activations are quantized.
+
+A scheme (``specs/schemes.toml``: its name, description, vLLM ``QuantKey`` names for the weights and activations,
+and the ``[experts.*]`` table of ``specs/tolerances.toml`` its outputs are checked against) turns a case's bf16
+weights into the codes, scales and ``FusedMoEQuantConfig`` a kernel receives. The weights are quantized here with
+the reference quantizers, so the only quantization a backend performs itself is the activations' (a1 in prepare,
+a2 between the GEMMs), as the config's activation descriptors say.
+
+This is part of the reference (the conformance suite, the benchmarks and the backends' GPU scripts all build their
+weights through :func:`quantize_weights`); the names, keys and tolerance keys are data in ``specs/``, the
+quantization recipe per scheme is code here (``_BUILDERS``), and the two must name the same schemes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Callable
+
+import torch
+
+from reference import quant as q
+from reference.config import (
+    FUSED_MOE_UNQUANTIZED_CONFIG,
+    FusedMoEQuantConfig,
+    biased_moe_quant_config,
+    fp8_w8a8_moe_quant_config,
+    int8_w8a8_moe_quant_config,
+    mxfp4_moe_quant_config,
+    nvfp4_moe_quant_config,
+    w4a8_moe_quant_config,
+)
+from specs import load_schemes
+
+__all__ = ["Scheme", "schemes", "get_scheme", "quantize_weights", "scheme_tolerance_key", "UNQUANTIZED"]
+
+# Unquantized schemes: the weights keep the case's dtype; the tolerance table is named after the output dtype.
+UNQUANTIZED = frozenset({"bf16", "fp16", "fp32"})
+# NVFP4 activations use fixed global encode scales (vLLM calibrates them): 448*6 / expected amax.
+NVFP4_A1_GSCALE = torch.tensor([448.0 * 6.0 / 8.0])
+NVFP4_A2_GSCALE = torch.tensor([448.0 * 6.0 / 16.0])
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One entry of ``specs/schemes.toml``.
+
+    ``weight_key`` / ``activation_key`` are the ``reference.quant`` ``QuantKey`` names an experts class must claim
+    (seed 002 ``_supports_quant_scheme``; ``"none"`` = unquantized); ``tolerance`` names the ``[experts.<key>]``
+    table of ``specs/tolerances.toml`` (unquantized schemes use the output dtype's table instead)."""
+
+    name: str
+    description: str
+    tolerance: str
+    weight_key: str
+    activation_key: str
+
+    @property
+    def quantized(self) -> bool:
+        return self.name not in UNQUANTIZED
+
+    def quant_keys(self) -> tuple[q.QuantKey | None, q.QuantKey | None]:
+        """The ``(weight, activation)`` ``QuantKey`` objects (``None`` for ``"none"``)."""
+        return tuple(None if n == "none" else getattr(q, n) for n in (self.weight_key, self.activation_key))
+
+
+def _stack(pairs):
+    return tuple(torch.stack(t) for t in zip(*pairs))
+
+
+def _unquantized(scheme, w1, w2, w1_bias, w2_bias, extra):
+    qc = FUSED_MOE_UNQUANTIZED_CONFIG if w1_bias is None else biased_moe_quant_config(w1_bias, w2_bias)
+    if any(v is not None for v in extra.values()):
+        qc = FusedMoEQuantConfig(a1=qc.a1, a2=qc.a2, w1=qc.w1, w2=qc.w2, **extra)
+    return w1, w2, qc
+
+
+def _fp8_tensor(scheme, w1, w2, w1_bias, w2_bias, extra):
+    (w1q, s1), (w2q, s2) = (_stack([q.scaled_fp8_quant(w[e]) for e in range(w.shape[0])]) for w in (w1, w2))
+    return w1q, w2q, fp8_w8a8_moe_quant_config(s1.reshape(-1), s2.reshape(-1), **extra)
+
+
+def _fp8_channel_token(scheme, w1, w2, w1_bias, w2_bias, extra):
+    (w1q, s1), (w2q, s2) = (_stack([q.scaled_fp8_quant(w[e], use_per_token_if_dynamic=True)
+                                    for e in range(w.shape[0])]) for w in (w1, w2))
+    return w1q, w2q, fp8_w8a8_moe_quant_config(s1, s2, per_act_token_quant=True, per_out_ch_quant=True, **extra)
+
+
+def _fp8_block128(scheme, w1, w2, w1_bias, w2_bias, extra):
+    ue8m0 = scheme.endswith("ue8m0")
+    w1q, s1 = q.per_block_quant_fp8(w1, (128, 128), use_ue8m0=ue8m0)
+    w2q, s2 = q.per_block_quant_fp8(w2, (128, 128), use_ue8m0=ue8m0)
+    return w1q, w2q, fp8_w8a8_moe_quant_config(s1, s2, block_shape=[128, 128], use_ue8m0=ue8m0, **extra)
+
+
+def _int8_channel_token(scheme, w1, w2, w1_bias, w2_bias, extra):
+    (w1q, s1), (w2q, s2) = q.int8_quant_per_channel(w1), q.int8_quant_per_channel(w2)
+    return w1q, w2q, int8_w8a8_moe_quant_config(s1, s2)
+
+
+def _mxfp4(scheme, w1, w2, w1_bias, w2_bias, extra):
+    (w1q, s1), (w2q, s2) = q.mxfp4_quantize(w1), q.mxfp4_quantize(w2)
+    act = None if scheme == "mxfp4_w4a16" else "mxfp8"
+    return w1q, w2q, mxfp4_moe_quant_config(s1, s2, activation=act, w1_bias=w1_bias, w2_bias=w2_bias, **extra)
+
+
+def _nvfp4(scheme, w1, w2, w1_bias, w2_bias, extra):
+    (w1q, s1, g1), (w2q, s2, g2) = (_stack([q.nvfp4_quantize(w[e]) for e in range(w.shape[0])]) for w in (w1, w2))
+    return w1q, w2q, nvfp4_moe_quant_config(s1, s2, g1.reshape(-1), g2.reshape(-1), NVFP4_A1_GSCALE, NVFP4_A2_GSCALE)
+
+
+def _w4a8(scheme, w1, w2, w1_bias, w2_bias, extra):
+    def one(w):
+        chan = w.float().abs().amax(dim=-1).clamp(min=1e-6)  # normalise rows so group scales fit in E4M3
+        packed, gs = q.w4a8_quantize_weight(w.float() / chan.unsqueeze(-1), 128)
+        return packed, gs, chan
+
+    (w1q, s1, c1), (w2q, s2, c2) = one(w1), one(w2)
+    return w1q, w2q, w4a8_moe_quant_config(s1, s2, c1, c2)
+
+
+# How each scheme of specs/schemes.toml quantizes: (scheme, w1, w2, w1_bias, w2_bias, extra) -> (w1q, w2q, qc).
+_BUILDERS: dict[str, Callable] = {
+    "bf16": _unquantized, "fp16": _unquantized, "fp32": _unquantized,
+    "fp8_tensor": _fp8_tensor,
+    "fp8_channel_token": _fp8_channel_token,
+    "fp8_block128": _fp8_block128,
+    "fp8_block128_ue8m0": _fp8_block128,
+    "int8_channel_token": _int8_channel_token,
+    "mxfp4_w4a16": _mxfp4,
+    "mxfp4_mxfp8": _mxfp4,
+    "nvfp4": _nvfp4,
+    "w4a8": _w4a8,
+}
+
+
+@cache
+def schemes() -> dict[str, Scheme]:
+    """Every scheme of ``specs/schemes.toml`` by name, in file order.
+
+    Raises:
+        ValueError: a scheme of the TOML without a builder here (or the reverse for a quantized one), or an entry
+            missing ``tolerance`` / ``keys``.
+    """
+    out = {}
+    for name, raw in load_schemes().items():
+        try:
+            wkey, akey = raw["keys"]
+            out[name] = Scheme(name, raw.get("description", ""), raw["tolerance"], wkey, akey)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"specs/schemes.toml [schemes.{name}]: needs tolerance and keys = [weight, "
+                             f"activation] ({exc})") from None
+    missing = sorted(set(out) - set(_BUILDERS))
+    unlisted = sorted(set(_BUILDERS) - set(out) - UNQUANTIZED)
+    if missing or unlisted:
+        raise ValueError(f"reference.schemes and specs/schemes.toml disagree: no builder for {missing}, "
+                         f"not in the TOML: {unlisted}")
+    return out
+
+
+def get_scheme(name: str) -> Scheme:
+    """The :class:`Scheme` named ``name``.
+
+    Raises:
+        ValueError: unknown scheme (lists the known ones).
+    """
+    try:
+        return schemes()[name]
+    except KeyError:
+        raise ValueError(f"unknown scheme {name!r}; known: {', '.join(schemes())}") from None
+
+
+def scheme_tolerance_key(scheme: str, dtype: torch.dtype) -> str:
+    """The ``[experts.<key>]`` table of ``specs/tolerances.toml`` for ``scheme`` with output ``dtype``: the dtype's
+    name for unquantized schemes (``bfloat16``, ``float16``, ``float32``), else the scheme's ``tolerance``."""
+    if scheme in UNQUANTIZED:
+        return str(dtype).removeprefix("torch.")
+    return get_scheme(scheme).tolerance
+
+
+def quantize_weights(scheme: str, w1: torch.Tensor, w2: torch.Tensor, *, w1_bias=None, w2_bias=None,
+                     gemm1_alpha=None, gemm1_clamp_limit=None):
+    """``(w1q, w2q, quant_config)`` for ``scheme`` from bf16 ``w1 (E, N, K)`` and ``w2 (E, K, I)``.
+
+    Unquantized schemes return the weights unchanged. ``w1_bias`` / ``w2_bias`` (bf16 ``(E, N)`` / ``(E, K)``) go
+    into the config where the scheme carries biases (unquantized, MXFP4); ``gemm1_alpha`` / ``gemm1_clamp_limit``
+    are the SWIGLUOAI parameters the config passes to the activation.
+
+    Raises:
+        ValueError: unknown scheme (lists the known ones).
+    """
+    if scheme not in UNQUANTIZED:
+        get_scheme(scheme)  # unknown names raise here, naming the known ones
+    extra = dict(gemm1_alpha=gemm1_alpha, gemm1_clamp_limit=gemm1_clamp_limit)
+    return _BUILDERS[scheme](scheme, w1, w2, w1_bias, w2_bias, extra)
