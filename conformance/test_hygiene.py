@@ -4,13 +4,16 @@ correctness bugs").
 - repeated runs are bitwise equal when the backend declares itself deterministic;
 - the batched format's padding rows stay zero (the layout promises it);
 - CUDA-graph replay equals eager (GPU backends);
-- more than 64k tokens x topk x N: offsets past int32 (vLLM #5938, #34279), checked on the last tokens against the
-  reference computed for those tokens only (GPU backends).
+- one experts call over more than 2^31 intermediate elements (tokens x topk x N): offsets past int32 (vLLM #5938,
+  #34279), checked on the first and last tokens against the reference computed for those tokens only (GPU
+  backends; the CPU proof that the case is real is tests/test_offsets_int32.py).
 Outputs and workspaces are poisoned with NaN before every call (``FusedMoEKernel(poison=nan)``), so unwritten
 elements fail everywhere in the suite.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,12 +22,13 @@ from conformance.cases import ExpertsCase
 from conformance.inputs import make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, assert_exact
 from conformance.test_experts import moe_config_for
+from reference.activation import MoEActivation
 from reference.batched import BatchedPrepareAndFinalize
 from reference.experts import fused_experts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 from reference.routing import fused_topk
 from reference.schemes import quantize_weights, scheme_tolerance_key
-from specs import load_models
+from specs import ModelSpec, load_models
 
 SCHEMES = ["bf16", "fp8_block128"]
 
@@ -134,33 +138,115 @@ def test_cuda_graph_replay_equals_eager(backend, experts_cls, scheme, repro, rec
     assert_exact(captured, eager, case=case.id, what="CUDA-graph replay vs eager", repro=repro)
 
 
-@pytest.mark.parametrize("M", [180_000])
-def test_offsets_past_int32(backend, M, tolerances, repro, record):
-    """Qwen3-30B-A3B shapes with M * topk * N > 2^31 (N = 1536): the last tokens must still be right."""
-    if backend.device != "cuda":
-        pytest.skip("needs a GPU (about 10 GB of activations and intermediates)")
-    m = load_models()["qwen3_30b_a3b"]
-    E, K, I, topk = 16, m.hidden_size, m.intermediate_size, m.top_k
-    assert M * topk * 2 * I > 2**31
-    g = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
-    w1 = (torch.randn(E, 2 * I, K, device="cuda", generator=g) * K**-0.5).bfloat16()
-    w2 = (torch.randn(E, K, I, device="cuda", generator=g) * I**-0.5).bfloat16()
-    w, ids = fused_topk(None, torch.randn(M, E, device="cuda", generator=g), topk, True)
-    case = ExpertsCase(m, "bf16", M, 8, 0)
-    for cls in backend.experts:
+@dataclass(frozen=True)
+class OffsetsCase:
+    """One experts call whose largest intermediate, GEMM1's output of ``tokens * topk`` rows of ``N`` elements,
+    holds at least ``limit`` elements: a kernel that computes row offsets in 32-bit signed integers wraps there
+    (``limit = 2**31``). Routing is ``fused_topk`` over ``local_experts`` experts (no expert map), bf16.
+
+    ``limit`` is a parameter so that tests/test_offsets_int32.py can run the same check on a small CPU analogue (a
+    tiny "int width") against a planted backend whose offsets wrap at that width."""
+
+    model: ModelSpec
+    tokens: int
+    local_experts: int
+    limit: int = 2**31
+    seed: int = 5
+    checked_tokens: int = 64  # the first and the last ``checked_tokens`` tokens are compared with the reference
+
+    @property
+    def N(self) -> int:
+        return self.model.intermediate_size * (2 if MoEActivation.from_str(self.model.activation).is_gated else 1)
+
+    @property
+    def largest_intermediate(self) -> int:
+        """Elements of GEMM1's output for one experts call over all ``tokens``: ``tokens * topk * N``."""
+        return self.tokens * self.model.top_k * self.N
+
+    def experts_case(self) -> ExpertsCase:
+        return ExpertsCase(self.model, "bf16", self.tokens, self.model.num_experts // self.local_experts, 0)
+
+    def kernel(self, cls, moe_config, qc) -> FusedMoEKernel:
+        """Chunk size = tokens: the modular kernel makes exactly one experts call, whatever the environment says."""
+        return FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(moe_config, qc), chunk_size=max(self.tokens, 1),
+                              poison=float("nan"))
+
+
+# Qwen3-30B-A3B (K = 2048, N = 2 * 768 = 1536, topk 8): 180000 * 8 * 1536 = 2.21e9 > 2^31 = 2.15e9 elements in
+# one call. (The modular kernel's default 16384-token chunks would cut each call to 16384 * 8 * 1536 = 2.0e8.)
+OFFSETS_PAST_INT32 = OffsetsCase(load_models()["qwen3_30b_a3b"], 180_000, 16)
+
+
+def check_offsets_case(experts_classes, oc: OffsetsCase, device: str, tol: dict, repro: str | None = None,
+                       record=None) -> list[str]:
+    """Run ``oc`` through every standard-format class of ``experts_classes`` that claims bf16; returns their names.
+
+    Each class gets ONE ``apply`` call over all tokens (asserted with a spy on ``apply``: one call, ``tokens``
+    rows, ``tokens * topk * N >= oc.limit``); the first and last ``oc.checked_tokens`` tokens are compared with
+    ``reference.experts.fused_experts`` computed for those tokens only.
+
+    Raises:
+        AssertionError: the case's own precondition fails (it does not cross ``oc.limit`` in one call).
+        ConformanceFailure: a class's output differs from the reference on the checked tokens.
+    """
+    M, topk, K, E = oc.tokens, oc.model.top_k, oc.model.hidden_size, oc.local_experts
+    assert oc.largest_intermediate >= oc.limit, (
+        f"precondition: {M} tokens x topk {topk} x N {oc.N} = {oc.largest_intermediate} elements does not reach "
+        f"{oc.limit}; the case tests nothing")
+    g = torch.Generator(device=device).manual_seed(oc.seed)
+    x = torch.randn(M, K, device=device, generator=g, dtype=torch.bfloat16)
+    w1 = (torch.randn(E, oc.N, K, device=device, generator=g) * K**-0.5).bfloat16()
+    w2 = (torch.randn(E, K, oc.model.intermediate_size, device=device, generator=g)
+          * oc.model.intermediate_size**-0.5).bfloat16()
+    w, ids = fused_topk(None, torch.randn(M, E, device=device, generator=g), topk, True)
+    case = oc.experts_case()
+    moe_config = moe_config_for(case)
+    assert moe_config.num_local_experts == E, (moe_config.num_local_experts, E)
+    _, _, qc = quantize_weights("bf16", w1, w2)
+    c = min(oc.checked_tokens, M)
+    checked = torch.cat([torch.arange(c), torch.arange(max(c, M - c), M)]).to(device)
+    ref = fused_experts(x[checked], w1, w2, w[checked], ids[checked], activation=case.activation)
+    ran = []
+    for cls in experts_classes:
         if cls.activation_format() != FusedMoEActivationFormat.Standard:
             continue
-        moe_config = moe_config_for(case)
-        _, _, qc = quantize_weights("bf16", w1, w2)
-        ok, reason = cls.is_supported_config(cls, moe_config, None, None, FusedMoEActivationFormat.Standard)
+        ok, _ = cls.is_supported_config(cls, moe_config, None, None, FusedMoEActivationFormat.Standard)
         if not ok:
             continue
-        record(component="hygiene", scheme="int32-offsets")
-        out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(moe_config, qc)).apply(x, w1, w2, w, ids)
-        tail = slice(M - 64, M)
-        ref = fused_experts(x[tail], w1, w2, w[tail], ids[tail])
-        assert_close(out[tail], ref, tolerances["experts"]["bfloat16"], case=f"{cls.__name__}-M{M}",
-                     what="last 64 tokens", repro=repro)
-        return
-    pytest.skip(f"backend {backend.name} has no standard-format experts class claiming bf16")
+        if record is not None:
+            record(component="hygiene", scheme="int32-offsets", tokens=M, experts_class=cls.__name__)
+        kernel = oc.kernel(cls, moe_config, qc)
+        calls, inner = [], kernel.fused_experts.apply
+
+        def spy(*args, **kwargs):
+            calls.append(kwargs["topk_ids"].shape[0] if "topk_ids" in kwargs else args[5].shape[0])
+            return inner(*args, **kwargs)
+
+        kernel.fused_experts.apply = spy
+        out = kernel.apply(x, w1, w2, w, ids, activation=case.activation)
+        assert calls == [M] and M * topk * w1.shape[1] >= oc.limit, (
+            f"precondition: {cls.__name__} was called with {calls} rows, not once with all {M} tokens: no single "
+            f"call reached {oc.limit} elements")
+        assert_close(out[checked], ref, tol, case=f"{case.id}-{cls.__name__}",
+                     what=f"{cls.__name__}: first and last {c} tokens of one {M}-token call "
+                          f"({oc.largest_intermediate} intermediate elements)", repro=repro)
+        ran.append(cls.__name__)
+        del out, kernel
+    return ran
+
+
+@pytest.mark.parametrize("oc", [OFFSETS_PAST_INT32], ids=lambda oc: str(oc.tokens))
+def test_offsets_past_int32(backend, oc: OffsetsCase, tolerances, repro, record):
+    """Qwen3-30B-A3B shapes, ONE experts call (chunk size = M) whose GEMM1 output holds M * topk * N > 2^31
+    elements (vLLM #5938, #34279): the first and last tokens must still be right.
+
+    Runs on GPU backends only. On a CPU it needs tens of GB (activations 0.7 GB, the intermediates 4.4 GB in bf16
+    and more in fp32 in a torch implementation), so CPU backends skip it; tests/test_offsets_int32.py proves on
+    CPU that this case crosses 2^31 in one call and that the same check goes red on a backend whose offsets wrap
+    (a small analogue with a tiny offset width)."""
+    if backend.device != "cuda":
+        pytest.skip(f"needs a GPU: one {oc.tokens}-token call with {oc.largest_intermediate / 1e9:.2f}e9-element "
+                    "intermediates takes tens of GB on a CPU (its CPU proof: tests/test_offsets_int32.py)")
+    ran = check_offsets_case(backend.experts, oc, "cuda", tolerances["experts"]["bfloat16"], repro, record)
+    if not ran:
+        pytest.skip(f"backend {backend.name} has no standard-format experts class claiming bf16")

@@ -159,3 +159,77 @@ class _PaddingIdWraps(TorchExperts):
 
 
 padding_id_wraps = dataclasses.replace(_torch, name="broken_padding_id_wraps", experts=[_PaddingIdWraps])
+
+
+# --- 32-bit row offsets: conformance/test_hygiene.py::test_offsets_past_int32 and tests/test_offsets_int32.py --------
+
+
+def wrapped_offsets(rows: torch.Tensor, stride: int, limit: int = 2**31) -> torch.Tensor:
+    """``rows * stride`` as a signed integer of ``2 * limit`` values would hold it: ``limit = 2**31`` is int32
+    (``(row * stride).to(torch.int32)``, two's complement wrap), a smaller ``limit`` a deliberately tiny "int width"
+    for CPU-sized analogues. Returned as int64."""
+    off = rows.long() * stride
+    if limit == 2**31:
+        return off.to(torch.int32).long()
+    return (off + limit) % (2 * limit) - limit
+
+
+class _OffsetsWrap(TorchExperts):
+    """GEMM1 writes its output rows into a flat intermediate buffer at offsets computed by ``wrapped_offsets``
+    (``OFFSET_LIMIT`` 2**31: int32); the activation reads them back at the true (64-bit) offsets. Past the limit a
+    row lands elsewhere (emulated: the wrapped offset modulo the buffer; on a GPU it would land outside it) and the
+    rows it should have filled keep their NaN poison. Below the limit it is exactly the correct torch backend.
+    Unquantized weights without biases only; anything else runs the correct path."""
+
+    OFFSET_LIMIT = 2**31
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        qc = self.quant_config
+        if qc.w1.dtype is not None or qc.a1.dtype is not None or qc.w1_bias is not None or qc.w2_bias is not None:
+            return super().apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                                 global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+                                 expert_tokens_meta, apply_router_weight_on_input)
+        from backends.torch.experts import padded_grouped_mm, torch_activation
+
+        M, topk = topk_ids.shape
+        ids = topk_ids.reshape(-1).long()
+        local = expert_map.long()[ids.clamp(0, expert_map.numel() - 1)] if expert_map is not None else ids
+        local = torch.where(ids >= 0, local, -1)
+        acc = torch.zeros(M, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
+        keep = (local >= 0).nonzero().squeeze(1)
+        if keep.numel():
+            order = keep[torch.argsort(local[keep], stable=True)]
+            experts, counts = torch.unique_consecutive(local[order], return_counts=True)
+            tokens = order // topk
+            dev, dtype = hidden_states.device, output.dtype
+            active = torch.arange(len(experts), device=dev)
+            h = padded_grouped_mm(hidden_states[tokens], counts, active, w1.index_select(0, experts),
+                                  torch.float32).to(dtype)
+            R, N = h.shape
+            buf = torch.full((R * N,), float("nan"), dtype=dtype, device=dev)
+            # Element (r, n) at offset r * N + n, computed in the narrow integer type.
+            idx = wrapped_offsets(torch.arange(R, device=dev)[:, None], N, self.OFFSET_LIMIT) \
+                + torch.arange(N, device=dev)
+            idx = wrapped_offsets(idx, 1, self.OFFSET_LIMIT) % buf.numel()
+            buf[idx.reshape(-1)] = h.reshape(-1)  # GEMM1's store, at the wrapped offsets
+            h = buf.view(R, N)  # the activation's load, at the true offsets
+            g = torch_activation(activation, h, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
+            y = padded_grouped_mm(g, counts, active, w2.index_select(0, experts), torch.float32).to(dtype).float()
+            if not apply_router_weight_on_input:
+                y = y * topk_weights.reshape(-1)[order].float().unsqueeze(1)
+            acc.index_add_(0, tokens, y)
+        output.copy_(acc)
+
+
+offsets_wrap = dataclasses.replace(_torch, name="broken_offsets_wrap", experts=[_OffsetsWrap])
+
+
+class _OffsetsWrap16(_OffsetsWrap):
+    """The same bug at a tiny width (offsets wrap at 2**15 elements, int16): a CPU-sized analogue of int32."""
+
+    OFFSET_LIMIT = 2**15
+
+
+offsets_wrap_16bit = dataclasses.replace(_torch, name="broken_offsets_wrap_16bit", experts=[_OffsetsWrap16])
