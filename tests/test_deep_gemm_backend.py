@@ -23,6 +23,7 @@ from reference.experts import fused_experts
 from reference.metrics import error_stats
 from reference.modular import ExpertTokensMetadata, FusedMoEActivationFormat, FusedMoEKernel, \
     MoEPrepareAndFinalizeNoEP
+from specs import experts_tolerance
 
 STD = FusedMoEActivationFormat.Standard
 FP8_KEYS = (rq.kFp8Static128BlockSym, rq.kFp8Dynamic128Sym)
@@ -375,8 +376,10 @@ def test_pipeline_matches_reference(act, params, M, topk, chunk, use_map, ue8m0,
     out = kernel.apply(x, w1q, w2q, w, ids, **kw)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     max_norm, rms = _metrics(out, ref)
-    # Same rounding points and the same quantizers: only fp32 accumulation order differs (fp8 tolerance 6e-2 / 2e-2).
-    assert max_norm < 1.6e-2 and rms < 2e-3, (max_norm, rms)
+    # Same rounding points and the same quantizers: only fp32 accumulation order differs, so the bf16 bounds hold
+    # (tighter than [experts.fp8], which also covers tensor-core FP8 accumulation).
+    tol = experts_tolerance("bfloat16")
+    assert max_norm <= tol["max_norm"] and rms <= tol["rms_norm"], (max_norm, rms)
 
 
 def test_pipeline_refuses_bad_ids_and_stale_meta():

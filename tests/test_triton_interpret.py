@@ -56,9 +56,9 @@ from reference.experts import ReferenceExperts, fused_experts as ref_fe
 from reference.routing import determine_expert_map, fused_topk as ref_topk
 from backends.triton import align as T_align, quant as T_quant, routing as T_routing
 from backends.triton.experts import TritonExperts, fused_experts as tri_fe
-import tomllib
+from specs import experts_tolerances
 
-TOL = tomllib.load(open(os.path.join("specs", "tolerances.toml"), "rb"))["experts"]
+TOL = experts_tolerances()
 G = torch.Generator().manual_seed(1234)
 only = set(sys.argv[1:])
 

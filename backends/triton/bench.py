@@ -133,26 +133,11 @@ def draw_inputs(sh: Shape, M, dev, plan, qc, dt, R, seed):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def tolerances():
-    import tomllib
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "specs", "tolerances.toml")
-    with open(path, "rb") as f:
-        return tomllib.load(f)["experts"]
-
-
 def stats(out, ref):
     """``reference.metrics.error_stats`` as the dict this script prints (``nan``: any NaN in ``out``)."""
     from reference.metrics import error_stats
 
     return dict(error_stats(out, ref).as_dict(), nan=bool(torch.isnan(out).any()))
-
-
-def tol_key(scheme, dt):
-    if scheme in ("bf16", "fp16", "fp32"):
-        return str(dt).removeprefix("torch.")
-    return {"fp8_tensor": "fp8", "fp8_channel_token": "fp8", "fp8_block128": "fp8", "fp8_block128_ue8m0": "fp8",
-            "int8_channel_token": "int8"}[scheme]
 
 
 def _qc_to(qc, dev):
@@ -183,8 +168,11 @@ def check_experts(sh: Shape, scheme: str, Ms, dev, results):
     from backends.triton.experts import fused_experts
     from reference.experts import fused_experts as ref_fused_experts
 
+    from reference.schemes import scheme_tolerance_key
+    from specs import experts_tolerance
+
     w1, w2, qc, act, dt = make_weights(sh, scheme, dev)
-    tol = tolerances()[tol_key(scheme, dt)]
+    tol = experts_tolerance(scheme_tolerance_key(scheme, dt))
     quantized = scheme not in ("bf16", "fp16", "fp32")
     for M in Ms:
         x = torch.randn(M, sh.K, device=dev, dtype=dt)
