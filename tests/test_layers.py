@@ -1,0 +1,131 @@
+"""The layers depend one way: ``specs <- reference <- backends <- conformance / benchmarks`` (DESIGN.md, Layout).
+
+Every module under ``specs/``, ``reference/``, ``backends/``, ``benchmarks/`` and ``conformance/`` is parsed with
+``ast`` (nothing is imported, so GPU-only modules are checked on any machine); each import of a project package,
+including function-local imports and ``importlib.import_module("...")`` with a literal name, is checked against
+the rules below. A failure names the file, the line, the imported module and the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("specs", "reference", "backends", "benchmarks", "conformance")
+PROJECT = set(LAYERS) | {"tests"}
+
+RULES = {
+    "specs": ({"reference", "backends", "benchmarks", "conformance", "tests"},
+              "specs is data plus a loader: it imports nothing of the project"),
+    "reference": ({"backends", "benchmarks", "conformance", "tests"},
+                  "reference imports nothing from backends, conformance, benchmarks or tests"),
+    "backends": ({"benchmarks", "conformance", "tests"},
+                 "backends import reference and specs only, never conformance, benchmarks or tests"),
+    "benchmarks": ({"conformance", "tests"}, "benchmarks must not import conformance (only tests do) or tests"),
+    "conformance": ({"tests"}, "nothing outside tests/ imports tests"),
+}
+
+# Explicit exceptions, each with its reason; remove an entry when its reason goes away.
+ALLOWED: dict[tuple[str, str], str] = {
+    # (file relative to the repository root, imported top-level module): reason
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, source: str | None = None):
+    """``(line, absolute dotted module)`` for every import in ``path`` (relative imports resolved); ``source``
+    replaces the file's text."""
+    tree = ast.parse(path.read_text() if source is None else source, filename=str(path))
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            yield node.lineno, mod
+            if not node.module:  # `from . import x`: x may be a sub-module
+                for alias in node.names:
+                    yield node.lineno, f"{mod}.{alias.name}"
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None) in
+                   ("import_module", "__import__"))):
+            yield node.lineno, node.args[0].value
+
+
+def _violation(path: Path, module: str) -> str | None:
+    rel = path.relative_to(ROOT).as_posix()
+    parts = rel.split("/")
+    layer, top = parts[0], module.split(".")[0]
+    if top not in PROJECT:
+        return None
+    if (rel, top) in ALLOWED:
+        return None
+    forbidden, why = RULES[layer]
+    if layer == "backends" and top == "benchmarks" and len(parts) > 3 and parts[2] == "tools":
+        return None  # backend-only tools (tuners, profilers) time through benchmarks/
+    if top in forbidden:
+        return why
+    if layer == "backends" and top == "backends":
+        own = parts[1] if len(parts) > 2 else None  # backends/__init__.py (the registry) is no backend
+        mod = module.split(".")
+        if own is not None and len(mod) > 1 and mod[1] != own:
+            return f"a backend never imports another backend (backends/{own} imports {module})"
+    return None
+
+
+def _files():
+    for layer in LAYERS:
+        yield from sorted((ROOT / layer).rglob("*.py"))
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_imports_point_one_way(layer):
+    problems = []
+    for path in sorted((ROOT / layer).rglob("*.py")):
+        for line, module in _imports(path):
+            why = _violation(path, module)
+            if why:
+                problems.append(f"{path.relative_to(ROOT)}:{line}: imports {module}: {why}")
+    assert not problems, "imports against the layer order:\n  " + "\n  ".join(problems)
+
+
+def test_allow_list_is_current():
+    """Every allow-list entry still matches an import (a fixed violation must leave the list)."""
+    seen = {(p.relative_to(ROOT).as_posix(), m.split(".")[0]) for p in _files() for _, m in _imports(p)}
+    stale = [k for k in ALLOWED if k not in seen]
+    assert not stale, f"allow-list entries without a matching import (remove them): {stale}"
+
+
+def test_checker_sees_violations():
+    """The checker itself: relative, function-local and importlib imports are resolved and judged."""
+    src = ("import torch\nfrom .keys import QuantKey\nfrom .. import schemes\n"
+           "def f():\n    from conformance.metrics import assert_close\n"
+           "    importlib.import_module('backends.cuda')\n")
+    got = [m for _, m in _imports(ROOT / "reference" / "quant" / "probe.py", src)]
+    assert got == ["torch", "reference.quant.keys", "reference", "reference.schemes", "conformance.metrics",
+                   "backends.cuda"], got
+    assert _violation(ROOT / "reference" / "x.py", "conformance.metrics")
+    assert _violation(ROOT / "backends" / "triton" / "bench.py", "backends.cuda.experts")
+    assert not _violation(ROOT / "backends" / "triton" / "bench.py", "backends.triton.experts")
+    assert not _violation(ROOT / "backends" / "triton" / "tools" / "t.py", "benchmarks.timing")
+    assert _violation(ROOT / "backends" / "triton" / "bench.py", "benchmarks.timing")
+    assert _violation(ROOT / "specs" / "__init__.py", "reference")
+    assert _violation(ROOT / "benchmarks" / "harness.py", "conformance.schemes")
+    assert not _violation(ROOT / "conformance" / "inputs.py", "reference.schemes")
