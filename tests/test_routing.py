@@ -14,6 +14,7 @@ from reference.routing import (
     select_experts,
     topk_softmax,
 )
+from reference.semantics import use_semantics
 
 
 def test_fused_topk_softmax_hand_computed():
@@ -98,6 +99,7 @@ def test_llama4_routing():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@use_semantics("0.17")  # the seed-era rule; 0.33 clamps instead (tests/test_routing_semantics.py)
 def test_nonfinite_logits_raise_by_default_and_never_give_out_of_range_ids(bad):
     logits = torch.randn(5, 16)
     logits[2, 3] = bad
@@ -148,3 +150,32 @@ def test_zero_experts_identity():
                                   global_num_experts=4, zero_expert_num=2, zero_expert_type="identity")
     assert ids[:, 0].tolist() == [0] * 4 and w[:, 0].tolist() == [0.0] * 4  # zero slot neutralized
     torch.testing.assert_close(zero, hidden * torch.sigmoid(torch.tensor(10.0)))
+
+
+def test_select_experts_plain_topk_ignores_routed_scaling_factor():
+    """vLLM's router factory builds FusedTopKRouter without routed_scaling_factor (router/router_factory.py,
+    router/fused_topk_router.py): plain top-k weights are not scaled; ``scale_plain_topk=True`` scales them. The grouped
+    and biased routers scale either way."""
+    g = torch.Generator().manual_seed(3)
+    hidden, logits = torch.randn(5, 8, generator=g), torch.randn(5, 16, generator=g)
+    plain_w, plain_ids = fused_topk(hidden, logits, 4, True)
+    w, ids, _ = select_experts(hidden, logits, 4, False, True, routed_scaling_factor=2.5)
+    assert torch.equal(ids, plain_ids) and torch.equal(w, plain_w)
+    w, ids, _ = select_experts(hidden, logits, 4, False, True, routed_scaling_factor=2.5, scale_plain_topk=True)
+    assert torch.equal(ids, plain_ids) and torch.equal(w, plain_w * 2.5)
+    bias = torch.zeros(16)
+    for kw in (dict(e_score_correction_bias=bias), dict(use_grouped_topk=True, num_expert_group=4, topk_group=2)):
+        args = dict(use_grouped_topk=False, renormalize=True, scoring_func="sigmoid") | kw
+        one, _, _ = select_experts(hidden, logits, 4, routed_scaling_factor=1.0, **args)
+        scaled, _, _ = select_experts(hidden, logits, 4, routed_scaling_factor=2.5, **args)
+        torch.testing.assert_close(scaled, one * 2.5)
+
+
+def test_models_with_routed_scaling_factor_route_through_a_scaling_router():
+    """Every model of specs/models.toml with routed_scaling_factor != 1 uses grouped top-k or a correction bias, so
+    vLLM applies the factor and so do the conformance inputs (the plain top-k default above does not touch them)."""
+    from specs import load_models
+
+    for m in load_models().values():
+        if m.routed_scaling_factor != 1.0:
+            assert m.use_grouped_topk or m.e_score_correction_bias, m.name

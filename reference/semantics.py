@@ -1,0 +1,269 @@
+"""Versions of the contract: which vLLM release's semantics the reference specifies.
+
+vLLM's fused-MoE layer changed between the releases the seeds describe (0.11-0.17) and today's (0.33): routing
+gained scoring functions, padding rows and shared-expert slots, clamps non-finite router logits, renumbered
+``RoutingMethodType``; the modular kernel dropped activation chunking; ... Every point where the reference's answer
+depends on the release is a *named point* registered here, with what each version does and the upstream file that
+says so. One semantics version selects the behaviour of every point at once (array-api-tests' API versions are the
+model):
+
+- the ``MOE_VLLM_SEMANTICS`` environment variable sets the process default (``"0.17"`` or ``"0.33"``; unset: the
+  newest, ``"0.33"``);
+- ``with use_semantics("0.17"): ...`` overrides it for a block (thread- and task-local, nests);
+- a function whose behaviour differs takes an explicit ``semantics=`` keyword, which wins over both.
+
+``python -m reference.semantics`` prints the table of points (``--markdown`` for a Markdown table).
+
+Versions are the vLLM releases whose source distributions were read: ``"0.17"`` = vLLM 0.17.0 (the seeds' era),
+``"0.33"`` = vLLM 0.33.0 (2026-11). A point's ``introduced`` names the first release where the 0.33 behaviour was
+seen, where that was checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import importlib
+import os
+import pkgutil
+import sys
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ENV_VAR",
+    "SemanticsVersion",
+    "SemanticsError",
+    "SemanticsPoint",
+    "current_semantics",
+    "resolve_semantics",
+    "use_semantics",
+    "register_point",
+    "points",
+    "point",
+    "format_table",
+    "require",
+]
+
+ENV_VAR = "MOE_VLLM_SEMANTICS"
+
+
+class SemanticsVersion(str, enum.Enum):
+    """A vLLM release whose fused-MoE semantics the reference can specify. Compares by release order."""
+
+    V0_17 = "0.17"
+    V0_33 = "0.33"
+
+    @classmethod
+    def newest(cls) -> "SemanticsVersion":
+        return max(cls)
+
+    @classmethod
+    def parse(cls, value: "SemanticsVersion | str") -> "SemanticsVersion":
+        """``"0.33"``, ``"0.33.0"``, ``"v0.33"`` or a member -> the member. Raises ValueError naming the choices."""
+        if isinstance(value, cls):
+            return value
+        text = str(value).strip().lower().removeprefix("v")
+        parts = text.split(".")
+        if len(parts) >= 2:
+            text = f"{parts[0]}.{parts[1]}"
+            if len(parts) > 2 and any(p.strip("0") for p in parts[2:]):
+                raise ValueError(f"semantics version {value!r}: only the .0 releases are specified "
+                                 f"({', '.join(v.value for v in cls)})")
+        for v in cls:
+            if v.value == text:
+                return v
+        raise ValueError(f"unknown vLLM semantics version {value!r}; choose one of {', '.join(v.value for v in cls)}")
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return tuple(int(p) for p in self.value.split("."))
+
+    def __lt__(self, other):  # release order, not string order
+        if not isinstance(other, SemanticsVersion):
+            return NotImplemented
+        return self.key < other.key
+
+    def __le__(self, other):
+        if not isinstance(other, SemanticsVersion):
+            return NotImplemented
+        return self.key <= other.key
+
+    def __gt__(self, other):
+        if not isinstance(other, SemanticsVersion):
+            return NotImplemented
+        return self.key > other.key
+
+    def __ge__(self, other):
+        if not isinstance(other, SemanticsVersion):
+            return NotImplemented
+        return self.key >= other.key
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SemanticsError(ValueError):
+    """A behaviour the selected semantics version does not define (e.g. a 0.33-only routing feature under 0.17)."""
+
+
+_OVERRIDE: contextvars.ContextVar[SemanticsVersion | None] = contextvars.ContextVar("moe_vllm_semantics",
+                                                                                   default=None)
+
+
+def current_semantics() -> SemanticsVersion:
+    """The version in force: the innermost ``use_semantics`` block, else ``$MOE_VLLM_SEMANTICS``, else the newest.
+
+    Raises:
+        ValueError: ``$MOE_VLLM_SEMANTICS`` names no known version.
+    """
+    v = _OVERRIDE.get()
+    if v is not None:
+        return v
+    env = os.environ.get(ENV_VAR, "").strip()
+    return SemanticsVersion.parse(env) if env else SemanticsVersion.newest()
+
+
+def resolve_semantics(semantics: SemanticsVersion | str | None = None) -> SemanticsVersion:
+    """An explicit ``semantics=`` argument if given, else ``current_semantics()``."""
+    return current_semantics() if semantics is None else SemanticsVersion.parse(semantics)
+
+
+@contextlib.contextmanager
+def use_semantics(version: SemanticsVersion | str):
+    """Select a semantics version for the block (context-local; nests; restores on exit)."""
+    token = _OVERRIDE.set(SemanticsVersion.parse(version))
+    try:
+        yield _OVERRIDE.get()
+    finally:
+        _OVERRIDE.reset(token)
+
+
+@dataclass(frozen=True)
+class SemanticsPoint:
+    """One named point where vLLM releases differ.
+
+    name: stable identifier (``component.what``), e.g. ``"routing.nonfinite_logits"``.
+    component: reference module that specifies it (``"routing"``, ``"modular"``, ...).
+    behaviour: per version, one or two sentences of what the reference does under it.
+    upstream: per version, the upstream file(s) (and release) the behaviour was read from.
+    reference: where in the reference it is specified (``module.function``).
+    introduced: first release seen with the newer behaviour, where it was checked ("" when not checked).
+    """
+
+    name: str
+    component: str
+    behaviour: dict[SemanticsVersion, str]
+    upstream: dict[SemanticsVersion, str]
+    reference: str
+    introduced: str = ""
+    notes: str = field(default="", compare=False)
+
+    def describe(self, version: SemanticsVersion | str) -> str:
+        return self.behaviour[SemanticsVersion.parse(version)]
+
+
+_POINTS: dict[str, SemanticsPoint] = {}
+
+
+def register_point(name: str, *, component: str, behaviour: dict, upstream: dict, reference: str,
+                   introduced: str = "", notes: str = "") -> SemanticsPoint:
+    """Register a point (idempotent for an identical re-registration; a different one under the same name raises).
+
+    ``behaviour`` and ``upstream`` map every ``SemanticsVersion`` (or its string) to text.
+    """
+    beh = {SemanticsVersion.parse(k): v for k, v in behaviour.items()}
+    up = {SemanticsVersion.parse(k): v for k, v in upstream.items()}
+    missing = [v.value for v in SemanticsVersion if v not in beh or v not in up]
+    if missing:
+        raise ValueError(f"semantics point {name!r} does not say what versions {missing} do")
+    p = SemanticsPoint(name, component, beh, up, reference, introduced, notes)
+    old = _POINTS.get(name)
+    if old is not None and old != p:
+        raise ValueError(f"semantics point {name!r} is already registered differently (by {old.reference})")
+    _POINTS[name] = p
+    return p
+
+
+def _load_all() -> None:
+    """Import every ``reference`` module so that each registers its points."""
+    import reference
+
+    for info in pkgutil.walk_packages(reference.__path__, "reference."):
+        if info.name.endswith("__main__"):
+            continue
+        importlib.import_module(info.name)
+
+
+def points(component: str | None = None) -> list[SemanticsPoint]:
+    """All registered points (every reference module imported first), sorted by name; optionally one component's."""
+    _load_all()
+    return sorted((p for p in _POINTS.values() if component is None or p.component == component),
+                  key=lambda p: p.name)
+
+
+def point(name: str) -> SemanticsPoint:
+    """One point by name (KeyError naming the known ones)."""
+    if name not in _POINTS:
+        _load_all()
+    try:
+        return _POINTS[name]
+    except KeyError:
+        raise KeyError(f"no semantics point {name!r}; known: {', '.join(sorted(_POINTS))}") from None
+
+
+def require(feature: str, since: SemanticsVersion | str, semantics: SemanticsVersion | str | None = None,
+            *, upstream: str = "") -> SemanticsVersion:
+    """The resolved version, or SemanticsError if ``feature`` is not defined before ``since``."""
+    v = resolve_semantics(semantics)
+    since = SemanticsVersion.parse(since)
+    if v < since:
+        where = f" ({upstream})" if upstream else ""
+        raise SemanticsError(f"{feature} is not defined under vLLM {v.value} semantics; vLLM {since.value}"
+                             f"{where} defines it. Select it with semantics='{since.value}', "
+                             f"use_semantics('{since.value}') or {ENV_VAR}={since.value}.")
+    return v
+
+
+def format_table(markdown: bool = False, component: str | None = None) -> str:
+    """The points as text: one block per point (or one Markdown table row per point and version)."""
+    pts = points(component)
+    versions = list(SemanticsVersion)
+    if markdown:
+        lines = ["| point | version | behaviour | upstream | reference |", "|---|---|---|---|---|"]
+        for p in pts:
+            for v in versions:
+                cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+                lines.append(f"| `{p.name}` | {v.value} | {cell(p.behaviour[v])} | {cell(p.upstream[v])} | "
+                             f"`{p.reference}` |")
+        return "\n".join(lines)
+    out = [f"vLLM semantics versions: {', '.join(v.value for v in versions)} (default {current_semantics().value}; "
+           f"${ENV_VAR}, reference.semantics.use_semantics, semantics=)", ""]
+    for p in pts:
+        intro = f"  (changed by {p.introduced})" if p.introduced else ""
+        out.append(f"{p.name}  [{p.reference}]{intro}")
+        for v in versions:
+            out.append(f"  {v.value}: {p.behaviour[v]}")
+            out.append(f"        upstream: {p.upstream[v]}")
+        if p.notes:
+            out.append(f"  note: {p.notes}")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    md = "--markdown" in argv
+    rest = [a for a in argv if a != "--markdown"]
+    sys.stdout.write(format_table(markdown=md, component=rest[0] if rest else None))
+    if md:
+        sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run through the imported module so that the points the reference modules register (into
+    # ``reference.semantics``, not this ``__main__`` copy) are the ones printed.
+    from reference.semantics import main as _main
+
+    raise SystemExit(_main())
