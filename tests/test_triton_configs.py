@@ -197,3 +197,67 @@ def test_warp_specialized_kernel_names_what_it_does_not_cover():
         why = gluon_ws.supported(**_ws_args(gemm, cfg, sh))
         assert why is not None and reason in why, f"{what}: {why!r}"
     assert "block-FP8" in gluon_ws.supported(**dict(_ws_args("gemm2", coop8, fp8), a_mode=2, b_mode=2))
+
+
+def _fp8_nonblock_configs():
+    """(where, gemm config) of every launch configuration an FP8 per-tensor / per-channel experts step can get: the
+    committed tables for ``dtype=fp8_w8a8`` without a block shape, the defaults at the token counts of the benchmarks
+    (for the two FP8 shapes of ``tools.fp8_accum`` and every bench shape), and the tuner's candidates."""
+    from backends.triton import tune
+    from backends.triton.bench import SHAPES
+    from backends.triton.tools.fp8_accum import timing_shapes
+
+    out = []
+    for path in TABLES:
+        m = NAME.match(path.name)
+        if m and m.group(4) == "fp8_w8a8" and not m.group(5):
+            for M, entry in json.loads(path.read_text()).items():
+                cfg = C.sanitize_config(entry)
+                out += [(f"{path.name} M={M} {g}", cfg[g]) for g in ("gemm1", "gemm2")]
+    for sh in list(timing_shapes()) + list(SHAPES):
+        for M in (1, 8, 64, 256, 1024, 4096, 16384):
+            cfg = C.sanitize_config(C.default_config(M, sh.E, sh.I, sh.K, sh.topk, "fp8_w8a8"))
+            out += [(f"default {sh.name} M={M} {g}", cfg[g]) for g in ("gemm1", "gemm2")]
+            for key, (g1s, g2s) in tune.candidates(M, sh.E, sh.topk, False, True).items():
+                out += [(f"tune {sh.name} M={M} {key}", C.sanitize_config({"gemm1": g, "gemm2": g})["gemm1"])
+                        for g in g1s + g2s]
+    return out
+
+
+def test_fp8_promotion_interval_is_at_most_256():
+    """Issue 22: an FP8 per-tensor / per-channel GEMM promotes its MMA accumulator (about 14 mantissa bits on sm_90)
+    into fp32 at least every 256 K elements under every configuration the launch can pick, and in place (the
+    FAST_ACCUM opt-in) under none of them."""
+    from backends.triton.experts import promotion_tiles
+
+    bad = []
+    for where, g in _fp8_nonblock_configs():
+        for a_mode in (1, 2):
+            tiles = promotion_tiles(g, a_mode=a_mode)
+            if not 1 <= tiles or tiles * g["BLOCK_SIZE_K"] > 256:
+                bad.append((where, a_mode, tiles, g["BLOCK_SIZE_K"], g.get("PROMOTE_K"), g.get("FAST_ACCUM")))
+    assert not bad, f"FP8 GEMMs accumulating more than 256 K elements in the MMA accumulator: {bad[:10]}"
+
+
+def test_no_table_uses_fast_accumulation():
+    fast = [(p.name, M, g) for p in TABLES for M, e in json.loads(p.read_text()).items() for g in ("gemm1", "gemm2")
+            if e[g].get("FAST_ACCUM", 0)]
+    assert not fast, f"FAST_ACCUM is an explicit opt-in, never a table entry: {fast}"
+
+
+def test_promotion_applies_to_fp8_per_tensor_and_channel_only():
+    from backends.triton.experts import promotion_tiles
+
+    g = C.sanitize_config({"gemm1": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64),
+                           "gemm2": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64)})["gemm1"]
+    assert g["PROMOTE_K"] == C.DEFAULT_PROMOTE_K == 256 and g["FAST_ACCUM"] == 0
+    assert promotion_tiles(g, a_mode=1) == promotion_tiles(g, a_mode=2) == 4
+    assert promotion_tiles(dict(g, PROMOTE_K=128), a_mode=1) == 2
+    # bf16 / fp16 (0), block FP8 (3, promoted per K tile with its scales), INT8 (exact int32), the opt-in: in place
+    assert promotion_tiles(g, a_mode=0) == promotion_tiles(g, a_mode=3) == 0
+    assert promotion_tiles(g, a_mode=2, int8=True) == promotion_tiles(dict(g, FAST_ACCUM=1), a_mode=1) == 0
+    with pytest.raises(ValueError, match="PROMOTE_K"):
+        promotion_tiles(dict(g, BLOCK_SIZE_K=256, PROMOTE_K=128), a_mode=1)
+    for bad in (512, 96, 8):
+        with pytest.raises(ValueError, match="PROMOTE_K"):
+            C.sanitize_config({"gemm1": dict(g, PROMOTE_K=bad), "gemm2": g})

@@ -36,7 +36,7 @@ CHECKS = [
     "experts_swigluoai_bias", "experts_swigluoai_uninterleave", "experts_relu2_no_mul", "experts_gelu",
     "experts_router_weight_on_input",
     "experts_fp8_block", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
-    "experts_fp8_channel_token", "experts_int8",
+    "experts_fp8_channel_token", "experts_int8", "fp8_promotion_order", "experts_fp8_promotion",
     "experts_permute_a", "align_tiles", "experts_half_tail", "experts_n_tiles",
     "experts_joint_gate_up", "act_quant_tensor_amax_sorted",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
@@ -407,6 +407,94 @@ def _():
     r1 = experts(x, q1, q2, *rest, "int8", qc=qc, cfg=CFG())
     r2 = experts(x, q1, q2, *rest, "int8", qc=qc, cfg=CFG(fuse=0))
     return r1 if r1 is not True else r2
+
+
+@check("fp8_promotion_order")
+def _():
+    """FP8 per-tensor / per-channel GEMMs promote the MMA accumulator into an fp32 accumulator every PROMOTE_K K
+    elements (FAST_ACCUM: in place). Operands are FP8 integers whose K-tile sums are exact in fp32 (< 2^24) while
+    the running sums pass 2^24, so the only roundings are the fp32 additions whose order the promotion fixes: the
+    kernel's output must equal, bit for bit, a float64-of-fp32 emulation of that order (in place: acc += tile;
+    promoted: part += tile, acc += part every PROMOTE_K // BLOCK_K tiles and after the last, partial interval), for
+    per-tensor and per-row / per-channel (power-of-two) scales; the orders must differ somewhere, so the check sees
+    which one ran."""
+    import numpy as np
+    from backends.triton.tools.fp8_accum import single_expert_gemm
+    M, N, BK, K = 16, 16, 64, 960  # 15 K tiles: the last interval is partial for 2 and 4 tiles per interval
+    vals = torch.tensor([448.0, 416.0, 384.0, 320.0, 1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0])
+    a = vals[torch.randint(0, len(vals), (M, K), generator=G)]
+    w = vals[torch.randint(0, len(vals), (N, K), generator=G)]
+    aq, wq = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    assert torch.equal(aq.float(), a) and torch.equal(wq.float(), w)
+    tiles = [(a[:, k:k + BK].double() @ w[:, k:k + BK].double().T).numpy() for k in range(0, K, BK)]
+    assert all(np.abs(t).max() < 2 ** 24 for t in tiles)  # each tile's dot is exact in fp32
+
+    def emulate(per):
+        acc = np.zeros((M, N), np.float32)
+        part = np.zeros((M, N), np.float32)
+        for i, t in enumerate(tiles):
+            if per == 0:
+                acc = acc + t.astype(np.float32)
+            else:
+                part = part + t.astype(np.float32)
+                if i % per == per - 1:
+                    acc, part = acc + part, np.zeros_like(part)
+        return torch.from_numpy(acc + part)
+
+    g = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=BK, num_stages=1)
+    sa_row = 2.0 ** torch.randint(-3, 3, (M, 1), generator=G).float()
+    sw_col = 2.0 ** torch.randint(-3, 3, (N,), generator=G).float()
+    bad, outs = [], {}
+    for keys, per in ((dict(FAST_ACCUM=1), 0), (dict(PROMOTE_K=64), 1), (dict(PROMOTE_K=128), 2),
+                      (dict(PROMOTE_K=256), 4), (dict(), 4)):
+        want = emulate(per)
+        out = single_expert_gemm(aq, torch.tensor([1.0]), wq, torch.tensor([1.0]), dict(g, **keys))
+        if not torch.equal(out, want):
+            bad.append(f"per-tensor {keys}: {int((out != want).sum())} of {out.numel()} differ from the emulation")
+        out2 = single_expert_gemm(aq, sa_row, wq, sw_col, dict(g, **keys), a_mode=2, b_mode=2)
+        if not torch.equal(out2, want * sa_row * sw_col[None, :]):
+            bad.append(f"per-row / per-channel {keys}: differs from the emulation")
+        outs[per] = out
+    if torch.equal(outs[0], outs[4]) or torch.equal(outs[1], outs[4]):
+        bad.append("in-place and promoted orders agree everywhere: the data does not tell them apart")
+    return bad or None
+
+
+@check("experts_fp8_promotion")
+def _():
+    """The experts step with FP8 per-channel / per-tensor scales: the default (promoted every 256 K) is bitwise equal
+    to the in-place FAST_ACCUM form when each GEMM's K fits one interval (K = 256, I = 128: the order is the same),
+    and every interval (one 64-wide K tile: gate / up chains of FUSE 1; two: GEMM1 on the joint gate / up tile, which
+    a promoted FP8 GEMM1 always uses) stays within the FP8 tolerance of the reference."""
+    f = lambda w: rq.scaled_fp8_quant(w, use_per_token_if_dynamic=True)  # noqa: E731
+    (q1, s1), (q2, s2) = per_expert(f, w1), per_expert(f, w2)
+    qc = fp8_w8a8_moe_quant_config(s1, s2, per_act_token_quant=True, per_out_ch_quant=True)
+    (t1, u1), (t2, u2) = per_expert(rq.scaled_fp8_quant, w1), per_expert(rq.scaled_fp8_quant, w2)
+    qt = fp8_w8a8_moe_quant_config(u1.reshape(-1), u2.reshape(-1))
+
+    def acc_cfg(base=None, **keys):
+        c = base or CFG()
+        for g_ in ("gemm1", "gemm2"):
+            c[g_].update(keys)
+        return c
+
+    bad = []
+    kw = dict(activation=A.SILU, global_num_experts=rest[3])
+    for qq1, qq2, q in ((q1, q2, qc), (t1, t2, qt)):
+        base = tri_fe(x, qq1, qq2, *rest[:2], quant_config=q, config=CFG(), **kw)
+        fast = tri_fe(x, qq1, qq2, *rest[:2], quant_config=q, config=acc_cfg(FAST_ACCUM=1), **kw)
+        if not torch.equal(base.view(torch.int16), fast.view(torch.int16)):
+            bad.append(f"one interval: promoted != in place at {int((base != fast).sum())} elements")
+        for pk in (64, 128):
+            r = experts(x, qq1, qq2, *rest, "fp8", qc=q, cfg=acc_cfg(PROMOTE_K=pk))
+            if r is not True:
+                bad.append(f"PROMOTE_K={pk}: {r}")
+        j = acc_cfg(PROMOTE_K=64)
+        j["gemm1"]["JOINT_GATE_UP"] = 1
+        r = experts(x, qq1, qq2, *rest, "fp8", qc=q, cfg=j)
+        if r is not True:
+            bad.append(f"PROMOTE_K=64 JOINT_GATE_UP: {r}")
+    return bad or None
 
 
 def permuted_a(x_, w1_, w2_, w_, ids_, emap_, Eg_, key, qc=None, **cfg):

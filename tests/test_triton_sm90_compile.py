@@ -232,3 +232,45 @@ def test_every_warp_specialized_variant_compiles():
     assert "not covered by gluon_ws" in strict and "HALF_TAIL" in strict, strict
     fallback = next(r["fallback"] for r in rows if "fallback" in r)
     assert "fused_moe_kernel" in fallback and "ws_moe_gemm_kernel" not in fallback, fallback
+
+
+FP8_PROMOTED = r"""
+import json, torch
+from backends.triton import configs as C, sm90
+from backends.triton.bench import make_routing
+from backends.triton.experts import fused_experts, plan_quant, promotion_tiles
+from backends.triton.tools.fp8_accum import timing_shapes
+
+for sh in timing_shapes():
+    w1, w2, qc, act = sm90._weights(sh)
+    plan = plan_quant(qc)
+    for M in (64, 1024, 4096):
+        x = torch.empty(M, sh.K, dtype=torch.bfloat16)
+        w, ids = make_routing(M, sh.E, sh.topk, torch.device("cpu"), seed=M)
+        cfg = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, None)
+        with sm90.compile_only() as log:
+            fused_experts(x, w1, w2, w, ids, activation=act, quant_config=qc)
+        gemms = [k for k in log if k.name == "fused_moe_kernel"]
+        for g, k, a_mode in zip(("gemm1", "gemm2"), gemms, (plan.a1_mode, plan.a2_mode)):
+            print(json.dumps(dict(shape=sh.name, M=M, gemm=g, bm=cfg[g]["BLOCK_SIZE_M"],
+                                  promote=promotion_tiles(cfg[g], a_mode=a_mode), shared=k.shared,
+                                  **k.resources())), flush=True)
+"""
+
+
+def test_fp8_per_tensor_and_channel_gemms_compile_promoted():
+    """The FP8 per-tensor (Mixtral TP2) and per-channel x per-token (Qwen3-30B) experts steps, on the configurations
+    the launch picks (no tuned table: the defaults) at decode and prefill, compile for sm_90 with the accumulator
+    promoted (``PROMOTE`` > 0) without spills, within shared memory, the prefill GEMMs on wgmma (QGMMA); and where an
+    interval holds several K tiles on wgmma, the chain inside it stays asynchronous (a wait that leaves one or two
+    wgmma groups in flight), i.e. the promotion does not serialize every K tile."""
+    from backends.triton.sm90 import SM90
+
+    rows = _compile_script(FP8_PROMOTED)
+    assert len(rows) == 2 * 3 * 2, rows
+    bad = [r for r in rows if r["promote"] < 1 or r["stack"] > 0 or r["shared"] > SM90["max_shared_mem"]
+           or (r["M"] >= 1024 and r["bm"] >= 64 and "QGMMA" not in r["ops"])]
+    assert not bad, f"FP8 GEMMs not promoted, spilling, over shared memory or off wgmma: {bad}"
+    serialized = [r for r in rows if "QGMMA" in r["ops"] and r["promote"] > 1
+                  and not (r["ops"].get("DEPBAR_LE_1") or r["ops"].get("DEPBAR_LE_2"))]
+    assert not serialized, f"promoted FP8 GEMMs whose wgmma chain ptxas serialized: {serialized}"

@@ -6,9 +6,9 @@ intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
                        USE_TMA, N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, FUSE_ACT, FUSE_QUANT,
-                       PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
+                       PROMOTE_K, FAST_ACCUM, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
-                       N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, PDL}},
+                       N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, PDL, PROMOTE_K, FAST_ACCUM}},
      ...}
 
 ``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``N_TILES``
@@ -32,7 +32,12 @@ two consumer warpgroups, one CTA per SM; ``num_stages`` = its TMA ring, ``num_wa
 (each consumer a whole tile, the epilogue of one overlapping the other's MMAs) or cooperative (both share a 128-row
 tile), bf16 / fp16 or block FP8, contiguous A rows, plain or SiLU-gated epilogue (``gluon_ws.supported``), else
 ``fused_moe_kernel``. ``PDL`` (optional, default 0; GEMM2) launches GEMM2, and the requantization before it, with
-programmatic dependent launch: they start during GEMM1's last wave and wait for its output. The entry whose ``M``
+programmatic dependent launch: they start during GEMM1's last wave and wait for its output. ``PROMOTE_K``
+(optional, default ``DEFAULT_PROMOTE_K`` = 256, a power of two <= 256, >= ``BLOCK_SIZE_K``; FP8 per-tensor /
+per-channel GEMMs only) is the number of K elements accumulated in the FP8 MMA accumulator (about 14 mantissa bits
+on sm_90) before it is added to an fp32 accumulator; ``FAST_ACCUM`` (optional, default 0; an explicit opt-in that no
+committed table uses) accumulates those GEMMs in place over the whole K instead, as vLLM's ``fused_moe_kernel`` does
+(error growing with K). The entry whose ``M``
 is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
 table) :func:`default_config` chooses by tokens per expert.
 """
@@ -48,14 +53,18 @@ import torch
 
 from ._host import INTERPRET
 
-__all__ = ["CONFIG_DIR", "GEMM1_KEYS", "GEMM2_KEYS", "config_file_name", "device_name", "load_table", "default_config",
-           "get_config", "sanitize_config"]
+__all__ = ["CONFIG_DIR", "GEMM1_KEYS", "GEMM2_KEYS", "DEFAULT_PROMOTE_K", "MAX_PROMOTE_K", "config_file_name",
+           "device_name", "load_table", "default_config", "get_config", "sanitize_config"]
 
 CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_name("configs")))
 
 # The keys a table entry may hold (anything else is a typo that would be ignored).
 GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
-              "N_TILES", "FLATTEN", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE", "PDL")
+              "N_TILES", "FLATTEN", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE", "PDL", "PROMOTE_K", "FAST_ACCUM")
+# K elements an FP8 per-tensor / per-channel GEMM accumulates in the MMA accumulator before promoting it into fp32
+# (PROMOTE_K's default and its largest allowed value; DeepGEMM / CUTLASS use 128)
+DEFAULT_PROMOTE_K = 256
+MAX_PROMOTE_K = 256
 GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL", "JOINT_GATE_UP")
 
 
@@ -135,6 +144,12 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
         g.setdefault("USE_TMA", 0)
         g.setdefault("N_TILES", 1)
         g.setdefault("FLATTEN", 0)
+        g.setdefault("PROMOTE_K", DEFAULT_PROMOTE_K)
+        g.setdefault("FAST_ACCUM", 0)
+        pk = g["PROMOTE_K"]
+        if not (isinstance(pk, int) and 16 <= pk <= MAX_PROMOTE_K and not pk & (pk - 1)):
+            raise ValueError(f"PROMOTE_K={pk!r} must be a power of two in [16, {MAX_PROMOTE_K}] (K elements per FP8 "
+                             "promotion interval)")
         if not (isinstance(g["N_TILES"], int) and g["N_TILES"] >= 1):
             raise ValueError(f"N_TILES={g['N_TILES']!r} must be a positive int (N tiles per program)")
         for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):

@@ -25,11 +25,14 @@ Quantization schemes (``FusedMoEQuantConfig`` -> kernel modes, see ``plan_quant`
 weights (w1/w2)                activations (a1/a2)    GEMM dequantization
 =============================  =====================  ===========================================
 bf16 / fp16 / fp32             same                   none (fp32: IEEE fp32 dot)
-fp8 per-tensor (per expert)    fp8 per-tensor / token acc * a_s * w_s[e] in the epilogue
-fp8 per-channel                fp8 per-token / tensor acc * a_s[row] * w_s[e, n] in the epilogue
+fp8 per-tensor (per expert)    fp8 per-tensor / token acc * a_s * w_s[e] in the epilogue (*)
+fp8 per-channel                fp8 per-token / tensor acc * a_s[row] * w_s[e, n] in the epilogue (*)
 fp8 128x128 blocks             fp8 1x128 dynamic      per K tile: dot * a_s[row, kb] * w_s[e, nb, kb]
 int8 per-channel               int8 per-token         int32 acc * a_s[row] * w_s[e, n]
 =============================  =====================  ===========================================
+
+(*) ``acc``: the FP8 MMA accumulator promoted into an fp32 accumulator every ``PROMOTE_K`` K elements (config key,
+default 256; :func:`promotion_tiles`); ``FAST_ACCUM=1`` (opt-in, never in a table) accumulates in place instead.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ from .quant import launch_act_quant as _launch_act_quant
 from .quant import quantize_activation
 
 __all__ = ["TritonExperts", "fused_experts", "run_experts", "plan_quant", "QuantPlan", "quantize_activation",
-           "layout_rows", "layout_block", "route_layout"]
+           "layout_rows", "layout_block", "route_layout", "promotion_tiles"]
 
 _FP8 = torch.float8_e4m3fn
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -287,6 +290,28 @@ def _permute_rows(src: torch.Tensor, sorted_ids, ntpp, rows: int, num_valid: int
 GLUON_KEYS = ("GLUON", "PINGPONG", "COOPERATIVE")  # table keys that put a GEMM on a Gluon kernel
 
 
+def promotion_tiles(cfg: dict, *, a_mode: int, int8: bool = False) -> int:
+    """``fused_moe_kernel``'s ``PROMOTE`` for one GEMM of launch config ``cfg`` (a ``gemm1`` / ``gemm2`` entry): the
+    K tiles an FP8 per-tensor / per-channel GEMM (``a_mode`` 1 or 2, not INT8) accumulates in the MMA accumulator
+    before adding it to the fp32 accumulator, ``PROMOTE_K // BLOCK_SIZE_K`` (``PROMOTE_K`` K elements per
+    interval, default ``configs.DEFAULT_PROMOTE_K`` = 256; DeepGEMM and CUTLASS promote every 128). 0 = in place:
+    every other GEMM (bf16 / fp16 / fp32; block FP8, promoted per K tile with its scales; INT8, exact in int32),
+    and the ``FAST_ACCUM`` opt-in (vLLM's ``fused_moe_kernel`` form, the FP8 accumulator's ~14 mantissa bits over
+    the whole K; never in a committed table).
+
+    Raises:
+        ValueError: ``BLOCK_SIZE_K > PROMOTE_K`` for such a GEMM (one K tile would already exceed the interval).
+    """
+    if int8 or a_mode not in (_S_TENSOR, _S_ROW) or cfg.get("FAST_ACCUM", 0):
+        return 0
+    pk, bk = cfg.get("PROMOTE_K", _configs.DEFAULT_PROMOTE_K), cfg["BLOCK_SIZE_K"]
+    if bk > pk:
+        raise ValueError(f"BLOCK_SIZE_K={bk} exceeds the FP8 promotion interval PROMOTE_K={pk}: one K tile would be "
+                         "accumulated in the FP8 MMA accumulator beyond it (lower BLOCK_SIZE_K, or opt into "
+                         "FAST_ACCUM=1)")
+    return pk // bk
+
+
 def _gluon_module(name: str):
     """``backends.triton.<name>`` (a Gluon kernel module), or None on a Triton without Gluon's Hopper API."""
     import importlib
@@ -307,6 +332,7 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     (``PDL_TRIGGER`` / ``PDL_WAIT``; ``pdl_wait`` launches with the attribute)."""
     E, NW, K = w.shape
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    promote = promotion_tiles(cfg, a_mode=a_mode, int8=int8)
     half_tail = layout.tiles is not None
     up_off = n_out if fuse in (1, 4) else 0
     ws, sbe, sbn, sbk = _scale_strides(w_scale, b_mode, E, NW)
@@ -377,7 +403,7 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         RECIP_MUL=rp["RECIP_MUL"] if rp else False,
         EVEN_K=K % BK == 0, TMA_A=tma_a, TMA_B=tma_b, EMU=INTERPRET,
         DOT_PREC="ieee" if act_dtype == torch.float32 else "tf32", N_TILES=n_tiles, FLATTEN=bool(cfg.get("FLATTEN", 0)),
-        PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait,
+        PROMOTE=promote, PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         **({"launch_pdl": True} if pdl_wait else {}),
     )
@@ -430,8 +456,12 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     act = activation_code(activation)
     alpha, beta, limit, has_limit = act_params(activation, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
     fuse = _fusion(activation) if g1.get("FUSE_ACT", 1) else 0
-    if fuse == 1 and g1.get("JOINT_GATE_UP", 0):
-        fuse = 4  # gate and up rows of an N tile as one weight tile (one MMA chain of 2 * BLOCK_N columns)
+    if fuse == 1 and (g1.get("JOINT_GATE_UP", 0) or promotion_tiles(g1, a_mode=plan.a1_mode,
+                                                                     int8=plan.kind == "int8") > 1):
+        # gate and up rows of an N tile as one weight tile (one MMA chain of 2 * BLOCK_N columns). Always so for an
+        # FP8 GEMM1 promoted every few K tiles: with two partial chains (gate, up) ptxas serializes every wgmma of
+        # the loop (sm_90 SASS: a wait for zero groups after each QGMMA), with one it keeps a group in flight
+        fuse = 4
     split = {1: 1, 2: 2, 3: 0}[_fusion(activation)]
     quant = plan.kind != "none"
     int8 = plan.kind == "int8"

@@ -64,7 +64,7 @@ def _moe_tile(
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
-    N_TILES: tl.constexpr, FLATTEN: tl.constexpr,
+    N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PROMOTE: tl.constexpr,
 ):
     """``N_TILES`` ``BLOCK_M x BLOCK_N`` output tiles of expert ``e``: sorted rows ``[row0, row0 + BLOCK_M)``,
     output columns of N tiles ``pid_ng * N_TILES + j`` (see :func:`fused_moe_kernel` for the modes)."""
@@ -113,6 +113,9 @@ def _moe_tile(
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = acc
+        # PROMOTE > 1: partial accumulators of one promotion interval (FP8 per-tensor / per-channel, see below)
+        part = acc
+        part_u = acc
 
         if A_SCALE == 3:
             a_s_ptrs = a_scale_ptr + a_rows.to(tl.int64) * stride_asm
@@ -189,13 +192,36 @@ def _moe_tile(
                     acc = tl.dot(a, b, acc, out_dtype=tl.int32)
                     if FUSE == 1:
                         acc_u = tl.dot(a, bu, acc_u, out_dtype=tl.int32)
-                else:
+                elif PROMOTE == 0:  # in place (bf16 / fp16 / fp32; FP8 only as the FAST_ACCUM opt-in)
                     acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
                     if FUSE == 1:
                         acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
+                elif PROMOTE == 1:  # FP8, one K tile per promotion interval
+                    acc += tl.dot(a, b, input_precision=DOT_PREC)
+                    if FUSE == 1:
+                        acc_u += tl.dot(a, bu, input_precision=DOT_PREC)
+                else:
+                    # FP8: the sm_90 wgmma accumulator keeps ~14 mantissa bits, so PROMOTE K tiles are chained in a
+                    # partial accumulator (one asynchronous wgmma chain: its only reader is the next dot or the
+                    # `if`, which Triton's wgmma pipeliner allows) and added to the fp32 accumulator at the
+                    # interval's end (the wait for the chain happens there, once per interval)
+                    part = tl.dot(a, b, part, input_precision=DOT_PREC)
+                    if FUSE == 1:
+                        part_u = tl.dot(a, bu, part_u, input_precision=DOT_PREC)
+                    if kk % PROMOTE == PROMOTE - 1:
+                        acc += part
+                        part = tl.zeros_like(part)
+                        if FUSE == 1:
+                            acc_u += part_u
+                            part_u = tl.zeros_like(part_u)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
             bu_ptrs += BLOCK_K * stride_bk
+
+        if PROMOTE > 1:  # the last, partial interval (zeros when the K tiles fill whole intervals)
+            acc += part
+            if FUSE == 1:
+                acc_u += part_u
 
         # ---- epilogue: dequantize, bias, (activation), round, (quantize), store
         accf = acc.to(tl.float32)
@@ -280,7 +306,8 @@ def fused_moe_kernel(
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
-    N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
+    N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PROMOTE: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False,
 ):
     """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
 
@@ -305,6 +332,12 @@ def fused_moe_kernel(
     ``OUT_QUANT``: quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns).
     ``N_TILES``: a program computes that many consecutive N tiles of its rows in turn (``FLATTEN``: as one
     flattened, software-pipelined loop); N tiles past ``N`` are computed on wrapped columns and not stored.
+    ``PROMOTE`` (FP8 per-tensor / per-channel operands, ``A_SCALE`` 1 or 2, not ``INT8``): K tiles accumulated in
+    the MMA accumulator before it is added to the fp32 accumulator (``PROMOTE * BLOCK_K`` K elements per promotion
+    interval, as DeepGEMM / CUTLASS promote every 128 K elements: on sm_90 the FP8 wgmma accumulator keeps about 14
+    mantissa bits, DeepSeek-V3 technical report 3.3.2); 0 = every K tile accumulated in place, the fast-accumulation
+    form of vLLM's ``fused_moe_kernel`` (only the ``FAST_ACCUM`` opt-in, and every non-FP8 GEMM, launch it). Block
+    FP8 (``A_SCALE`` 3) is promoted per K tile with its scales, INT8 accumulates exactly in int32.
     ``PDL_TRIGGER``: let the next kernel (launched with programmatic dependent launch) start once every program has
     started. ``PDL_WAIT`` (this kernel launched so): wait for the previous kernel before reading anything it wrote
     (A, A's scales; the layout was written before it).
@@ -349,7 +382,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE)
         else:
             _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
                   a_desc_h, b_desc,
@@ -363,7 +396,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE)
     else:
         ntpp = tl.load(num_tokens_post_padded_ptr)
         e = tl.load(expert_ids_ptr + pid_m)  # pid_m < cdiv(EM, BLOCK_M) = the layout's block count
@@ -386,7 +419,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE)
 
 
 @triton.jit

@@ -44,14 +44,15 @@ class Compiled:
     def resources(self) -> dict:
         """``{"regs", "stack", "ops"}`` from the cubin: registers per thread, stack bytes (local-memory spills), and
         counts of the instructions that show the code path (HGMMA / QGMMA / IGMMA = wgmma, HMMA = mma.sync,
-        UTMALDG = TMA loads, LDGSTS = cp.async, STL / LDL = local memory, DEPBAR_LE_1 = wgmma waits that leave one
-        group in flight)."""
+        UTMALDG = TMA loads, LDGSTS = cp.async, STL / LDL = local memory, DEPBAR_LE_1 / DEPBAR_LE_2 = wgmma waits
+        that leave one / two groups in flight)."""
         sass, res = _cuobjdump(self.cubin)
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
         ops = {o: sass.count(o) for o in ("HGMMA", "QGMMA", "IGMMA", "HMMA", "UTMALDG", "LDGSTS", "STL", "LDL")}
         # waits that leave one wgmma group in flight (an MMA overlapping other work; ptxas drops them when it
         # serializes the wgmmas)
         ops["DEPBAR_LE_1"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1")
+        ops["DEPBAR_LE_2"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x2")  # two chains (gate / up) in flight
         return dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
                     ops={k: v for k, v in ops.items() if v})
 
@@ -209,11 +210,16 @@ def _weights(sh):
     from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, biased_moe_quant_config, fp8_w8a8_moe_quant_config
 
     E, K, I = sh.E, sh.K, sh.I
-    dt = torch.float8_e4m3fn if sh.scheme == "fp8_block128" else torch.bfloat16
+    dt = torch.float8_e4m3fn if sh.scheme.startswith("fp8") else torch.bfloat16
     w1, w2 = torch.empty(E, 2 * I, K, dtype=dt), torch.empty(E, K, I, dtype=dt)
     if sh.scheme == "fp8_block128":
         qc = fp8_w8a8_moe_quant_config(torch.ones(E, -(-2 * I // 128), -(-K // 128)),
                                        torch.ones(E, -(-K // 128), -(-I // 128)), block_shape=[128, 128])
+    elif sh.scheme == "fp8_tensor":  # per-expert weight scales, dynamic per-tensor activations
+        qc = fp8_w8a8_moe_quant_config(torch.ones(E), torch.ones(E))
+    elif sh.scheme == "fp8_channel_token":  # per-channel weight scales, dynamic per-token activations
+        qc = fp8_w8a8_moe_quant_config(torch.ones(E, 2 * I, 1), torch.ones(E, K, 1), per_act_token_quant=True,
+                                       per_out_ch_quant=True)
     elif sh.bias:
         qc = biased_moe_quant_config(torch.zeros(E, 2 * I, dtype=torch.bfloat16),
                                      torch.zeros(E, K, dtype=torch.bfloat16))

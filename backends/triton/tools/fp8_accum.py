@@ -1,0 +1,273 @@
+"""FP8 accumulation of ``fused_moe_kernel``: the error of in-place accumulation against promotion into fp32, and
+what the promotion costs (issue 22, item 5). One process on one H100 / H200, under 6 minutes on an H200:
+
+    python3 -m backends.triton.tools.fp8_accum                  # accuracy, then timing, then the table
+    python3 -m backends.triton.tools.fp8_accum --no-timing      # accuracy only (~20 s)
+    python3 -m backends.triton.tools.fp8_accum --ms 4096 --json out.json
+
+(a) Accuracy: one FP8 per-tensor GEMM ``C = (A * s_a) @ (W * s_w)^T`` (``M = N = 1024``, ``K`` in {1024, 4096, 7168,
+    16384}, ``A, W ~ N(0, 1)`` quantized per tensor with ``reference.quant.scaled_fp8_quant``) through the kernel's
+    own launch path (``experts._launch_gemm`` on a single expert with every token routed to it, fp32 output, so
+    nothing is rounded after the accumulator), for each variant of :data:`VARIANTS`: relative RMS error against the
+    float64 product of the dequantized operands, and its ratio to the error of plain fp32 accumulation (``torch``
+    float32 matmul of the dequantized operands, TF32 off). On sm_90 the in-place FP8 wgmma accumulator keeps about 14
+    mantissa bits (DeepSeek-V3 technical report 3.3.2): its error grows with K, the promoted ones stay near fp32's.
+(b) Timing: the whole experts step (``fused_experts``: input quantization, align, both GEMMs, requantization, top-k
+    sum) of Qwen3-30B-A3B ``fp8_channel_token`` (E=128, topk 8, K=2048, I=768) and Mixtral-8x7B TP2 ``fp8_tensor``
+    (E=8, topk 2, K=4096, I=7168) at M in {64, 1024, 4096}, each variant on the launch configuration
+    ``configs.get_config`` picks for the shape with the variant's accumulation keys set (these schemes have no tuned
+    table: the defaults). Inputs from ``bench.draw_inputs`` (rotating routings), timed by ``benchmarks.timing.Runner``
+    (CUDA graphs, median of rounds), variants interleaved and repeated; before a variant's time counts, its output on
+    the first input set is checked against ``reference.experts.fused_experts`` with the tolerances of
+    ``specs/tolerances.toml`` (a failing variant is reported, not timed).
+
+The table is printed last: ``variant | shape | M | us | ratio to old`` (old = ``FAST_ACCUM``, the in-place form of
+vLLM's ``fused_moe_kernel`` and of this kernel before the promotion).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+# variant name -> the accumulation keys set on both GEMMs' config entries ("old": the in-place form)
+VARIANTS = {
+    "old (FAST_ACCUM, in place)": dict(FAST_ACCUM=1),
+    "promote every 256 K (default)": dict(PROMOTE_K=256),
+    "promote every 128 K": dict(PROMOTE_K=128),
+}
+OLD = "old (FAST_ACCUM, in place)"
+ACC_KS = (1024, 4096, 7168, 16384)
+TIME_MS = (64, 1024, 4096)
+# the accuracy GEMM's launch configuration (a prefill tile on wgmma; BLOCK_K 128 so that both intervals apply)
+ACC_CFG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
+BUDGET_S = 330.0  # stop starting new timings after this (the whole run must stay < 6 minutes)
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def timing_shapes():
+    """The two timed shapes (``bench.Shape``): Qwen3-30B-A3B FP8 per-channel weights x per-token activations, and
+    Mixtral-8x7B at TP2 with FP8 per-tensor weights and activations (``specs/models.toml`` dimensions)."""
+    from backends.triton.bench import Shape
+
+    return [Shape("qwen3_30b_fp8_channel_token", 128, 8, 2048, 768, "fp8_channel_token"),
+            Shape("mixtral_tp2_fp8_tensor", 8, 2, 4096, 7168, "fp8_tensor")]
+
+
+def with_variant(cfg: dict, keys: dict) -> dict:
+    """A copy of a ``{"gemm1", "gemm2"}`` launch config with a variant's accumulation keys on both GEMMs (and
+    ``BLOCK_SIZE_K`` lowered to ``PROMOTE_K`` where it was longer: the decode defaults' 256-wide FP8 K tiles)."""
+    out = {g: dict(cfg[g], **keys) for g in ("gemm1", "gemm2")}
+    for g in out.values():
+        if "PROMOTE_K" in keys:
+            g["BLOCK_SIZE_K"] = min(g["BLOCK_SIZE_K"], keys["PROMOTE_K"])
+    return out
+
+
+def single_expert_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, g: dict,
+                       *, a_mode: int = 1, b_mode: int = 1, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(a_q * a_scale) @ (w_q * w_scale)^T`` through ``fused_moe_kernel``'s launch path: one expert, every one of
+    the ``M`` tokens routed to it (top-1), plain epilogue (no activation), output in ``out_dtype`` (fp32: the
+    accumulator times the scales, unrounded).
+
+    Args:
+        a_q: ``(M, K)`` FP8 e4m3 codes; a_scale: fp32, one element (``a_mode`` 1) or ``(M, 1)`` (``a_mode`` 2).
+        w_q: ``(N, K)`` FP8 e4m3 codes; w_scale: fp32, one element (``b_mode`` 1) or ``(N,)`` (``b_mode`` 2).
+        g: one GEMM's launch config (``BLOCK_SIZE_M``, ..., and the accumulation keys ``PROMOTE_K`` /
+            ``FAST_ACCUM``); sanitized here.
+    Returns: ``(M, N)`` ``out_dtype``.
+    """
+    from backends.triton import configs as C
+    from backends.triton.experts import _launch_gemm, layout_block, layout_rows, route_layout
+
+    M, K = a_q.shape
+    N = w_q.shape[0]
+    cfg = C.sanitize_config({"gemm1": dict(g), "gemm2": dict(g)})
+    ids = torch.zeros(M, 1, dtype=torch.int32, device=a_q.device)
+    lay = route_layout(ids, cfg, 1)
+    rows = layout_rows(M, 1, layout_block(cfg))
+    c = torch.empty(M, N, dtype=out_dtype, device=a_q.device)
+    a_s = a_scale.reshape(1).float() if a_mode == 1 else a_scale.reshape(M, 1).float()
+    w_s = w_scale.reshape(1).float() if b_mode == 1 else w_scale.reshape(1, N).float()
+    _launch_gemm(a=a_q, w=w_q.reshape(1, N, K), c=c, a_scale=a_s, a_mode=a_mode, w_scale=w_s, b_mode=b_mode,
+                 layout=lay, rows=rows, num_valid=M, top_k=1, a_gather=True, c_sorted=False, n_out=N, fuse=0,
+                 act=0, act_dtype=out_dtype, cfg=cfg["gemm1"])
+    return c
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    d = x.double() - ref
+    return (d.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+def accuracy(dev, Ks=ACC_KS, M=1024, N=1024, seed=0) -> list[dict]:
+    """Part (a): one row per (K, variant) with the relative RMS errors of the kernel and of fp32 accumulation."""
+    from reference.quant import scaled_fp8_quant
+
+    rows = []
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for K in Ks:
+            g = torch.Generator().manual_seed(seed + K)
+            a, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+            (aq, sa), (wq, sw) = scaled_fp8_quant(a), scaled_fp8_quant(w)  # bit-exact scales on the CPU
+            aq, sa, wq, sw = aq.to(dev), sa.to(dev), wq.to(dev), sw.to(dev)
+            ad, wd = aq.double() * sa.double(), wq.double() * sw.double()
+            exact = ad @ wd.T
+            e32 = rel_rms(ad.float() @ wd.float().T, exact)
+            for name, keys in VARIANTS.items():
+                out = single_expert_gemm(aq, sa, wq, sw, dict(ACC_CFG, **keys))
+                e = rel_rms(out, exact)
+                rows.append(dict(K=K, variant=name, rel_rms=e, fp32_rel_rms=e32, ratio_to_fp32=e / e32))
+                log(f"accuracy K={K:6d} {name:32s} rel rms {e:.3e}  fp32 {e32:.3e}  x{e / e32:.2f} of fp32")
+            del ad, wd, exact
+            torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+    return rows
+
+
+def _median_call_us(call, n_sets, dev, budget_s):
+    """Median per-call device time (us) of ``call(i)`` over ``benchmarks.timing.Runner`` rounds (CUDA graph)."""
+    from benchmarks.timing import Runner, Settings, measured_clock
+
+    r = Runner(call, n_sets, dev, Settings(budget_s=budget_s, min_rounds=10, max_rounds=60))
+    r.prepare()
+    ts = []
+    for _ in range(r.rounds):
+        t0 = measured_clock()
+        r.round()
+        ts.append(measured_clock() - t0)
+    r.close()
+    return statistics.median(ts) * 1e6, r.method
+
+
+def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
+    """Part (b): one row per (variant, shape, M): median us of the whole experts step (best of ``repeats``
+    interleaved repeats), or the reason it was not timed."""
+    from backends.triton import configs as C
+    from backends.triton.bench import draw_inputs, make_weights, stats, tol_key, tolerances
+    from backends.triton.experts import fused_experts, plan_quant
+    from reference.experts import fused_experts as ref_fused_experts
+
+    rows = []
+    tols = tolerances()
+    for sh in timing_shapes():
+        w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
+        plan = plan_quant(qc)
+        tol = tols[tol_key(sh.scheme, dt)]
+        for M in Ms:
+            if time.time() - T0 > BUDGET_S:
+                log(f"time budget reached: skipping {sh.name} M={M}")
+                continue
+            R = 10 if M <= 64 else 4
+            xs, routes, _ = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=1000 * M)
+            base = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, plan.block_shape)
+            # the reference on the GPU (its FP8 scales may differ from the CPU's in the last bit: within tolerance)
+            ref = ref_fused_experts(xs[0], w1, w2, routes[0][0], routes[0][1], activation=act, quant_config=qc)
+            ok = {}
+            for name, keys in VARIANTS.items():
+                cfg = with_variant(base, keys)
+                try:
+                    out = fused_experts(xs[0], w1, w2, routes[0][0], routes[0][1], activation=act, quant_config=qc,
+                                        config=cfg)
+                    s = stats(out, ref)
+                    good = not s["nan"] and all(s[k] <= tol[k] for k in ("max_norm", "rms_norm", "calc_diff"))
+                    ok[name] = (cfg, None if good else f"vs reference {s} > {tol}")
+                    log(f"check {sh.name} M={M} {name:32s} {'OK' if good else 'FAIL'} rms={s['rms_norm']:.2e} "
+                        f"max={s['max_norm']:.2e}")
+                except Exception as exc:  # noqa: BLE001 - reported in the table, the run goes on
+                    ok[name] = (cfg, f"{type(exc).__name__}: {exc}")
+                    log(f"check {sh.name} M={M} {name} FAILED: {ok[name][1]}")
+            times = {name: [] for name in VARIANTS}
+            for _ in range(repeats):
+                for name, (cfg, why) in ok.items():
+                    if why is not None:
+                        continue
+
+                    def call(i, cfg=cfg):
+                        fused_experts(xs[i], w1, w2, routes[i][0], routes[i][1], activation=act, quant_config=qc,
+                                      config=cfg)
+
+                    us, method = _median_call_us(call, R, dev, budget_s)
+                    times[name].append(us)
+            for name, (cfg, why) in ok.items():
+                us = min(times[name]) if times[name] else float("nan")
+                rows.append(dict(variant=name, shape=sh.name, M=M, us=us, repeats=times[name], error=why,
+                                 config=cfg))
+                if why is None:
+                    reps = ", ".join(f"{t:.1f}" for t in times[name])
+                    log(f"time {sh.name} M={M:5d} {name:32s} {us:9.2f} us  (repeats {reps})")
+            del xs, routes, ref
+            torch.cuda.empty_cache()
+        del w1, w2, qc
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_tables(acc_rows, time_rows):
+    if acc_rows:
+        print()
+        print("| K | variant | rel rms vs float64 | fp32 accumulation rel rms | ratio to fp32 |")
+        print("|---|---|---|---|---|")
+        for r in acc_rows:
+            print(f"| {r['K']} | {r['variant']} | {r['rel_rms']:.3e} | {r['fp32_rel_rms']:.3e} | "
+                  f"{r['ratio_to_fp32']:.2f} |")
+    if time_rows:
+        old = {(r["shape"], r["M"]): r["us"] for r in time_rows if r["variant"] == OLD and r["error"] is None}
+        print()
+        print("| variant | shape | M | us | ratio to old |")
+        print("|---|---|---|---|---|")
+        for r in time_rows:
+            if r["error"] is not None:
+                print(f"| {r['variant']} | {r['shape']} | {r['M']} | not timed: {r['error'][:80]} | - |")
+                continue
+            o = old.get((r["shape"], r["M"]))
+            ratio = f"{r['us'] / o:.3f}" if o and not math.isnan(r["us"]) else "-"
+            print(f"| {r['variant']} | {r['shape']} | {r['M']} | {r['us']:.2f} | {ratio} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ks", default=",".join(map(str, ACC_KS)), help="K of the accuracy GEMM")
+    ap.add_argument("--ms", default=",".join(map(str, TIME_MS)), help="token counts to time")
+    ap.add_argument("--no-timing", action="store_true", help="accuracy only")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved timing repeats per variant (best is kept)")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fp8_accum.json"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: this script needs an H100 / H200 (tests/test_triton_interpret.py checks the promotion "
+              "on CPU)")
+        return 2
+    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
+    import triton
+
+    dev = torch.device("cuda")
+    log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    acc_rows = accuracy(dev, [int(k) for k in args.ks.split(",")])
+    time_rows = [] if args.no_timing else timing(dev, [int(m) for m in args.ms.split(",")], repeats=args.repeats)
+    try:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), accuracy=acc_rows, timing=time_rows), f, indent=1,
+                      default=str)
+    except OSError as exc:
+        log(f"could not write {args.json}: {exc}")
+    print_tables(acc_rows, time_rows)
+    log("done")
+    return 1 if any(r["error"] for r in time_rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
