@@ -53,6 +53,11 @@ class Backend:
             backend implements (its ``"gate_linear"`` op computes the tier ``select_gate_tier`` picks there), or
             None if it implements no gate tier.
         description: one line for the report header.
+        prepare_finalize: the backend's own ``reference.modular.FusedMoEPrepareAndFinalizeModular`` classes for
+            expert parallelism across processes (e.g. over DeepEP buffers), run by ``conformance/test_distributed.py``
+            through the same cases as the reference pairs of ``reference.distributed``; each is constructed as
+            ``cls(group=None, moe_config=..., max_num_tokens=..., expert_placement_strategy=...,
+            quantize_after_dispatch=...)`` inside an initialized ``torch.distributed`` process group.
     """
 
     name: str
@@ -65,6 +70,7 @@ class Backend:
     deterministic: bool = True
     gate_platforms: Callable[[], Sequence] | None = None
     description: str = ""
+    prepare_finalize: Sequence[type] = ()
 
     def unavailable_reason(self) -> str | None:
         """None if the backend can run on this machine, else why not (never raises)."""

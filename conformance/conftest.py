@@ -31,6 +31,9 @@ def pytest_addoption(parser):
                     help="save the inputs, output and diagnosis of each failing experts case to DIR/<case>.pt")
     group.addoption("--replay", default=None, metavar="FILE",
                     help="run an experts case on the inputs saved by --dump-failures instead of drawing them")
+    group.addoption("--world-size", default=None, metavar="N[,N...]",
+                    help="run conformance/test_distributed.py over N spawned ranks (gloo on CPU, NCCL with one GPU "
+                         "per rank); comma-separated for several world sizes")
     group.addoption("--results-dir", default=os.environ.get("MOE_RESULTS_DIR", "results"),
                     help="where per-case JSON results are written (default: results/)")
 
