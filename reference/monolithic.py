@@ -88,6 +88,9 @@ class ReferenceMonolithicExperts(ReferenceSupport, FusedMoEExpertsMonolithic):
             topk_group=topk_group, num_expert_group=num_expert_group, scoring_func=self.scoring_func,
             routed_scaling_factor=1.0 if routed_scaling_factor is None else routed_scaling_factor,
             e_score_correction_bias=e_score_correction_bias,
+            # A monolithic kernel is handed the factor itself (not through FusedTopKRouter): kept as it was, scaled
+            # also for plain top-k (not checked against vLLM's monolithic kernels; see select_experts).
+            scale_plain_topk=True,
         )
         return fused_experts(hidden_states, w1, w2, w, ids, activation=activation,
                              global_num_experts=global_num_experts, expert_map=expert_map,
