@@ -1,6 +1,8 @@
 """Kernel hygiene: what correct-on-average kernels still get wrong (shared/facts/vllm-inventory.md "Known MoE
 correctness bugs").
 
+- the router weight applied on the input (topk == 1) is applied exactly once, on a synthetic top-1 Qwen3-30B-A3B
+  (EP rank 0 and the last rank, bf16 and block FP8, chunked), beside test_experts.py's Llama-4 cases;
 - repeated runs are bitwise equal when the backend declares itself deterministic;
 - the batched format's padding rows stay zero (the layout promises it);
 - CUDA-graph replay equals eager (GPU backends);
@@ -13,6 +15,7 @@ elements fail everywhere in the suite.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -23,7 +26,7 @@ from conformance.inputs import make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, assert_exact
 from conformance.test_experts import moe_config_for
 from reference.activation import MoEActivation
-from reference.batched import BatchedPrepareAndFinalize
+from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
 from reference.experts import fused_experts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 from reference.routing import fused_topk
@@ -61,6 +64,11 @@ def pytest_generate_tests(metafunc):
     if "experts_cls" in metafunc.fixturenames and "scheme" in metafunc.fixturenames:
         params = _experts_params(metafunc)
         metafunc.parametrize(("experts_cls", "scheme"), params or [pytest.param(None, None, id="no-experts")])
+    if "experts_cls" in metafunc.fixturenames and "rw_case" in metafunc.fixturenames:
+        classes = list(metafunc.config._moe_backend.experts)
+        params = [pytest.param(cls, c, id=f"{c.id}-{cls.__name__}") for c in ROUTER_WEIGHT_ON_INPUT_CASES
+                  for cls in classes]
+        metafunc.parametrize(("experts_cls", "rw_case"), params or [pytest.param(None, None, id="no-experts")])
 
 
 def _inputs(backend, experts_cls, scheme, M=64):
@@ -250,3 +258,66 @@ def test_offsets_past_int32(backend, oc: OffsetsCase, tolerances, repro, record)
     ran = check_offsets_case(backend.experts, oc, "cuda", tolerances["experts"]["bfloat16"], repro, record)
     if not ran:
         pytest.skip(f"backend {backend.name} has no standard-format experts class claiming bf16")
+
+
+def run_with_reference(experts_cls, case: ExpertsCase, inputs, apply_router_weight_on_input: bool = False):
+    """``(out, expected)``: ``experts_cls`` behind the modular kernel (NaN-poisoned; standard format: the case's
+    chunk size; batched: capacity M per expert) and its reference (standard: ``reference.experts.fused_experts``;
+    batched: ``BatchedReferenceExperts`` behind the same prepare/finalize, as in test_experts.py)."""
+    moe_config, qc = moe_config_for(case), inputs.quant_config
+    kwargs = dict(activation=case.activation, global_num_experts=inputs.global_num_experts,
+                  expert_map=inputs.expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
+    args = (inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
+    if experts_cls.activation_format() == FusedMoEActivationFormat.BatchedExperts:
+        cap, E_local = max(case.tokens, 1), moe_config.num_local_experts
+
+        def kernel(cls):
+            return FusedMoEKernel(BatchedPrepareAndFinalize(cap, E_local),
+                                  cls(moe_config, qc, max_num_tokens=cap, num_dispatchers=1), poison=float("nan"))
+
+        return kernel(experts_cls).apply(*args, **kwargs), kernel(BatchedReferenceExperts).apply(*args, **kwargs)
+    out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(moe_config, qc), chunk_size=case.chunk_size,
+                         poison=float("nan")).apply(*args, **kwargs)
+    return out, fused_experts(*args, quant_config=qc, **kwargs)
+
+
+def _top1(name: str) -> ModelSpec:
+    """A synthetic top-1 variant of a model: Llama-4 routing (top-1 of the logits, weight = sigmoid(logit), so
+    weights are not 1 and a dropped or doubled weight shows) with the router weight applied on the input."""
+    return dataclasses.replace(load_models()[name], name=f"{name}_top1", top_k=1, scoring_func="llama4",
+                               renormalize=False, apply_router_weight_on_input=True)
+
+
+def _router_weight_on_input_cases() -> list[ExpertsCase]:
+    """Ordered so that consecutive cases share cached weights (inputs.py keeps one shard): Llama-4 at a rank > 0 was
+    tried and left out (drawing its 0.5 GB shard costs ~20 s on a 2-core CPU)."""
+    q = _top1("qwen3_30b_a3b")
+    return [ExpertsCase(q, "bf16", M, q.cpu_ep_size, 0) for M in (1, 16, 64)] + [
+        ExpertsCase(q, "bf16", 40, q.cpu_ep_size, 0, chunk_size=16),  # weights on the input, then chunks
+        ExpertsCase(q, "fp8_block128", 16, q.cpu_ep_size, 0),  # weighted input, then quantized per 1x128 group
+        ExpertsCase(q, "bf16", 16, q.cpu_ep_size, q.cpu_ep_size - 1),  # the last rank
+    ]
+
+
+# The router weight applied on the input (topk == 1; vLLM's Llama-4 path). test_experts.py holds this bug class with
+# Llama-4 (EP rank 0) only. Specs TODO (conformance/cases.py is being rewritten from backend claims): a top-1 model
+# variant / an ``apply_router_weight_on_input`` option in specs/cases.toml would carry these cases.
+ROUTER_WEIGHT_ON_INPUT_CASES = _router_weight_on_input_cases()
+
+
+def test_router_weight_on_input(backend, experts_cls, rw_case: ExpertsCase, tolerances, repro, record):
+    """topk == 1 with ``apply_router_weight_on_input``: prepare multiplies the input by the weight, so the experts
+    must not weight their output again (nor skip what the flag asks): the output equals the reference's."""
+    if experts_cls is None:
+        pytest.skip(f"backend {backend.name} offers no experts implementation")
+    case = rw_case
+    inputs = make_experts_inputs(case, backend.device)
+    _claimed(experts_cls, case, inputs.quant_config)
+    assert case.model.top_k == 1 and case.model.apply_router_weight_on_input
+    w = inputs.topk_weights.float()
+    assert bool(((w - 1).abs() > 1e-3).any()), f"{case.id}: router weights all ~1, the case cannot see the bug"
+    record(component="hygiene", scheme=f"router-weight-on-input-{case.scheme}", model=case.model.name,
+           tokens=case.tokens, experts_class=experts_cls.__name__)
+    out, expected = run_with_reference(experts_cls, case, inputs, apply_router_weight_on_input=True)
+    assert_close(out, expected, tolerances["experts"][scheme_tolerance_key(case.scheme, case.dtype)],
+                 case=f"{case.id}-router-weight-on-input", what=f"{experts_cls.__name__} output", repro=repro)

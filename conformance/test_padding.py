@@ -31,9 +31,7 @@ from conformance.cases import ExpertsCase, seed_of
 from conformance.inputs import ExpertsInputs, make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close
 from conformance.test_experts import moe_config_for
-from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
-from reference.experts import fused_experts
-from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
+from conformance.test_hygiene import run_with_reference
 from reference.schemes import scheme_tolerance_key
 from specs import load_models
 
@@ -114,28 +112,14 @@ def test_padding_ids_under_expert_map(backend, experts_cls, padding_case: Paddin
     if experts_cls is None:
         pytest.skip(f"backend {backend.name} offers no experts implementation")
     case, inputs, all_pad = padding_inputs(padding_case, backend.device)
-    qc, moe_config, fmt = inputs.quant_config, moe_config_for(case), experts_cls.activation_format()
-    ok, reason = experts_cls.is_supported_config(experts_cls, moe_config, qc.weight_key, qc.activation_key, fmt)
+    qc = inputs.quant_config
+    ok, reason = experts_cls.is_supported_config(experts_cls, moe_config_for(case), qc.weight_key,
+                                                 qc.activation_key, experts_cls.activation_format())
     if not ok:
         pytest.skip(f"{experts_cls.__name__} does not claim {case.scheme} here: {reason}")
     record(component="hygiene", scheme=f"padding-ids-{case.scheme}", model=case.model.name, tokens=case.tokens,
            experts_class=experts_cls.__name__)
-    kwargs = dict(activation=case.activation, global_num_experts=inputs.global_num_experts,
-                  expert_map=inputs.expert_map)
-    args = (inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
-    if fmt == FusedMoEActivationFormat.BatchedExperts:
-        cap, E_local = max(case.tokens, 1), moe_config.num_local_experts
-
-        def kernel(cls):
-            return FusedMoEKernel(BatchedPrepareAndFinalize(cap, E_local),
-                                  cls(moe_config, qc, max_num_tokens=cap, num_dispatchers=1), poison=float("nan"))
-
-        expected = kernel(BatchedReferenceExperts).apply(*args, **kwargs)
-        out = kernel(experts_cls).apply(*args, **kwargs)
-    else:
-        expected = fused_experts(*args, quant_config=qc, **kwargs)
-        out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(moe_config, qc), chunk_size=case.chunk_size,
-                             poison=float("nan")).apply(*args, **kwargs)
+    out, expected = run_with_reference(experts_cls, case, inputs)
     what = f"{experts_cls.__name__} output with -1 routes"
     assert_close(out, expected, tolerances["experts"][scheme_tolerance_key(case.scheme, case.dtype)],
                  case=padding_case.id, what=what, repro=repro)

@@ -233,3 +233,20 @@ class _OffsetsWrap16(_OffsetsWrap):
 
 
 offsets_wrap_16bit = dataclasses.replace(_torch, name="broken_offsets_wrap_16bit", experts=[_OffsetsWrap16])
+
+
+# --- The router weight applied on the input: conformance/test_hygiene.py::test_router_weight_on_input ---------------
+
+
+class _RouterWeightTwice(TorchExperts):
+    """Ignores ``apply_router_weight_on_input``: weights its output although prepare already multiplied the input by
+    the weight, so with topk == 1 every token is scaled by w^2 instead of w."""
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        super().apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                      expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta, False)
+
+
+router_weight_twice = dataclasses.replace(_torch, name="broken_router_weight_twice", experts=[_RouterWeightTwice])
