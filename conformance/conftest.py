@@ -36,6 +36,9 @@ def pytest_addoption(parser):
                          "per rank); comma-separated for several world sizes")
     group.addoption("--results-dir", default=os.environ.get("MOE_RESULTS_DIR", "results"),
                     help="where per-case JSON results are written (default: results/)")
+    group.addoption("--vllm-semantics", default=None, choices=("0.17", "0.33"),
+                    help="vLLM release whose semantics the reference specifies (reference.semantics; default: "
+                         "$MOE_VLLM_SEMANTICS or the newest, 0.33)")
 
 
 def _backend_spec(config) -> str:
@@ -67,6 +70,9 @@ def pytest_report_header(config):
         f"  torch {torch.__version__}; device: {_device_description(b)}",
         f"  ops: {', '.join(sorted(b.ops)) or '-'}; experts: {', '.join(c.__name__ for c in b.experts) or '-'}",
         "  status: available" if reason is None else f"  status: UNAVAILABLE - {reason} (every case is skipped)",
+        "  vLLM semantics: "  # the version the routing reference checks (conformance/test_routing.py applies it)
+        f"{__import__('reference.semantics').semantics.resolve_semantics(config.getoption('--vllm-semantics'))}"
+        " (--vllm-semantics / $MOE_VLLM_SEMANTICS; python -m reference.semantics lists the points)",
     ]
 
 

@@ -1,6 +1,11 @@
 """Routing conformance: the backend's routing ops against the reference router, with each real model's settings.
 
-Ids compare as per-token sets (ties accepted either way), weights with fp32 tolerances."""
+Ids compare as per-token sets (ties accepted either way), weights with fp32 tolerances.
+
+The reference routes under the vLLM semantics version chosen by ``--vllm-semantics`` (else ``$MOE_VLLM_SEMANTICS``,
+else the newest); ``_vllm_semantics`` applies it to every test of this module. Under 0.33 the non-finite rule of
+``fused_topk`` / ``fused_topk_bias`` is vLLM 0.33.0's clamp (``csrc/moe/topk_softmax_kernels.cu``), under 0.17 the
+seed-era raise (``reference.routing`` module doc)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,20 @@ import torch
 from conformance.cases import RoutingCase, routing_cases
 from conformance.inputs import _gen, route, router_logits, routing_bias
 from conformance.metrics import assert_routing
+from reference import routing as reference_routing
 from reference.routing import valid_grouping
+from reference.semantics import SemanticsVersion, resolve_semantics, use_semantics
+
+
+@pytest.fixture(autouse=True)
+def _vllm_semantics(request):
+    """Route the reference under ``--vllm-semantics`` (the conftest's option; ``None``: env var or newest)."""
+    try:
+        chosen = request.config.getoption("--vllm-semantics")
+    except ValueError:  # the option is not registered (module run outside the conformance conftest)
+        chosen = None
+    with use_semantics(resolve_semantics(chosen)) as v:
+        yield v
 
 
 def _op_and_call(model, logits, bias):
@@ -73,16 +91,27 @@ def call_on_device(call, op, device):
 NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
 
 
+CLAMPED_033 = ("fused_topk", "fused_topk_bias")  # vLLM 0.33.0's topk_softmax / topk_sigmoid kernels clamp
+
+
 @pytest.mark.parametrize("op_name", ["fused_topk", "grouped_topk", "fused_topk_bias", "topk_softmax",
                                      "llama4_routing"])
 @pytest.mark.parametrize("bad", list(NONFINITE))
-def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, bad, repro, record):
-    """vLLM #39391: NaN/inf router logits (CUDA-graph padding rows) must not yield ids outside [0, E). By default the
-    op raises ValueError (the reference's definition); with ``check_finite=False`` it returns in-range ids."""
+def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, bad, repro, record, tolerances,
+                                                              _vllm_semantics):
+    """vLLM #39391: NaN/inf router logits (CUDA-graph padding rows) must not yield ids outside [0, E).
+
+    0.17 semantics (and, under 0.33, the ops vLLM does not clamp): by default the op raises ValueError (the
+    reference's definition); with ``check_finite=False`` it returns in-range ids.
+    0.33 semantics, ``fused_topk`` / ``fused_topk_bias``: the scores are clamped (NaN/inf -> 0): with
+    ``check_finite=False`` every token has unique in-range ids and finite weights, as vLLM 0.33.0's
+    ``tests/kernels/moe/test_fused_topk.py::test_fused_topk*_nan_inf_clamp`` require, and the finite rows route as
+    the reference does."""
     op = backend.ops.get(op_name)
     if op is None:
         pytest.skip(f"backend {backend.name} does not implement {op_name}")
-    record(component="routing", scheme=f"{op_name}-nonfinite")
+    v = _vllm_semantics
+    record(component="routing", scheme=f"{op_name}-nonfinite", vllm_semantics=v.value)
     E, k = 64, 4 if op_name != "llama4_routing" else 1
     logits = torch.randn(6, E, generator=torch.Generator().manual_seed(7))
     logits[1, 5] = NONFINITE[bad]
@@ -91,11 +120,26 @@ def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, 
             "fused_topk_bias": (None, logits, torch.zeros(E), k, True), "topk_softmax": (None, logits, k, True),
             "llama4_routing": (None, logits, k, False)}[op_name]
     dev = backend.device
-    args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args)
-    with pytest.raises(ValueError):
-        op(*args)
-    _, ids = op(*args, check_finite=False)
-    ids = ids.cpu()
+    dev_args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args)
+    clamped = v >= SemanticsVersion.V0_33 and op_name in CLAMPED_033
+    if not clamped:
+        with pytest.raises(ValueError):
+            op(*dev_args)
+    w, ids = op(*dev_args, check_finite=False)
+    w, ids = w.cpu(), ids.cpu()
     if not bool(((ids >= 0) & (ids < E)).all()):
         raise AssertionError(f"{op_name} with {bad} logits returned ids {ids.tolist()} outside [0, {E})"
                              f"\n  reproduce: {repro}")
+    if clamped:
+        dup = [t for t in range(ids.shape[0]) if ids[t].unique().numel() != k]
+        nonfinite = [t for t in range(w.shape[0]) if not bool(torch.isfinite(w[t]).all())]
+        if dup or nonfinite:
+            raise AssertionError(
+                f"{op_name} with {bad} logits under vLLM 0.33 semantics (clamp NaN/inf scores to 0): tokens {dup} "
+                f"have duplicate ids, tokens {nonfinite} non-finite weights {w[nonfinite].tolist()}"
+                f"\n  reproduce: {repro} --vllm-semantics {v.value}")
+        ref_w, ref_ids = getattr(reference_routing, op_name)(*args)  # the reference under the same semantics
+        finite = torch.isfinite(logits).all(dim=1)
+        key = logits.float().softmax(-1) if op_name == "fused_topk" else logits.float().sigmoid()
+        assert_routing(w[finite], ids[finite], ref_w[finite], ref_ids[finite], key[finite], tolerances["routing"],
+                       case=f"routing-nonfinite[{op_name}-{bad}] finite rows", repro=repro)
