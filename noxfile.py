@@ -2,8 +2,16 @@
 
     nox -s conformance                 every built-in backend; those unavailable here are skipped with the reason
     nox -s "conformance(torch)"        one backend (arguments after -- go to pytest: -k, -x, --results-dir ...)
-    nox -s tests                       the reference and the harness against independent oracles
+    nox -s conformance -- --backend X  only X's session runs (the others say they were not selected); an
+                                       out-of-tree ``module:attribute`` runs in conformance(torch)'s environment
+    nox -s tests                       the reference and the harness against independent oracles (2 workers)
     nox -s benchmark                   pytest-benchmark suite (GPU figures need a GPU)
+    nox -s dev                         a development environment in .venv for the commands run without nox
+
+The conformance sessions come from the backend registry (``backends.registered_backends()``: ``BUILTIN`` plus the
+entry points installed in nox's interpreter); ``plan_conformance`` (a pure function, tests/test_noxfile.py) decides
+what each session does with the arguments after ``--``. A GPU backend's session on a machine without an NVIDIA GPU
+skips before installing anything.
 
 On a machine whose Python already has torch (the GPU machine), add ``--no-venv`` to run any session in the current
 interpreter without installing anything: ``nox --no-venv -s "conformance(triton)"``.
@@ -14,10 +22,21 @@ seconds) is installed first so that pip never pulls a multi-GB CUDA build as a d
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
 import nox
 from nox.virtualenv import PassthroughEnv
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The registry module imports only the standard library (no torch): safe in nox's own interpreter.
+from backends import BUILTIN, BUILTIN_NEEDS, BuiltinNeeds, registered_backends  # noqa: E402
 
 nox.options.sessions = ["conformance", "tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -25,16 +44,88 @@ nox.options.reuse_existing_virtualenvs = True
 # Sessions run on the interpreter that runs nox (3.11 on the CPU machines, 3.12 on the GPU machine).
 TORCH_SPEC = os.environ.get("MOE_TORCH_SPEC", "torch==2.13.0")
 TRITON_SPEC = os.environ.get("MOE_TRITON_SPEC", "triton==3.6.0")
-BACKENDS = ["torch", "triton", "deep_gemm", "cuda"]
-# Optional dependencies of each backend (pyproject extras).
-EXTRAS = {"triton": "triton", "deep_gemm": "deep_gemm"}
+# One conformance session per registered backend (built-in first); out-of-tree ``--backend module:attr`` runs in
+# the session of HOST_BACKEND.
+BACKENDS = list(registered_backends())
+GPU_BACKENDS = [b for b in BUILTIN if BUILTIN_NEEDS[b].cuda]
+HOST_BACKEND = "torch"
 
+# Prints one JSON line: {"kind": null} when available, else the typed reason (backends.Unavailable) or not_found.
 PROBE = """
-import sys
-from backends import load_backend
-reason = load_backend(sys.argv[1]).unavailable_reason()
-print("AVAILABLE" if reason is None else "UNAVAILABLE: " + reason)
+import json, sys
+from backends import BackendNotFound, Unavailable, load_backend
+try:
+    status = load_backend(sys.argv[1]).availability_status()
+except BackendNotFound as exc:
+    status = Unavailable(str(exc)); status.kind = "not_found"
+print(json.dumps({"kind": None} if status is None else status.as_dict()))
 """
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one ``conformance(<session>)`` session does: run pytest for ``backend`` with ``pytest_args``, or skip
+    saying ``reason``."""
+
+    run: bool
+    backend: str | None = None
+    pytest_args: tuple[str, ...] = ()
+    reason: str = ""
+    error: bool = False  # the session fails with ``reason`` (an unknown backend), before installing anything
+
+
+def split_backend_arg(posargs: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``--backend X`` / ``--backend=X`` taken out of the arguments after ``--`` (the last one wins)."""
+    backend, rest, args = None, [], list(posargs)
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--backend" and i + 1 < len(args):
+            backend, i = args[i + 1], i + 2
+            continue
+        if a.startswith("--backend="):
+            backend = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return backend, rest
+
+
+def plan_conformance(session_backend: str, posargs: Sequence[str], sessions: Sequence[str] = tuple(BACKENDS),
+                     host: str = HOST_BACKEND) -> Plan:
+    """Map the arguments after ``--`` to what the session of ``session_backend`` does.
+
+    Without ``--backend`` every session runs its own backend. ``--backend X`` where X has a session: only that one
+    runs. An out-of-tree ``module:attribute`` runs in the ``host`` session's environment under its own name; the
+    other sessions skip, saying where it runs. Any other name is unknown: the host session fails saying so.
+    """
+    wanted, rest = split_backend_arg(posargs)
+    if wanted is None or wanted == session_backend:
+        return Plan(True, session_backend, tuple(rest))
+    if wanted in sessions:
+        return Plan(False, reason=f"not selected: --backend {wanted} runs in conformance({wanted})")
+    if session_backend == host:
+        if ":" not in wanted:
+            return Plan(False, wanted, reason=f"--backend {wanted}: unknown backend {wanted!r}; registered: "
+                        f"{', '.join(sorted(sessions))}, or pass 'module:attribute'", error=True)
+        return Plan(True, wanted, tuple(rest))
+    return Plan(False, reason=f"not selected: --backend {wanted} runs in conformance({host})'s environment")
+
+
+def gpu_absent_reason(dev: Path = Path("/dev"), proc: Path = Path("/proc/driver/nvidia/gpus")) -> str | None:
+    """None if this machine shows an NVIDIA GPU (a /dev/nvidiaN node, a driver entry, or ``nvidia-smi -L``),
+    else why not. Checked by nox itself, before a session installs anything."""
+    if any(dev.glob("nvidia[0-9]*")) or (proc.is_dir() and any(proc.iterdir())):
+        return None
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        if "GPU" in out:
+            return None
+    return "no CUDA GPU on this machine (no /dev/nvidia* device, nvidia-smi lists none)"
 
 
 def _passthrough(session: nox.Session) -> bool:
@@ -48,32 +139,61 @@ def _install(session: nox.Session, extras: str = "test") -> None:
     session.install("-e", f".[{extras}]")
 
 
-def _unavailable(session: nox.Session, backend: str) -> str | None:
+def _probe(session: nox.Session, backend: str) -> dict:
+    """{"kind": None} if ``backend`` can run in the session's environment, else {"kind", "extra", "reason"}."""
     out = session.run("python", "-c", PROBE, backend, silent=True) or ""
-    line = out.strip().splitlines()[-1] if out.strip() else "UNAVAILABLE: probe printed nothing"
-    return None if line == "AVAILABLE" else line.removeprefix("UNAVAILABLE: ")
+    try:
+        return json.loads(out.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"kind": "other", "reason": f"availability probe printed {out[-500:]!r}"}
+
+
+def _skip_unless_available(session: nox.Session, backend: str) -> None:
+    """Skip (never pass) a session whose backend cannot run here, with its true reason; install the backend's
+    extra first when the GPU is there but its packages are not."""
+    needs = BUILTIN_NEEDS.get(backend, BuiltinNeeds())
+    if needs.cuda and not _passthrough(session):
+        reason = gpu_absent_reason()
+        if reason is not None:  # before installing anything
+            session.skip(f"backend {backend} not tested: {reason} [no_device]")
+    _install(session)
+    status = _probe(session, backend)
+    if status["kind"] not in (None, "no_device", "capability", "not_found") and needs.extra \
+            and not _passthrough(session):
+        session.install("-e", f".[test,{needs.extra}]")
+        status = _probe(session, backend)
+    if status["kind"] == "not_found":
+        session.error(f"--backend {backend}: {status['reason']}")
+    if status["kind"] is not None:
+        session.skip(f"backend {backend} not tested: {status['reason']} [{status['kind']}]")
 
 
 @nox.session
 @nox.parametrize("backend", BACKENDS, ids=BACKENDS)
 def conformance(session: nox.Session, backend: str) -> None:
     """Run the conformance suite of one backend against the reference (skipped with the reason if unavailable)."""
-    _install(session)
-    # Probe before installing the backend's own packages: a machine without a GPU skips without downloading them.
-    reason = _unavailable(session, backend)
-    if reason is not None and backend in EXTRAS and not _passthrough(session) and "not installed" in reason:
-        session.install("-e", f".[test,{EXTRAS[backend]}]")
-        reason = _unavailable(session, backend)
-    if reason is not None:
-        session.skip(f"backend {backend} unavailable: {reason}")
+    plan = plan_conformance(backend, session.posargs)
+    if plan.error:
+        session.error(plan.reason)
+    if not plan.run:
+        session.skip(plan.reason)
+    backend = plan.backend
+    _skip_unless_available(session, backend)
     # Worker processes (pytest-xdist) isolate crashes: a segfault or illegal memory access fails that case, the
     # worker restarts and the run goes on. MOE_CONFORMANCE_WORKERS=0 runs in-process (for debuggers).
     workers = os.environ.get("MOE_CONFORMANCE_WORKERS", "2")
     # worksteal hands each worker a contiguous half of the cases (cases of one model share cached weights) and
     # reports a crashed case once (loadgroup/loadfile re-queue it).
     xdist = ["-n", workers, "--dist", "worksteal", "--max-worker-restart", "1000"] if workers != "0" else []
+    summary = Path(session.create_tmp()) / f"run-{backend.replace(':', '_').replace('/', '_')}.json"
+    summary.unlink(missing_ok=True)
+    # COLUMNS: pytest trims the reason in its short summary to the terminal width (80 when piped).
+    env = {"MOE_RUN_SUMMARY": str(summary), "COLUMNS": os.environ.get("COLUMNS", "200")}
     session.run("python", "-m", "pytest", "conformance", "--backend", backend, "-p", "no:cacheprovider",
-                *xdist, *session.posargs)
+                *xdist, *plan.pytest_args, env=env)
+    counts = json.loads(summary.read_text()) if summary.exists() else {}
+    if counts.get("passed", 0) + counts.get("failed", 0) == 0:
+        session.skip(f"backend {backend}: no case ran ({counts.get('skipped', 0)} skipped): nothing was tested")
 
 
 @nox.session
@@ -83,8 +203,26 @@ def tests(session: nox.Session) -> None:
     if not _passthrough(session):
         # The Triton kernels run under TRITON_INTERPRET=1 on CPU (tests/test_triton_interpret.py); same Triton as
         # the GPU machine.
-        session.install(TRITON_SPEC)
-    session.run("python", "-m", "pytest", "tests", "-p", "no:cacheprovider", *session.posargs)
+        session.install(TRITON_SPEC, "nox")  # nox: tests/test_noxfile.py imports the noxfile
+    # Two worker processes (MOE_TESTS_WORKERS, 0 = in-process): the suite is dominated by independent subprocess
+    # runs of the conformance suite and interpreter kernels, so it scales with the cores.
+    workers = os.environ.get("MOE_TESTS_WORKERS", "2")
+    xdist = ["-n", workers, "--dist", "worksteal"] if workers != "0" else []
+    session.run("python", "-m", "pytest", "tests", "-p", "no:cacheprovider", *xdist, *session.posargs)
+
+
+@nox.session(venv_backend="none", default=False)
+def dev(session: nox.Session) -> None:
+    """Create (or update) the development environment .venv (or the folder given after --): torch, the project
+    editable with its test and plot extras, and the tests session's Triton. Then: ``source .venv/bin/activate``."""
+    target = Path(session.posargs[0] if session.posargs else ".venv").resolve()
+    if not (target / "bin" / "python").exists():
+        session.run(sys.executable, "-m", "venv", str(target), external=True)
+    python = str(target / "bin" / "python")
+    session.run(python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", TORCH_SPEC, external=True)
+    session.run(python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-e", ".[test,plot]",
+                TRITON_SPEC, "nox", external=True)
+    session.log(f"ready: source {os.path.relpath(target)}/bin/activate  (or call {os.path.relpath(python)})")
 
 
 @nox.session
@@ -95,13 +233,10 @@ def benchmark(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
-@nox.parametrize("backend", BACKENDS[1:], ids=BACKENDS[1:])
+@nox.parametrize("backend", GPU_BACKENDS, ids=GPU_BACKENDS)
 def sanitizer(session: nox.Session, backend: str) -> None:
     """A subset of a GPU backend's conformance under compute-sanitizer memcheck (GPU machine; slow)."""
-    _install(session)
-    reason = _unavailable(session, backend)
-    if reason is not None:
-        session.skip(f"backend {backend} unavailable: {reason}")
+    _skip_unless_available(session, backend)
     selection = session.posargs or ["-k", "(test_experts and qwen3_30b_a3b and (M4- or M64-)) or test_quantizer"]
     session.run("compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", "--target-processes", "all",
                 "python", "-m", "pytest", "conformance", "--backend", backend, "-p", "no:cacheprovider", "-x",

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["Backend", "BackendNotFound", "load_backend", "registered_backends", "ENTRY_POINT_GROUP", "BUILTIN"]
+__all__ = ["Backend", "BackendNotFound", "load_backend", "registered_backends", "ENTRY_POINT_GROUP", "BUILTIN",
+           "Unavailable", "BuiltinNeeds", "BUILTIN_NEEDS"]
 
 ENTRY_POINT_GROUP = "moe_conformance.backends"
 
@@ -25,6 +26,53 @@ BUILTIN: dict[str, str] = {
     "triton": "backends.triton:backend",
     "deep_gemm": "backends.deep_gemm:backend",
     "cuda": "backends.cuda:backend",
+}
+
+
+class Unavailable(str):
+    """Why a backend cannot run here: a ``str`` (the message every existing caller prints) with a typed ``kind``.
+
+    Kinds: ``"missing_package"`` (``extra`` names the pyproject extra that installs it), ``"no_device"`` (no CUDA
+    GPU), ``"capability"`` (a GPU of the wrong compute capability), ``"toolchain"`` / ``"other"`` (anything else,
+    e.g. a plain string returned by a backend's own availability callable).
+    """
+
+    KINDS = ("missing_package", "no_device", "capability", "toolchain", "other")
+    kind: str
+    extra: str | None
+
+    def __new__(cls, message: str, kind: str = "other", extra: str | None = None) -> "Unavailable":
+        if kind not in cls.KINDS:
+            raise ValueError(f"unknown unavailability kind {kind!r}; one of {cls.KINDS}")
+        obj = super().__new__(cls, message)
+        obj.kind, obj.extra = kind, extra
+        return obj
+
+    @classmethod
+    def of(cls, reason: str | None) -> "Unavailable | None":
+        """``reason`` as an ``Unavailable`` (a plain string becomes kind ``"other"``); None stays None."""
+        if reason is None or isinstance(reason, Unavailable):
+            return reason
+        return cls(str(reason), "other")
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "extra": self.extra, "reason": str(self)}
+
+
+@dataclass(frozen=True)
+class BuiltinNeeds:
+    """What a built-in backend needs before it can run, known without importing it (nox decides from this whether
+    a session can skip before installing anything): a CUDA GPU, and the pyproject extra holding its packages."""
+
+    cuda: bool = False
+    extra: str | None = None
+
+
+BUILTIN_NEEDS: dict[str, BuiltinNeeds] = {
+    "torch": BuiltinNeeds(),
+    "triton": BuiltinNeeds(cuda=True, extra="triton"),
+    "deep_gemm": BuiltinNeeds(cuda=True, extra="deep_gemm"),
+    "cuda": BuiltinNeeds(cuda=True),
 }
 
 
@@ -73,11 +121,16 @@ class Backend:
     prepare_finalize: Sequence[type] = ()
 
     def unavailable_reason(self) -> str | None:
-        """None if the backend can run on this machine, else why not (never raises)."""
+        """None if the backend can run on this machine, else why not (never raises). The string is an
+        ``Unavailable`` (``.kind``, ``.extra``) when the backend's probe used the shared helpers below."""
         try:
             return self.availability()
         except Exception as exc:  # an availability probe must never crash the harness
-            return f"availability check of backend {self.name!r} failed: {type(exc).__name__}: {exc}"
+            return Unavailable(f"availability check of backend {self.name!r} failed: {type(exc).__name__}: {exc}")
+
+    def availability_status(self) -> Unavailable | None:
+        """``unavailable_reason()`` typed: None, or an ``Unavailable`` (kind ``"other"`` for a plain string)."""
+        return Unavailable.of(self.unavailable_reason())
 
     def recipe(self, op: str) -> str:
         return self.recipes.get(op, "vllm")
@@ -133,21 +186,23 @@ def cuda_unavailable_reason(min_capability: tuple[int, int] | None = None,
     import torch
 
     if not torch.cuda.is_available():
-        return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
+        return Unavailable("no CUDA GPU on this machine (torch.cuda.is_available() is False)", "no_device")
     cap = torch.cuda.get_device_capability()
     name = torch.cuda.get_device_name()
     if min_capability is not None and cap < min_capability:
-        return f"{name} is sm_{cap[0]}{cap[1]}; needs sm_{min_capability[0]}{min_capability[1]} or newer"
+        return Unavailable(f"{name} is sm_{cap[0]}{cap[1]}; needs sm_{min_capability[0]}{min_capability[1]} or newer",
+                           "capability")
     if max_capability is not None and cap > max_capability:
-        return f"{name} is sm_{cap[0]}{cap[1]}; supported up to sm_{max_capability[0]}{max_capability[1]}"
+        return Unavailable(f"{name} is sm_{cap[0]}{cap[1]}; supported up to sm_{max_capability[0]}{max_capability[1]}",
+                           "capability")
     return None
 
 
 def package_unavailable_reason(module: str, extra: str) -> str | None:
-    """None if ``module`` imports, else '<module> is not installed (pip install -e .[extra])' (nox keys on
-    'not installed' to install the extra)."""
+    """None if ``module`` imports, else ``Unavailable('<module> is not installed (pip install -e .[extra])',
+    'missing_package', extra)`` (nox installs the extra on that kind)."""
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        return f"{module} is not installed (pip install -e '.[{extra}]')"
+        return Unavailable(f"{module} is not installed (pip install -e '.[{extra}]')", "missing_package", extra)
     return None

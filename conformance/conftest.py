@@ -1,13 +1,20 @@
 """pytest plumbing of the conformance suite: backend selection, report header, case generation, known failures,
-per-case JSON results.
+failure output, progress, per-case JSON results.
 
 The backend is chosen in one place: ``--backend NAME`` (a registered name or ``module:attribute``), else the
 ``MOE_BACKEND`` environment variable, else ``torch``.
+
+A failing case's ``ConformanceFailure`` message (metric vs bound, worst coordinates, case, reproduce command,
+diagnosis) is the whole failure report (the traceback only with ``--tb=long``), the first line of the short summary,
+and, parsed, part of its JSON record. A run over the whole suite replaces ``results/conformance-<backend>.json``;
+a run with a selection merges into it case by case (``conformance.report.merge``), so re-running one failing case
+never destroys the full matrix.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shlex
@@ -18,9 +25,11 @@ import pytest
 import torch
 
 from backends import Backend, BackendNotFound, load_backend
+from conformance.metrics import ConformanceFailure
 from specs import load_tolerances, load_xfails
 
 _RESULTS: list[dict] = []
+_HERE = Path(__file__).resolve().parent
 
 
 def pytest_addoption(parser):
@@ -36,6 +45,9 @@ def pytest_addoption(parser):
                          "per rank); comma-separated for several world sizes")
     group.addoption("--results-dir", default=os.environ.get("MOE_RESULTS_DIR", "results"),
                     help="where per-case JSON results are written (default: results/)")
+    group.addoption("--progress-interval", type=float, default=float(os.environ.get("MOE_PROGRESS_INTERVAL", "30")),
+                    help="seconds between progress lines (cases done, outcomes, elapsed); 0 turns them off "
+                         "(default: $MOE_PROGRESS_INTERVAL or 30)")
     group.addoption("--vllm-semantics", default=None, choices=("0.17", "0.33"),
                     help="vLLM release whose semantics the reference specifies (reference.semantics; default: "
                          "$MOE_VLLM_SEMANTICS or the newest, 0.33)")
@@ -45,7 +57,12 @@ def _backend_spec(config) -> str:
     return config.getoption("--backend") or os.environ.get("MOE_BACKEND") or "torch"
 
 
+_CONFIG = None
+
+
 def pytest_configure(config):
+    global _CONFIG
+    _CONFIG = config
     spec = _backend_spec(config)
     try:
         config._moe_backend = load_backend(spec)
@@ -124,6 +141,77 @@ def pytest_collection_modifyitems(config, items):
     config._moe_unused_xfails = [xf for xf in xfails if xf not in used]
 
 
+def _selection(config) -> list[str]:
+    """What narrows this run to part of the suite (empty: the whole suite)."""
+    opt = config.option
+    sel = []
+    if getattr(opt, "keyword", ""):
+        sel.append(f"-k {shlex.quote(opt.keyword)}")
+    if getattr(opt, "markexpr", ""):
+        sel.append(f"-m {shlex.quote(opt.markexpr)}")
+    for d in getattr(opt, "deselect", None) or []:
+        sel.append(f"--deselect {shlex.quote(d)}")
+    if config.getoption("--replay"):
+        sel.append(f"--replay {config.getoption('--replay')}")
+    if getattr(opt, "lf", False) or getattr(opt, "last_failed", False):
+        sel.append("--last-failed")
+    invocation = Path(config.invocation_params.dir)
+    for arg in config.args:
+        path = arg.split("::", 1)[0]
+        if "::" in arg or (invocation / path).resolve() != _HERE:
+            sel.append(shlex.quote(_plain_nodeid(arg)))
+    return sel
+
+
+def _counts(results: list[dict]) -> dict[str, int]:
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
+    for e in results:
+        key = "xfailed" if e.get("xfail") and e["outcome"] == "skipped" else e["outcome"]
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _progress(config, final: bool = False) -> None:
+    state = config._moe_progress
+    interval = config.getoption("--progress-interval")
+    now = time.monotonic()
+    if not interval or config.option.verbose > 0 or hasattr(config, "workerinput"):
+        return
+    if not final and now - state["last"] < interval:
+        return
+    if final and now - state["start"] < interval:
+        return  # a short run: the summary line says it all
+    state["last"] = now
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None:
+        return
+    c = _counts(_RESULTS)
+    total = state["total"]
+    elapsed = int(now - state["start"])
+    done = len(_RESULTS)
+    eta = ""
+    if total and done and not final:
+        eta = f", about {int(elapsed * (total - done) / done) // 60}:{int(elapsed * (total - done) / done) % 60:02d} left"
+    tr.write_line(f"[{config._moe_backend.name}] {done}/{total or '?'} cases done: {c['passed']} ok, {c['failed']} "
+                  f"FAIL, {c['skipped']} skip, {c['xfailed']} xfail; {elapsed // 60}:{elapsed % 60:02d} "
+                  f"elapsed{eta}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    session.config._moe_progress = {"start": time.monotonic(), "last": time.monotonic(), "total": 0}
+
+
+def pytest_collection_finish(session):
+    session.config._moe_progress["total"] = len(session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    # Under pytest-xdist the controller collects nothing itself; every worker collects the same ids.
+    node.config._moe_progress["total"] = len(ids)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     unused = getattr(config, "_moe_unused_xfails", [])
     if unused:
@@ -131,9 +219,79 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         for xf in unused:
             where = os.environ.get("MOE_XFAIL_DIR", "specs/xfail")
             terminalreporter.write_line(f"{where}/{config._moe_backend.name}.toml: {xf.node_id!r} matches no test")
-    if _RESULTS:
-        path = Path(config.getoption("--results-dir")) / f"conformance-{config._moe_backend.name}"
-        terminalreporter.write_line(f"per-case results: {path}.json; matrix: {path}.md")
+    failed = [e for e in _RESULTS if e["outcome"] == "failed"]
+    if failed:
+        # pytest's short summary trims the reason to the terminal width; this list keeps it whole.
+        terminalreporter.section("failed cases: reason and reproduce command")
+        for e in failed:
+            f = e.get("failure") or {}
+            terminalreporter.write_line(f"{e['nodeid']} - {f.get('headline') or e.get('message', '')}")
+            if f.get("diagnosis"):
+                terminalreporter.write_line(f"  diagnosis: {f['diagnosis']}")
+            if f.get("reproduce"):
+                terminalreporter.write_line(f"  reproduce: {f['reproduce']}")
+    written = getattr(config, "_moe_written", None)
+    if written:
+        terminalreporter.write_line(written)
+
+
+_TOLERANCES: dict | None = None
+
+
+def _experts_bounds(item) -> dict | None:
+    """The bounds an experts case is checked against (``specs/tolerances.toml``), for the margin in the matrix."""
+    global _TOLERANCES
+    case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+    if case is None or not hasattr(case, "scheme") or not hasattr(case, "dtype"):
+        return None
+    # The test module's own tolerance-key function (wherever it imports it from), so the bound is the one the
+    # case was checked against. (A test that records ``bounds=`` itself takes precedence.)
+    key_fn = getattr(getattr(item, "module", None), "scheme_tolerance_key", None)
+    if key_fn is None:
+        return None
+    try:
+        _TOLERANCES = _TOLERANCES or load_tolerances()
+        tol = _TOLERANCES["experts"][key_fn(case.scheme, case.dtype)]
+    except Exception:  # best effort: a case the tolerance table does not know simply has no margin
+        return None
+    return {k: tol[k] for k in ("max_norm", "rms_norm", "calc_diff") if k in tol}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.when != "call":
+        return report
+    props = dict(report.user_properties)
+    if props.get("component") == "experts" and "bounds" not in props:
+        bounds = _experts_bounds(item)
+        if bounds:
+            report.user_properties.append(("bounds", bounds))
+    if call.excinfo is not None and call.excinfo.errisinstance(ConformanceFailure):
+        message = str(call.excinfo.value)
+        report.user_properties.append(("failure_message", message))
+        if report.failed and item.config.option.tbstyle in ("auto", "short"):
+            # The message is the report; the harness's traceback (test body, fixtures) is noise to a kernel
+            # engineer. --tb=long brings it back.
+            entry = call.excinfo.traceback[-1]
+            try:
+                where = Path(entry.path).resolve().relative_to(item.config.rootpath)
+            except ValueError:
+                where = entry.path
+            report.longrepr = (f"ConformanceFailure: {message}\n  (raised at {where}:{entry.lineno + 1}; "
+                               f"--tb=long shows the traceback)")
+    return report
+
+
+def _failure_message(report) -> str:
+    props = dict(report.user_properties)
+    if "failure_message" in props:
+        return props["failure_message"]
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = report.longreprtext if report.longrepr else ""
+    if crash is not None:
+        return f"{crash.message}\n  at {crash.path}:{crash.lineno}"
+    return text[-2000:]
 
 
 def pytest_runtest_logreport(report):
@@ -141,6 +299,8 @@ def pytest_runtest_logreport(report):
     # xdist reports for a test whose worker crashed (segfault, illegal memory access): crash isolation.
     crashed = report.when not in ("setup", "call", "teardown")  # xdist's report for a crashed worker
     if report.when == "call" or crashed or (report.when == "setup" and report.outcome != "passed"):
+        from conformance.report import margin, parse_failure
+
         entry = {"nodeid": _plain_nodeid(report.nodeid), "outcome": report.outcome,
                  "duration_s": round(report.duration, 4)}
         if crashed:
@@ -149,27 +309,66 @@ def pytest_runtest_logreport(report):
             entry["xfail"] = report.wasxfail
         if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
             entry["reason"] = report.longrepr[2]
-        elif report.outcome == "failed":
-            entry["message"] = str(report.longrepr).splitlines()[-1][:500] if report.longrepr else ""
-        entry.update({k: v for k, v in report.user_properties})
+        entry.update({k: v for k, v in report.user_properties if k != "failure_message"})
+        if report.outcome == "failed" or "failure_message" in dict(report.user_properties):
+            entry["message"] = _failure_message(report)
+            failure = parse_failure(entry["message"])
+            entry["failure"] = failure
+            for k, v in failure.get("metrics", {}).items():
+                entry.setdefault(k, v)
+        m = margin(entry)
+        if m is not None:
+            entry["margin"] = m if math.isfinite(m) else str(m)
         _RESULTS.append(entry)
+        if _CONFIG is not None and hasattr(_CONFIG, "_moe_progress"):
+            _progress(_CONFIG)
 
 
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
-    if not _RESULTS or not hasattr(config, "_moe_backend") or hasattr(config, "workerinput"):
+    if not hasattr(config, "_moe_backend") or hasattr(config, "workerinput"):
         return  # xdist workers: the controller writes the file
     b: Backend = config._moe_backend
+    counts = _counts(_RESULTS)
+    summary_path = os.environ.get("MOE_RUN_SUMMARY")
+    if summary_path:  # nox reads it: a run that tested nothing is not reported as a success
+        Path(summary_path).write_text(json.dumps({"backend": b.name, "unavailable": b.unavailable_reason(),
+                                                  **counts}))
+    if not _RESULTS:
+        return
+    _progress(config, final=True)
     out_dir = Path(config.getoption("--results-dir"))
     out_dir.mkdir(parents=True, exist_ok=True)
     cap = list(torch.cuda.get_device_capability()) if b.device == "cuda" and torch.cuda.is_available() else None
+    selection = _selection(config)
+    total = config._moe_progress["total"]
+    if total and len(_RESULTS) < total:
+        selection.append(f"stopped early: {len(_RESULTS)} of {total} collected cases ran")
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     payload = {
         "backend": b.name, "version": b.version, "torch": torch.__version__,
         "device": _device_description(b), "capability": cap,
-        "unavailable": b.unavailable_reason(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "unavailable": b.unavailable_reason(), "time": now,
+        "selection": " ".join(selection) or None, "full": not selection,
+        "runs": [{"time": now, "selection": " ".join(selection) or None, "cases": len(_RESULTS), **counts}],
         "results": _RESULTS,
     }
-    (out_dir / f"conformance-{b.name}.json").write_text(json.dumps(payload, indent=1, default=str))
-    from conformance.report import render
+    from conformance.report import merge, render
 
-    (out_dir / f"conformance-{b.name}.md").write_text(render(json.loads(json.dumps(payload, default=str))))
+    path = out_dir / f"conformance-{b.name}.json"
+    how = "written"
+    if selection:
+        try:
+            old = json.loads(path.read_text()) if path.exists() else None
+        except (OSError, ValueError):
+            old = None
+        merged = merge(old, payload)
+        if merged is not payload:
+            how = f"{len(_RESULTS)} selected case(s) merged into the existing results"
+        payload = merged
+    text = json.dumps(payload, indent=1, default=str)
+    for target, content in ((path, text), (path.with_suffix(".md"), render(json.loads(text)))):
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        tmp.write_text(content)
+        os.replace(tmp, target)
+    config._moe_written = f"per-case results ({how}): {path}; matrix: {path.with_suffix('.md')}"

@@ -1,21 +1,145 @@
-"""Render per-case conformance results (``results/conformance-<backend>.json``) as a Markdown matrix.
+"""Per-case conformance results (``results/conformance-<backend>.json``): failure parsing, merging of runs, and the
+Markdown matrix.
 
-    python -m conformance.report results/conformance-torch.json [-o docs/conformance/torch.md]
+    python -m conformance.report results/conformance-torch.json                 # print the matrix
+    python -m conformance.report results/conformance-torch.json -o torch.md     # one file
+    python -m conformance.report results/*.json -o docs/conformance/            # conformance-X.json -> X.md
 
-One table per component (experts, routing, gate, quant, align, activation): rows are models (or ops), columns are
-schemes; a cell reads ``pass 4/4``, ``FAIL 1/4``, ``unsupported`` (with the reason below the table) or ``skipped``.
-The header stamps backend, version, torch, device and capability. The conformance run writes
-``results/conformance-<backend>.md`` itself.
+The conformance run writes ``results/conformance-<backend>.{json,md}`` itself. A run over the whole suite replaces
+the file; a run with a selection (``-k``, ``-m``, node ids, ``--replay``, ``--deselect``, ``-x`` stopping early)
+merges into it case by case (``merge``), and the header lists every run that contributed with its selection.
+
+Each result record keeps what the terminal showed: for a failure the whole ``ConformanceFailure`` message and its
+parts (``parse_failure``: the metrics over their bounds, the worst coordinates with both values, the case, the
+reproduce command, the diagnosis); for an experts case the metrics, their ``bounds`` and the ``margin`` (the worst
+metric / bound: 1.0 is at the bound).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["render", "main"]
+__all__ = ["render", "main", "parse_failure", "merge", "margin", "output_name"]
+
+_NUM = r"[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|inf|nan)"
+_VIOLATION = re.compile(rf"\b(max_norm|rms_norm|calc_diff) = ({_NUM}) > ({_NUM})")
+_METRIC = re.compile(rf"\b(max_norm|rms_norm|calc_diff)=({_NUM})")
+_WORST = re.compile(r"worst at \[([\d, ]*)\]: got (\S+), expected (\S+)")
+_AT = re.compile(r"^\s*(?:first )?at \[([\d, ]*)\]: got (\S+?),? expected (\S+?)(?: \(value before rounding (\S+)\))?$")
+_FIRST_AT = re.compile(r"first at \[([\d, ]*)\]: got (\S+), expected (\S+)")
+_FIELD = re.compile(r"^\s*(case|reproduce|diagnosis): (.*)$")
+_REPLAY = re.compile(r"replay them: (.*)$")
+
+
+def _num(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _index(text: str) -> list[int]:
+    return [int(i) for i in text.split(",") if i.strip()]
+
+
+def parse_failure(message: str) -> dict:
+    """The parts of a ``ConformanceFailure`` message (``conformance.metrics`` writes them; missing parts are left
+    out): ``headline`` (first line), ``violations`` ([{metric, value, bound}]), ``metrics`` ({name: value}),
+    ``worst`` ({index, got, expected}), ``mismatches`` (the first differing elements of an exact comparison),
+    ``case``, ``reproduce``, ``diagnosis`` (first line) and ``stages`` (the diagnosis's per-stage lines), ``replay``.
+    """
+    text = message.removeprefix("ConformanceFailure: ").removeprefix("conformance.metrics.ConformanceFailure: ")
+    lines = text.splitlines()
+    out: dict = {"headline": lines[0].strip() if lines else ""}
+    violations = [{"metric": m, "value": _num(v), "bound": _num(b)} for m, v, b in _VIOLATION.findall(text)]
+    if violations:
+        out["violations"] = violations
+    metrics = {m: _num(v) for m, v in _METRIC.findall(text)}
+    for v in violations:
+        metrics.setdefault(v["metric"], v["value"])
+    if metrics:
+        out["metrics"] = metrics
+    worst = _WORST.search(text) or _FIRST_AT.search(text)
+    if worst:
+        out["worst"] = {"index": _index(worst[1]), "got": _num(worst[2]), "expected": _num(worst[3])}
+    mismatches = []
+    in_diagnosis = False
+    for line in lines[1:]:
+        field = _FIELD.match(line)
+        if field:
+            key, value = field[1], field[2].strip()
+            out[key] = value
+            in_diagnosis = key == "diagnosis"
+            continue
+        replay = _REPLAY.search(line)
+        if replay:
+            out["replay"] = replay[1].strip()
+            in_diagnosis = False
+            continue
+        if in_diagnosis and line.startswith("  ") and line.strip():
+            out.setdefault("stages", []).append(line.strip())
+            continue
+        at = _AT.match(line)
+        if at:
+            m = {"index": _index(at[1]), "got": _num(at[2]), "expected": _num(at[3])}
+            if at[4]:
+                m["before_rounding"] = _num(at[4])
+            mismatches.append(m)
+    if mismatches:
+        out["mismatches"] = mismatches
+        out.setdefault("worst", {k: mismatches[0][k] for k in ("index", "got", "expected")})
+    return out
+
+
+def margin(entry: dict) -> float | None:
+    """Worst metric / bound of an entry with ``bounds`` (1.0 = at the bound; > 1 fails), else None."""
+    bounds = entry.get("bounds") or {}
+    ratios = []
+    for metric, bound in bounds.items():
+        value = entry.get(metric)
+        if not isinstance(value, (int, float)) or not isinstance(bound, (int, float)):
+            continue
+        if bound > 0:
+            ratios.append(value / bound)
+        elif value > 0 or math.isnan(value):
+            ratios.append(math.inf)
+    return max(ratios) if ratios else None
+
+
+def merge(old: dict | None, new: dict) -> dict:
+    """``new`` (a run with a selection) merged into ``old`` (the file already there) case by case: entries of
+    ``new`` replace those of ``old`` with the same node id, the others stay; ``runs`` lists both files' runs. A
+    payload of another backend, or none, is not merged (``new`` is returned)."""
+    if not old or old.get("backend") != new.get("backend") or "results" not in old:
+        return new
+    fresh = {e["nodeid"]: e for e in new["results"]}
+    results = [fresh.pop(e["nodeid"], e) for e in old["results"]]
+    results += list(fresh.values())
+    merged = {**new, "results": results}
+    merged["runs"] = list(old.get("runs") or [_run_of(old)]) + list(new.get("runs") or [_run_of(new)])
+    merged["full"] = bool(old.get("full"))
+    return merged
+
+
+def _run_of(payload: dict) -> dict:
+    return {"time": payload.get("time"), "selection": payload.get("selection"),
+            "cases": len(payload.get("results", ()))}
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}" if x == x and abs(x) != math.inf else str(x)
+    return str(x)
+
+
+def _margin_text(entries: list[dict], outcome: str = "passed") -> str:
+    margins = [m for e in entries if e["outcome"] == outcome and (m := margin(e)) is not None]
+    return f" · {max(margins):.2g}" if margins else ""
 
 
 def _cell(entries: list[dict], notes: dict[str, int]) -> str:
@@ -24,24 +148,83 @@ def _cell(entries: list[dict], notes: dict[str, int]) -> str:
     failed = [e for e in entries if e["outcome"] == "failed"]
     unsupported = [e for e in entries if e.get("support") == "unsupported"]
     xfailed = [e for e in entries if e.get("xfail")]
+    parts = []
     if failed:
         crashed = sum(bool(e.get("crashed")) for e in failed)
-        return f"**FAIL** {len(failed)}/{n}" + (f" ({crashed} crashed)" if crashed else "")
-    parts = []
+        parts.append(f"**FAIL** {len(failed)}/{n}" + (f" ({crashed} crashed)" if crashed else "")
+                     + _margin_text(entries, "failed"))
     if passed:
-        parts.append(f"pass {passed}/{n}")
+        parts.append(f"pass {passed}/{n}" + _margin_text(entries))
     if unsupported:
         reason = unsupported[0].get("reason", "")
         ref = notes.setdefault(reason, len(notes) + 1)
         parts.append(f"unsupported[^{ref}]")
     if xfailed:
         parts.append(f"known failure {len(xfailed)}")
-    rest = n - passed - len(unsupported) - len(xfailed)
-    if rest > 0 and not parts:
-        reason = next((e.get("reason", "") for e in entries if e.get("reason")), "skipped")
+    rest = n - passed - len(failed) - len(unsupported) - len(xfailed)
+    if rest > 0:
+        reason = next((e.get("reason", "") for e in entries if e["outcome"] == "skipped" and e.get("reason")
+                       and e.get("support") != "unsupported" and not e.get("xfail")), "skipped")
         ref = notes.setdefault(reason, len(notes) + 1)
-        parts.append(f"skipped[^{ref}]")
-    return ", ".join(parts) or "-"
+        parts.append(f"skipped {rest}[^{ref}]")
+    return ", ".join(parts)
+
+
+def _tokens(entries: list[dict]) -> str:
+    toks = sorted({e["tokens"] for e in entries if isinstance(e.get("tokens"), int)})
+    return ", ".join(map(str, toks)) or "·"
+
+
+def _table(entries: list[dict], notes: dict[str, int]) -> list[str]:
+    if not any(e.get("model") for e in entries):  # ops without a model: one row per case family
+        rows: dict[str, list[dict]] = defaultdict(list)
+        for e in entries:
+            rows[str(e.get("scheme", e["nodeid"].split("[")[0].split("::")[-1]))].append(e)
+        lines = ["| case | result | tokens |", "|---|---|---|"]
+        lines += [f"| {r} | {_cell(rows[r], notes)} | {_tokens(rows[r])} |" for r in sorted(rows)]
+        return lines
+    grid: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for e in entries:
+        grid[(e.get("model") or "(no model)", str(e.get("scheme", "·")))].append(e)
+    rows_ = sorted({r for r, _ in grid})
+    cols = sorted({c for _, c in grid})
+    lines = ["| model | tokens | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for r in rows_:
+        row_entries = [e for (rr, _), es in grid.items() if rr == r for e in es]
+        cells = [_cell(grid[(r, c)], notes) if (r, c) in grid else "·" for c in cols]
+        lines.append(f"| {r} | {_tokens(row_entries)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _failure_lines(e: dict) -> list[str]:
+    f = e.get("failure") or {}
+    lines = [f"### `{e['nodeid']}`", ""]
+    head = f.get("headline") or (e.get("message", "").splitlines() or [""])[0]
+    lines.append(f"- {'crashed: ' if e.get('crashed') else ''}{head}")
+    for v in f.get("violations", []):
+        lines.append(f"- {v['metric']} = {_fmt(v['value'])} > bound {_fmt(v['bound'])}")
+    if f.get("metrics") and not f.get("violations"):
+        lines.append("- metrics: " + ", ".join(f"{k} = {_fmt(v)}" for k, v in f["metrics"].items()))
+    if f.get("worst"):
+        w = f["worst"]
+        lines.append(f"- worst at {w['index']}: got {w['got']}, expected {w['expected']}")
+    if f.get("diagnosis"):
+        lines.append(f"- diagnosis: {f['diagnosis']}")
+        lines += [f"  - {s}" for s in f.get("stages", [])]
+    if f.get("reproduce"):
+        lines += ["- reproduce:", "", "  ```bash", f"  {f['reproduce']}", "  ```"]
+    if f.get("replay"):
+        lines += [f"- replay the dumped inputs: `{f['replay']}`"]
+    if not f and e.get("message"):
+        lines += ["", "```", e["message"][:3000], "```"]
+    return lines + [""]
+
+
+_LEGEND = ("Cells: `pass n/N · m`: n of the cell's N cases passed, m = the worst metric / bound over them (experts: "
+           "max_norm, rms_norm, calc_diff against `specs/tolerances.toml`; 1.0 is at the bound). `**FAIL** f/N · m`: "
+           "f cases failed, m over the failing ones; see Failures below. `unsupported`: not claimed by the backend, and it raised as required. `skipped`: not "
+           "run (reason in the note). `·`: no case of that model x scheme in the specs. `tokens`: token counts (M) "
+           "of the row's cases.")
 
 
 def render(payload: dict) -> str:
@@ -57,11 +240,19 @@ def render(payload: dict) -> str:
     ]
     if payload.get("unavailable"):
         lines.append(f"- **unavailable here**: {payload['unavailable']}")
+    runs = payload.get("runs") or []
+    if any(r.get("selection") for r in runs) or payload.get("selection"):
+        if not payload.get("full", True):
+            lines.append("- **partial**: only the selected cases below were run (no full run in this file)")
+        lines.append("- runs merged into this file (latest last; a case shows its latest result):")
+        for r in runs:
+            sel = r.get("selection") or "full suite"
+            lines.append(f"  - {r.get('time')}: {sel} ({r.get('cases')} cases)")
     results = payload["results"]
-    total = defaultdict(int)
+    total: dict[str, int] = defaultdict(int)
     for e in results:
         total[e["outcome"]] += 1
-    lines += ["- cases: " + ", ".join(f"{v} {k}" for k, v in sorted(total.items())), ""]
+    lines += ["- cases: " + ", ".join(f"{v} {k}" for k, v in sorted(total.items())), "", _LEGEND, ""]
     by_component: dict[str, list[dict]] = defaultdict(list)
     for e in results:
         fallback = e["nodeid"].split("::")[0].split("/")[-1].removeprefix("test_").removesuffix(".py")
@@ -69,38 +260,52 @@ def render(payload: dict) -> str:
     notes: dict[str, int] = {}
     for component in sorted(by_component):
         entries = by_component[component]
-        grid: dict[tuple[str, str], list[dict]] = defaultdict(list)
-        for e in entries:
-            grid[(e.get("model", "-"), str(e.get("scheme", "-")))].append(e)
-        rows = sorted({r for r, _ in grid})
-        cols = sorted({c for _, c in grid})
-        lines += [f"## {component}", "", "| model | " + " | ".join(cols) + " |",
-                  "|---|" + "---|" * len(cols)]
-        for r in rows:
-            cells = [_cell(grid[(r, c)], notes) if (r, c) in grid else "" for c in cols]
-            lines.append(f"| {r} | " + " | ".join(cells) + " |")
-        lines.append("")
+        classes = sorted({e["experts_class"] for e in entries if e.get("experts_class")})
+        groups = [(f"{component}: {c}", [e for e in entries if e.get("experts_class") == c]) for c in classes]
+        rest = [e for e in entries if not e.get("experts_class")]
+        if rest or not groups:
+            groups.append((component, rest))
+        for title, group in groups:
+            lines += [f"## {title}", ""] + _table(group, notes) + [""]
     failures = [e for e in results if e["outcome"] == "failed"]
     if failures:
-        lines += ["## Failures", ""] + [f"- `{e['nodeid']}`: {e.get('message', '')}" for e in failures] + [""]
+        lines += ["## Failures", ""]
+        for e in failures:
+            lines += _failure_lines(e)
     for reason, ref in notes.items():
         lines.append(f"[^{ref}]: {reason}")
     return "\n".join(lines) + "\n"
 
 
+def output_name(results_path: Path) -> str:
+    """``conformance-torch.json`` -> ``torch.md`` (the name of the committed matrices in docs/conformance/)."""
+    return results_path.with_suffix(".md").name.removeprefix("conformance-")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results", type=Path, nargs="+", help="results/conformance-<backend>.json file(s)")
-    p.add_argument("-o", "--output", type=Path, help="output file (one input) or directory (several)")
+    p.add_argument("-o", "--output", type=Path,
+                   help="output .md file (one input) or directory (created if missing; conformance-X.json -> X.md)")
     args = p.parse_args(argv)
+    out = args.output
+    to_dir = out is not None and (out.is_dir() or out.suffix != ".md" or len(args.results) > 1)
+    if to_dir and out.suffix == ".md":
+        p.error(f"{len(args.results)} inputs cannot all be written to the one file {out}; give a directory")
+    if to_dir:
+        out.mkdir(parents=True, exist_ok=True)
+        names = [output_name(path) for path in args.results]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            p.error(f"several inputs would be written to {', '.join(sorted(dupes))} in {out}")
     for path in args.results:
         md = render(json.loads(path.read_text()))
-        if args.output is None:
+        if out is None:
             print(md)
             continue
-        out = args.output / path.with_suffix(".md").name if args.output.is_dir() else args.output
-        out.write_text(md)
-        print(f"wrote {out}")
+        target = out / output_name(path) if to_dir else out
+        target.write_text(md)
+        print(f"wrote {target}")
 
 
 if __name__ == "__main__":
