@@ -185,3 +185,36 @@ def test_diagnosis_names_the_stage_and_the_dump_replays(tmp_path):
     r = run_conformance("torch", "--replay", str(dump), "-k", "qwen3_30b_a3b-fp8_block128-M4-ep8r0-TorchExperts",
                         tmp_path=tmp_path)
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:]
+
+
+# --- Issue 22 item 7: bug classes that used to pass the whole suite (conformance/test_padding.py, test_hygiene.py) --
+
+
+@pytest.mark.parametrize("broken,rank,n_cases", [
+    ("padding_id_clamped", "ep8r0", 3),  # expert_map[max(id, 0)]: -1 slots go to global expert 0, held by rank 0
+    ("padding_id_wraps", "ep8r7", 2),  # expert_map[id] wrapping: -1 slots go to the last expert, held by rank 7
+])
+def test_padding_id_lookups_fail_the_padding_cases(broken, rank, n_cases, tmp_path):
+    r = run_conformance(f"tests.broken_backends:{broken}", "-k", f"test_padding and {rank}", tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert f"{n_cases} failed" in r.stdout and "passed" not in r.stdout.splitlines()[-1], r.stdout[-3000:]
+    assert "output with -1 routes differs from the reference" in r.stdout
+    assert f"case: qwen3_30b_a3b-bf16-M16-{rank}-pad" in r.stdout
+
+
+def test_router_weight_applied_twice_fails_the_weight_on_input_cases(tmp_path):
+    r = run_conformance("tests.broken_backends:router_weight_twice", "-k", "test_router_weight_on_input",
+                        tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "6 failed" in r.stdout and "passed" not in r.stdout.splitlines()[-1], r.stdout[-3000:]
+    assert "case: qwen3_30b_a3b_top1-fp8_block128-M16-ep8r0-router-weight-on-input" in r.stdout
+
+
+def test_torch_backend_passes_the_padding_weight_on_input_and_offsets_selection(tmp_path):
+    """The correct backend on the same selections: green; the int32 case is GPU-only and says where its CPU proof
+    is (tests/test_offsets_int32.py runs the check red on a planted wrap at a tiny width, green on torch)."""
+    r = run_conformance("torch", "-k", "test_padding or test_router_weight_on_input or test_offsets_past_int32",
+                        "-rs", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "22 passed, 1 skipped" in r.stdout and "failed" not in r.stdout, r.stdout[-3000:]
+    assert "its CPU proof: tests/test_offsets_int32.py" in r.stdout
