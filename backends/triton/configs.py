@@ -16,7 +16,8 @@ intermediate size I = ``w2.shape[2]``). Content::
 ``FLATTEN`` (default 0) asks Triton to software-pipeline that tile loop and the K loop as one (the next tile's loads
 then overlap this tile's epilogue: short-K GEMMs whose programs are otherwise a chain of latencies).
 ``JOINT_GATE_UP`` (optional, default 0; gated activations with gate / up halves) computes an N tile's gate and up
-rows as one ``2 * BLOCK_SIZE_N``-wide weight tile (one MMA chain, split in the epilogue) instead of two chains. ``PERMUTE_A``
+rows as one ``2 * BLOCK_SIZE_N``-wide weight tile (one MMA chain, split in the epilogue) instead of two chains (always
+for an FP8 per-tensor / per-channel GEMM1 promoted every few K tiles, see ``PROMOTE_K``). ``PERMUTE_A``
 (optional, default 0) copies GEMM1's input rows into the layout's sorted order first, so that GEMM1 reads
 contiguous row tiles (through TMA when ``USE_TMA``) instead of gathering them. ``HALF_TAIL`` (optional, default 0;
 ``BLOCK_SIZE_M >= 32``) pads each expert's routes to ``BLOCK_SIZE_M / 2`` rows instead of ``BLOCK_SIZE_M`` and runs

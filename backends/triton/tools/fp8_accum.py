@@ -8,7 +8,8 @@ what the promotion costs (issue 22, item 5). One process on one H100 / H200, und
 (a) Accuracy: one FP8 per-tensor GEMM ``C = (A * s_a) @ (W * s_w)^T`` (``M = N = 1024``, ``K`` in {1024, 4096, 7168,
     16384}, ``A, W ~ N(0, 1)`` quantized per tensor with ``reference.quant.scaled_fp8_quant``) through the kernel's
     own launch path (``experts._launch_gemm`` on a single expert with every token routed to it, fp32 output, so
-    nothing is rounded after the accumulator), for each variant of :data:`VARIANTS`: relative RMS error against the
+    nothing is rounded after the accumulator), for each variant of :data:`VARIANTS` on each tile of :data:`ACC_CFGS`
+    (a 64-row tile on wgmma, a 16-row one on mma.sync): relative RMS error against the
     float64 product of the dequantized operands, and its ratio to the error of plain fp32 accumulation (``torch``
     float32 matmul of the dequantized operands, TF32 off). On sm_90 the in-place FP8 wgmma accumulator keeps about 14
     mantissa bits (DeepSeek-V3 technical report 3.3.2): its error grows with K, the promoted ones stay near fp32's.
@@ -46,8 +47,14 @@ VARIANTS = {
 OLD = "old (FAST_ACCUM, in place)"
 ACC_KS = (1024, 4096, 7168, 16384)
 TIME_MS = (64, 1024, 4096)
-# the accuracy GEMM's launch configuration (a prefill tile on wgmma; BLOCK_K 128 so that both intervals apply)
-ACC_CFG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
+# the accuracy GEMM's launch configurations (BLOCK_K 128 so that both intervals apply): a prefill tile on wgmma
+# (QGMMA, the ~14-bit FP8 accumulator), and a decode tile of 16 rows, which Triton runs on mma.sync (FP8 converted
+# to fp16, HMMA with an fp32 accumulator): whether in-place accumulation loses anything there too
+ACC_CFGS = {
+    "wgmma BM64": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3),
+    "mma.sync BM16": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4,
+                          num_stages=4),
+}
 BUDGET_S = 330.0  # stop starting new timings after this (the whole run must stay < 6 minutes)
 T0 = time.time()
 
@@ -127,11 +134,13 @@ def accuracy(dev, Ks=ACC_KS, M=1024, N=1024, seed=0) -> list[dict]:
             ad, wd = aq.double() * sa.double(), wq.double() * sw.double()
             exact = ad @ wd.T
             e32 = rel_rms(ad.float() @ wd.float().T, exact)
-            for name, keys in VARIANTS.items():
-                out = single_expert_gemm(aq, sa, wq, sw, dict(ACC_CFG, **keys))
-                e = rel_rms(out, exact)
-                rows.append(dict(K=K, variant=name, rel_rms=e, fp32_rel_rms=e32, ratio_to_fp32=e / e32))
-                log(f"accuracy K={K:6d} {name:32s} rel rms {e:.3e}  fp32 {e32:.3e}  x{e / e32:.2f} of fp32")
+            for tile, g in ACC_CFGS.items():
+                for name, keys in VARIANTS.items():
+                    out = single_expert_gemm(aq, sa, wq, sw, dict(g, **keys))
+                    e = rel_rms(out, exact)
+                    rows.append(dict(K=K, tile=tile, variant=name, rel_rms=e, fp32_rel_rms=e32, ratio_to_fp32=e / e32))
+                    log(f"accuracy K={K:6d} {tile:13s} {name:30s} rel rms {e:.3e}  fp32 {e32:.3e}  "
+                        f"x{e / e32:.2f} of fp32")
             del ad, wd, exact
             torch.cuda.empty_cache()
     finally:
@@ -220,10 +229,10 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
 def print_tables(acc_rows, time_rows):
     if acc_rows:
         print()
-        print("| K | variant | rel rms vs float64 | fp32 accumulation rel rms | ratio to fp32 |")
-        print("|---|---|---|---|---|")
+        print("| K | tile | variant | rel rms vs float64 | fp32 accumulation rel rms | ratio to fp32 |")
+        print("|---|---|---|---|---|---|")
         for r in acc_rows:
-            print(f"| {r['K']} | {r['variant']} | {r['rel_rms']:.3e} | {r['fp32_rel_rms']:.3e} | "
+            print(f"| {r['K']} | {r['tile']} | {r['variant']} | {r['rel_rms']:.3e} | {r['fp32_rel_rms']:.3e} | "
                   f"{r['ratio_to_fp32']:.2f} |")
     if time_rows:
         old = {(r["shape"], r["M"]): r["us"] for r in time_rows if r["variant"] == OLD and r["error"] is None}
