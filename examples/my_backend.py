@@ -60,21 +60,32 @@ class MyExperts(FusedMoEExpertsModular):
         qc = self.quant_config
         if qc.weight_key is not None or qc.w1_bias is not None or activation != MoEActivation.SILU:
             raise NotImplementedError(f"MyExperts: unquantized SiLU without bias only, got {qc.scheme_name()}")
-        ids = topk_ids.long()
-        local = expert_map.long()[ids] if expert_map is not None else ids  # -1: expert on another rank
-        acc = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
-        for e in range(w1.shape[0]):
-            token, slot = (local == e).nonzero(as_tuple=True)
-            if token.numel() == 0:
-                continue
-            h = (hidden_states[token].float() @ w1[e].float().T).to(output.dtype)  # GEMM1, rounded
-            a = apply_moe_activation(activation, h)
-            y = (a.float() @ w2[e].float().T).to(output.dtype).float()  # GEMM2, rounded
-            if not apply_router_weight_on_input:
-                y = y * topk_weights[token, slot].float().unsqueeze(1)
-            acc.index_add_(0, token, y)
-        output.copy_(acc)
+        output.copy_(my_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map,
+                                      apply_router_weight_on_input=apply_router_weight_on_input))
 
+
+def my_fused_experts(x, w1, w2, topk_weights, topk_ids, *, expert_map=None, apply_router_weight_on_input=False,
+                     stages=None):
+    """The "kernel": (M, K) output in x.dtype. With a dict ``stages``, also stores its intermediates per route,
+    (M, topk, N) like ``conformance.diagnose.reference_stages``, for a stage-by-stage comparison."""
+    ids = topk_ids.long()
+    local = expert_map.long()[ids] if expert_map is not None else ids  # -1: expert held by another rank
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w1.shape[0]):
+        token, slot = (local == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = (x[token].float() @ w1[e].float().T).to(x.dtype)  # GEMM1, fp32 accumulation, rounded
+        a = apply_moe_activation(MoEActivation.SILU, h)
+        y = (a.float() @ w2[e].float().T).to(x.dtype).float()  # GEMM2, rounded
+        if not apply_router_weight_on_input:
+            y = y * topk_weights[token, slot].float().unsqueeze(1)
+        acc.index_add_(0, token, y)
+        if stages is not None:
+            for name, val in (("gemm1", h), ("activation", a)):
+                buf = stages.setdefault(name, torch.zeros(*ids.shape, val.shape[1], dtype=val.dtype))
+                buf[token, slot] = val
+    return acc.to(x.dtype)
 
 backend = Backend(
     name="mine", version="1.0",
