@@ -241,3 +241,25 @@ def sanitizer(session: nox.Session, backend: str) -> None:
     session.run("compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", "--target-processes", "all",
                 "python", "-m", "pytest", "conformance", "--backend", backend, "-p", "no:cacheprovider", "-x",
                 *selection, external=True)
+
+
+@nox.session(default=False)
+def parity(session: nox.Session) -> None:
+    """The reference router against vLLM's own pure-torch code (tests/parity/): ``nox -s parity -- --vllm 0.33.0``
+    (other arguments go to pytest). vLLM's source distribution is downloaded once into ``$MOE_VLLM_CACHE`` (default
+    ``.nox/vllm-sdist``) by ``tests/parity/fetch_sdist.py`` and read, never installed; where the index cannot be
+    reached or has no such version, every parity test skips with that reason."""
+    args = list(session.posargs)
+    version = "0.33.0"
+    if "--vllm" in args:
+        i = args.index("--vllm")
+        version = args[i + 1]
+        del args[i : i + 2]
+    _install(session, "test")
+    cache = Path(os.environ.get("MOE_VLLM_CACHE", ".nox/vllm-sdist")).resolve()
+    out = session.run("python", "tests/parity/fetch_sdist.py", version, str(cache), silent=True,
+                      success_codes=[0, 3]) or ""
+    last = out.strip().splitlines()[-1] if out.strip() else "no output from fetch_sdist.py"
+    env = {"MOE_VLLM_SRC": last} if Path(last).is_dir() else {"MOE_VLLM_SRC_ERROR": last}
+    session.log(f"vLLM {version} source: {last}")
+    session.run("python", "-m", "pytest", "tests/parity", "-p", "no:cacheprovider", "-rs", *args, env=env)
