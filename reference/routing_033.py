@@ -739,6 +739,6 @@ register_point(
                      "routed_scaling_factor."},
     upstream={V017: _F017 + "fused_moe/router/grouped_topk_router.py",
               V033: _F033 + "fused_moe/router/grouped_topk_router.py"},
-    notes="reference.routing.select_experts keeps its own fallback (fused_topk with the layer's scoring_func and "
-          "routed_scaling_factor), which is neither release's.",
+    notes="reference.routing.select_experts keeps its own fallback (fused_topk with the layer's scoring_func), "
+          "which is neither release's; route() / grouped_topk_router() follow the releases.",
 )
