@@ -16,7 +16,9 @@ format ``reference.experts.fused_experts`` over all experts itself; for the stan
 rank's experts and summed (``reference.distributed.fused_experts_ep(combine="partials")``), because their combine
 receives each rank's partial output in the activation dtype (one more rounding of each partial, as in vLLM and
 DeepEP; the suite's bf16 bound is tight enough to reject one extra rounding, so it cannot be compared with
-``fused_experts`` directly). The distance to ``fused_experts`` is recorded as ``single_process_*``. Cases: uneven tokens per rank (one rank with none), every token routed to the
+``fused_experts`` directly). The distance to ``fused_experts`` is recorded as ``single_process_*``.
+
+Cases: uneven tokens per rank (one rank with none), every token routed to the
 experts of one rank (which has no tokens of its own), ``topk_ids`` with -1 padding (a token with no route at all),
 ``apply_router_weight_on_input`` (topk 1), linear and round-robin placement, bf16, FP8 1x128-group and per-token
 activations quantized before and after the dispatch, and, for the batched format, a rank over ``max_num_tokens``,
@@ -39,6 +41,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import lru_cache
 
 import pytest
 import torch
@@ -98,7 +101,8 @@ class DistCase:
 
     @property
     def seed(self) -> int:
-        return seed_of("distributed-" + self.id)
+        """From the id without the quantization placement: before/after dispatch see the same inputs."""
+        return seed_of(f"distributed-w{self.world_size}-{self.scenario}-{self.scheme}-{self.placement}")
 
     @property
     def topk(self) -> int:
@@ -136,8 +140,10 @@ def _gen(seed: int) -> torch.Generator:
     return g
 
 
+@lru_cache(maxsize=4)
 def make_global_inputs(case: DistCase) -> dict:
-    """The layer's bf16 weights for all E experts and the union of the ranks' tokens with their routing (CPU)."""
+    """The layer's bf16 weights for all E experts and the union of the ranks' tokens with their routing (CPU; cached:
+    callers only read it)."""
     g = _gen(seed_of(f"distributed-weights-E{E}-K{K}-I{I}"))
     w1 = (torch.randn(E, 2 * I, K, generator=g) * K**-0.5).to(DTYPE)
     w2 = (torch.randn(E, K, I, generator=g) * I**-0.5).to(DTYPE)
@@ -199,7 +205,8 @@ def expected_output(case: DistCase, combine: str | None = None) -> torch.Tensor:
     experts; ``"partials"`` / ``"routes"``: ``reference.distributed.fused_experts_ep`` over the ranks' shards (the
     standard formats' combine rounds each rank's partial output once more; the batched one is ``fused_experts``)."""
     gi = make_global_inputs(case)
-    kw = dict(activation=ACTIVATION, global_num_experts=E, apply_router_weight_on_input=case.apply_router_weight_on_input)
+    kw = dict(activation=ACTIVATION, global_num_experts=E,
+              apply_router_weight_on_input=case.apply_router_weight_on_input)
     if combine is None:
         w1, w2, qc = quantize_weights(case.scheme, gi["w1"], gi["w2"])
         return fused_experts(gi["hidden"], w1, w2, gi["topk_weights"], gi["topk_ids"], quant_config=qc, **kw)

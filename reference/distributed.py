@@ -567,7 +567,8 @@ class DeepEPLLPrepareAndFinalize(_EPPrepareAndFinalize):
         if not isinstance(weight_and_reduce_impl, (TopKWeightAndReduceDelegate, TopKWeightAndReduceNaiveBatched)):
             raise ValueError(
                 f"the batched combine applies the router weights itself (DeepEP low_latency_combine): the experts must "
-                f"return unweighted slots with TopKWeightAndReduceDelegate, got {type(weight_and_reduce_impl).__name__}")
+                "return unweighted slots with TopKWeightAndReduceDelegate, got "
+                f"{type(weight_and_reduce_impl).__name__}")
         rows = fused_expert_output[h.recv_slot[:, 0], h.recv_slot[:, 1]]  # (R_recv, K), received order
         back = self._all_to_all_rows(rows, h.recv_counts, h.send_counts)  # (R_sent, K), this rank's send order
         M, topk = topk_ids.shape
@@ -579,7 +580,8 @@ class DeepEPLLPrepareAndFinalize(_EPPrepareAndFinalize):
 
 def _quantize_slots(slots: torch.Tensor, counts: list[int], quant_config: FusedMoEQuantConfig):
     """Quantize each slot's first ``counts[e]`` rows (``reference.batched.BatchedPrepareAndFinalize``'s rule):
-    row-aligned scales padded with zero rows to ``(E_local, T, G)``, a per-tensor scale one per slot ``(E_local, 1)``."""
+    row-aligned scales padded with zero rows to ``(E_local, T, G)``, a per-tensor scale one per slot
+    ``(E_local, 1)``."""
     E, T, _ = slots.shape
     qs, ss = [], []
     for e in range(E):
