@@ -15,7 +15,7 @@ import torch
 
 from reference.activation import MoEActivation, adjust_N_for_activation
 from reference.config import FusedMoEQuantConfig
-from reference.experts import ReferenceSupport, _experts_unreduced, local_expert_ids
+from reference.experts import _experts_unreduced, local_expert_ids, reference_support
 from reference.modular import (
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
@@ -131,20 +131,17 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         weight_and_reduce_impl.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
 
 
-class BatchedReferenceExperts(ReferenceSupport, FusedMoEExpertsModular):
+class BatchedReferenceExperts(FusedMoEExpertsModular):
     """The reference loop on the batched format: each expert slot runs its first ``expert_num_tokens[e]`` rows;
     output ``(E_local, max_tokens, K)`` unweighted (padding rows zero); reduction by the prepare/finalize
     (``Delegate`` -> ``NaiveBatched``). No chunking (the batched format has no token dimension to chunk)."""
 
+    support = reference_support(FusedMoEActivationFormat.BatchedExperts, chunking=False,
+                                finalize="(E_local, max_tokens, K) unweighted: TopKWeightAndReduceDelegate")
+
     @staticmethod
     def activation_format():
         return FusedMoEActivationFormat.BatchedExperts
-
-    def supports_chunking(self) -> bool:
-        return False
-
-    def supports_expert_map(self) -> bool:
-        return True
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceDelegate()

@@ -34,12 +34,13 @@ from reference.modular import (
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
     FusedMoEExpertsModular,
+    SupportRecord,
     TopKWeightAndReduceContiguous,
     cdiv,
     moe_kernel_quantize_input,
 )
 
-__all__ = ["fused_experts", "ReferenceExperts", "ReferenceSupport", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
+__all__ = ["fused_experts", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
 
 
 def dequant_groups(q: torch.Tensor, scale: torch.Tensor | None, group_shape: tuple[int, int] | None) -> torch.Tensor:
@@ -171,14 +172,23 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
             raise ValueError(f"expert_map has {expert_map.numel()} entries, expected global_num_experts={E}")
 
 
-def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype) -> torch.Tensor:
+def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
+                       acc_dtype: torch.dtype = torch.float32, gemm=None) -> torch.Tensor:
     """(M, topk, K) unweighted expert outputs in act dtype; zeros for routes to experts not held here.
+
+    ``acc_dtype`` is the GEMMs' accumulation dtype: fp32 defines the reference; float64 gives the (nearly) exact
+    products of the dequantized operands that ``reference.error_model`` measures accumulation errors against.
+    ``gemm(a (R, K), w (N, K)) -> (R, N)`` replaces the matmul of both GEMMs (dequantized fp32 operands in, the
+    accumulated product out): a hook for emulating a kernel's accumulator (tests/emulated_backends.py).
 
     Three passes, because the requantization of a2 may need every routed row at once: a *per-tensor* dynamic a2
     scale is the amax over all routed rows of the call (one chunk of the modular kernel), as vLLM's Triton path
     quantizes ``intermediate_cache2`` in one go. Per-token and per-group scales only see their own row.
     """
     M, topk = topk_ids.shape
+    if gemm is None:
+        def gemm(x, w):
+            return x.to(acc_dtype) @ w.to(acc_dtype).T
     a = dequant_activation(a1q, a1q_scale, qc.a1)
     K = a.size(1)  # packed activations (NVFP4) hold K // 2 bytes
     local = local_expert_ids(topk_ids, w1.size(0), expert_map)
@@ -187,9 +197,9 @@ def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activat
     # Pass 1: GEMM1 (+ bias) rounded to the act dtype, then the activation (fp32 math, rounded once).
     g_rows = {}
     for e, t, k in routes:
-        h = a[t] @ _dequant_weight(w1, qc.w1, e).T
+        h = gemm(a[t], _dequant_weight(w1, qc.w1, e))
         if qc.w1_bias is not None:
-            h = h + qc.w1_bias[e].float()
+            h = h + qc.w1_bias[e].to(acc_dtype)
         h = h.to(act_dtype)
         g_rows[e] = apply_moe_activation(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta,
                                          limit=qc.gemm1_clamp_limit)
@@ -205,9 +215,9 @@ def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activat
     for e, t, k in routes:
         g = g_all[start : start + t.numel()]
         start += t.numel()
-        y = g @ _dequant_weight(w2, qc.w2, e).T
+        y = gemm(g, _dequant_weight(w2, qc.w2, e))
         if qc.w2_bias is not None:
-            y = y + qc.w2_bias[e].float()
+            y = y + qc.w2_bias[e].to(acc_dtype)
         out[t, k] = y.to(act_dtype)
     return out
 
@@ -224,6 +234,7 @@ def fused_experts(
     expert_map: torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
     quant_config: FusedMoEQuantConfig | None = None,
+    accumulate_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The reference MoE experts: ``(M, K)`` output in ``hidden_states.dtype``.
 
@@ -236,6 +247,9 @@ def fused_experts(
         global_num_experts: E (-1: E_local). expert_map: int32 ``(E,)`` global -> local, -1 not held.
         apply_router_weight_on_input: multiply the input by the weight (topk must be 1).
         quant_config: ``FusedMoEQuantConfig`` (default unquantized).
+        accumulate_dtype: the GEMMs' accumulation dtype. fp32 (default) *is* the reference; float64 computes the
+            exact products of the dequantized operands, for measuring accumulation error
+            (``reference.error_model``, ``conformance/test_accumulation.py``).
 
     Raises:
         ValueError: bad shapes/dtypes/devices (``check_moe_inputs``), apply_router_weight_on_input with topk > 1.
@@ -249,52 +263,32 @@ def fused_experts(
             raise ValueError(f"apply_router_weight_on_input is only supported for topk == 1, got {topk_ids.size(1)}")
         x = x * topk_weights.to(x.dtype)
     a1q, a1q_scale = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
-    y = _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype)
+    y = _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
+                           accumulate_dtype)
     w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
     return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(act_dtype)
 
 
-class ReferenceSupport:
-    """The support predicates of every reference experts class: any device, every activation vLLM can apply, every
-    quantization scheme the loop dequantizes, every parallel config (mixed into the reference experts classes)."""
-
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_no_act_and_mul() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return True
-
-    @staticmethod
-    def _supports_activation(activation) -> bool:
-        return activation is not MoEActivation.RELU2
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config) -> bool:
-        return True
+def reference_support(activation_format: FusedMoEActivationFormat, **overrides) -> SupportRecord:
+    """The claims of every reference experts class: any device, every activation vLLM can apply (not the
+    unprojected RELU2), every quantization scheme the loop dequantizes, every parallel config."""
+    return SupportRecord(activation_format, activations=frozenset(a for a in MoEActivation if a is not MoEActivation.RELU2),
+                         notes="the reference loop (reference.experts)", **overrides)
 
 
-class ReferenceExperts(ReferenceSupport, FusedMoEExpertsModular):
+class ReferenceExperts(FusedMoEExpertsModular):
     """The reference loop as a ``FusedMoEExpertsModular`` (Standard format), so the modular kernel itself (chunking,
     prepare/finalize, shared experts) can be tested against ``fused_experts``. Supports every activation, expert_map,
     chunking, and the quant schemes the loop dequantizes. Output: ``(M, topk, K)`` unweighted, reduced by
     ``TopKWeightAndReduceContiguous``.
     """
 
+    support = reference_support(FusedMoEActivationFormat.Standard,
+                                finalize="(M, topk, K) unweighted: TopKWeightAndReduceContiguous")
+
     @staticmethod
     def activation_format():
         return FusedMoEActivationFormat.Standard
-
-    def supports_chunking(self) -> bool:
-        return True
-
-    def supports_expert_map(self) -> bool:
-        return True
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceContiguous()

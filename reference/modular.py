@@ -21,9 +21,9 @@ from __future__ import annotations
 import enum
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
@@ -35,6 +35,7 @@ __all__ = [
     "ExpertTokensMetadata",
     "FusedMoEActivationFormat",
     "FusedMoEExperts",
+    "SupportRecord",
     "FusedMoEExpertsModular",
     "FusedMoEExpertsMonolithic",
     "TopKWeightAndReduce",
@@ -192,6 +193,88 @@ class TopKWeightAndReduceDelegate(TopKWeightAndReduce):
 # ------------------------------------------------------------------------------------------------------------
 
 
+_ALL_ACT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
+@dataclass(frozen=True)
+class SupportRecord:
+    """What an experts class claims, as data: the seed's ``_supports_*`` predicates and ``is_supported_config`` derive
+    from it (``FusedMoEExperts``), the conformance matrix prints it, and conformance enumerates its cases from it (every
+    claimed scheme x activation x expert map x token regime; ``conformance/cases.py``), and the fuzz draws inside it.
+
+    Fields (None = no restriction):
+        activation_format: Standard or BatchedExperts (seed 002 ``activation_format``).
+        quant_schemes: claimed ``(weight_key, activation_key)`` pairs of ``reference.quant.keys.QuantKey`` (``(None,
+            None)`` = unquantized). ``key_match`` compares keys when plain equality is too strict.
+        activations: claimed ``MoEActivation`` values.
+        act_dtypes: activation (hidden_states) dtypes the class computes in.
+        no_act_and_mul: non-gated MLPs (``*_NO_MUL`` activations) claimed (``_supports_no_act_and_mul``).
+        expert_map: EP shards with an ``expert_map`` (``supports_expert_map``).
+        chunking: the modular kernel may chunk the tokens (``supports_chunking``).
+        device: availability probe: returns None where the class runs, else why not (``_supports_current_device`` and
+            its detail); None = any device.
+        parallel_config: predicate on ``FusedMoEParallelConfig`` (``_supports_parallel_config``).
+        hidden_dim_multiple: K must be a multiple of this (``_supports_shape``).
+        min_tokens / max_tokens: token range of one call (None: unbounded).
+        finalize: what ``apply`` leaves for finalize, e.g. "reduced (TopKWeightAndReduceNoOP)".
+        notes: one line for the matrix (recipes, limits not expressible above).
+    """
+
+    activation_format: "FusedMoEActivationFormat"
+    quant_schemes: frozenset | None = None
+    activations: frozenset | None = None
+    act_dtypes: frozenset = _ALL_ACT_DTYPES
+    no_act_and_mul: bool = True
+    expert_map: bool = True
+    chunking: bool = True
+    device: Callable[[], str | None] | None = None
+    parallel_config: Callable[[FusedMoEParallelConfig], bool] | None = None
+    hidden_dim_multiple: int = 1
+    min_tokens: int = 0
+    max_tokens: int | None = None
+    key_match: Callable | None = field(default=None, compare=False)
+    finalize: str = ""
+    notes: str = ""
+
+    def claims_quant(self, weight_key, activation_key) -> bool:
+        if self.quant_schemes is None:
+            return True
+        if self.key_match is None:
+            return (weight_key, activation_key) in self.quant_schemes
+        return any(self.key_match(weight_key, w) and self.key_match(activation_key, a) for w, a in self.quant_schemes)
+
+    def claims_activation(self, activation: MoEActivation) -> bool:
+        if self.activations is not None and activation not in self.activations:
+            return False
+        return activation.is_gated or self.no_act_and_mul
+
+    def device_reason(self) -> str | None:
+        return None if self.device is None else self.device()
+
+    def describe(self) -> dict[str, str]:
+        """The claims as short strings, for reports (``conformance.report``)."""
+        def keys(pair):
+            w, a = pair
+            return "unquantized" if w is None and a is None else f"{w!r} x {a!r}"
+
+        def dtype(d):
+            return str(d).removeprefix("torch.")
+
+        return {
+            "format": self.activation_format.name,
+            "quant schemes": "any" if self.quant_schemes is None else "; ".join(sorted(map(keys, self.quant_schemes))),
+            "activations": "any" if self.activations is None else ", ".join(sorted(a.name for a in self.activations)),
+            "act dtypes": ", ".join(sorted(map(dtype, self.act_dtypes))),
+            "expert_map": "yes" if self.expert_map else "no",
+            "chunking": "yes" if self.chunking else "no",
+            "device": "any" if self.device is None else "probe",
+            "hidden dim": "any" if self.hidden_dim_multiple == 1 else f"multiple of {self.hidden_dim_multiple}",
+            "tokens": f"{self.min_tokens}..{'' if self.max_tokens is None else self.max_tokens}",
+            "finalize": self.finalize or "-",
+            "notes": self.notes or "-",
+        }
+
+
 class FusedMoEExperts(ABC):
     """Base of every experts implementation (seed 002 ``FusedMoEExperts``).
 
@@ -273,36 +356,43 @@ class FusedMoEExperts(ABC):
             return False, _make_reason(f"{activation_format.value} activation format")
         return True, None
 
-    @staticmethod
-    @abstractmethod
-    def _supports_current_device() -> bool:
-        raise NotImplementedError
+    # The seed's predicates. A class that declares ``support`` (a ``SupportRecord``) gets them derived from it; a
+    # class without one must override them (as in vLLM). They are called on the class: ``cls._supports_x(...)``.
+    support: ClassVar["SupportRecord | None"] = None
 
-    @staticmethod
-    def _current_device_unsupported_detail() -> str | None:
+    @classmethod
+    def _record(cls) -> "SupportRecord":
+        if cls.support is None:
+            raise NotImplementedError(f"{cls.__name__} declares no SupportRecord (class attribute `support`) and "
+                                      "does not override this _supports_* predicate")
+        return cls.support
+
+    @classmethod
+    def _supports_current_device(cls) -> bool:
+        return cls._record().device_reason() is None
+
+    @classmethod
+    def _current_device_unsupported_detail(cls) -> str | None:
         """Why ``_supports_current_device`` is False, appended to the support oracle's reason (this project's
         extension of the seed, whose reason is only "kernel does not support current device"). None: no detail."""
-        return None
+        return None if cls.support is None else cls.support.device_reason()
 
-    @staticmethod
-    @abstractmethod
-    def _supports_no_act_and_mul() -> bool:
-        raise NotImplementedError
+    @classmethod
+    def _supports_no_act_and_mul(cls) -> bool:
+        return cls._record().no_act_and_mul
 
-    @staticmethod
-    @abstractmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        raise NotImplementedError
+    @classmethod
+    def _supports_quant_scheme(cls, weight_key, activation_key) -> bool:
+        return cls._record().claims_quant(weight_key, activation_key)
 
-    @staticmethod
-    @abstractmethod
-    def _supports_activation(activation: MoEActivation) -> bool:
-        raise NotImplementedError
+    @classmethod
+    def _supports_activation(cls, activation: MoEActivation) -> bool:
+        return cls._record().claims_activation(activation)
 
-    @staticmethod
-    @abstractmethod
-    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
-        raise NotImplementedError
+    @classmethod
+    def _supports_parallel_config(cls, moe_parallel_config: FusedMoEParallelConfig) -> bool:
+        pred = cls._record().parallel_config
+        return True if pred is None else bool(pred(moe_parallel_config))
 
     @staticmethod
     def _supports_routing_method(routing_method: RoutingMethodType, weight_key, activation_key) -> bool:
@@ -312,9 +402,9 @@ class FusedMoEExperts(ABC):
     def _supports_router_logits_dtype(router_logits_dtype, routing_method: RoutingMethodType) -> bool:
         return True
 
-    @staticmethod
-    def _supports_shape(hidden_dim: int) -> bool:
-        return True
+    @classmethod
+    def _supports_shape(cls, hidden_dim: int) -> bool:
+        return cls.support is None or hidden_dim % cls.support.hidden_dim_multiple == 0
 
     # vLLM's accessors of the quant config.
     quant_dtype = property(lambda self: self.quant_config.quant_dtype)
@@ -329,13 +419,11 @@ class FusedMoEExperts(ABC):
     w1_bias = property(lambda self: self.quant_config.w1_bias)
     w2_bias = property(lambda self: self.quant_config.w2_bias)
 
-    @abstractmethod
     def supports_chunking(self) -> bool:
-        raise NotImplementedError
+        return type(self)._record().chunking
 
-    @abstractmethod
     def supports_expert_map(self) -> bool:
-        raise NotImplementedError
+        return type(self)._record().expert_map
 
     def supports_packed_ue8m0_act_scales(self) -> bool:
         return False

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from reference.activation import MoEActivation
-from reference.experts import ReferenceSupport, fused_experts
+from reference.experts import fused_experts, reference_support
 from reference.modular import (
     FusedMoEActivationFormat,
     FusedMoEExpertsMonolithic,
@@ -48,7 +48,7 @@ class MoEPrepareAndFinalizeNoEPMonolithic(FusedMoEPrepareAndFinalizeMonolithic):
         return fused_expert_output
 
 
-class ReferenceMonolithicExperts(ReferenceSupport, FusedMoEExpertsMonolithic):
+class ReferenceMonolithicExperts(FusedMoEExpertsMonolithic):
     """Routing + experts in one call. Routing settings come from the constructor (top_k, renormalize, scoring)
     and from ``apply``'s grouped-topk arguments, exactly as a fused router+experts kernel receives them.
 
@@ -60,6 +60,8 @@ class ReferenceMonolithicExperts(ReferenceSupport, FusedMoEExpertsMonolithic):
         super().__init__(moe_config, quant_config)
         self.top_k, self.renormalize = top_k, renormalize
         self.scoring_func, self.use_grouped_topk = scoring_func, use_grouped_topk
+
+    support = reference_support(FusedMoEActivationFormat.Standard, chunking=False, finalize="(M, K) reduced")
 
     @staticmethod
     def activation_format():
@@ -73,12 +75,6 @@ class ReferenceMonolithicExperts(ReferenceSupport, FusedMoEExpertsMonolithic):
     @staticmethod
     def _supports_router_logits_dtype(router_logits_dtype, routing_method) -> bool:
         return router_logits_dtype in (None, torch.float32, torch.bfloat16)
-
-    def supports_chunking(self) -> bool:
-        return False
-
-    def supports_expert_map(self) -> bool:
-        return True
 
     def apply(self, hidden_states, w1, w2, router_logits, activation, global_num_experts, expert_map, a1q_scale,
               apply_router_weight_on_input, num_expert_group=None, e_score_correction_bias=None,

@@ -9,12 +9,15 @@ so the finalize step is ``TopKWeightAndReduceNoOP``. Runs on any device torch su
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from backends.torch.quant import FP8, dequant, quantize_activation
 from reference.activation import MoEActivation
-from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, TopKWeightAndReduceNoOP
+from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, TopKWeightAndReduceNoOP
+from reference.quant import keys as K
 
 _GATED = {
     MoEActivation.SILU,
@@ -113,40 +116,20 @@ class TorchExperts(FusedMoEExpertsModular):
     def activation_format():
         return FusedMoEActivationFormat.Standard
 
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_no_act_and_mul() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        from reference.quant import keys as K
-
-        return (weight_key, activation_key) in {
+    support = SupportRecord(
+        FusedMoEActivationFormat.Standard,
+        quant_schemes=frozenset({
             (None, None),
             (K.kFp8StaticTensorSym, K.kFp8DynamicTensorSym),
             (K.kFp8StaticTensorSym, K.kFp8StaticTensorSym),
             (K.kFp8StaticChannelSym, K.kFp8DynamicTokenSym),
             (K.kFp8Static128BlockSym, K.kFp8Dynamic128Sym),
             (K.kInt8StaticChannelSym, K.kInt8DynamicTokenSym),
-        }
-
-    @staticmethod
-    def _supports_activation(activation) -> bool:
-        return activation in _GATED or activation in _NO_MUL
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config) -> bool:
-        return True
-
-    def supports_chunking(self) -> bool:
-        return True
-
-    def supports_expert_map(self) -> bool:
-        return True
+        }),
+        activations=frozenset(_GATED | _NO_MUL),
+        finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        notes="vectorized torch (padded bmm); vllm recipe",
+    )
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOP()
@@ -231,8 +214,9 @@ class TorchBatchedExperts(TorchExperts):
     def activation_format():
         return FusedMoEActivationFormat.BatchedExperts
 
-    def supports_chunking(self) -> bool:
-        return False
+    support = dataclasses.replace(TorchExperts.support, activation_format=FusedMoEActivationFormat.BatchedExperts,
+                                  chunking=False,
+                                  finalize="(E_local, max_tokens, K) unweighted: TopKWeightAndReduceDelegate")
 
     def finalize_weight_and_reduce_impl(self):
         from reference.modular import TopKWeightAndReduceDelegate
