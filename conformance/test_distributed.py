@@ -280,8 +280,9 @@ def _rank_main(rank, world_size, init_file, dist_backend, device, timeout_s, inq
             dev = torch.device("cuda", rank)
         else:
             dev = torch.device("cpu")
+        extra = {"device_id": dev} if device == "cuda" else {}  # NCCL: bind the rank to its GPU eagerly
         dist.init_process_group(dist_backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s), **extra)
     except BaseException:
         outq.put(("error", rank, 0, traceback.format_exc()))
         return
