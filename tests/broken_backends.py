@@ -77,24 +77,29 @@ ue8m0_floor = dataclasses.replace(_torch, name="broken_ue8m0_floor",
 
 
 class _ClaimsNothing(TorchExperts):
-    """Computes bf16 correctly but claims no quantization scheme at all."""
+    """Computes what TorchExperts computes (bf16 and its quantized schemes, correctly) but claims no quantization
+    scheme at all, not even unquantized: every case it runs is "works but not claimed"."""
 
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return False
+    support = dataclasses.replace(TorchExperts.support, quant_schemes=frozenset(),
+                                  notes="claims no quantization scheme, yet computes (planted fault)")
 
     def apply(self, output, *args, **kwargs):
         _unchecked_apply(self, output, *args, **kwargs)
 
 
 def _unchecked_apply(self, output, *args, **kwargs):
-    # Bypass TorchExperts' own claim check so the unclaimed configuration still computes.
-    saved = type(self)._supports_quant_scheme
+    # Bypass TorchExperts' own claim check so the unclaimed configuration still computes: for the call, the class's
+    # record claims every quantization scheme (quant_schemes None), then its own record is put back.
+    cls = type(self)
+    own = cls.__dict__.get("support")
     try:
-        type(self)._supports_quant_scheme = staticmethod(lambda w, a: True)
+        cls.support = dataclasses.replace(cls.support, quant_schemes=None)
         TorchExperts.apply(self, output, *args, **kwargs)
     finally:
-        type(self)._supports_quant_scheme = saved
+        if own is None:
+            del cls.support
+        else:
+            cls.support = own
 
 
 claims_nothing = dataclasses.replace(_torch, name="broken_claims_nothing", experts=[_ClaimsNothing])

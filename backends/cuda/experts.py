@@ -36,13 +36,14 @@ expert) need no padding for 2-D x 3-D products; fewer than 1024 groups (local ex
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from reference.activation import MoEActivation
-from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, TopKWeightAndReduceNoOP
+from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, TopKWeightAndReduceNoOP
 from reference.quant import keys as qk
 
 __all__ = [
@@ -110,6 +111,26 @@ def _device_capability() -> tuple[int, int] | None:
 
 def _is_sm90() -> bool:
     return _device_capability() == (9, 0)
+
+
+def _sm90_reason() -> str | None:
+    """The experts' device probe: None on SM90, else why not. torch's CUTLASS grouped GEMMs run on SM90 and SM100;
+    this backend is built and checked on SM90 only."""
+    if _is_sm90():
+        return None
+    cap = _device_capability()
+    return ("torch's CUTLASS grouped GEMMs, built and checked on SM90 (H100/H200) only; this device is "
+            f"{f'sm_{cap[0]}{cap[1]}' if cap else 'not a CUDA GPU'}")
+
+
+def _never_here(reason: str):
+    """The device probe of a class declared but never run here: always ``reason`` plus what this device is."""
+    def probe() -> str:
+        cap = _device_capability()
+        where = f"this device is sm_{cap[0]}{cap[1]}" if cap else "no CUDA device here"
+        return f"{reason} ({where})"
+
+    return probe
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -345,28 +366,18 @@ class _CutlassExpertsBase(FusedMoEExpertsModular):
     def activation_format() -> FusedMoEActivationFormat:
         return FusedMoEActivationFormat.Standard
 
-    @staticmethod
-    def _supports_current_device() -> bool:
-        # torch's CUTLASS grouped GEMMs run on SM90 and SM100; this backend is built and checked on SM90 only.
-        return _is_sm90()
-
-    @staticmethod
-    def _current_device_unsupported_detail() -> str:
-        cap = _device_capability()
-        return ("torch's CUTLASS grouped GEMMs, built and checked on SM90 (H100/H200) only; this device is "
-                f"{f'sm_{cap[0]}{cap[1]}' if cap else 'not a CUDA GPU'}")
-
-    @staticmethod
-    def _supports_no_act_and_mul() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_activation(activation: MoEActivation) -> bool:
-        return activation in _GATED or activation in _NO_MUL
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config) -> bool:
-        return True  # EP through expert_map (NoEP prepare/finalize); no all2all of its own
+    #: The claims common to every CUTLASS class; the plumbing itself claims no quantization scheme (each subclass
+    #: replaces ``quant_schemes``). Parallel configs: any (EP through expert_map with the NoEP prepare/finalize; no
+    #: all2all of its own). ``_unsupported_layer_reason`` adds what the seed's predicates do not see.
+    support = SupportRecord(
+        FusedMoEActivationFormat.Standard,
+        quant_schemes=frozenset(),
+        activations=frozenset(_GATED + _NO_MUL),
+        act_dtypes=frozenset({BF16}),  # the grouped GEMMs through torch output bf16 only (checked in apply too)
+        device=_sm90_reason,
+        finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        notes="torch CUTLASS grouped GEMMs (SM90); no expert biases; < 1024 local experts; I a multiple of ALIGN",
+    )
 
     @classmethod
     def _unsupported_layer_reason(cls, moe_config) -> str | None:
@@ -374,7 +385,7 @@ class _CutlassExpertsBase(FusedMoEExpertsModular):
         if moe_config.has_bias:
             return ("expert biases (torch._grouped_mm / _scaled_grouped_mm have no bias epilogue, and a bias added "
                     "after the bf16 store would round twice)")
-        if moe_config.in_dtype != BF16:
+        if moe_config.in_dtype not in cls.support.act_dtypes:
             return f"activation dtype {moe_config.in_dtype} (the CUTLASS grouped GEMMs through torch output bf16 only)"
         I = moe_config.intermediate_size_per_partition
         if I % cls.ALIGN:
@@ -394,12 +405,6 @@ class _CutlassExpertsBase(FusedMoEExpertsModular):
         if extra is not None:
             return False, f"kernel does not support {extra}"
         return True, None
-
-    def supports_chunking(self) -> bool:
-        return True
-
-    def supports_expert_map(self) -> bool:
-        return True
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOP()
@@ -462,13 +467,12 @@ class CutlassExpertsBf16(_CutlassExpertsBase):
         ValueError: non-bf16 operands or output, misaligned K/N/I, >= 1024 local experts, expert biases.
     """
 
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return weight_key is None and activation_key is None
-
-    @staticmethod
-    def _supports_shape(hidden_dim: int) -> bool:
-        return hidden_dim % CutlassExpertsBf16.ALIGN == 0
+    support = dataclasses.replace(
+        _CutlassExpertsBase.support,
+        quant_schemes=frozenset({(None, None)}),
+        hidden_dim_multiple=_CutlassExpertsBase.ALIGN,  # 16-byte rows (apply checks K, N, I too)
+        notes="torch._grouped_mm (CUTLASS SM90 bf16); no expert biases; < 1024 local experts; N, I multiples of 8",
+    )
 
     def _validate_quant_config(self) -> None:
         qc = self.quant_config
@@ -539,13 +543,13 @@ class CutlassExpertsFp8(_CutlassExpertsBase):
 
     ALIGN = 16
 
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return (weight_key, activation_key) in FP8_SUPPORTED_W_A
-
-    @staticmethod
-    def _supports_shape(hidden_dim: int) -> bool:
-        return hidden_dim % CutlassExpertsFp8.ALIGN == 0
+    support = dataclasses.replace(
+        _CutlassExpertsBase.support,
+        quant_schemes=frozenset(FP8_SUPPORTED_W_A),
+        hidden_dim_multiple=ALIGN,  # _scaled_grouped_mm checks K % 16 (apply checks K, N, I too)
+        notes="torch._scaled_grouped_mm (CUTLASS SM90 FP8 row-wise scales); no expert biases; < 1024 local experts; "
+              "N, I multiples of 16; a1 codes from prepare or bf16 quantized here",
+    )
 
     def _validate_quant_config(self) -> None:
         self._scheme()
@@ -625,18 +629,11 @@ class _UnsupportedOnSm90(_CutlassExpertsBase):
     """A CUTLASS path of vLLM that needs SM100 (Blackwell): declared so the conformance matrix shows why it is
     skipped; never claims support, and constructing it (or ``apply``) raises NotImplementedError."""
 
-    #: Why this class never runs here (shown by ``is_supported_config``).
+    #: Why this class never runs here (shown by ``is_supported_config`` through the record's device probe).
     unsupported_reason: str = ""
 
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return False
-
-    @classmethod
-    def _current_device_unsupported_detail(cls) -> str:
-        cap = _device_capability()
-        where = f"this device is sm_{cap[0]}{cap[1]}" if cap else "no CUDA device here"
-        return f"{cls.unsupported_reason} ({where})"
+    support = dataclasses.replace(_CutlassExpertsBase.support, device=_never_here(unsupported_reason),
+                                  hidden_dim_multiple=1, notes="declared only: never runs here")
 
     def _validate_quant_config(self) -> None:
         raise NotImplementedError(f"{type(self).__name__}: {self.unsupported_reason}")
@@ -653,9 +650,11 @@ class CutlassExpertsFp4(_UnsupportedOnSm90):
                           "torch._scaled_grouped_mm's NVFP4 path is fbgemm's SM100 kernel); SM90 has no FP4 MMA, "
                           "and the cuda backend does not implement them")
 
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return (weight_key, activation_key) == (qk.kNvfp4Static, qk.kNvfp4Dynamic)
+    support = dataclasses.replace(
+        _UnsupportedOnSm90.support, quant_schemes=frozenset({(qk.kNvfp4Static, qk.kNvfp4Dynamic)}),
+        device=_never_here(unsupported_reason),
+        notes="declared only (vLLM's claims kept as data): SM100-only; construction and apply raise "
+              "NotImplementedError")
 
 
 class CutlassExpertsMxfp4(_UnsupportedOnSm90):
@@ -666,6 +665,8 @@ class CutlassExpertsMxfp4(_UnsupportedOnSm90):
                           "torch._scaled_grouped_mm's MXFP4 path is fbgemm's SM100 kernel); SM90 has no FP4 MMA, "
                           "and the cuda backend does not implement them")
 
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return (weight_key, activation_key) == (qk.kMxfp4Static, qk.kMxfp4Dynamic)
+    support = dataclasses.replace(
+        _UnsupportedOnSm90.support, quant_schemes=frozenset({(qk.kMxfp4Static, qk.kMxfp4Dynamic)}),
+        device=_never_here(unsupported_reason),
+        notes="declared only (vLLM's claims kept as data): SM100-only; construction and apply raise "
+              "NotImplementedError")

@@ -39,7 +39,7 @@ from backends.deep_gemm.layout import build_contiguous_layout, gather_rows, gath
 from reference.activation import MoEActivation
 from reference.align import DEEP_GEMM_M_ALIGNMENT, compute_aligned_M_and_alignment
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
-from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, TopKWeightAndReduceNoOP
+from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, TopKWeightAndReduceNoOP
 from reference.quant import (
     DeepGemmQuantScaleFMT,
     kFp8Dynamic128Sym,
@@ -158,6 +158,15 @@ def _no_fi_nvl(moe_parallel_config: FusedMoEParallelConfig) -> bool:
     return not (moe_parallel_config.use_fi_nvl_two_sided_kernels or moe_parallel_config.use_fi_nvl_one_sided_kernels)
 
 
+def _device_reason() -> str | None:
+    # Looked up at call time, so that tests replacing the probes (``platform``) or this module's function are seen.
+    return device_unsupported_reason()
+
+
+def _fp4_device_reason() -> str:
+    return DeepGemmFP4Experts.unsupported_reason()
+
+
 # ------------------------------------------------------------------------------------------------------------
 # DeepGemmExperts
 # ------------------------------------------------------------------------------------------------------------
@@ -227,42 +236,32 @@ class DeepGemmExperts(FusedMoEExpertsModular):
     def activation_format() -> FusedMoEActivationFormat:
         return FusedMoEActivationFormat.Standard
 
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return device_unsupported_reason() is None
+    support = SupportRecord(
+        FusedMoEActivationFormat.Standard,
+        # Seed 001's pairs. The MXFP8 pair is the seed's SM100-only claim: _supports_quant_scheme adds the device
+        # condition (and the device probe is SM90-only, so it is never claimed here; __init__ raises for it).
+        quant_schemes=frozenset({(kFp8Static128BlockSym, kFp8Dynamic128Sym), (kMxfp8Static, kMxfp8Dynamic)}),
+        activations=frozenset(SUPPORTED_ACTIVATIONS),  # SILU, SWIGLUSTEP, SWIGLUOAI_UNINTERLEAVE (apply raises else)
+        no_act_and_mul=False,
+        # DeepGEMM's grouped GEMM writes bf16 into the act-dtype workspaces: apply raises for another act dtype.
+        act_dtypes=frozenset({torch.bfloat16}),
+        device=_device_reason,
+        parallel_config=_no_fi_nvl,  # no FlashInfer NVL kernels (seed 001: an IMA)
+        # K multiple of 128 (1x128 / 128x128 scale blocks; apply checks K, N and I): a backend addition.
+        hidden_dim_multiple=BLOCK,
+        finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        notes="m_grouped_fp8_gemm_nt_contiguous on the contiguous layout (SM90); N, I multiples of 128; a2 quantized "
+              "dynamically (no static a2_scale); no expert biases; any M (vLLM only picks DeepGEMM for M >= 128)",
+    )
 
-    @staticmethod
-    def _current_device_unsupported_detail() -> str | None:
-        return device_unsupported_reason()
-
-    @staticmethod
-    def _supports_no_act_and_mul() -> bool:
-        return False
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        if (weight_key, activation_key) == (kFp8Static128BlockSym, kFp8Dynamic128Sym):
-            return True
+    @classmethod
+    def _supports_quant_scheme(cls, weight_key, activation_key) -> bool:
+        # The record lists both seed pairs; the MXFP8 one holds only on the SM100 family (seed 001), a device
+        # condition a frozen record cannot carry.
+        if not cls.support.claims_quant(weight_key, activation_key):
+            return False
         if (weight_key, activation_key) == (kMxfp8Static, kMxfp8Dynamic):
             return platform.capability_family(platform.current_capability()) == 100
-        return False
-
-    @staticmethod
-    def _supports_activation(activation: MoEActivation) -> bool:
-        return activation in SUPPORTED_ACTIVATIONS
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
-        return _no_fi_nvl(moe_parallel_config)
-
-    @staticmethod
-    def _supports_shape(hidden_dim: int) -> bool:
-        return hidden_dim % BLOCK == 0
-
-    def supports_chunking(self) -> bool:
-        return True
-
-    def supports_expert_map(self) -> bool:
         return True
 
     def finalize_weight_and_reduce_impl(self):
@@ -441,35 +440,17 @@ class DeepGemmFP4Experts(FusedMoEExpertsModular):
     def activation_format() -> FusedMoEActivationFormat:
         return FusedMoEActivationFormat.Standard
 
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return False
-
-    @staticmethod
-    def _current_device_unsupported_detail() -> str | None:
-        return DeepGemmFP4Experts.unsupported_reason()
-
-    @staticmethod
-    def _supports_no_act_and_mul() -> bool:
-        return False
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return (weight_key, activation_key) in [(kMxfp4Static, kFp8Dynamic128Sym)]
-
-    @staticmethod
-    def _supports_activation(activation: MoEActivation) -> bool:
-        return activation in [MoEActivation.SILU, MoEActivation.SWIGLUSTEP]
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
-        return _no_fi_nvl(moe_parallel_config)
-
-    def supports_chunking(self) -> bool:
-        return True
-
-    def supports_expert_map(self) -> bool:
-        return True
+    support = SupportRecord(
+        FusedMoEActivationFormat.Standard,
+        quant_schemes=frozenset({(kMxfp4Static, kFp8Dynamic128Sym)}),
+        activations=frozenset({MoEActivation.SILU, MoEActivation.SWIGLUSTEP}),
+        no_act_and_mul=False,
+        device=_fp4_device_reason,  # never None: no SM100 implementation to claim
+        parallel_config=_no_fi_nvl,
+        finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        notes="declared only (seed 001's claims kept as data): SM100/SM120 m_grouped_fp8_fp4_gemm_nt_contiguous; "
+              "construction and apply raise NotImplementedError",
+    )
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOP()

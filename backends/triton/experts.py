@@ -46,7 +46,8 @@ import triton.language as tl
 
 from reference.activation import MoEActivation, adjust_N_for_activation
 from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig
-from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, TopKWeightAndReduceNoOP
+from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, TopKWeightAndReduceNoOP
+from reference.quant import keys as K
 
 from . import configs as _configs
 from ._host import (
@@ -605,26 +606,30 @@ def _key_sig(key):
     return (key.dtype, sc.dtype, bool(sc.static), tuple(sc.group_shape), key.scale2 is None, bool(key.symmetric))
 
 
-def _sig(dtype, sdtype, static, gs):
-    return (dtype, sdtype, static, gs, True, True)
+def _device_reason() -> str | None:
+    """The backend's availability (``backends.triton._availability``), looked up at call time."""
+    from backends.triton import _availability
+
+    return _availability()
 
 
-_F32 = torch.float32
-_E8M0 = torch.float8_e8m0fnu
-_SUPPORTED_KEYS_FP8 = {
-    (_sig(_FP8, _F32, True, (-1, -1)), _sig(_FP8, _F32, True, (-1, -1))),
-    (_sig(_FP8, _F32, True, (-1, -1)), _sig(_FP8, _F32, False, (-1, -1))),
-    (_sig(_FP8, _F32, True, (-1, -1)), _sig(_FP8, _F32, False, (1, -1))),
-    (_sig(_FP8, _F32, True, (-1, 1)), _sig(_FP8, _F32, False, (1, -1))),
-    (_sig(_FP8, _F32, True, (-1, 1)), _sig(_FP8, _F32, True, (-1, -1))),
-    (_sig(_FP8, _F32, True, (-1, 1)), _sig(_FP8, _F32, False, (-1, -1))),
-    (_sig(_FP8, _F32, True, (128, 128)), _sig(_FP8, _F32, False, (1, 128))),
-    (_sig(_FP8, _E8M0, True, (128, 128)), _sig(_FP8, _F32, False, (1, 128))),
-}
-_SUPPORTED_KEYS_INT8 = {
-    (_sig(torch.int8, _F32, True, (-1, 1)), _sig(torch.int8, _F32, False, (1, -1))),
-    (_sig(torch.int8, _F32, True, (-1, 1)), _sig(torch.int8, _F32, True, (-1, -1))),
-}
+#: The FP8 W8A8 pairs the kernels implement (``plan_quant``): per-tensor or per-channel weights x static / dynamic
+#: per-tensor or dynamic per-token activations; 128x128 blocks (fp32 or E8M0 scales) x dynamic 1x128 groups.
+_FP8_PAIRS = frozenset({
+    (K.kFp8StaticTensorSym, K.kFp8StaticTensorSym),
+    (K.kFp8StaticTensorSym, K.kFp8DynamicTensorSym),
+    (K.kFp8StaticTensorSym, K.kFp8DynamicTokenSym),
+    (K.kFp8StaticChannelSym, K.kFp8DynamicTokenSym),
+    (K.kFp8StaticChannelSym, K.kFp8StaticTensorSym),
+    (K.kFp8StaticChannelSym, K.kFp8DynamicTensorSym),
+    (K.kFp8Static128BlockSym, K.kFp8Dynamic128Sym),
+    (K.kFp8Static128BlockE8M0Sym, K.kFp8Dynamic128Sym),
+})
+#: INT8 W8A8: per-channel weights x dynamic per-token or static per-tensor activations.
+_INT8_PAIRS = frozenset({
+    (K.kInt8StaticChannelSym, K.kInt8DynamicTokenSym),
+    (K.kInt8StaticChannelSym, K.kInt8StaticTensorSym),
+})
 
 
 class TritonExperts(FusedMoEExpertsModular):
@@ -640,8 +645,9 @@ class TritonExperts(FusedMoEExpertsModular):
     workspaces are replaced by fresh allocations (never read uninitialized). With ``PERMUTE_A`` the sorted copy of
     the input (``R x K`` plus its scales) is a fresh allocation too.
 
-    Supports: every ``MoEActivation`` except gated RELU2; bf16/fp16/fp32 and the quant schemes of the module table
-    (``_supports_quant_scheme``); ``expert_map``; chunking; ``apply_router_weight_on_input``; w1/w2 biases.
+    Supports (``support``, a ``SupportRecord``): every ``MoEActivation`` except gated RELU2; bf16/fp16/fp32 and the
+    quant schemes of the module table (FP8 ones on sm_89+ only: ``_supports_quant_scheme``); ``expert_map``; chunking;
+    ``apply_router_weight_on_input``; w1/w2 biases.
 
     Raises (``__init__``): NotImplementedError for a quant config it does not implement; (``apply``) ValueError for
     bad shapes/dtypes/devices.
@@ -657,44 +663,28 @@ class TritonExperts(FusedMoEExpertsModular):
     def activation_format():
         return FusedMoEActivationFormat.Standard
 
-    @staticmethod
-    def _supports_current_device() -> bool:
-        from backends.triton import _availability
+    support = SupportRecord(
+        FusedMoEActivationFormat.Standard,
+        # Every pair the kernels implement (module table; plan_quant). The FP8 pairs are claimed only where FP8
+        # ``tl.dot`` exists: see _supports_quant_scheme below.
+        quant_schemes=frozenset({(None, None)} | _FP8_PAIRS | _INT8_PAIRS),
+        # Keys are compared by signature (dtype, scale dtype, static, group shape, scale2 present, symmetric).
+        key_match=lambda a, b: _key_sig(a) == _key_sig(b),
+        activations=SUPPORTED_ACTIVATIONS,  # every MoEActivation but gated RELU2 (vLLM refuses it too)
+        act_dtypes=frozenset(_TL_DTYPES),  # bf16 / fp16 / fp32 (fused_experts raises for anything else)
+        device=_device_reason,
+        finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        notes="fused_moe_kernel (+ Gluon SM90 variants); FP8 pairs only on sm_89+ or the interpreter (fp8_capable); "
+              "expert biases; unquantized weights must have the activation dtype",
+    )
 
-        return _availability() is None
-
-    @staticmethod
-    def _current_device_unsupported_detail() -> str | None:
-        from backends.triton import _availability
-
-        return _availability()
-
-    @staticmethod
-    def _supports_no_act_and_mul() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        if weight_key is None and activation_key is None:
-            return True
-        pair = (_key_sig(weight_key), _key_sig(activation_key))
-        if pair in _SUPPORTED_KEYS_INT8:
-            return True
-        return pair in _SUPPORTED_KEYS_FP8 and fp8_capable()
-
-    @staticmethod
-    def _supports_activation(activation) -> bool:
-        return activation in SUPPORTED_ACTIVATIONS
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config) -> bool:
-        return True
-
-    def supports_chunking(self) -> bool:
-        return True
-
-    def supports_expert_map(self) -> bool:
-        return True
+    @classmethod
+    def _supports_quant_scheme(cls, weight_key, activation_key) -> bool:
+        # The record lists every pair (reports and case generation enumerate them); FP8 pairs are claimed only on an
+        # FP8-capable GPU (sm_89+, or the interpreter): a frozen record cannot hold a device-dependent set.
+        if not cls.support.claims_quant(weight_key, activation_key):
+            return False
+        return _key_sig(weight_key) is None or _key_sig(weight_key)[0] != _FP8 or fp8_capable()
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOP()

@@ -1,0 +1,342 @@
+"""Claims as data (issue 23 item 4): every experts class declares a ``reference.modular.SupportRecord``, and the seed's
+predicates derived from it answer exactly as the predicate code they replaced.
+
+The old answers are computed, not hard-coded: the pre-change modules are read from git (``BASELINE``), executed as
+throw-away modules (relative imports resolve against the real package), and both classes are asked the same
+questions on a grid: every ``(weight_key, activation_key)`` pair of ``reference.quant.keys`` (and None) x every
+``MoEActivation`` x parallel configs x hidden sizes x expert_map / chunking, plus ``is_supported_config`` on layer
+configs. Runs on CPU: the device probes are compared as they answer here (their reason strings), and under
+pretended devices (SM90, SM100, SM80) where every probe is replaced the same way for the old and the new code, so the
+device-dependent claims (Triton's FP8 pairs on sm_89+, DeepGEMM's MXFP8 pair on SM100) are compared too.
+
+If a claim is changed on purpose later, move ``BASELINE`` to the commit before that change (the test proves one
+refactor, not that claims never change).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import backends.cuda.experts as cuda_experts
+import backends.deep_gemm.experts as dg_experts
+import backends.torch.experts as torch_experts
+import backends.triton.experts as triton_experts
+import tests.broken_backends as broken
+from backends import load_backend
+from backends.deep_gemm import platform as dg_platform
+from reference.activation import MoEActivation
+from reference.batched import BatchedReferenceExperts
+from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEConfig, FusedMoEParallelConfig
+from reference.experts import ReferenceExperts
+from reference.modular import FusedMoEActivationFormat, FusedMoEExperts, SupportRecord
+from reference.monolithic import ReferenceMonolithicExperts
+from reference.quant import keys as qk
+from reference.routing import RoutingMethodType
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The last commit whose experts classes carried the hand-written predicates (the parent of 7c7a29c, which added
+#: SupportRecord and converted the reference and torch classes; the other classes were unchanged by it).
+BASELINE = "7c7a29c^"
+
+KEYS = [None, *qk.QUANT_KEYS.values()]
+PAIRS = list(itertools.product(KEYS, KEYS))
+ACTIVATIONS = list(MoEActivation)
+FORMATS = list(FusedMoEActivationFormat)
+PARALLEL = [
+    FusedMoEParallelConfig(),
+    FusedMoEParallelConfig.make_ep(4, 1),
+    FusedMoEParallelConfig(tp_size=2, tp_rank=1),
+    FusedMoEParallelConfig(use_fi_nvl_two_sided_kernels=True),
+    FusedMoEParallelConfig(use_fi_nvl_one_sided_kernels=True),
+    FusedMoEParallelConfig(ep_size=8, use_ep=True, all2all_backend="deepep_low_latency"),
+]
+HIDDEN = [1, 7, 8, 16, 24, 64, 100, 128, 256, 2048, 2880, 4096, 7000, 7168]
+LOGITS_DTYPES = [None, torch.float32, torch.bfloat16, torch.float16]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the pre-change modules
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _git_show(path: str) -> str:
+    try:
+        r = subprocess.run(["git", "show", f"{BASELINE}:{path}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:  # no git here
+        pytest.skip(f"cannot read {BASELINE}:{path} ({exc})")
+    if r.returncode != 0:
+        pytest.skip(f"cannot read {BASELINE}:{path} (not a git checkout with that history?): {r.stderr.strip()}")
+    return r.stdout
+
+
+def _load_old(path: str, package: str, stand_ins: dict[str, types.ModuleType] | None = None) -> types.ModuleType:
+    """Execute ``BASELINE:path`` as a module of ``package`` (so its relative imports resolve), with ``stand_ins``
+    in ``sys.modules`` while it runs (old base classes for old subclasses)."""
+    name = f"{package}._baseline_{Path(path).stem}"
+    mod = types.ModuleType(name)
+    mod.__package__ = package
+    mod.__file__ = f"<{BASELINE}:{path}>"
+    saved = {k: sys.modules.get(k) for k in stand_ins or {}}
+    sys.modules[name] = mod  # dataclasses look their module up while the class is created
+    sys.modules.update(stand_ins or {})
+    try:
+        exec(compile(_git_show(path), mod.__file__, "exec"), mod.__dict__)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return mod
+
+
+_OLD: dict[str, types.ModuleType] = {}
+
+
+def _old(which: str) -> types.ModuleType:
+    if which not in _OLD:
+        if which == "torch":
+            _OLD[which] = _load_old("backends/torch/experts.py", "backends.torch")
+        elif which == "triton":
+            _OLD[which] = _load_old("backends/triton/experts.py", "backends.triton")
+        elif which == "cuda":
+            _OLD[which] = _load_old("backends/cuda/experts.py", "backends.cuda")
+        elif which == "deep_gemm":
+            _OLD[which] = _load_old("backends/deep_gemm/experts.py", "backends.deep_gemm")
+        elif which == "broken":
+            _OLD[which] = _load_old("tests/broken_backends.py", "tests", {"backends.torch.experts": _old("torch")})
+        elif which == "reference":
+            _OLD[which] = _load_old("reference/experts.py", "reference")
+        elif which == "batched":
+            _OLD[which] = _load_old("reference/batched.py", "reference", {"reference.experts": _old("reference")})
+        elif which == "monolithic":
+            _OLD[which] = _load_old("reference/monolithic.py", "reference", {"reference.experts": _old("reference")})
+    return _OLD[which]
+
+
+def _broken_classes() -> list[str]:
+    return sorted(n for n, v in vars(broken).items()
+                  if isinstance(v, type) and issubclass(v, FusedMoEExperts) and v.__module__ == broken.__name__)
+
+
+def _emulated_classes() -> list[tuple[str, type]]:
+    try:
+        import tests.emulated_backends as emulated
+    except ImportError:  # not in this checkout
+        return []
+    return sorted((n, v) for n, v in vars(emulated).items()
+                  if isinstance(v, type) and issubclass(v, FusedMoEExperts) and v.__module__ == emulated.__name__)
+
+
+#: (id, new class, old class factory)
+PAIRS_OF_CLASSES = [
+    ("torch.TorchExperts", torch_experts.TorchExperts, lambda: _old("torch").TorchExperts),
+    ("torch.TorchBatchedExperts", torch_experts.TorchBatchedExperts, lambda: _old("torch").TorchBatchedExperts),
+    ("triton.TritonExperts", triton_experts.TritonExperts, lambda: _old("triton").TritonExperts),
+    *[(f"cuda.{n}", getattr(cuda_experts, n), (lambda n=n: getattr(_old("cuda"), n)))
+      for n in ("CutlassExpertsBf16", "CutlassExpertsFp8", "CutlassExpertsFp4", "CutlassExpertsMxfp4")],
+    ("deep_gemm.DeepGemmExperts", dg_experts.DeepGemmExperts, lambda: _old("deep_gemm").DeepGemmExperts),
+    ("deep_gemm.DeepGemmFP4Experts", dg_experts.DeepGemmFP4Experts, lambda: _old("deep_gemm").DeepGemmFP4Experts),
+    *[(f"broken.{n}", getattr(broken, n), (lambda n=n: getattr(_old("broken"), n))) for n in _broken_classes()],
+    ("reference.ReferenceExperts", ReferenceExperts, lambda: _old("reference").ReferenceExperts),
+    ("reference.BatchedReferenceExperts", BatchedReferenceExperts, lambda: _old("batched").BatchedReferenceExperts),
+    ("reference.ReferenceMonolithicExperts", ReferenceMonolithicExperts,
+     lambda: _old("monolithic").ReferenceMonolithicExperts),
+    # The emulated backends (new since BASELINE) inherit ReferenceExperts: they claim what it claimed.
+    *[(f"emulated.{n}", cls, lambda: _old("reference").ReferenceExperts) for n, cls in _emulated_classes()],
+]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# devices: replace every probe the same way for the old and the new modules
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _pretend(monkeypatch, device: str) -> None:
+    if device == "here":
+        return
+    cap = {"sm90": (9, 0), "sm100": (10, 0), "sm80": (8, 0)}[device]
+    for mod in (cuda_experts, _old("cuda")):
+        monkeypatch.setattr(mod, "_device_capability", lambda cap=cap: cap)
+    # deep_gemm: the probes of backends.deep_gemm.platform are shared by the old and new modules
+    monkeypatch.setattr(dg_platform, "current_capability", lambda: cap)
+    monkeypatch.setattr(dg_platform, "device_name", lambda: f"pretended sm_{cap[0]}{cap[1]}")
+    monkeypatch.setattr(dg_platform, "deep_gemm_installed", lambda: True)
+    monkeypatch.setattr(dg_platform, "deep_gemm_abi_error", lambda: None)
+    # triton: the availability (looked up at call time by both) and the FP8 capability (imported by each module)
+    import backends.triton as triton_pkg
+
+    monkeypatch.setattr(triton_pkg, "_availability", lambda: None)
+    for mod in (triton_experts, _old("triton")):
+        monkeypatch.setattr(mod, "fp8_capable", lambda device=None, ok=cap >= (8, 9): ok)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the comparison
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _answers(cls: type) -> dict:
+    """Every predicate answer of ``cls`` on the grid (keyed by question)."""
+    out: dict = {"activation_format": cls.activation_format()}
+    out["device"] = dev = bool(cls._supports_current_device())
+    if not dev:  # the detail is only meaningful (and only used) when the device is refused
+        out["device detail"] = cls._current_device_unsupported_detail()
+    out["no_act_and_mul"] = bool(cls._supports_no_act_and_mul())
+    for w, a in PAIRS:
+        out["quant", w, a] = bool(cls._supports_quant_scheme(w, a))
+    for act in ACTIVATIONS:
+        out["activation", act] = bool(cls._supports_activation(act))
+    for i, pc in enumerate(PARALLEL):
+        out["parallel", i] = bool(cls._supports_parallel_config(pc))
+    for h in HIDDEN:
+        out["shape", h] = bool(cls._supports_shape(h))
+    for rm in RoutingMethodType:
+        out["routing", rm] = bool(cls._supports_routing_method(rm, None, None))
+        for dt in LOGITS_DTYPES:
+            out["logits", rm, dt] = bool(cls._supports_router_logits_dtype(dt, rm))
+    inst = cls.__new__(cls)  # without __init__ (some constructors refuse on purpose)
+    out["chunking"] = bool(inst.supports_chunking())
+    out["expert_map"] = bool(inst.supports_expert_map())
+    return out
+
+
+def _layer_configs():
+    for act in ACTIVATIONS:
+        yield FusedMoEConfig(num_experts=64, experts_per_token=4, hidden_dim=2048, intermediate_size_per_partition=768,
+                             num_local_experts=64, activation=act)
+        yield FusedMoEConfig(num_experts=64, experts_per_token=4, hidden_dim=2880, intermediate_size_per_partition=776,
+                             num_local_experts=16, activation=act, in_dtype=torch.float16, has_bias=True,
+                             moe_parallel_config=FusedMoEParallelConfig(use_fi_nvl_two_sided_kernels=True))
+        yield FusedMoEConfig(num_experts=2048, experts_per_token=8, hidden_dim=7168,
+                             intermediate_size_per_partition=512, num_local_experts=1024, activation=act,
+                             in_dtype=torch.float32,
+                             moe_parallel_config=FusedMoEParallelConfig.make_ep(2, 0))
+
+
+def _oracle(cls: type, pairs) -> dict:
+    return {(i, w, a, fmt): cls.is_supported_config(cls, cfg, w, a, fmt)
+            for i, cfg in enumerate(_layer_configs()) for w, a in pairs for fmt in FORMATS}
+
+
+def _diff(new: dict, old: dict) -> list[str]:
+    return [f"{k}: new {new.get(k, '<missing>')!r}, old {old.get(k, '<missing>')!r}"
+            for k in sorted(set(new) | set(old), key=repr) if new.get(k) != old.get(k)]
+
+
+#: Classes with a device probe are compared here and on every pretended device; the others only here.
+CASES = [pytest.param(name, new, old, dev, id=f"{name}-{dev}")
+         for name, new, old in PAIRS_OF_CLASSES
+         for dev in (("here", "sm90", "sm100", "sm80") if new.support.device is not None else ("here",))]
+
+
+@pytest.mark.parametrize("name, new_cls, old_factory, device", CASES)
+def test_record_preserves_the_old_predicates(monkeypatch, name, new_cls, old_factory, device):
+    old_cls = old_factory()
+    assert isinstance(new_cls.support, SupportRecord), f"{name} declares no SupportRecord"
+    _pretend(monkeypatch, device)
+    new, old = _answers(new_cls), _answers(old_cls)
+    assert not _diff(new, old), f"{name} on {device}: claims changed:\n" + "\n".join(_diff(new, old)[:40])
+    # The oracle on layer configs (covers overrides such as the cuda classes' layer checks): the pairs the class
+    # claims (a spread of 24 of them when it claims more), plus unquantized and two common FP8 pairs.
+    pairs = sorted(((k[1], k[2]) for k, v in new.items() if isinstance(k, tuple) and k[0] == "quant" and v), key=repr)
+    pairs = set(pairs[:: max(1, len(pairs) // 24)])
+    pairs |= {(None, None), (qk.kFp8StaticTensorSym, qk.kFp8DynamicTensorSym),
+              (qk.kFp8Static128BlockSym, qk.kFp8Dynamic128Sym)}
+    d = _diff(_oracle(new_cls, pairs), _oracle(old_cls, pairs))
+    assert not d, f"{name} on {device}: is_supported_config changed:\n" + "\n".join(d[:40])
+
+
+def test_every_builtin_experts_class_is_compared():
+    compared = {p[1] for p in PAIRS_OF_CLASSES}
+    for name in ("torch", "triton", "cuda", "deep_gemm"):
+        for cls in load_backend(name).experts:
+            assert cls in compared, f"{name}: {cls.__name__} has no baseline comparison here"
+            assert isinstance(cls.__dict__.get("support"), SupportRecord), f"{cls.__name__} declares no record"
+    # the experts modules' other classes too (not registered: declared-only ones are)
+    for mod in (torch_experts, triton_experts, cuda_experts, dg_experts):
+        for cls in vars(mod).values():
+            if (isinstance(cls, type) and issubclass(cls, FusedMoEExperts) and cls.__module__ == mod.__name__
+                    and not cls.__name__.startswith("_")):
+                assert cls in compared, f"{mod.__name__}.{cls.__name__} has no baseline comparison here"
+
+
+def test_records_describe():
+    """The records print (conformance reports) and list what the classes claim."""
+    for name in ("torch", "triton", "cuda", "deep_gemm"):
+        for cls in load_backend(name).experts:
+            d = cls.support.describe()
+            assert d["format"] == cls.activation_format().name and d["finalize"] != "-", (cls.__name__, d)
+    assert triton_experts.TritonExperts.support.describe()["quant schemes"].count(";") == 10  # 11 pairs
+    assert dg_experts.DeepGemmExperts.support.hidden_dim_multiple == 128
+    assert dg_experts.DeepGemmExperts.support.act_dtypes == {torch.bfloat16}
+    assert cuda_experts.CutlassExpertsFp8.support.hidden_dim_multiple == 16
+    assert cuda_experts.CutlassExpertsBf16.support.act_dtypes == {torch.bfloat16}
+
+
+def test_triton_fp8_pairs_follow_the_capability(monkeypatch):
+    """The record lists the FP8 pairs; the predicate claims them only on an FP8-capable device."""
+    cls = triton_experts.TritonExperts
+    fp8 = (qk.kFp8Static128BlockSym, qk.kFp8Dynamic128Sym)
+    int8 = (qk.kInt8StaticChannelSym, qk.kInt8DynamicTokenSym)
+    assert cls.support.claims_quant(*fp8) and cls.support.claims_quant(*int8)
+    monkeypatch.setattr(triton_experts, "fp8_capable", lambda device=None: False)
+    assert not cls._supports_quant_scheme(*fp8) and cls._supports_quant_scheme(*int8)
+    assert cls._supports_quant_scheme(None, None)
+    monkeypatch.setattr(triton_experts, "fp8_capable", lambda device=None: True)
+    assert cls._supports_quant_scheme(*fp8)
+    # compared by signature: an equal key built elsewhere matches
+    same = qk.QuantKey(torch.float8_e4m3fn, qk.ScaleDesc(torch.float32, True, qk.GroupShape(128, 128)))
+    assert cls._supports_quant_scheme(same, qk.kFp8Dynamic128Sym)
+
+
+def test_claims_nothing_still_computes_and_keeps_claiming_nothing():
+    """The planted fault: no scheme claimed (not even unquantized), yet apply computes what TorchExperts computes;
+    the temporary claim made inside apply does not leak."""
+    cls = broken._ClaimsNothing
+    cfg = FusedMoEConfig(num_experts=4, experts_per_token=2, hidden_dim=16, intermediate_size_per_partition=8,
+                         num_local_experts=4)
+    fmt = FusedMoEActivationFormat.Standard
+    ok, reason = cls.is_supported_config(cls, cfg, None, None, fmt)
+    assert not ok and "quantization scheme" in reason
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=g).bfloat16()
+    w1 = (torch.randn(4, 16, 16, generator=g) / 4).bfloat16()
+    w2 = (torch.randn(4, 16, 8, generator=g) / 4).bfloat16()
+    ids = torch.randint(0, 4, (5, 2), generator=g, dtype=torch.int32)
+    tw = torch.rand(5, 2, generator=g)
+    outs = []
+    for c in (cls, torch_experts.TorchExperts):
+        out = torch.full_like(x, float("nan"))
+        c(cfg, FUSED_MOE_UNQUANTIZED_CONFIG).apply(out, x, w1, w2, tw, ids, MoEActivation.SILU, 4, None, None, None,
+                                                   None, None, None, False)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert cls.support.quant_schemes == frozenset() and not cls._supports_quant_scheme(None, None)
+    assert cls.is_supported_config(cls, cfg, None, None, fmt) == (ok, reason)
+
+
+def test_record_fields_match_the_runtime_errors(monkeypatch):
+    """Restrictions that exist as runtime errors are in the records too (and the errors stay)."""
+    # DeepGEMM: K multiple of 128 (record) and the apply check
+    assert not dg_experts.DeepGemmExperts._supports_shape(7000)
+    # cuda: the layer check reads the record's act dtypes
+    monkeypatch.setattr(cuda_experts, "_device_capability", lambda: (9, 0))
+    cfg = FusedMoEConfig(num_experts=8, experts_per_token=2, hidden_dim=256, intermediate_size_per_partition=128,
+                         num_local_experts=8, in_dtype=torch.float16)
+    ok, reason = cuda_experts.CutlassExpertsBf16.is_supported_config(
+        cuda_experts.CutlassExpertsBf16, cfg, None, None, FusedMoEActivationFormat.Standard)
+    assert not ok and "activation dtype torch.float16" in reason
+    ok, _ = cuda_experts.CutlassExpertsBf16.is_supported_config(
+        cuda_experts.CutlassExpertsBf16, dataclasses.replace(cfg, in_dtype=torch.bfloat16), None, None,
+        FusedMoEActivationFormat.Standard)
+    assert ok
