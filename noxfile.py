@@ -162,6 +162,9 @@ def _skip_unless_available(session: nox.Session, backend: str) -> None:
             and not _passthrough(session):
         session.install("-e", f".[test,{needs.extra}]")
         status = _probe(session, backend)
+    if status["kind"] == "not_found" and backend in BACKENDS and backend not in BUILTIN:
+        session.skip(f"backend {backend} not tested: its entry point is installed in nox's interpreter, not in this "
+                     "session's virtualenv (run with --no-venv, or --backend module:attribute)")
     if status["kind"] == "not_found":
         session.error(f"--backend {backend}: {status['reason']}")
     if status["kind"] is not None:

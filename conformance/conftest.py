@@ -324,6 +324,16 @@ def pytest_runtest_logreport(report):
             _progress(_CONFIG)
 
 
+def _semantics(config) -> str | None:
+    """The vLLM semantics version the run checked (reference.semantics), for the report header."""
+    try:
+        from reference.semantics import resolve_semantics
+
+        return str(resolve_semantics(config.getoption("--vllm-semantics")))
+    except Exception:  # best effort: an older reference without the module
+        return None
+
+
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if not hasattr(config, "_moe_backend") or hasattr(config, "workerinput"):
@@ -348,7 +358,7 @@ def pytest_sessionfinish(session, exitstatus):
     payload = {
         "backend": b.name, "version": b.version, "torch": torch.__version__,
         "device": _device_description(b), "capability": cap,
-        "unavailable": b.unavailable_reason(), "time": now,
+        "unavailable": b.unavailable_reason(), "time": now, "semantics": _semantics(config),
         "selection": " ".join(selection) or None, "full": not selection,
         "runs": [{"time": now, "selection": " ".join(selection) or None, "cases": len(_RESULTS), **counts}],
         "results": _RESULTS,

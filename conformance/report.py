@@ -238,6 +238,8 @@ def render(payload: dict) -> str:
                                            else ""),
         f"- generated: {payload['time']}",
     ]
+    if payload.get("semantics"):
+        lines.append(f"- vLLM semantics checked: {payload['semantics']}")
     if payload.get("unavailable"):
         lines.append(f"- **unavailable here**: {payload['unavailable']}")
     runs = payload.get("runs") or []
