@@ -208,9 +208,10 @@ def tests(session: nox.Session) -> None:
         # the GPU machine.
         session.install(TRITON_SPEC, "nox")  # nox: tests/test_noxfile.py imports the noxfile
     # Two worker processes (MOE_TESTS_WORKERS, 0 = in-process): the suite is dominated by independent subprocess
-    # runs of the conformance suite and interpreter kernels, so it scales with the cores.
+    # runs of the conformance suite and interpreter kernels, so it scales with the cores. loadfile: a module's
+    # expensive module-scoped fixtures (the sm_90 compilation of every table entry) run once, not once per worker.
     workers = os.environ.get("MOE_TESTS_WORKERS", "2")
-    xdist = ["-n", workers, "--dist", "worksteal"] if workers != "0" else []
+    xdist = ["-n", workers, "--dist", "loadfile"] if workers != "0" else []
     session.run("python", "-m", "pytest", "tests", "-p", "no:cacheprovider", *xdist, *session.posargs)
 
 
