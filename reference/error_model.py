@@ -1,0 +1,317 @@
+"""The error model of the experts step: how far a *conforming* kernel's output may lie from the reference's.
+
+Both the reference and a kernel compute the same rounding points (``reference.experts``: GEMM1 -> ROUND(act dtype)
+-> activation -> ROUND -> requantize a2 -> GEMM2 -> ROUND -> weighted top-k sum -> ROUND). They differ only in
+how each GEMM accumulates: fp32 in another order, or, on tensor cores with FP8 operands, a narrower partial
+accumulator that a conforming kernel promotes into fp32 at least every ``promote_every`` K elements (DeepGEMM and
+CUTLASS promote every 128; DeepSeek-V3 technical report, section 3.3.2). Those small accumulation differences are
+then *amplified* where the pipeline rounds: a value that lands near a rounding boundary flips to the neighbouring
+grid point. The model follows the difference through every stage and gives, per case, a bound on the three metrics
+of ``reference.metrics`` (``max_norm``, ``rms_norm``, ``calc_diff``). Every constant is data in
+``specs/tolerances.toml [error_model]``; nothing is fitted to a kernel's measurements.
+
+Derivation (all errors relative to the RMS of the tensor at that stage; ``m1`` = mean |difference|, ``m2`` = mean
+squared difference, both tracked because rounding turns *mean absolute* input differences into *squared* output
+differences):
+
+1. **Accumulation** of a length-``n`` dot product whose running sum has magnitude ``sqrt(k) * sigma`` after ``k``
+   terms: each addition into an accumulator with unit roundoff ``u`` errs by at most ``u * |S_k|`` (uniform, random
+   sign), so the error variance is ``sum_k u^2 k sigma^2 / 3 = u^2 n^2 sigma^2 / 6`` against ``|y|^2 = n sigma^2``::
+
+       acc(n, u) = u * sqrt(n / 6)                         (relative RMS)
+
+   fp32: ``u = 2^-24``. An MMA partial accumulator with ``b`` mantissa bits (Hopper FP8 wgmma: about 14,
+   ``mma_mantissa_bits``) restarted at every promotion: ``acc(min(n, P), 2^-b)`` with ``P = promote_every``; the
+   fp32 sum of the ``n / P`` promoted partials adds ``acc(n / P, 2^-24)``, negligible. Two implementations
+   differ by the root sum of squares of their two accumulation errors.
+   ``Accumulation.fast()`` (no promotion: ``P = n``) is the opt-in recipe of ``torch._scaled_mm(use_fast_accum=True)``
+   and vLLM's in-place ``tl.dot(a, b, acc)``; its error grows with sqrt(K) and it is never the default.
+
+2. **A GEMM** sums many independent input differences: the relative mean square carries through
+   (``m2_out = m2_in + acc^2`` for a dot product with independent weights). Differences come in two kinds, tracked
+   apart: *dense* ones (every element a little: accumulation order), near Gaussian, whose mean |value| is
+   ``sqrt(2 / pi)`` of their RMS; and *sparse* ones (a fraction ``q`` of the elements off by a whole grid step:
+   rounding flips), whose mean |value| is only ``sqrt(2 / pi) sqrt(q m2)``. A GEMM row sums ``n`` inputs of one
+   row, so a sparse fraction ``q`` reaches a fraction ``min(1, n q)`` of the output rows (all of their elements);
+   at 1 it has become dense.
+
+3. **Rounding to a grid** with spacing ``s_i`` at element ``i``: an input difference ``d_i`` (|d_i| < s_i) makes
+   the two roundings differ by one step with probability ``|d_i| / s_i``, so ``E[diff^2] = s_i |d_i|`` while the
+   mean |difference| stays ``|d_i|``. For a floating format with ``p`` mantissa bits, ``s_i = 2^-p |v_i| / mant_i``
+   (``mant_i`` in [1, 2)); with ``E[1 / mant] = ln 2`` (logarithmically distributed mantissas) and
+   ``E|v| = sqrt(2 / pi) rms`` (near-Gaussian values)::
+
+       m2_out = m2_in + min(c_flip * 2^-p * m1_in, 2^-2p / 6),   c_flip = ln2 * sqrt(2 / pi) = 0.553
+
+   capped at the variance of two independent roundings. What does not flip is *equal* after the rounding: a dense
+   input difference becomes a sparse one (``q = m1 / (c_flip s)``); a sparse one flips again with probability
+   ``d / (c_flip s)`` per differing element of mean |difference| ``d``, or stays if ``d`` exceeds a step. A uniform grid (INT8, step ``amax / 127``) uses
+   ``s = tail(n) / 127`` relative to the RMS, ``tail(n) = sqrt(2 ln n)`` the expected maximum of ``n`` Gaussians.
+
+4. **Dynamic scales**: a scale computed from ``amax`` of a group moves with the group's maximum element, shifting
+   every element of the group by the same relative amount. With an fp32 scale the shift's mean |value| is ``m1``
+   (the maximum element is one element), so the rounding sees ``2 m1``. A power-of-two (UE8M0) scale moves only when
+   ``amax`` crosses a power of two, and a floating grid is invariant under such a move: no extra term. A uniform INT8
+   grid is not invariant: fp32 or not, ``2 m1``.
+
+5. **The activation**: a gated activation multiplies two rounded halves, so relative differences add in quadrature
+   (``m2 *= 2``, ``m1 *= sqrt 2``); an activation without a mul carries them unchanged.
+
+6. **The weighted top-k sum** of independent expert outputs keeps the relative mean square (``sum w_k^2 d_k^2`` over
+   ``sum w_k^2 y_k^2``), followed by one rounding to the output dtype.
+
+Bounds (``k_rms``, ``k_max``, ``tail`` in specs): ``rms_norm <= k_rms * sqrt(m2)`` (``k_rms = 1``: the constants of
+steps 1 and 4 are worst cases, so the expectation is already a bound); ``calc_diff`` is
+``sum (x - y)^2 / sum (x^2 + y^2) ~= rms_norm^2 / 2``, so ``calc_diff <= (k_rms sqrt(m2))^2 / 2``. The worst
+element can be a single step of the coarsest grid in front of GEMM2 (one requantized code flip, ``2^-p`` of one
+value) carried by one weight of ``w2`` (``~ N(0, 1/I)``): relative to ``max |y|`` that is
+``2^-p * tail_g * tail_w / (sqrt(I) * tail_y)`` with all three tails ``~ tail`` — so ``max_norm <= k_max * sqrt(m2) +
+2^-p_a2 * tail / sqrt(I) + 2^-p_out`` (the last: one output-rounding step at the largest element).
+
+Where this model is honest about its limits: a *per-tensor* dynamic scale is one draw per call, so the expectation
+in 4 is realised all-or-nothing; the bound holds on average over cases, and the conformance suite's
+accumulation probe (``conformance/test_accumulation.py``) is the sharp instrument for accumulation precision
+(it uses inputs on which every conforming accumulation is exact).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from reference.config import FusedMoEQuantConfig, FusedMoEQuantDesc
+
+__all__ = ["Accumulation", "ErrorBound", "experts_error_bound", "format_mantissa_bits", "acc_rel"]
+
+# Mantissa bits of each floating format (s = 2^-p relative spacing at mantissa 1.0).
+_MANTISSA = {
+    torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52,
+    torch.float8_e4m3fn: 3, torch.float8_e5m2: 2,
+    "mxfp8": 3, "mxfp4": 1, "nvfp4": 1,
+}
+# Formats whose scales are powers of two (a scale change leaves a floating grid's values in place).
+_POW2_SCALES = {"mxfp8", "mxfp4"}
+
+
+def format_mantissa_bits(fmt) -> int | None:
+    """Mantissa bits of a floating format (dtype or format name); None for integer or unknown formats."""
+    return _MANTISSA.get(fmt)
+
+
+def acc_rel(n: int, unit_roundoff: float) -> float:
+    """Relative RMS error of a length-``n`` sum accumulated with unit roundoff ``u``: ``u * sqrt(n / 6)``."""
+    return unit_roundoff * math.sqrt(max(n, 1) / 6.0)
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """How a kernel accumulates a GEMM's products.
+
+    ``mma_mantissa_bits``: precision of a tensor-core partial accumulator (None: fp32 throughout);
+    ``promote_every``: K elements after which the partial is added into an fp32 accumulator (None: never, the
+    partial spans the whole reduction: "fast accumulation"). Applies to GEMMs whose MMA takes FP8 operands; bf16,
+    fp16 and INT8 (exact int32) MMAs accumulate in full precision.
+    """
+
+    name: str = "fp32"
+    mma_mantissa_bits: int | None = None
+    promote_every: int | None = None
+
+    @staticmethod
+    def fp32() -> "Accumulation":
+        return Accumulation("fp32")
+
+    @staticmethod
+    def promoted(mantissa_bits: int, promote_every: int) -> "Accumulation":
+        """An MMA partial of ``mantissa_bits`` bits promoted into fp32 every ``promote_every`` K elements."""
+        return Accumulation(f"mma{mantissa_bits}-promote{promote_every}", mantissa_bits, promote_every)
+
+    @staticmethod
+    def fast(mantissa_bits: int) -> "Accumulation":
+        """Opt-in fast accumulation: the MMA partial is never promoted (``use_fast_accum=True``)."""
+        return Accumulation(f"mma{mantissa_bits}-fast", mantissa_bits, None)
+
+    def relative_error(self, n: int, fp8_mma: bool) -> float:
+        """Relative RMS accumulation error of a length-``n`` reduction (step 1 of the derivation)."""
+        fp32 = acc_rel(n, 2.0**-24)
+        if not fp8_mma or self.mma_mantissa_bits is None:
+            return fp32
+        span = n if self.promote_every is None else min(n, self.promote_every)
+        partial = acc_rel(span, 2.0**-self.mma_mantissa_bits)
+        return math.sqrt(partial**2 + acc_rel(math.ceil(n / span), 2.0**-24) ** 2)
+
+
+@dataclass(frozen=True)
+class ErrorBound:
+    """Per-case bounds on ``max_norm`` / ``rms_norm`` / ``calc_diff``, with the model's expected RMS and the stage
+    trace that produced it (``derivation``: one line per stage, for failure messages)."""
+
+    max_norm: float
+    rms_norm: float
+    calc_diff: float
+    expected_rms: float
+    derivation: tuple[str, ...] = field(default=(), compare=False)
+
+    def as_tolerance(self) -> dict:
+        return {"max_norm": self.max_norm, "rms_norm": self.rms_norm, "calc_diff": self.calc_diff}
+
+
+@dataclass
+class _State:
+    """The difference between two conforming implementations at one stage, relative to that stage's RMS: a dense
+    part (every element differs a little: accumulation order) of mean square ``d2``, and a sparse part (a fraction
+    ``q`` of the elements differ by whole grid steps: rounding flips) of mean square ``s2`` over all elements."""
+
+    d2: float = 0.0
+    q: float = 0.0
+    s2: float = 0.0
+    trace: list = field(default_factory=list)
+
+    @property
+    def m2(self) -> float:
+        return self.d2 + self.s2
+
+    @property
+    def m1(self) -> float:
+        # E|diff| of a near-Gaussian part of mean square v spread over a fraction f: sqrt(2/pi) * sqrt(f * v).
+        return _SQRT_2_PI * (math.sqrt(self.d2) + math.sqrt(self.q * self.s2))
+
+    def log(self, stage: str) -> None:
+        self.trace.append(f"{stage}: rms {math.sqrt(self.m2):.2e} (dense {math.sqrt(self.d2):.1e}, "
+                          f"{self.q:.1e} of elements flipped)")
+
+    def gemm(self, n: int, acc: float, stage: str) -> None:
+        # Each output row sums n inputs of one row: a flip anywhere in it reaches all of its outputs.
+        self.q = min(1.0, n * self.q)
+        if self.q >= 1.0:  # flips in every row: the difference is dense now
+            self.d2, self.q, self.s2 = self.d2 + self.s2, 0.0, 0.0
+        self.d2 += acc * acc
+        self.log(f"{stage} (acc {acc:.1e})")
+
+    def scale(self, factor: float) -> None:
+        self.d2 *= factor
+        self.s2 *= factor
+        self.q = min(1.0, self.q * math.sqrt(factor))
+
+    def round(self, s: float, c_flip: float, stage: str, scale_shift: bool = False) -> None:
+        """Rounding to a grid of relative spacing ``s`` (step 3); ``scale_shift``: a dynamic scale moves with the
+        group's maximum (step 4)."""
+        shift = 2.0 if scale_shift else 1.0
+        # The dense part flips a fraction m1 / (c s) of the elements by one step each; what does not flip is equal
+        # after rounding. A dense part beyond a step stays dense, plus the variance of two independent roundings.
+        m1_d = shift * _SQRT_2_PI * math.sqrt(self.d2)
+        if m1_d < c_flip * s:
+            new_q, new_s2, d2 = m1_d / (c_flip * s), c_flip * s * m1_d, 0.0
+        else:
+            new_q, new_s2, d2 = 0.0, 0.0, self.d2 + s * s / 6.0
+        # The sparse part: elements that differ by d flip again with probability d / (c s), or keep differing.
+        if self.q > 0:
+            d = shift * _SQRT_2_PI * math.sqrt(self.s2 / self.q)
+            if d < c_flip * s:  # one step with probability d / (c s): E[diff^2] = c s d per element
+                q_old, s2_old = self.q * d / (c_flip * s), max(self.s2, self.q * c_flip * s * d)
+            else:  # already beyond a step: the difference stays, plus two independent roundings
+                q_old, s2_old = self.q, self.s2 + self.q * s * s / 6.0
+        else:
+            q_old, s2_old = 0.0, 0.0
+        self.d2, self.q, self.s2 = d2, min(1.0, new_q + q_old), new_s2 + s2_old
+        self.log(stage)
+
+
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)
+
+
+def _tail(n: int) -> float:
+    return math.sqrt(2.0 * math.log(max(n, 2)))
+
+
+def _requantize(st: _State, desc: FusedMoEQuantDesc, qc: FusedMoEQuantConfig, width: int, c: dict,
+                stage: str) -> int | None:
+    """Rounding of a dynamically (or statically) quantized activation; returns the grid's mantissa bits (None for
+    uniform grids)."""
+    fmt = desc.dtype
+    if fmt is None:
+        return None
+    static = desc.scale is not None
+    if fmt == torch.int8:
+        group = width if desc.shape in ((1, -1), None) or desc.shape[1] <= 0 else desc.shape[1]
+        st.round(_tail(group) / 127.0, c["c_flip"], stage + " (int8)", scale_shift=True)
+        return None
+    p = format_mantissa_bits(fmt)
+    if p is None:
+        raise ValueError(f"error model: no grid for activation format {fmt!r}")
+    pow2 = qc.use_ue8m0 or fmt in _POW2_SCALES
+    st.round(2.0**-p, c["c_flip"], f"{stage} ({fmt if isinstance(fmt, str) else str(fmt)[6:]})",
+             scale_shift=not static and not pow2)
+    return p
+
+
+def _is_fp8_mma(desc: FusedMoEQuantDesc) -> bool:
+    return desc.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, "mxfp8")
+
+
+def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.dtype, K: int, I: int,
+                        gated: bool = True, accumulation: Accumulation | None = None,
+                        gemm1_exact: bool = False, constants: dict | None = None) -> ErrorBound:
+    """Bounds on the experts output's metrics against the reference for one case.
+
+    Args:
+        quant_config: the case's ``FusedMoEQuantConfig`` (formats of a1, a2, weights; UE8M0 scales).
+        act_dtype: the activations' (and output's) dtype: bf16, fp16 or fp32.
+        K: hidden size (GEMM1's reduction); I: intermediate size (GEMM2's reduction).
+        gated: the activation multiplies two halves (``MoEActivation.is_gated``).
+        accumulation: what the kernel is allowed (default: ``specs/tolerances.toml [error_model]``'s
+            ``mma_mantissa_bits`` / ``promote_every``, i.e. fp32 or a promoted MMA partial); the reference side is fp32.
+        gemm1_exact: the inputs are on a grid where every product and every partial sum of GEMM1 within a promotion
+            interval is exact in an accumulator of ``mma_mantissa_bits`` bits (the accumulation probe): a conforming
+            GEMM1 is then exact, and only what follows it may differ.
+        constants: ``[error_model]`` of ``specs/tolerances.toml`` (read from specs when None).
+
+    Returns:
+        ``ErrorBound`` (see the module docstring for the arithmetic).
+
+    Raises:
+        ValueError: an activation dtype or a format the model has no grid for.
+    """
+    if constants is None:
+        from specs import load_tolerances
+
+        constants = load_tolerances()["error_model"]
+    c = constants
+    if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"error model: activation dtype must be bf16, fp16 or fp32, got {act_dtype}")
+    if accumulation is None:
+        accumulation = Accumulation.promoted(c["mma_mantissa_bits"], c["promote_every"])
+    ref_acc = Accumulation.fp32()
+    p_act = _MANTISSA[act_dtype]
+    st = _State()
+
+    def acc(n, desc):
+        fp8 = _is_fp8_mma(desc)
+        return math.hypot(accumulation.relative_error(n, fp8), ref_acc.relative_error(n, fp8))
+
+    # a1 is quantized bit-exactly by both sides (the quantizer cases check it): no difference enters GEMM1.
+    s_act = 2.0**-p_act
+    st.gemm(K, 0.0 if gemm1_exact else acc(K, quant_config.a1), "GEMM1")
+    st.round(s_act, c["c_flip"], "h rounded")
+    if gated:
+        st.scale(2.0)
+    st.round(s_act, c["c_flip"], "activation rounded")
+    p_a2 = _requantize(st, quant_config.a2, quant_config, I, c, "a2 requantized")
+    st.gemm(I, acc(I, quant_config.a2), "GEMM2")
+    st.round(s_act, c["c_flip"], "GEMM2 rounded")
+    st.round(s_act, c["c_flip"], "top-k sum rounded")
+    rms = math.sqrt(st.m2)
+    step = 2.0 ** -(p_a2 if p_a2 is not None else p_act)
+    if quant_config.a2.dtype == torch.int8:
+        step = _tail(I) / 127.0
+    single_flip = step * c["tail"] / math.sqrt(I)
+    rms_bound = c["k_rms"] * rms
+    return ErrorBound(
+        max_norm=c["k_max"] * rms + single_flip + 2.0**-p_act,
+        rms_norm=rms_bound,
+        calc_diff=rms_bound**2 / 2.0,
+        expected_rms=rms,
+        derivation=tuple(st.trace) + (f"accumulation allowed: {accumulation.name}",),
+    )

@@ -1,0 +1,111 @@
+"""Backends that emulate a kernel's accumulator on the CPU: the reference's per-expert loop with its GEMMs replaced by
+an emulation of a narrower (truncating) accumulator, so the error model and the accumulation probe can be shown, without a GPU,
+to accept what a conforming kernel does and to reject reduced-precision accumulation.
+
+- ``mma_accumulate``: a GEMM whose products are summed ``chunk`` at a time (one MMA instruction: exact), added into
+  a partial accumulator rounded to ``mantissa_bits`` bits after every chunk, and the partial added into an fp32
+  accumulator every ``promote_every`` K elements (None: never, i.e. fast accumulation).
+- Backends (``--backend tests.emulated_backends:NAME``): ``promoted`` (14 bits, promoted every 128 K elements, as
+  DeepGEMM on Hopper: must pass), ``inplace_13bit`` (13 bits every 32 products, never promoted: the planted
+  reduced-precision accumulator of issue 22, must fail), ``extra_rounding`` (the reference plus one more bf16
+  rounding of every GEMM output element: split-K with bf16 partials, must fail), ``dropped_weight`` (the router
+  weight of the last top-k slot dropped: must fail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from backends import Backend
+from backends.torch import backend as _torch
+from reference.experts import ReferenceExperts, _experts_unreduced
+from reference.modular import TopKWeightAndReduceContiguous
+
+
+def _round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Truncate float64 ``x`` to ``bits`` mantissa bits, toward zero: the bits an MMA's alignment shift drops."""
+    mag = x.abs().clamp_min(1e-300)
+    ulp = torch.exp2(torch.floor(torch.log2(mag)) - bits)
+    return torch.where(x == 0, x, torch.trunc(x / ulp) * ulp)
+
+
+def mma_accumulate(a: torch.Tensor, w: torch.Tensor, *, mantissa_bits: int, promote_every: int | None,
+                   chunk: int = 32) -> torch.Tensor:
+    """``a (R, K) @ w (N, K).T`` with an emulated ``mantissa_bits`` partial accumulator (see the module docstring).
+
+    Returns fp32 ``(R, N)``. ``promote_every`` must be a multiple of ``chunk``.
+    """
+    a64, w64 = a.double(), w.double()
+    K = a.shape[1]
+    master = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float64)
+    partial = torch.zeros_like(master)
+    for k0 in range(0, K, chunk):
+        partial = _round_mantissa(partial + a64[:, k0:k0 + chunk] @ w64[:, k0:k0 + chunk].T, mantissa_bits)
+        if promote_every is not None and ((k0 + chunk) % promote_every == 0 or k0 + chunk >= K):
+            master = (master + partial).float().double()
+            partial.zero_()
+    return (master + partial).float()
+
+
+class _EmulatedExperts(ReferenceExperts):
+    """The reference loop with an emulated GEMM accumulator (``gemm``) and optionally an extra rounding."""
+
+    gemm = None
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        y = _experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
+                               activation, output.dtype, gemm=type(self).gemm)
+        output.copy_(y.view(output.shape))
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceContiguous()
+
+
+def _experts_class(name: str, gemm) -> type:
+    return type(name, (_EmulatedExperts,), {"gemm": staticmethod(gemm)})
+
+
+PromotedExperts = _experts_class(
+    "PromotedExperts", lambda a, w: mma_accumulate(a, w, mantissa_bits=14, promote_every=128))
+InplaceExperts = _experts_class(
+    "Inplace13BitExperts", lambda a, w: mma_accumulate(a, w, mantissa_bits=13, promote_every=None))
+
+
+def _extra_rounding_gemm(a, w):
+    # Split-K with bf16 partials: each half of the reduction is rounded to bf16 before the two are added, one more
+    # rounding of every output element than the reference's single rounding point after the fp32 sum.
+    h = a.shape[1] // 2
+    lo = (a[:, :h] @ w[:, :h].T).to(torch.bfloat16).float()
+    hi = (a[:, h:] @ w[:, h:].T).to(torch.bfloat16).float()
+    return lo + hi
+
+
+ExtraRoundingExperts = _experts_class("ExtraRoundingExperts", _extra_rounding_gemm)
+
+
+class DroppedWeightExperts(ReferenceExperts):
+    """Drops the router weight of the last top-k slot of every token (an off-by-one in the top-k loop)."""
+
+    def finalize_weight_and_reduce_impl(self):
+        return _DropLastSlot()
+
+
+class _DropLastSlot(TopKWeightAndReduceContiguous):
+    def apply(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
+        w = topk_weights.clone()
+        w[:, -1] = 0
+        return super().apply(output, fused_expert_output, w, topk_ids, apply_router_weight_on_input)
+
+
+def _backend(name, cls):
+    return dataclasses.replace(_torch, name=name, experts=[cls], description=f"emulation: {cls.__name__}")
+
+
+promoted = _backend("emulated_promoted", PromotedExperts)
+inplace_13bit = _backend("emulated_inplace_13bit", InplaceExperts)
+extra_rounding = _backend("emulated_extra_rounding", ExtraRoundingExperts)
+dropped_weight = _backend("emulated_dropped_weight", DroppedWeightExperts)
