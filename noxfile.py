@@ -267,3 +267,14 @@ def parity(session: nox.Session) -> None:
     env = {"MOE_VLLM_SRC": last} if Path(last).is_dir() else {"MOE_VLLM_SRC_ERROR": last}
     session.log(f"vLLM {version} source: {last}")
     session.run("python", "-m", "pytest", "tests/parity", "-p", "no:cacheprovider", "-rs", *args, env=env)
+
+
+@nox.session(default=False)
+def fuzz(session: nox.Session) -> None:
+    """Property-based fuzz of a backend's experts inside its claims (``conformance/fuzz.py``):
+    ``nox -s fuzz -- --backend triton --budget 600``. Shrunk failures are appended to specs/regressions.toml, which
+    every conformance run replays; the figures (cases, passed, refused by reason, failed) are printed last."""
+    args = list(session.posargs)
+    backend, _ = split_backend_arg(args)
+    _skip_unless_available(session, backend or "torch")  # installs; skips (never passes) where it cannot run
+    session.run("python", "-m", "conformance.fuzz", *args)

@@ -14,8 +14,8 @@ import torch
 from reference.activation import MoEActivation
 from specs import ModelSpec, load_cases, load_models
 
-__all__ = ["ExpertsCase", "RoutingCase", "ActivationCase", "experts_cases", "routing_cases", "activation_cases",
-           "seed_of", "SCHEME_DTYPES"]
+__all__ = ["ExpertsCase", "RoutingCase", "ActivationCase", "experts_cases", "claim_cases", "claim_coverage",
+           "routing_cases", "activation_cases", "seed_of", "SCHEME_DTYPES"]
 
 # Unquantized schemes and their activation dtype.
 SCHEME_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -27,17 +27,27 @@ def seed_of(case_id: str) -> int:
 
 @dataclass(frozen=True)
 class ExpertsCase:
+    """One experts case. ``origin`` says where it comes from: ``"spec"`` (specs/cases.toml) or ``"claims"``
+    (derived from an experts class's ``SupportRecord``: ``claim_cases``); ``regime`` is ``"decode"`` or
+    ``"prefill"`` (every local expert gets >= ``[claims] prefill_tokens_per_expert`` tokens)."""
+
     model: ModelSpec
     scheme: str
     tokens: int
     ep_size: int
     ep_rank: int
     chunk_size: int | None = None
+    origin: str = field(default="spec", compare=False)
+    regime: str = field(default="decode", compare=False)
 
     @property
     def id(self) -> str:
         s = f"{self.model.name}-{self.scheme}-M{self.tokens}-ep{self.ep_size}r{self.ep_rank}"
-        return s + (f"-chunk{self.chunk_size}" if self.chunk_size else "")
+        s += f"-chunk{self.chunk_size}" if self.chunk_size else ""
+        # A claim case may run a model with another claimed activation than its own.
+        spec = load_models().get(self.model.name)
+        return s + (f"-{self.model.activation}" if spec is not None and self.model.activation != spec.activation
+                    else "")
 
     @property
     def seed(self) -> int:
@@ -109,6 +119,109 @@ def experts_cases(include_gpu_only: bool = False) -> list[ExpertsCase]:
         cases.append(ExpertsCase(m, extra.get("scheme", "bf16"), extra["tokens"], m.cpu_ep_size,
                                  extra.get("ep_rank", 0), extra.get("chunk_size")))
     return cases
+
+
+def _claimed(cls, case: ExpertsCase) -> bool:
+    from reference.config import FusedMoEConfig, FusedMoEParallelConfig
+    from reference.schemes import get_scheme
+
+    m = case.model
+    cfg = FusedMoEConfig(num_experts=m.num_experts, experts_per_token=m.top_k, hidden_dim=m.hidden_size,
+                         intermediate_size_per_partition=m.intermediate_size,
+                         num_local_experts=m.num_experts // case.ep_size, activation=case.activation,
+                         in_dtype=case.dtype, moe_parallel_config=FusedMoEParallelConfig.make_ep(case.ep_size,
+                                                                                                 case.ep_rank),
+                         has_bias=m.expert_bias)
+    w, a = get_scheme(case.scheme).quant_keys()
+    ok, _ = cls.is_supported_config(cls, cfg, w, a, cls.activation_format())
+    rec = cls.support
+    return ok and case.tokens >= rec.min_tokens and (rec.max_tokens is None or case.tokens <= rec.max_tokens)
+
+
+def prefill_tokens(model: ModelSpec, per_expert: int) -> int:
+    """Tokens at which every expert gets ``per_expert`` routes on average (``per_expert * E / topk``)."""
+    return -(-per_expert * model.num_experts // model.top_k)
+
+
+def claim_cases(cls, on_gpu: bool) -> list[ExpertsCase]:
+    """Cases derived from what ``cls`` claims (its ``SupportRecord``), so a claim is exercised whatever the hand
+    list in specs/cases.toml holds (``[claims]``):
+
+    - every claimed scheme at a decode size (rank 0), at a decode size on the last EP rank (the expert map), and at
+      a prefill size where every local expert gets >= ``prefill_tokens_per_expert`` tokens (the kernel's prefill
+      configuration); on the GPU on every model that ships the scheme, on the CPU on ``generic_model``;
+    - every claimed activation on ``generic_model`` (bf16 and the first claimed quantized scheme);
+    - a chunked call when chunking is claimed.
+    A combination the class's ``is_supported_config`` refuses (or outside its token range) is not generated.
+    BatchedExperts classes get no CPU prefill case: their capacity is M tokens per expert, so the CPU cost grows as
+    E_local * M^2 (their claims are exercised at decode sizes, where the format is used).
+    """
+    import dataclasses
+
+    from reference.modular import FusedMoEActivationFormat
+    from reference.schemes import schemes
+
+    if getattr(cls, "support", None) is None:
+        return []
+    spec = load_cases()["claims"]
+    models = load_models()
+    generic = models[spec["generic_model"]]
+    rec = cls.support
+    batched = rec.activation_format == FusedMoEActivationFormat.BatchedExperts
+    out: list[ExpertsCase] = []
+
+    def add(case: ExpertsCase) -> None:
+        if _claimed(cls, case):
+            out.append(case)
+
+    claimed_schemes = [n for n, sch in schemes().items() if rec.claims_quant(*sch.quant_keys())]
+    for name in claimed_schemes:
+        shipped = [m for m in models.values() if name in m.schemes] if on_gpu else []
+        for m in shipped or [generic]:
+            ep = m.cpu_ep_size if rec.expert_map else 1
+            for M in spec["decode_tokens"]:
+                add(ExpertsCase(m, name, M, ep, 0, origin="claims"))
+            if ep > 1:
+                add(ExpertsCase(m, name, spec["decode_tokens"][-1], ep, ep - 1, origin="claims"))
+            if not (batched and not on_gpu):
+                # Routing boosts one local expert per token, so local experts get more than the average.
+                M = prefill_tokens(m, spec["prefill_tokens_per_expert"]) // (2 if ep > 1 else 1)
+                add(ExpertsCase(m, name, M, ep, 0, origin="claims", regime="prefill"))
+    quantized = [n for n in claimed_schemes if n not in SCHEME_DTYPES]
+    ep = generic.cpu_ep_size if rec.expert_map else 1
+    for act in sorted(rec.activations or (), key=lambda a: a.name):
+        variant = dataclasses.replace(generic, activation=act.value)
+        for name in ["bf16"] + quantized[:1]:
+            add(ExpertsCase(variant, name, spec["activation_tokens"], ep, 0, origin="claims"))
+    if rec.chunking and not batched:
+        add(ExpertsCase(generic, "bf16", spec["chunk_tokens"], ep, 0, chunk_size=spec["chunk_size"],
+                        origin="claims"))
+    return out
+
+
+def claim_coverage(cls, cases: list[ExpertsCase]) -> dict[str, dict[str, bool]]:
+    """For each claim dimension of ``cls`` (schemes, activations, expert map, token regime, chunking): which claimed
+    values had at least one case among ``cases``. The conformance matrix prints it."""
+    from reference.modular import FusedMoEActivationFormat
+    from reference.schemes import schemes
+
+    rec = cls.support
+    if rec is None:
+        return {}
+    cases = [c for c in cases if _claimed(cls, c)]
+    claimed = [n for n, sch in schemes().items() if rec.claims_quant(*sch.quant_keys())]
+    cov = {
+        "scheme": {n: any(c.scheme == n for c in cases) for n in claimed},
+        "activation": {a.name: any(c.activation is a for c in cases)
+                       for a in sorted(rec.activations or (), key=lambda a: a.name)},
+        "regime": {r: any(c.regime == r for c in cases) for r in ("decode", "prefill")},
+    }
+    if rec.expert_map:
+        cov["expert_map"] = {"ep rank 0": any(c.ep_size > 1 and c.ep_rank == 0 for c in cases),
+                             "last ep rank": any(c.ep_size > 1 and c.ep_rank == c.ep_size - 1 for c in cases)}
+    if rec.chunking and rec.activation_format != FusedMoEActivationFormat.BatchedExperts:
+        cov["chunking"] = {"chunked": any(c.chunk_size for c in cases)}
+    return cov
 
 
 def routing_cases() -> list[RoutingCase]:

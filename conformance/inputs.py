@@ -18,6 +18,7 @@ from functools import lru_cache
 import torch
 
 from conformance.cases import ExpertsCase, RoutingCase
+from reference.activation import MoEActivation
 from reference.config import FusedMoEQuantConfig
 from reference.routing import determine_expert_map, llama4_routing, select_experts, topk_softmax
 from reference.schemes import quantize_weights
@@ -51,7 +52,7 @@ def _bf16_weights(model: ModelSpec, dtype: torch.dtype, ep_size: int, ep_rank: i
     g = _gen(seed_of(f"weights-{model.name}-{dtype}-ep{ep_size}r{ep_rank}"))
     E_local = model.num_experts // ep_size
     K, I = model.hidden_size, model.intermediate_size
-    N = 2 * I if model.activation != "relu2_no_mul" else I
+    N = 2 * I if MoEActivation.from_str(model.activation).is_gated else I
     w1 = (torch.randn(E_local, N, K, generator=g) * K**-0.5).to(dtype)
     w2 = (torch.randn(E_local, K, I, generator=g) * I**-0.5).to(dtype)
     b1 = b2 = None

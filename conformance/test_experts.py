@@ -17,25 +17,45 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance.cases import ExpertsCase, experts_cases
+from conformance.cases import ExpertsCase, claim_cases, claim_coverage, experts_cases
 from conformance.inputs import ExpertsInputs, make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, error_stats
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
+from reference.error_model import ErrorBound, experts_error_bound
 from reference.experts import fused_experts
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
-from reference.schemes import scheme_tolerance_key
 
 
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames and "experts_cls" in metafunc.fixturenames:
-        classes = list(metafunc.config._moe_backend.experts)
-        cases = experts_cases(include_gpu_only=metafunc.config._moe_backend.device == "cuda")
+        backend = metafunc.config._moe_backend
+        classes = list(backend.experts)
+        on_gpu = backend.device == "cuda"
+        cases = experts_cases(include_gpu_only=on_gpu)
         params = []
         for c in cases:  # cases outermost: consecutive cases share the cached weights of their model
             for cls in classes or [None]:
                 params.append(pytest.param(cls, c, id=c.id if len(classes) <= 1 else f"{c.id}-{cls.__name__}"))
+        # Then the cases derived from each class's claims (SupportRecord) that the spec list does not already hold.
+        spec_ids = {c.id for c in cases}
+        coverage = {}
+        for cls in classes:
+            derived = claim_cases(cls, on_gpu) if backend.unavailable_reason() is None else []
+            for c in derived:
+                if c.id not in spec_ids:
+                    params.append(pytest.param(cls, c, id=c.id if len(classes) <= 1 else f"{c.id}-{cls.__name__}"))
+            if cls.support is not None:
+                coverage[cls.__name__] = {"claims": cls.support.describe(),
+                                          "coverage": claim_coverage(cls, cases + derived)}
+        metafunc.config._moe_claims = coverage
         metafunc.parametrize(("experts_cls", "case"), params)
+
+
+def case_error_bound(case: ExpertsCase, quant_config) -> ErrorBound:
+    """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml)."""
+    return experts_error_bound(quant_config, act_dtype=case.dtype, K=case.model.hidden_size,
+                               I=case.model.intermediate_size, gated=case.activation.is_gated)
 
 
 def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:
@@ -84,10 +104,13 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
     fmt = experts_cls.activation_format()
     claimed, reason = experts_cls.is_supported_config(experts_cls, moe_config, qc.weight_key, qc.activation_key, fmt)
     record(model=case.model.name, scheme=case.scheme, component="experts", tokens=case.tokens,
-           experts_class=experts_cls.__name__)
+           experts_class=experts_cls.__name__, origin=case.origin, regime=case.regime,
+           activation=case.activation.name)
     kwargs = dict(activation=case.activation, global_num_experts=inputs.global_num_experts,
                   expert_map=inputs.expert_map, apply_router_weight_on_input=case.model.apply_router_weight_on_input)
-    tol = tolerances["experts"][scheme_tolerance_key(case.scheme, case.dtype)]
+    bound = case_error_bound(case, qc)
+    tol = bound.as_tolerance()
+    record(bounds=tol, expected_rms=bound.expected_rms)
     what = f"{experts_cls.__name__} output"
     batched = fmt == FusedMoEActivationFormat.BatchedExperts
     cap = max(case.tokens, 1)  # batched capacity: each token routes to an expert at most once
@@ -147,5 +170,6 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         except Exception as dexc:  # diagnosis is best effort; never hide the failure itself
             diagnosis = f"diagnosis failed: {type(dexc).__name__}: {dexc}"
         dumped = dump_case(request, case, inputs, out, expected, diagnosis)
-        raise ConformanceFailure(f"{exc}\n  diagnosis: {diagnosis}" + dumped) from None
+        raise ConformanceFailure(f"{exc}\n  diagnosis: {diagnosis}\n  error model (reference/error_model.py): "
+                                 + "; ".join(bound.derivation) + dumped) from None
     record(**stats.as_dict())

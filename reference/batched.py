@@ -147,7 +147,8 @@ class BatchedReferenceExperts(FusedMoEExpertsModular):
         return TopKWeightAndReduceDelegate()
 
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
-        E, T = local_num_experts, self.max_num_tokens
+        # Each slot receives up to max_num_tokens rows from every dispatcher (seed 002 BatchedExperts).
+        E, T = local_num_experts, self.max_num_tokens * self.num_dispatchers
         return (E, T, max(N, K)), (E, T, adjust_N_for_activation(N, activation)), (E, T, K)
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,

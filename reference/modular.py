@@ -354,6 +354,8 @@ class FusedMoEExperts(ABC):
             return False, _make_reason(f"{moe_config.hidden_dim} hidden dim is not supported")
         if activation_format != cls.activation_format():
             return False, _make_reason(f"{activation_format.value} activation format")
+        if cls.support is not None and moe_config.in_dtype not in cls.support.act_dtypes:
+            return False, _make_reason(f"activation dtype {moe_config.in_dtype}")
         return True, None
 
     # The seed's predicates. A class that declares ``support`` (a ``SupportRecord``) gets them derived from it; a
@@ -878,7 +880,7 @@ class FusedMoEKernel:
                        expert_tokens_meta):
         fe = self.fused_experts
         _, M_full, N, K, top_k = fe.moe_problem_size(a1q, w1, w2, topk_ids)
-        if topk_ids.size(0) == 0:
+        if a1q.dim() == 2 and a1q.size(0) == 0:  # batched slots may hold other ranks' tokens when this has none
             M_full = 0
         num_chunks, CHUNK_SIZE = self._chunk_info(M_full)
         if M_full == 0:
@@ -969,7 +971,8 @@ class FusedMoEKernel:
             hidden_states.dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
             local_num_experts, expert_map, apply_router_weight_on_input, meta,
         )
-        if hidden_states.size(0) > 0:
+        # Finalize always runs across ranks: a rank without tokens still takes part in the combine (seed 002).
+        if hidden_states.size(0) > 0 or self.prepare_finalize.num_dispatchers() > 1:
             self.prepare_finalize.finalize(
                 output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
                 self.fused_experts.finalize_weight_and_reduce_impl(),

@@ -224,7 +224,8 @@ class TorchBatchedExperts(TorchExperts):
         return TopKWeightAndReduceDelegate()
 
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
-        E, T = local_num_experts, self.max_num_tokens
+        # Each slot receives up to max_num_tokens rows from every dispatcher (seed 002 BatchedExperts).
+        E, T = local_num_experts, self.max_num_tokens * self.num_dispatchers
         n_act = N // 2 if activation.is_gated else N
         return (E, T, max(N, K)), (E, T, n_act), (E, T, K)
 
