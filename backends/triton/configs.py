@@ -146,7 +146,9 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
         g.setdefault("N_TILES", 1)
         g.setdefault("FLATTEN", 0)
         g.setdefault("PROMOTE_K", DEFAULT_PROMOTE_K)
-        g.setdefault("FAST_ACCUM", 0)
+        # MOE_TRITON_FAST_ACCUM=1 forces the in-place form where a config does not say: only to show that the
+        # conformance accumulation probe catches it (conformance/test_accumulation.py); never for real use.
+        g.setdefault("FAST_ACCUM", int(os.environ.get("MOE_TRITON_FAST_ACCUM", "0")))
         pk = g["PROMOTE_K"]
         if not (isinstance(pk, int) and 16 <= pk <= MAX_PROMOTE_K and not pk & (pk - 1)):
             raise ValueError(f"PROMOTE_K={pk!r} must be a power of two in [16, {MAX_PROMOTE_K}] (K elements per FP8 "

@@ -19,8 +19,9 @@ what the promotion costs (issue 22, item 5). One process on one H100 / H200, und
     ``configs.get_config`` picks for the shape with the variant's accumulation keys set (these schemes have no tuned
     table: the defaults). Inputs from ``bench.draw_inputs`` (rotating routings), timed by ``benchmarks.timing.Runner``
     (CUDA graphs, median of rounds), variants interleaved and repeated; before a variant's time counts, its output on
-    the first input set is checked against ``reference.experts.fused_experts`` with the tolerances of
-    ``specs/tolerances.toml`` (a failing variant is reported, not timed).
+    the first input set is checked against ``reference.experts.fused_experts`` with the error model's bound for its
+    accumulation (``reference.error_model``: the in-place form under the opt-in ``Accumulation.fast``; a failing
+    variant is reported, not timed).
 
 The table is printed last: ``variant | shape | M | us | ratio to old`` (old = ``FAST_ACCUM``, the in-place form of
 vLLM's ``fused_moe_kernel`` and of this kernel before the promotion).
@@ -167,16 +168,22 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
     """Part (b): one row per (variant, shape, M): median us of the whole experts step (best of ``repeats``
     interleaved repeats), or the reason it was not timed."""
     from backends.triton import configs as C
-    from backends.triton.bench import draw_inputs, make_weights, reference_on_cpu, stats, tol_key, tolerances
+    from backends.triton.bench import draw_inputs, make_weights, reference_on_cpu, stats
     from backends.triton.experts import fused_experts, plan_quant
+    from reference.error_model import Accumulation, experts_error_bound
     from reference.experts import fused_experts as ref_fused_experts
 
     rows = []
-    tols = tolerances()
     for sh in timing_shapes():
         w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
         plan = plan_quant(qc)
-        tol = tols[tol_key(sh.scheme, dt)]
+
+        def bound(keys):
+            # each variant against the error model's bound for its own accumulation: the in-place form is the
+            # opt-in fast-accumulation recipe (its own, wider bound), the promoted ones the default
+            acc = Accumulation.fast(14) if keys.get("FAST_ACCUM") else None
+            return experts_error_bound(qc, act_dtype=dt, K=sh.K, I=sh.I, gated=act.is_gated,
+                                       accumulation=acc).as_tolerance()
         for M in Ms:
             if time.time() - T0 > BUDGET_S:
                 log(f"time budget reached: skipping {sh.name} M={M}")
@@ -198,6 +205,7 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
                     out = fused_experts(xs[0], w1, w2, routes[0][0], routes[0][1], activation=act, quant_config=qc,
                                         config=cfg)
                     s = stats(out, ref)
+                    tol = bound(keys)
                     good = not s["nan"] and all(s[k] <= tol[k] for k in ("max_norm", "rms_norm", "calc_diff"))
                     ok[name] = (cfg, None if good else f"vs reference {s} > {tol}")
                     log(f"check {sh.name} M={M} {name:32s} {'OK' if good else 'FAIL'} rms={s['rms_norm']:.2e} "
