@@ -95,7 +95,7 @@ def test_accumulation_probe(backend, probe_cls, scheme, M, repro, record):
     record(component="accumulation", model=f"probe-K{K_PROBE}", scheme=scheme, tokens=M,
            experts_class=probe_cls.__name__)
     exact = fused_experts(x, w1q, w2q, w, ids, quant_config=qc, accumulate_dtype=torch.float64)
-    bound = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K_PROBE, I=I_PROBE, gemm1_exact=True)
+    bound = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K_PROBE, I=I_PROBE, gemm1_exact=True, routed_rows=M)
     out = _run(probe_cls, _to(qc, dev), M, to(x), to(w1q), to(w2q), to(w), to(ids)).cpu()
     record(bounds=bound.as_tolerance())
     try:

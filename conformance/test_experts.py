@@ -54,8 +54,10 @@ def pytest_generate_tests(metafunc):
 
 def case_error_bound(case: ExpertsCase, quant_config) -> ErrorBound:
     """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml)."""
-    return experts_error_bound(quant_config, act_dtype=case.dtype, K=case.model.hidden_size,
-                               I=case.model.intermediate_size, gated=case.activation.is_gated)
+    m = case.model
+    rows = case.tokens * m.top_k * (m.num_experts // case.ep_size) / m.num_experts  # expected local routes
+    return experts_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
+                               activation=case.activation, routed_rows=rows)
 
 
 def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:

@@ -55,13 +55,21 @@ differences):
    grid is not invariant: fp32 or not, ``2 m1``.
 
 5. **The activation**: a gated activation multiplies two rounded halves, so relative differences add in quadrature
-   (``m2 *= 2``, ``m1 *= sqrt 2``); an activation without a mul carries them unchanged.
+   (``m2 *= kappa^2 + 1``); an activation without a mul carries them times its relative condition number
+   ``kappa = |x f'(x) / f(x)|`` (``m2 *= kappa^2``): 1 for SiLU and GELU where they carry the output, 2 for
+   ``relu(x)^2``.
 
 6. **The weighted top-k sum** of independent expert outputs keeps the relative mean square (``sum w_k^2 d_k^2`` over
    ``sum w_k^2 y_k^2``), followed by one rounding to the output dtype.
 
-Bounds (``k_rms``, ``k_max``, ``tail`` in specs): ``rms_norm <= k_rms * sqrt(m2)`` (``k_rms = 1``: the constants of
-steps 1 and 4 are worst cases, so the expectation is already a bound); ``calc_diff`` is
+7. **Few events**: a sparse difference is a sum over flip events, about ``q x rows x width`` of them at the rounding
+   that made them (fewer if the dense difference that drove them came from few events). When the expected count
+   ``lam`` is small (a short reduction, few routed rows) the realised mean square scatters around its expectation
+   like a Poisson count: it is bounded by its upper quantile ``(lam + z sqrt(lam) + z^2) / lam`` times the
+   expectation (``z_events`` in specs; independent parts combine their counts by their relative variances).
+
+Bounds (``k_rms``, ``k_max``, ``tail`` in specs): ``rms_norm <= k_rms * sqrt(m2 * few)`` (``k_rms = 1``: the constants of
+steps 1 and 4 are worst cases, so the expectation is already a bound, and step 7 covers its scatter); ``calc_diff`` is
 ``sum (x - y)^2 / sum (x^2 + y^2) ~= rms_norm^2 / 2``, so ``calc_diff <= (k_rms sqrt(m2))^2 / 2``. The worst
 element can be a single step of the coarsest grid in front of GEMM2 (one requantized code flip, ``2^-p`` of one
 value) carried by one weight of ``w2`` (``~ N(0, 1/I)``): relative to ``max |y|`` that is
@@ -158,15 +166,31 @@ class ErrorBound:
         return {"max_norm": self.max_norm, "rms_norm": self.rms_norm, "calc_diff": self.calc_diff}
 
 
+def _combine(v1: float, l1: float, v2: float, l2: float) -> tuple[float, float]:
+    """Sum of two independent mean squares, each the sum of a Poisson number of events with expectation ``l``:
+    the effective event count of the sum (its relative variance is ``sum v_i^2 / l_i / (sum v_i)^2``)."""
+    v = v1 + v2
+    if v <= 0:
+        return 0.0, math.inf
+    var = (v1 * v1 / l1 if l1 < math.inf and v1 else 0.0) + (v2 * v2 / l2 if l2 < math.inf and v2 else 0.0)
+    return v, (v * v / var if var > 0 else math.inf)
+
+
 @dataclass
 class _State:
     """The difference between two conforming implementations at one stage, relative to that stage's RMS: a dense
     part (every element differs a little: accumulation order) of mean square ``d2``, and a sparse part (a fraction
-    ``q`` of the elements differ by whole grid steps: rounding flips) of mean square ``s2`` over all elements."""
+    ``q`` of the elements differ by whole grid steps: rounding flips) of mean square ``s2`` over all elements.
+    ``ld`` / ``ls``: the expected number of independent flip events each part is made of (inf: accumulation order,
+    which every element has); with few events the realised mean square scatters around its expectation (step 7).
+    ``rows``: the GEMM rows of the call (routed tokens), for counting events."""
 
+    rows: float = math.inf
     d2: float = 0.0
+    ld: float = math.inf
     q: float = 0.0
     s2: float = 0.0
+    ls: float = math.inf
     trace: list = field(default_factory=list)
 
     @property
@@ -174,20 +198,22 @@ class _State:
         return self.d2 + self.s2
 
     @property
-    def m1(self) -> float:
-        # E|diff| of a near-Gaussian part of mean square v spread over a fraction f: sqrt(2/pi) * sqrt(f * v).
-        return _SQRT_2_PI * (math.sqrt(self.d2) + math.sqrt(self.q * self.s2))
+    def events(self) -> float:
+        return _combine(self.d2, self.ld, self.s2, self.ls)[1]
 
     def log(self, stage: str) -> None:
+        ev = self.events
         self.trace.append(f"{stage}: rms {math.sqrt(self.m2):.2e} (dense {math.sqrt(self.d2):.1e}, "
-                          f"{self.q:.1e} of elements flipped)")
+                          f"{self.q:.1e} of elements flipped" + (f", ~{ev:.0f} flip events)" if ev < math.inf
+                                                                  else ")"))
 
     def gemm(self, n: int, acc: float, stage: str) -> None:
         # Each output row sums n inputs of one row: a flip anywhere in it reaches all of its outputs.
         self.q = min(1.0, n * self.q)
         if self.q >= 1.0:  # flips in every row: the difference is dense now
-            self.d2, self.q, self.s2 = self.d2 + self.s2, 0.0, 0.0
-        self.d2 += acc * acc
+            self.d2, self.ld = _combine(self.d2, self.ld, self.s2, self.ls)
+            self.q, self.s2, self.ls = 0.0, 0.0, math.inf
+        self.d2, self.ld = _combine(self.d2, self.ld, acc * acc, math.inf)
         self.log(f"{stage} (acc {acc:.1e})")
 
     def scale(self, factor: float) -> None:
@@ -195,31 +221,41 @@ class _State:
         self.s2 *= factor
         self.q = min(1.0, self.q * math.sqrt(factor))
 
-    def round(self, s: float, c_flip: float, stage: str, scale_shift: bool = False) -> None:
-        """Rounding to a grid of relative spacing ``s`` (step 3); ``scale_shift``: a dynamic scale moves with the
-        group's maximum (step 4)."""
+    def round(self, s: float, c_flip: float, stage: str, width: int, scale_shift: bool = False) -> None:
+        """Rounding to a grid of relative spacing ``s`` (step 3) of a stage ``width`` elements wide;
+        ``scale_shift``: a dynamic scale moves with the group's maximum (step 4)."""
         shift = 2.0 if scale_shift else 1.0
+        n = self.rows * width
         # The dense part flips a fraction m1 / (c s) of the elements by one step each; what does not flip is equal
         # after rounding. A dense part beyond a step stays dense, plus the variance of two independent roundings.
         m1_d = shift * _SQRT_2_PI * math.sqrt(self.d2)
         if m1_d < c_flip * s:
-            new_q, new_s2, d2 = m1_d / (c_flip * s), c_flip * s * m1_d, 0.0
+            new_q, new_s2, d2, ld = m1_d / (c_flip * s), c_flip * s * m1_d, 0.0, math.inf
+            new_l = min(self.ld, new_q * n) if new_q > 0 else math.inf
         else:
-            new_q, new_s2, d2 = 0.0, 0.0, self.d2 + s * s / 6.0
+            new_q, new_s2, new_l = 0.0, 0.0, math.inf
+            d2, ld = _combine(self.d2, self.ld, s * s / 6.0, math.inf)
         # The sparse part: elements that differ by d flip again with probability d / (c s), or keep differing.
         if self.q > 0:
             d = shift * _SQRT_2_PI * math.sqrt(self.s2 / self.q)
             if d < c_flip * s:  # one step with probability d / (c s): E[diff^2] = c s d per element
-                q_old, s2_old = self.q * d / (c_flip * s), max(self.s2, self.q * c_flip * s * d)
+                keep = d / (c_flip * s)
+                q_old, s2_old = self.q * keep, max(self.s2, self.q * c_flip * s * d)
+                l_old = self.ls * keep if keep > 0 and self.ls < math.inf else self.ls
             else:  # already beyond a step: the difference stays, plus two independent roundings
-                q_old, s2_old = self.q, self.s2 + self.q * s * s / 6.0
+                q_old, s2_old, l_old = self.q, self.s2 + self.q * s * s / 6.0, self.ls
         else:
-            q_old, s2_old = 0.0, 0.0
-        self.d2, self.q, self.s2 = d2, min(1.0, new_q + q_old), new_s2 + s2_old
+            q_old, s2_old, l_old = 0.0, 0.0, math.inf
+        self.d2, self.ld = d2, ld
+        self.q = min(1.0, new_q + q_old)
+        self.s2, self.ls = _combine(new_s2, new_l, s2_old, l_old)
         self.log(stage)
 
 
 _SQRT_2_PI = math.sqrt(2.0 / math.pi)
+# Relative condition number |x f'(x) / f(x)| of the activation's (gate) function where it matters: 1 for SiLU, GELU
+# and their clamped forms at the magnitudes that carry the output; relu(x)^2 doubles relative differences.
+_ACT_CONDITION = {"RELU2_NO_MUL": 2.0, "RELU2": 2.0}
 
 
 def _tail(n: int) -> float:
@@ -236,13 +272,13 @@ def _requantize(st: _State, desc: FusedMoEQuantDesc, qc: FusedMoEQuantConfig, wi
     static = desc.scale is not None
     if fmt == torch.int8:
         group = width if desc.shape in ((1, -1), None) or desc.shape[1] <= 0 else desc.shape[1]
-        st.round(_tail(group) / 127.0, c["c_flip"], stage + " (int8)", scale_shift=True)
+        st.round(_tail(group) / 127.0, c["c_flip"], stage + " (int8)", width, scale_shift=True)
         return None
     p = format_mantissa_bits(fmt)
     if p is None:
         raise ValueError(f"error model: no grid for activation format {fmt!r}")
     pow2 = qc.use_ue8m0 or fmt in _POW2_SCALES
-    st.round(2.0**-p, c["c_flip"], f"{stage} ({fmt if isinstance(fmt, str) else str(fmt)[6:]})",
+    st.round(2.0**-p, c["c_flip"], f"{stage} ({fmt if isinstance(fmt, str) else str(fmt)[6:]})", width,
              scale_shift=not static and not pow2)
     return p
 
@@ -252,20 +288,24 @@ def _is_fp8_mma(desc: FusedMoEQuantDesc) -> bool:
 
 
 def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.dtype, K: int, I: int,
-                        gated: bool = True, accumulation: Accumulation | None = None,
-                        gemm1_exact: bool = False, constants: dict | None = None) -> ErrorBound:
+                        gated: bool = True, activation=None, accumulation: Accumulation | None = None,
+                        gemm1_exact: bool = False, routed_rows: float | None = None,
+                        constants: dict | None = None) -> ErrorBound:
     """Bounds on the experts output's metrics against the reference for one case.
 
     Args:
         quant_config: the case's ``FusedMoEQuantConfig`` (formats of a1, a2, weights; UE8M0 scales).
         act_dtype: the activations' (and output's) dtype: bf16, fp16 or fp32.
         K: hidden size (GEMM1's reduction); I: intermediate size (GEMM2's reduction).
-        gated: the activation multiplies two halves (``MoEActivation.is_gated``).
+        gated: the activation multiplies two halves (``MoEActivation.is_gated``); ignored when ``activation`` is given.
+        activation: the ``MoEActivation`` (its gating and relative condition number, step 5).
         accumulation: what the kernel is allowed (default: ``specs/tolerances.toml [error_model]``'s
             ``mma_mantissa_bits`` / ``promote_every``, i.e. fp32 or a promoted MMA partial); the reference side is fp32.
         gemm1_exact: the inputs are on a grid where every product and every partial sum of GEMM1 within a promotion
             interval is exact in an accumulator of ``mma_mantissa_bits`` bits (the accumulation probe): a conforming
             GEMM1 is then exact, and only what follows it may differ.
+        routed_rows: rows of the call's GEMMs (routes to this rank's experts, ~ M * topk * E_local / E), for the
+            count of flip events (step 7); None: many (no small-count allowance).
         constants: ``[error_model]`` of ``specs/tolerances.toml`` (read from specs when None).
 
     Returns:
@@ -285,7 +325,8 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
         accumulation = Accumulation.promoted(c["mma_mantissa_bits"], c["promote_every"])
     ref_acc = Accumulation.fp32()
     p_act = _MANTISSA[act_dtype]
-    st = _State()
+    st = _State(rows=math.inf if routed_rows is None else max(float(routed_rows), 1.0))
+    N = 2 * I if gated else I
 
     def acc(n, desc):
         fp8 = _is_fp8_mma(desc)
@@ -294,15 +335,21 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     # a1 is quantized bit-exactly by both sides (the quantizer cases check it): no difference enters GEMM1.
     s_act = 2.0**-p_act
     st.gemm(K, 0.0 if gemm1_exact else acc(K, quant_config.a1), "GEMM1")
-    st.round(s_act, c["c_flip"], "h rounded")
-    if gated:
-        st.scale(2.0)
-    st.round(s_act, c["c_flip"], "activation rounded")
+    st.round(s_act, c["c_flip"], "h rounded", N)
+    if activation is not None:
+        gated = activation.is_gated
+    cond = _ACT_CONDITION.get(getattr(activation, "name", None), 1.0)
+    st.scale(cond * cond + (1.0 if gated else 0.0))
+    st.round(s_act, c["c_flip"], "activation rounded", I)
     p_a2 = _requantize(st, quant_config.a2, quant_config, I, c, "a2 requantized")
     st.gemm(I, acc(I, quant_config.a2), "GEMM2")
-    st.round(s_act, c["c_flip"], "GEMM2 rounded")
-    st.round(s_act, c["c_flip"], "top-k sum rounded")
-    rms = math.sqrt(st.m2)
+    st.round(s_act, c["c_flip"], "GEMM2 rounded", K)
+    st.round(s_act, c["c_flip"], "top-k sum rounded", K)
+    # Step 7: a mean square made of ~lam independent flip events is realised within its Poisson upper quantile.
+    lam, z = st.events, c["z_events"]
+    few = 1.0 if lam == math.inf else (lam + z * math.sqrt(lam) + z * z) / lam
+    rms = math.sqrt(st.m2 * few)
+    expected = math.sqrt(st.m2)
     step = 2.0 ** -(p_a2 if p_a2 is not None else p_act)
     if quant_config.a2.dtype == torch.int8:
         step = _tail(I) / 127.0
@@ -312,6 +359,7 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
         max_norm=c["k_max"] * rms + single_flip + 2.0**-p_act,
         rms_norm=rms_bound,
         calc_diff=rms_bound**2 / 2.0,
-        expected_rms=rms,
-        derivation=tuple(st.trace) + (f"accumulation allowed: {accumulation.name}",),
+        expected_rms=expected,
+        derivation=tuple(st.trace) + (f"accumulation allowed: {accumulation.name}",
+                                      f"few-events factor {few:.2f} on the mean square"),
     )

@@ -262,6 +262,8 @@ def fused_experts(
         if topk_ids.size(1) != 1:
             raise ValueError(f"apply_router_weight_on_input is only supported for topk == 1, got {topk_ids.size(1)}")
         x = x * topk_weights.to(x.dtype)
+    if qc.a1.dtype is not None and not x.is_contiguous():  # as the prepare step: quantizers read contiguous rows
+        x = x.contiguous()
     a1q, a1q_scale = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
     y = _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                            accumulate_dtype)

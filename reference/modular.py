@@ -712,6 +712,10 @@ class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
             a1 = _apply_router_weight_on_input(a1, topk_weights)
         if defer_input_quant:
             return a1, None, None, None, None
+        # The activation quantizers (vLLM's custom ops) need contiguous rows; a strided view of the hidden states
+        # (a slice of a larger buffer) is quantized from a contiguous copy. Unquantized inputs pass as they are.
+        if quant_config.a1.dtype is not None and not a1.is_contiguous():
+            a1 = a1.contiguous()
         a1q, a1q_scale = moe_kernel_quantize_input(a1, quant_config.a1_scale, quant_config, "a1")
         return a1q, a1q_scale, None, None, None
 

@@ -1,7 +1,7 @@
 """The error model (reference/error_model.py) against what it must classify (issue 22, item 3).
 
-- It accepts the reference computed with float64 accumulation on every model x scheme of the specs, well inside
-  (at most half the bound).
+- It accepts the reference computed with float64 accumulation on every model x scheme of the specs, inside the bound
+  for a single fp32 accumulation difference (2^-1/4 of the two-sided bound).
 - It accepts an emulated conforming kernel (a 14-bit MMA partial promoted every 128 K elements, as DeepGEMM) and
   rejects an emulated reduced-precision accumulator (13 bits every 32 products, never promoted), an extra rounding of
   every element (split-K with bf16 partials) and a dropped router weight (tests/emulated_backends.py).
@@ -49,6 +49,15 @@ def test_accumulation_term_follows_the_derivation():
     assert acc_rel(6, 0.5) == pytest.approx(0.5)
 
 
+def test_few_flip_events_widen_the_bound():
+    qc = _qc("bf16")
+    many = experts_error_bound(qc, act_dtype=torch.bfloat16, K=2880, I=8, routed_rows=10**6)
+    few = experts_error_bound(qc, act_dtype=torch.bfloat16, K=2880, I=8, routed_rows=33)
+    unknown = experts_error_bound(qc, act_dtype=torch.bfloat16, K=2880, I=8)
+    assert unknown.rms_norm == pytest.approx(many.rms_norm, rel=0.05)
+    assert few.rms_norm > 3 * many.rms_norm and few.expected_rms == pytest.approx(many.expected_rms)
+
+
 def test_bound_orders_schemes_and_recipes():
     bf16 = experts_error_bound(_qc("bf16"), act_dtype=torch.bfloat16, K=7168, I=2048)
     fp32 = experts_error_bound(_qc("bf16"), act_dtype=torch.float32, K=7168, I=2048)
@@ -79,10 +88,15 @@ def test_float64_reference_sits_well_inside(model, scheme):
     args = (inp.hidden_states, inp.w1, inp.w2, inp.topk_weights, inp.topk_ids)
     ref = fused_experts(*args, **kw)
     exact = fused_experts(*args, accumulate_dtype=torch.float64, **kw)
+    local = int((inp.topk_ids >= 0).sum()) if inp.expert_map is None else \
+        int((inp.expert_map[inp.topk_ids.long().clamp(min=0)] >= 0).sum())
     bound = experts_error_bound(inp.quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
-                                gated=case.activation.is_gated)
+                                activation=case.activation, routed_rows=local)
     s = error_stats(exact, ref)
-    assert s.rms_norm <= 0.5 * bound.rms_norm and s.max_norm <= 0.5 * bound.max_norm, (s, bound)
+    # The model bounds two fp32 accumulations (each order's error); float64 against fp32 is one of them, so the
+    # flip-driven rms is 2^-1/4 of the model's (it grows as the square root of the accumulation difference).
+    one_sided = 2.0**-0.25
+    assert s.rms_norm <= one_sided * bound.rms_norm and s.max_norm <= one_sided * bound.max_norm, (s, bound)
 
 
 def _emulated(cls, x, w1q, w2q, w, ids, qc):
@@ -108,7 +122,7 @@ def test_emulated_kernels_are_classified(E, topk, K, I, M, scheme):
     x = torch.randn(M, K, generator=g).bfloat16()
     w, ids = fused_topk(x, torch.randn(M, E, generator=g), topk, True)[:2]
     ref = fused_experts(x, w1q, w2q, w, ids, quant_config=qc)
-    bound = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I).as_tolerance()
+    bound = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, routed_rows=M * topk).as_tolerance()
 
     def inside(out):
         s = error_stats(out, ref)
@@ -138,7 +152,8 @@ _H200 = [
 def test_issue_22_measurements_are_classified(row):
     E, topk, K, I, M, scheme, max_norm, rms_norm, conforming = row
     qc = _qc(scheme, 256, 128)
-    b = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I)
+    ep = {8: 4, 64: 2}.get(E, 1)  # the EP cases of the table: E=8 at EP 4, E=64 at EP 2
+    b = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, routed_rows=M * topk / ep)
     inside = rms_norm <= b.rms_norm and max_norm <= b.max_norm
     assert inside == conforming, (row, b)
 

@@ -191,7 +191,7 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
             # each variant against the error model's bound for its own accumulation: the in-place form is the
             # opt-in fast-accumulation recipe (its own, wider bound), the promoted ones the default
             acc = Accumulation.fast(14) if keys.get("FAST_ACCUM") else None
-            return experts_error_bound(qc, act_dtype=dt, K=sh.K, I=sh.I, gated=act.is_gated,
+            return experts_error_bound(qc, act_dtype=dt, K=sh.K, I=sh.I, activation=act,
                                        accumulation=acc).as_tolerance()
         for M in Ms:
             if time.time() - T0 > BUDGET_S:
