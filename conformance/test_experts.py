@@ -52,12 +52,14 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize(("experts_cls", "case"), params)
 
 
-def case_error_bound(case: ExpertsCase, quant_config) -> ErrorBound:
+def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None) -> ErrorBound:
     """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml)."""
     m = case.model
     rows = case.tokens * m.top_k * (m.num_experts // case.ep_size) / m.num_experts  # expected local routes
     return experts_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
-                               activation=case.activation, routed_rows=rows)
+                               activation=case.activation, routed_rows=rows,
+                               router_weight_rounding=getattr(getattr(experts_cls, "support", None),
+                                                              "router_weight_rounding", "reference"))
 
 
 def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:
@@ -110,7 +112,7 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
            activation=case.activation.name)
     kwargs = dict(activation=case.activation, global_num_experts=inputs.global_num_experts,
                   expert_map=inputs.expert_map, apply_router_weight_on_input=case.model.apply_router_weight_on_input)
-    bound = case_error_bound(case, qc)
+    bound = case_error_bound(case, qc, experts_cls)
     tol = bound.as_tolerance()
     record(bounds=tol, expected_rms=bound.expected_rms)
     what = f"{experts_cls.__name__} output"

@@ -60,7 +60,11 @@ differences):
    ``relu(x)^2``.
 
 6. **The weighted top-k sum** of independent expert outputs keeps the relative mean square (``sum w_k^2 d_k^2`` over
-   ``sum w_k^2 y_k^2``), followed by one rounding to the output dtype.
+   ``sum w_k^2 y_k^2``), followed by one rounding to the output dtype. Where the router weight meets the GEMM2
+   rounding is not fixed across vLLM's kernels (before the store: ``fused_moe_kernel``'s ``MUL_ROUTED_WEIGHT``;
+   after it, in the output dtype: ``TopKWeightAndReduceContiguous``), so each term may be rounded as ``y`` on one
+   side and as ``w y`` on the other: two independent roundings, ``E[1/mant^2] s^2 / 6 = 0.541 s^2 / 6``, allowed
+   to a kernel whose ``SupportRecord.router_weight_rounding`` declares the vLLM form.
 
 7. **Few events**: a sparse difference is a sum over flip events, about ``q x rows x width`` of them at the rounding
    that made them (fewer if the dense difference that drove them came from few events). When the expected count
@@ -290,6 +294,7 @@ def _is_fp8_mma(desc: FusedMoEQuantDesc) -> bool:
 def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.dtype, K: int, I: int,
                         gated: bool = True, activation=None, accumulation: Accumulation | None = None,
                         gemm1_exact: bool = False, routed_rows: float | None = None,
+                        router_weight_rounding: str = "reference",
                         constants: dict | None = None) -> ErrorBound:
     """Bounds on the experts output's metrics against the reference for one case.
 
@@ -306,6 +311,9 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
             GEMM1 is then exact, and only what follows it may differ.
         routed_rows: rows of the call's GEMMs (routes to this rank's experts, ~ M * topk * E_local / E), for the
             count of flip events (step 7); None: many (no small-count allowance).
+        router_weight_rounding: where the kernel applies the router weight relative to GEMM2's rounding (its
+            ``SupportRecord.router_weight_rounding``): ``"reference"`` (round y, weight in fp32) or a vLLM form,
+            ``"before_store"`` / ``"output_dtype"`` (step 6).
         constants: ``[error_model]`` of ``specs/tolerances.toml`` (read from specs when None).
 
     Returns:
@@ -344,6 +352,13 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     p_a2 = _requantize(st, quant_config.a2, quant_config, I, c, "a2 requantized")
     st.gemm(I, acc(I, quant_config.a2), "GEMM2")
     st.round(s_act, c["c_flip"], "GEMM2 rounded", K)
+    # Step 6: where the router weight is applied is not fixed: the reference rounds y and weights it in fp32; vLLM's
+    # fused_moe_kernel weights the fp32 accumulator before its store (MUL_ROUTED_WEIGHT) and rounds w * y, its
+    # TopKWeightAndReduceContiguous rounds y and then w * y in the output dtype. Each side's rounding of a term is
+    # then independent: the variance of two roundings, E[1 / mant^2] = 3 / (8 ln 2) = 0.541 of s^2 / 6.
+    if router_weight_rounding != "reference":
+        st.d2, st.ld = _combine(st.d2, st.ld, 0.541 * s_act * s_act / 6.0, math.inf)
+        st.log("router weight applied before or after the GEMM2 rounding")
     st.round(s_act, c["c_flip"], "top-k sum rounded", K)
     # Step 7: a mean square made of ~lam independent flip events is realised within its Poisson upper quantile.
     lam, z = st.events, c["z_events"]

@@ -217,6 +217,10 @@ class SupportRecord:
         hidden_dim_multiple: K must be a multiple of this (``_supports_shape``).
         min_tokens / max_tokens: token range of one call (None: unbounded).
         finalize: what ``apply`` leaves for finalize, e.g. "reduced (TopKWeightAndReduceNoOP)".
+        router_weight_rounding: where the router weight meets GEMM2's rounding: "reference" (y rounded, weighted in
+            fp32), "before_store" (vLLM fused_moe_kernel MUL_ROUTED_WEIGHT: w * y rounded) or "output_dtype"
+            (TopKWeightAndReduceContiguous: y rounded, then w * y in the output dtype); reference.error_model allows
+            the vLLM forms one more independent rounding per term.
         notes: one line for the matrix (recipes, limits not expressible above).
     """
 
@@ -234,6 +238,7 @@ class SupportRecord:
     max_tokens: int | None = None
     key_match: Callable | None = field(default=None, compare=False)
     finalize: str = ""
+    router_weight_rounding: str = "reference"
     notes: str = ""
 
     def claims_quant(self, weight_key, activation_key) -> bool:
@@ -271,6 +276,7 @@ class SupportRecord:
             "hidden dim": "any" if self.hidden_dim_multiple == 1 else f"multiple of {self.hidden_dim_multiple}",
             "tokens": f"{self.min_tokens}..{'' if self.max_tokens is None else self.max_tokens}",
             "finalize": self.finalize or "-",
+            "router weight": self.router_weight_rounding,
             "notes": self.notes or "-",
         }
 
