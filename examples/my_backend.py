@@ -4,7 +4,7 @@ import torch
 
 from backends import Backend
 from reference.activation import MoEActivation, apply_moe_activation
-from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, TopKWeightAndReduceNoOP
+from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, TopKWeightAndReduceNoOP
 from reference.routing import fused_topk
 
 
@@ -21,32 +21,17 @@ class MyExperts(FusedMoEExpertsModular):
     def activation_format():
         return FusedMoEActivationFormat.Standard
 
-    # The claims: the suite runs every case they admit and checks that every other case raises.
-    @staticmethod
-    def _supports_current_device():
-        return True
-
-    @staticmethod
-    def _supports_no_act_and_mul():
-        return False
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key):
-        return weight_key is None and activation_key is None  # unquantized only
-
-    @staticmethod
-    def _supports_activation(activation):
-        return activation == MoEActivation.SILU
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config):
-        return True
-
-    def supports_chunking(self):
-        return True
-
-    def supports_expert_map(self):
-        return True
+    # The claims, as data: the suite derives its cases from them (every claimed scheme, activation, expert map and
+    # token regime), runs every case they admit and checks that every other case raises.
+    support = SupportRecord(
+        FusedMoEActivationFormat.Standard,
+        quant_schemes=frozenset({(None, None)}),  # unquantized only
+        activations=frozenset({MoEActivation.SILU}),
+        act_dtypes=frozenset({torch.bfloat16, torch.float16}),
+        no_act_and_mul=False,
+        finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        notes="the README's example: one expert at a time, fp32 GEMMs",
+    )
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOP()  # apply() writes the weighted, reduced output itself
@@ -69,7 +54,8 @@ def my_fused_experts(x, w1, w2, topk_weights, topk_ids, *, expert_map=None, appl
     """The "kernel": (M, K) output in x.dtype. With a dict ``stages``, also stores its intermediates per route,
     (M, topk, N) like ``conformance.diagnose.reference_stages``, for a stage-by-stage comparison."""
     ids = topk_ids.long()
-    local = expert_map.long()[ids] if expert_map is not None else ids  # -1: expert held by another rank
+    # -1: no route (padding) or an expert held by another rank; never index expert_map with -1 (vLLM #48371)
+    local = torch.where(ids >= 0, expert_map.long()[ids.clamp(min=0)], -1) if expert_map is not None else ids
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(w1.shape[0]):
         token, slot = (local == e).nonzero(as_tuple=True)

@@ -72,7 +72,8 @@ def fused_topk(
     *,
     scoring_func: str = "softmax",
     indices_type: torch.dtype | None = None,
-    check_finite: bool = True,
+    check_finite: bool | None = None,
+    semantics=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score all experts, keep the top ``topk`` per token, optionally renormalize (Triton kernel).
 
@@ -81,7 +82,10 @@ def fused_topk(
         gating_output: ``(M, E)`` router logits, any floating dtype (scored in fp32), CUDA (CPU when interpreting).
         topk: ``1 <= topk <= E``. renormalize: divide the k weights by their sum.
         scoring_func: ``"softmax"`` or ``"sigmoid"``. indices_type: dtype of the ids (int32 default; int64 ok).
-        check_finite: raise on NaN/inf logits (a device sync); False ranks NaN scores lowest.
+        check_finite: raise on NaN/inf logits (a device sync). None follows the vLLM semantics version
+            (``reference.semantics``: 0.17 raises; 0.33 clamps non-finite scores to 0, as vLLM 0.33.0's topk_softmax
+            kernel: unique in-range ids, finite weights). False never raises (0.33: clamps; 0.17: ranks NaN lowest).
+        semantics: the vLLM semantics version (default: ``use_semantics`` / ``MOE_VLLM_SEMANTICS`` / the newest).
 
     Returns:
         ``(topk_weights (M, topk) fp32, topk_ids (M, topk))``, descending score order per token.
@@ -103,6 +107,12 @@ def fused_topk(
     if itype not in (torch.int32, torch.int64):
         raise ValueError(f"indices_type must be torch.int32 or torch.int64, got {itype}")
     check_device(gating_output, what="gating_output")
+    from reference.semantics import SemanticsVersion, resolve_semantics
+
+    clamp_033 = resolve_semantics(semantics) >= SemanticsVersion.V0_33
+    if check_finite is None:
+        check_finite = not clamp_033
+    clamp = clamp_033 and not check_finite
     if check_finite and M and not bool(torch.isfinite(gating_output).all()):
         bad = (~torch.isfinite(gating_output)).nonzero()[0].tolist()
         raise ValueError(f"router logits are not finite: token {bad[0]}, expert {bad[1]}. Pass check_finite=False "
@@ -121,4 +131,15 @@ def fused_topk(
         TOPK=topk, TOPK_P2=next_pow2(topk), E_PAD=e_pad, BLOCK_T=block_t,
         SIGMOID=scoring_func == "sigmoid", RENORM=bool(renormalize),
     )
+    if clamp:
+        bad = ~torch.isfinite(logits).all(-1)
+        if bool(bad.any()):  # rare, off the hot path: vLLM 0.33's clamp for the rows with non-finite logits
+            x = logits[bad].float()
+            sc = x.sigmoid() if scoring_func == "sigmoid" else x.softmax(-1)
+            sc = sc.masked_fill(~torch.isfinite(sc), 0.0)
+            bw, bi = sc.topk(topk, dim=-1)
+            if renormalize:
+                tot = bw.sum(-1, keepdim=True)
+                bw = bw / torch.where(tot > 0, tot, torch.ones_like(tot))
+            w[bad], ids[bad] = bw, bi.to(itype)
     return w, ids
