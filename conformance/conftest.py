@@ -334,6 +334,33 @@ def _semantics(config) -> str | None:
         return None
 
 
+def _claims(backend: Backend) -> dict:
+    """Each experts class's claims (its SupportRecord, as strings) and the claim dimensions to check for coverage
+    (the matrix marks which claimed values had at least one experts case: conformance.report)."""
+    out = {}
+    for cls in backend.experts:
+        rec = getattr(cls, "support", None)
+        if rec is None:
+            continue
+        try:
+            from reference.schemes import schemes
+
+            claimed = [n for n, sch in schemes().items() if rec.claims_quant(*sch.quant_keys())]
+        except Exception:  # best effort: the matrix then lists the record only
+            claimed = []
+        out[cls.__name__] = {
+            "record": rec.describe(),
+            "dimensions": {
+                "scheme": claimed,
+                "activation": sorted(a.name for a in rec.activations or ()),
+                "regime": ["decode", "prefill"],
+                "expert_map": ["ep rank 0", "last ep rank"] if rec.expert_map else [],
+                "chunking": ["chunked"] if rec.chunking and rec.activation_format.name == "Standard" else [],
+            },
+        }
+    return out
+
+
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if not hasattr(config, "_moe_backend") or hasattr(config, "workerinput"):
@@ -362,6 +389,7 @@ def pytest_sessionfinish(session, exitstatus):
         "selection": " ".join(selection) or None, "full": not selection,
         "runs": [{"time": now, "selection": " ".join(selection) or None, "cases": len(_RESULTS), **counts}],
         "results": _RESULTS,
+        "claims": _claims(b),
     }
     from conformance.report import merge, render
 

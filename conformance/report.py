@@ -269,6 +269,7 @@ def render(payload: dict) -> str:
             groups.append((component, rest))
         for title, group in groups:
             lines += [f"## {title}", ""] + _table(group, notes) + [""]
+    lines += _claims_lines(payload.get("claims") or {}, results)
     failures = [e for e in results if e["outcome"] == "failed"]
     if failures:
         lines += ["## Failures", ""]
@@ -277,6 +278,44 @@ def render(payload: dict) -> str:
     for reason, ref in notes.items():
         lines.append(f"[^{ref}]: {reason}")
     return "\n".join(lines) + "\n"
+
+
+def _covered(entries: list[dict], dim: str, value: str) -> bool:
+    if dim == "scheme":
+        return any(e.get("scheme") == value for e in entries)
+    if dim == "activation":
+        return any(e.get("activation") == value for e in entries)
+    if dim == "regime":
+        return any(e.get("regime") == value for e in entries)
+    if dim == "expert_map":
+        last = value == "last ep rank"
+        return any((e.get("ep_size") or 1) > 1 and (e.get("ep_rank") == e.get("ep_size", 1) - 1) == last
+                   for e in entries)
+    if dim == "chunking":
+        return any(e.get("chunk_size") for e in entries)
+    return False
+
+
+def _claims_lines(claims: dict, results: list[dict]) -> list[str]:
+    """Each experts class's claims and, per claim dimension, the claimed values that had at least one claimed
+    experts case that ran (passed or failed) in this file, and those that had none."""
+    if not claims:
+        return []
+    lines = ["## Claims and their coverage", ""]
+    for cls, c in sorted(claims.items()):
+        ran = [e for e in results if e.get("component") == "experts" and e.get("experts_class") == cls
+               and e.get("support") == "claimed" and e["outcome"] in ("passed", "failed")]
+        lines += [f"### {cls}", "", "| claim | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in c.get("record", {}).items()]
+        lines += ["", "| dimension | claimed values with a case | without |", "|---|---|---|"]
+        for dim, values in c.get("dimensions", {}).items():
+            if not values:
+                continue
+            yes = [v for v in values if _covered(ran, dim, v)]
+            no = [v for v in values if v not in yes]
+            lines.append(f"| {dim} | {', '.join(yes) or '-'} | {', '.join(no) or '-'} |")
+        lines.append("")
+    return lines
 
 
 def output_name(results_path: Path) -> str:
