@@ -183,16 +183,21 @@ def _table(entries: list[dict], notes: dict[str, int]) -> list[str]:
         lines = ["| case | result | tokens |", "|---|---|---|"]
         lines += [f"| {r} | {_cell(rows[r], notes)} | {_tokens(rows[r])} |" for r in sorted(rows)]
         return lines
-    grid: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    # Distributed cases (test_distributed.py) carry the world size: one row per model and world size.
+    ws = any(e.get("world_size") for e in entries)
+    grid: dict[tuple, list[dict]] = defaultdict(list)
     for e in entries:
-        grid[(e.get("model") or "(no model)", str(e.get("scheme", "·")))].append(e)
+        row = (e.get("model") or "(no model)", e.get("world_size") or 1) if ws else (e.get("model") or "(no model)",)
+        grid[(row, str(e.get("scheme", "·")))].append(e)
     rows_ = sorted({r for r, _ in grid})
     cols = sorted({c for _, c in grid})
-    lines = ["| model | tokens | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    head = "| model | world size | tokens | " if ws else "| model | tokens | "
+    lines = [head + " | ".join(cols) + " |", "|---|" + ("---|" if ws else "") + "---|" + "---|" * len(cols)]
     for r in rows_:
         row_entries = [e for (rr, _), es in grid.items() if rr == r for e in es]
         cells = [_cell(grid[(r, c)], notes) if (r, c) in grid else "·" for c in cols]
-        lines.append(f"| {r} | {_tokens(row_entries)} | " + " | ".join(cells) + " |")
+        label = f"{r[0]} | {r[1]}" if ws else r[0]
+        lines.append(f"| {label} | {_tokens(row_entries)} | " + " | ".join(cells) + " |")
     return lines
 
 
