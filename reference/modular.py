@@ -361,7 +361,9 @@ class FusedMoEExperts(ABC):
         if activation_format != cls.activation_format():
             return False, _make_reason(f"{activation_format.value} activation format")
         if cls.support is not None and moe_config.in_dtype not in cls.support.act_dtypes:
-            return False, _make_reason(f"activation dtype {moe_config.in_dtype}")
+            short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+            claimed = ", ".join(sorted(short.get(d, str(d)) for d in cls.support.act_dtypes))
+            return False, _make_reason(f"activation dtype {moe_config.in_dtype} ({claimed} only)")
         return True, None
 
     # The seed's predicates. A class that declares ``support`` (a ``SupportRecord``) gets them derived from it; a

@@ -25,7 +25,9 @@ PLANTED = "1.0"  # rounds take twice as long: far outside run-to-run noise on a 
 
 
 def _run(args: list[str], env_extra: dict, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+    # Not the xdist worker's variables: under `nox -s tests` (-n 2) they make pytest-benchmark in the subprocess
+    # believe it is a worker itself, and it then saves no baseline.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env.pop("MOE_BENCH_PLANTED_SLOWDOWN", None)
     env.update({
         "CUDA_VISIBLE_DEVICES": "",  # the CPU path (wall clock), also on a GPU machine

@@ -107,8 +107,8 @@ def test_garbage_for_unsupported_config_is_reported(tmp_path):
 
 
 def test_a_crashing_case_does_not_take_the_run_with_it(tmp_path):
-    r = run_conformance("tests.broken_backends:crashes_on_m4", "-k", "test_experts and qwen3_30b_a3b-bf16 and (M1- or M4- or M16-)",
-                        "-n", "1", "--dist", "worksteal", "--max-worker-restart", "5", tmp_path=tmp_path)
+    r = run_conformance("tests.broken_backends:crashes_on_m4", "-k", "test_experts and qwen3_30b_a3b-bf16 and (M1- or M4- or M16-) and not gelu "
+                        "and not relu and not silu and not swiglu", "-n", "1", "--dist", "worksteal", "--max-worker-restart", "5", tmp_path=tmp_path)
     assert r.returncode == 1, r.stdout[-3000:]
     assert "2 passed" in r.stdout and "1 failed" in r.stdout, r.stdout[-3000:]
     assert "crashed while running" in r.stdout and "qwen3_30b_a3b-bf16-M4-ep8r0" in r.stdout
