@@ -226,7 +226,7 @@ def _failure_lines(e: dict) -> list[str]:
 
 
 _LEGEND = ("Cells: `pass n/N · m`: n of the cell's N cases passed, m = the worst metric / bound over them (experts: "
-           "max_norm, rms_norm, calc_diff against `specs/tolerances.toml`; 1.0 is at the bound). `**FAIL** f/N · m`: "
+           "max_norm, rms_norm, calc_diff against the case's error-model bound, reference/error_model.py; 1.0 is at the bound). `**FAIL** f/N · m`: "
            "f cases failed, m over the failing ones; see Failures below. `unsupported`: not claimed by the backend, and it raised as required. `skipped`: not "
            "run (reason in the note). `·`: no case of that model x scheme in the specs. `tokens`: token counts (M) "
            "of the row's cases.")
