@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from conformance.cases import seed_of
+from conformance.inputs import to_device
 from reference.activation import MoEActivation
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
 from reference.error_model import experts_error_bound
@@ -110,15 +111,7 @@ def make_inputs(fc: FuzzCase, device: str):
                          intermediate_size_per_partition=fc.I, num_local_experts=E_local, activation=fc.act,
                          in_dtype=dtype, moe_parallel_config=FusedMoEParallelConfig.make_ep(fc.ep_size, fc.ep_rank))
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-
-    def move(v):
-        if isinstance(v, torch.Tensor):
-            return v.to(device)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return dataclasses.replace(v, **{f.name: move(getattr(v, f.name)) for f in dataclasses.fields(v)})
-        return v
-
-    return to(x), to(w1q), to(w2q), to(w), to(ids), to(expert_map), move(qc), cfg
+    return to(x), to(w1q), to(w2q), to(w), to(ids), to(expert_map), to_device(qc, device), cfg
 
 
 @dataclass

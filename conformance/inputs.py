@@ -24,7 +24,7 @@ from reference.routing import determine_expert_map, llama4_routing, select_exper
 from reference.schemes import quantize_weights
 from specs import ModelSpec
 
-__all__ = ["ExpertsInputs", "make_experts_inputs", "route", "router_logits", "routing_bias"]
+__all__ = ["ExpertsInputs", "make_experts_inputs", "to_device", "route", "router_logits", "routing_bias"]
 
 
 @dataclass
@@ -62,11 +62,13 @@ def _bf16_weights(model: ModelSpec, dtype: torch.dtype, ep_size: int, ep_rank: i
     return w1, w2, b1, b2
 
 
-def _to(t, device):
+def to_device(t, device):
+    """``t`` on ``device``: a tensor, or a dataclass (a quant config) whose tensor fields are moved recursively."""
     if isinstance(t, torch.Tensor):
         return t.to(device)
     if dataclasses.is_dataclass(t) and not isinstance(t, type):
-        return dataclasses.replace(t, **{f.name: _to(getattr(t, f.name), device) for f in dataclasses.fields(t)})
+        return dataclasses.replace(t, **{f.name: to_device(getattr(t, f.name), device)
+                                     for f in dataclasses.fields(t)})
     return t
 
 
@@ -76,7 +78,7 @@ def _scheme_weights(model: ModelSpec, scheme: str, dtype: torch.dtype, ep_size: 
     w1, w2, b1, b2 = _bf16_weights(model, dtype, ep_size, ep_rank)
     w1q, w2q, qc = quantize_weights(scheme, w1, w2, w1_bias=b1, w2_bias=b2, gemm1_alpha=model.gemm1_alpha,
                                     gemm1_clamp_limit=model.gemm1_clamp_limit)
-    return w1q.to(device), w2q.to(device), _to(qc, device)
+    return w1q.to(device), w2q.to(device), to_device(qc, device)
 
 
 def routing_bias(model: ModelSpec, g: torch.Generator) -> torch.Tensor | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conformance.inputs import to_device
 from conformance.metrics import ConformanceFailure, assert_close
 from reference.activation import MoEActivation
 from reference.config import FusedMoEConfig
@@ -96,7 +97,7 @@ def test_accumulation_probe(backend, probe_cls, scheme, M, repro, record):
            experts_class=probe_cls.__name__)
     exact = fused_experts(x, w1q, w2q, w, ids, quant_config=qc, accumulate_dtype=torch.float64)
     bound = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K_PROBE, I=I_PROBE, gemm1_exact=True, routed_rows=M)
-    out = _run(probe_cls, _to(qc, dev), M, to(x), to(w1q), to(w2q), to(w), to(ids)).cpu()
+    out = _run(probe_cls, to_device(qc, dev), M, to(x), to(w1q), to(w2q), to(w), to(ids)).cpu()
     record(bounds=bound.as_tolerance())
     try:
         stats = assert_close(out, exact, bound.as_tolerance(), case=f"accumulation-{scheme}-M{M}",
@@ -117,19 +118,7 @@ def test_accumulation_probe(backend, probe_cls, scheme, M, repro, record):
     w1rq, w2rq, qcr = quantize_weights(scheme, w1r, w2)
     exact_r = fused_experts(xr, w1rq, w2rq, w, ids, quant_config=qcr, accumulate_dtype=torch.float64)
     fp32_err = error_stats(fused_experts(xr, w1rq, w2rq, w, ids, quant_config=qcr), exact_r).rms_norm
-    out_r = _run(probe_cls, _to(qcr, dev), M, to(xr), to(w1rq), to(w2rq), to(w), to(ids)).cpu()
+    out_r = _run(probe_cls, to_device(qcr, dev), M, to(xr), to(w1rq), to(w2rq), to(w), to(ids)).cpu()
     err = error_stats(out_r, exact_r).rms_norm
     record(accumulation_ratio=err / fp32_err if fp32_err > 0 else float("inf"), random_rms_norm=err)
 
-
-def _to(qc, device):
-    import dataclasses
-
-    def move(v):
-        if isinstance(v, torch.Tensor):
-            return v.to(device)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return dataclasses.replace(v, **{f.name: move(getattr(v, f.name)) for f in dataclasses.fields(v)})
-        return v
-
-    return move(qc)

@@ -187,7 +187,7 @@ def rank_shard(case: DistCase, rank: int, gi: dict | None = None):
 
 def make_rank_inputs(case: DistCase, rank: int, device) -> dict:
     """Rank ``rank``'s share: its tokens, its experts, its ``expert_map`` and ``FusedMoEConfig``, on ``device``."""
-    from conformance.inputs import _to
+    from conformance.inputs import to_device as _to
 
     gi = make_global_inputs(case)
     sizes = gi["sizes"]
