@@ -75,6 +75,9 @@ class FusedMoEConfig:
     router_logits_dtype: torch.dtype | None = None
     has_bias: bool = False
     max_num_tokens: int = 16 * 1024
+    # SITU's parameters (vLLM 0.33 FusedMoEConfig; reference.activation.apply_moe_activation situ_beta / _linear_beta).
+    activation_situ_beta: float | None = None
+    activation_situ_linear_beta: float | None = None
 
     @property
     def is_act_and_mul(self) -> bool:
