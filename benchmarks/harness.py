@@ -42,6 +42,9 @@ __all__ = [
     "backend_params",
     "experts_inputs",
     "oracle_output",
+    "make_weights",
+    "draw_routing",
+    "replicate",
     "make_experts_call",
     "gate_inputs",
     "make_gate_call",
@@ -156,19 +159,19 @@ def experts_params() -> list:
                 if b is None:
                     continue  # reported once by test_backend
                 for cls in b.experts:
-                    if _standard_modular(cls):
+                    if standard_modular(cls):
                         p = ExpertsParam(shape, M, name, cls)
                         params.append(pytest.param(p, id=p.id))
     for name in names:
         b = _ready(name)
         for cls in getattr(b, "experts", ()) or ():
-            if not _standard_modular(cls):
+            if not standard_modular(cls):
                 skip(f"{name}.{cls.__name__}", "not a Standard-format modular experts class: it needs another "
                      "prepare/finalize than MoEPrepareAndFinalizeNoEP (batched or monolithic), not benchmarked")
     return params
 
 
-def _standard_modular(cls) -> bool:
+def standard_modular(cls) -> bool:
     from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular
 
     try:
@@ -222,12 +225,12 @@ def _gen(device: torch.device, text: str) -> torch.Generator:
     return g
 
 
-def _replicate(obj, device):
+def replicate(obj, device):
     """A deep copy of tensors (and of dataclasses holding tensors: the quant config), on ``device``."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, copy=True)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _replicate(getattr(obj, f.name), device)
+        return dataclasses.replace(obj, **{f.name: replicate(getattr(obj, f.name), device)
                                            for f in dataclasses.fields(obj)})
     return obj
 
@@ -255,6 +258,34 @@ _INPUTS: dict = {}
 _ORACLE: dict = {}
 
 
+def make_weights(E: int, N: int, K: int, I: int, scheme: str, dtype: torch.dtype, device, generator, *,  # noqa: E741
+                 bias: bool = False, gemm1_alpha: float | None = None, gemm1_clamp_limit: float | None = None):
+    """``(w1, w2, quant_config)``: ``w1 ~ N(0, 1/K)`` ``(E, N, K)``, ``w2 ~ N(0, 1/I)`` ``(E, K, I)`` drawn in
+    ``dtype`` on ``device`` (biases ``N(0, 0.01)``), quantized for ``scheme`` by ``reference.schemes`` (as
+    conformance); the one weight maker of the benchmarks and the backends' tools."""
+    from reference.schemes import quantize_weights
+
+    g = generator
+    w1 = torch.randn(E, N, K, device=device, dtype=dtype, generator=g).mul_(K**-0.5)
+    w2 = torch.randn(E, K, I, device=device, dtype=dtype, generator=g).mul_(I**-0.5)
+    b1 = b2 = None
+    if bias:
+        b1 = torch.randn(E, N, device=device, dtype=dtype, generator=g).mul_(0.1)
+        b2 = torch.randn(E, K, device=device, dtype=dtype, generator=g).mul_(0.1)
+    return quantize_weights(scheme, w1, w2, w1_bias=b1, w2_bias=b2, gemm1_alpha=gemm1_alpha,
+                            gemm1_clamp_limit=gemm1_clamp_limit)
+
+
+def draw_routing(M: int, E: int, topk: int, device, generator, *, renormalize: bool = True):
+    """``(topk_weights fp32, topk_ids int32)``: top-k of the softmax of ``N(0, 1)`` logits over the ``E`` held
+    experts (every route local, as vLLM's benchmark_moe.py and the perf-anchors table)."""
+    logits = torch.randn(M, E, device=device, dtype=torch.float32, generator=generator)
+    tw, ids = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+    if renormalize:
+        tw = tw / tw.sum(dim=-1, keepdim=True)
+    return tw.float().contiguous(), ids.to(torch.int32).contiguous()
+
+
 def _weights(shape: S.ExpertsShape, device: torch.device, l2_bytes: int) -> ExpertsWeights:
     key = (shape.id, str(device))
     if key in _WEIGHTS:
@@ -264,27 +295,17 @@ def _weights(shape: S.ExpertsShape, device: torch.device, l2_bytes: int) -> Expe
     _ORACLE.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    from reference.schemes import quantize_weights
-
     g = _gen(device, "weights-" + shape.id)
-    E, N, K, I = shape.E, shape.N, shape.K, shape.I  # noqa: E741
-    dt = shape.dtype
-    w1 = torch.randn(E, N, K, device=device, dtype=dt, generator=g).mul_(K**-0.5)
-    w2 = torch.randn(E, K, I, device=device, dtype=dt, generator=g).mul_(I**-0.5)
-    b1 = b2 = None
-    if shape.model.expert_bias:
-        b1 = torch.randn(E, N, device=device, dtype=dt, generator=g).mul_(0.1)
-        b2 = torch.randn(E, K, device=device, dtype=dt, generator=g).mul_(0.1)
-    w1q, w2q, qc = quantize_weights(shape.scheme, w1, w2, w1_bias=b1, w2_bias=b2,
-                                    gemm1_alpha=shape.model.gemm1_alpha,
-                                    gemm1_clamp_limit=shape.model.gemm1_clamp_limit)
-    del w1, w2
+    w1q, w2q, qc = make_weights(shape.E, shape.N, shape.K, shape.I, shape.scheme, shape.dtype, device, g,
+                                bias=shape.model.expert_bias, gemm1_alpha=shape.model.gemm1_alpha,
+                                gemm1_clamp_limit=shape.model.gemm1_clamp_limit)
+    E = shape.E
     extra = tensor_bytes(qc.w1.scale, qc.w2.scale, qc.w1.bias, qc.w2.bias)
     total = tensor_bytes(w1q, w2q) + extra
     copies = [(w1q, w2q, qc)]
     n_copies = min(8, math.ceil(4.0 * l2_bytes / total)) if device.type == "cuda" else 1
     for _ in range(1, n_copies):
-        copies.append((_replicate(w1q, device), _replicate(w2q, device), _replicate(qc, device)))
+        copies.append((replicate(w1q, device), replicate(w2q, device), replicate(qc, device)))
     w = ExpertsWeights(shape, copies, total / E, total)
     _WEIGHTS[key] = w
     return w
@@ -307,12 +328,8 @@ def experts_inputs(shape: S.ExpertsShape, M: int, device: torch.device, l2_bytes
     sets = []
     for _ in range(n_sets):
         hidden = torch.randn(M, K, device=device, dtype=shape.dtype, generator=g)
-        logits = torch.randn(M, E, device=device, dtype=torch.float32, generator=g)
-        probs = torch.softmax(logits, dim=-1)
-        tw, ids = torch.topk(probs, topk, dim=-1)
-        if shape.model.renormalize:
-            tw = tw / tw.sum(dim=-1, keepdim=True)
-        sets.append((hidden, tw.float().contiguous(), ids.to(torch.int32).contiguous()))
+        tw, ids = draw_routing(M, E, topk, device, g, renormalize=shape.model.renormalize)
+        sets.append((hidden, tw, ids))
     touched = sum(distinct_experts(s[2]) for s in sets) / n_sets
     work = Work(experts_flops(M, topk, K, shape.N, shape.I),
                 experts_bytes(touched, weights.bytes_per_expert, M, K, topk, act, act), shape.compute_dtype)

@@ -14,7 +14,7 @@ import math
 from collections import OrderedDict
 from pathlib import Path
 
-__all__ = ["finalize", "render_markdown", "write", "load", "fmt_time", "fmt_rate"]
+__all__ = ["finalize", "render_markdown", "render_suite", "write", "load", "fmt_time", "fmt_rate"]
 
 
 def fmt_time(seconds: float) -> str:
@@ -156,6 +156,91 @@ def render_markdown(doc: dict) -> str:
             shown = ", ".join(ids[:4]) + (f", ... ({len(ids)} in all)" if len(ids) > 4 else "")
             lines.append(f"- {reason}: {shown}")
         lines.append("")
+    return "\n".join(lines)
+
+
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e6:.2f}"
+
+
+def _variants(rows: list[dict]) -> list[str]:
+    cols: list[str] = []
+    for r in rows:
+        for k in r.get("times_s", {}):
+            if k not in cols:
+                cols.append(k)
+    return cols
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def render_suite(doc: dict) -> str:
+    """The table of ``python -m benchmarks --backend NAME`` (``benchmarks.cli``): per experts shape and M, each timed
+    variant's time per call, the peer's figure and the speedup over it (of the variant the peer measures), the
+    roofline floor and the fraction of it reached, the correctness check; then the router-gate table; failures."""
+    dev, ceil = doc.get("device", {}), doc.get("ceilings", {})
+    mm = ceil.get("matmul_flops_per_s", {})
+    peer, compare = doc.get("peer"), doc.get("compare")
+    lines = [f"# {doc.get('backend')} backend on {dev.get('name', '?')}: ceilings "
+             f"{fmt_rate(ceil.get('copy_bytes_per_s'), 'B/s')} copy, "
+             + ", ".join(f"{k} {fmt_rate(v, 'FLOP/s')}" for k, v in mm.items()) + "."]
+    if peer:
+        lines.append(f"{peer['title']} = {peer['source']} ({peer['measures']}): compare only on an {peer['device']}.")
+    rows = doc.get("experts", [])
+    if rows:
+        cols = _variants(rows)
+        ref = compare if compare in cols else next((c for c in cols if c.startswith("step")), cols[0] if cols
+                                                   else None)
+        extra = [k for k in rows[0].get("extra", {})]
+        head = ["shape", "M"] + [f"{c} us" for c in cols]
+        if peer:
+            head += [f"{peer['title']} us", "speedup"]
+        head += ["floor us", "% of floor", "check"] + extra
+        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            t = r.get("times_s", {})
+            cells = [f"{r['case']} ({r['E']},{r['topk']},{r['K']},{r['I']})", str(r["M"])]
+            cells += [_us(t.get(c)) + ("" if r.get("methods", {}).get(c) in (None, "cuda-graph", "wall-clock")
+                                       else " (e)") for c in cols]
+            t_ref = t.get(ref)
+            if peer:
+                p = r.get("peer_s")
+                cells += [_us(p), f"{p / t_ref:.2f}x" if p and t_ref else "-"]
+            floor = r.get("floor_s")
+            cells += [_us(floor), f"{100 * floor / t_ref:.0f}%" if floor and t_ref else "-",
+                      "; ".join(r.get("checks", {}).values()) or "-"]
+            cells += [str(r.get("extra", {}).get(k, "")) for k in extra]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        lines.append(f"floor = max(bytes of the experts touched + activations / copy bandwidth, FLOPs / matmul "
+                     f"throughput); % of floor and speedup are of `{ref}`; check = worst metric / its error-model "
+                     "bound against the reference ((e): timed eagerly, graph capture failed).")
+        pre = [r["peer_s"] / r["times_s"][ref] for r in rows if r.get("peer_s") and r.get("times_s", {}).get(ref)
+               and r["M"] >= 1024]
+        dec = [100 * r["floor_s"] / r["times_s"][ref] for r in rows if r.get("times_s", {}).get(ref)
+               and r.get("floor_s") and 8 <= r["M"] <= 64]
+        if pre:
+            lines.append(f"prefill (M >= 1024) geometric-mean speedup of {ref} vs {peer['title']}: "
+                         f"{_geomean(pre):.3f}x over {len(pre)} points")
+        if dec:
+            lines.append(f"decode (M 8..64) % of floor of {ref}: min {min(dec):.0f}%, mean {sum(dec) / len(dec):.0f}%")
+    gates = doc.get("gate", [])
+    if gates:
+        cols = _variants(gates)
+        lines += ["", "| router gate | M | floor us | " + " | ".join(f"{c} us" for c in cols) + " |",
+                  "|" + "---|" * (3 + len(cols))]
+        for r in gates:
+            t = r.get("times_s", {})
+            lines.append(f"| {r['case']} | {r['M']} | {_us(r.get('floor_s'))} | "
+                         + " | ".join(_us(t.get(c)) for c in cols) + " |")
+        lines.append("")
+        lines += [f"- `{r['case']}`: {r['label']}" for r in {r["case"]: r for r in gates}.values()]
+    fails = doc.get("failures", [])
+    lines.append("")
+    lines.append(f"failures: {len(fails)}" + "".join(f"\n  - {f[:220]}" for f in fails[:25]))
+    lines += doc.get("notes", [])
     return "\n".join(lines)
 
 

@@ -36,6 +36,8 @@ __all__ = [
     "gpu_experts_shapes",
     "cpu_experts_shapes",
     "gate_shapes",
+    "experts_shape",
+    "gate_shape",
     "selected",
     "selected_m",
     "selected_backends",
@@ -186,6 +188,30 @@ def gate_shapes() -> tuple[GateShape, ...]:
         GateShape("minimax_m2_gate", mm.display, mm.hidden_size, mm.num_experts, torch.bfloat16, torch.float32,
                   torch.float32, ops=("fp32_router_gemm", "gate_linear")),
     )
+
+
+def experts_shape(shape_id: str) -> ExpertsShape:
+    """The shape of id ``shape_id``: one of :func:`gpu_experts_shapes` / :func:`cpu_experts_shapes`, or a known
+    ``<model>[_tpN|_epN]`` prefix of those with another scheme of ``specs/schemes.toml`` (``dsv3_ep8-bf16``)."""
+    known = {s.id: s for s in gpu_experts_shapes() + cpu_experts_shapes()}
+    if shape_id in known:
+        return known[shape_id]
+    prefix, _, scheme = shape_id.partition("-")
+    base = next((s for s in gpu_experts_shapes() if s.id.partition("-")[0] == prefix), None)
+    from specs import load_schemes
+
+    if base is None or scheme not in load_schemes():
+        raise KeyError(f"unknown experts shape {shape_id!r}: known {sorted(known)}, or <prefix>-<scheme> with a "
+                       f"prefix of {sorted({s.id.partition('-')[0] for s in gpu_experts_shapes()})} and a scheme "
+                       "of specs/schemes.toml")
+    return ExpertsShape(shape_id, base.model, scheme, tp=base.tp, ep=base.ep, note=base.note)
+
+
+def gate_shape(shape_id: str) -> GateShape:
+    known = {s.id: s for s in gate_shapes()}
+    if shape_id not in known:
+        raise KeyError(f"unknown gate shape {shape_id!r}: known {sorted(known)}")
+    return known[shape_id]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ __all__ = [
     "device_info",
     "planted_slowdown",
     "median_time",
+    "Measurement",
+    "measure",
 ]
 
 _MEASURED = [0.0]
@@ -246,8 +248,52 @@ class Runner:
             t += _gpu_sleep(self.slowdown * t, self.device)
         _add(t / self.calls_per_round)
 
+    @property
+    def graph(self):
+        """The captured CUDA graph (``calls_per_round`` calls), or None (eager or CPU timing)."""
+        return self._graph
+
     def close(self) -> None:
         self._graph = None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Per-call time of one implementation: ``seconds`` (median over rounds) and how it was taken."""
+
+    seconds: float
+    method: str
+    calls_per_round: int
+    rounds: int
+    graph_error: str | None = None
+
+    @property
+    def us(self) -> float:
+        return self.seconds * 1e6
+
+
+def measure(call: Callable[[int], object], n_sets: int, device: torch.device | str,
+            settings: Settings | None = None, *, graph_key: str | None = None, allow_graph: bool = True,
+            keep_runner: bool = False):
+    """Time ``call(i)`` (``i`` in ``range(n_sets)``) outside pytest: :class:`Runner`'s protocol (warm-up, a CUDA graph
+    of >= ``n_sets`` calls or events around eager calls, rounds for the budget), the median of the rounds. Returns a
+    :class:`Measurement`; with ``keep_runner`` also the open :class:`Runner` (its ``graph`` for a profiler)."""
+    device = torch.device(device)
+    settings = settings or Settings.from_env(device.type == "cuda")
+    r = Runner(call, n_sets, device, settings, allow_graph=allow_graph, graph_key=graph_key)
+    r.prepare()
+    r.round()  # one unmeasured round (pytest-benchmark's warmup_rounds=1)
+    times = []
+    for _ in range(r.rounds):
+        t0 = measured_clock()
+        r.round()
+        times.append(measured_clock() - t0)
+    times.sort()
+    m = Measurement(times[len(times) // 2], r.method, r.calls_per_round, r.rounds, r.graph_error)
+    if keep_runner:
+        return m, r
+    r.close()
+    return m
 
 
 _SLEEP_CYCLES_PER_S: dict[int, float] = {}

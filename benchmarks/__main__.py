@@ -1,0 +1,7 @@
+"""``python -m benchmarks --backend NAME``: see ``benchmarks/cli.py``."""
+
+import sys
+
+from benchmarks.cli import main
+
+sys.exit(main())

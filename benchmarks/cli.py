@@ -1,0 +1,294 @@
+"""``python -m benchmarks --backend NAME``: one backend's side-by-side table (the per-backend bench scripts' table).
+
+    python -m benchmarks --backend triton                    # the triton suite (< 8 minutes on an H200)
+    python -m benchmarks --backend triton --quick            # M in the suite's quick_M
+    python -m benchmarks --backend cuda --shapes qwen3_30b-bf16 --ms 1,64 --json out.json
+    python -m benchmarks --backend torch                     # CPU: the scaled-down shapes, wall clock
+    python -m benchmarks --backend triton --list             # what the suite runs, nothing timed
+
+What runs is data: ``benchmarks/suites.toml`` (shapes, token counts, the peer, router-gate shapes) and
+``benchmarks/peers.toml`` (the peers' reference figures). For each experts shape and M:
+
+1. inputs from ``benchmarks.harness`` (weights quantized by the reference as conformance does, rotating input sets
+   and weight copies whose bytes exceed the L2, so decode is measured from HBM);
+2. each experts class of the backend that claims the configuration, through
+   ``FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls)`` (the ``step`` column: prepare + experts + finalize); up to
+   the suite's ``check_max_M`` its output is first checked against the reference with the error model's bound
+   (``benchmarks.check``; a failing class is not timed);
+3. the backend's own extra variants, if its ``backends.<name>.tools.bench_variants`` module offers them (the GEMM
+   stage alone, which the peers' figures time);
+4. timing by ``benchmarks.timing.measure`` (CUDA graphs, median of rounds; wall clock on CPU); floor and roofline
+   by ``benchmarks.roofline`` on the ceilings ``benchmarks.timing.measure_ceilings`` measures in the same run.
+
+The table is printed last (``benchmarks.report.render_suite``). Exit status: 0, 1 if a check failed or a variant
+raised, 2 if the backend cannot run here (the reason is printed: no CUDA GPU, missing package, capability).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+
+__all__ = ["main", "parse_args", "run_suite"]
+
+NOT_HERE = 2
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
+                                 epilog="\n".join(__doc__.splitlines()[1:]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", required=True, help="registered backend name or module:attribute")
+    ap.add_argument("--shapes", type=_csv, default=[], help="comma-separated shape ids or aliases (default: suite)")
+    ap.add_argument("--ms", type=_ints, default=[], help="comma-separated token counts (default: suite's M)")
+    ap.add_argument("--quick", action="store_true", help="the suite's quick_M only")
+    ap.add_argument("--no-check", action="store_true", help="time without checking outputs against the reference")
+    ap.add_argument("--no-gate", action="store_true", help="skip the router-gate table")
+    ap.add_argument("--list", action="store_true", help="print what the suite runs and exit (no device needed)")
+    ap.add_argument("--json", default=None, help="write the results here (default: $OUT/benchmark-<backend>.json "
+                                                 "when $OUT is set)")
+    args = ap.parse_args(argv)
+    if args.quick and args.ms:
+        ap.error("--quick and --ms are exclusive")
+    return args
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def _hook(backend_name: str):
+    """``backends.<name>.tools.bench_variants`` (the backend's extra timed variants), or None."""
+    mod = f"backends.{backend_name}.tools.bench_variants"
+    try:
+        return importlib.import_module(mod)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and mod.startswith(exc.name):
+            return None
+        raise
+
+
+def _plan(args, suite):
+    from benchmarks import shapes as S
+
+    ids = [suite.resolve(s) for s in args.shapes] if args.shapes else list(suite.experts)
+    experts = [S.experts_shape(i) for i in ids]
+    ms = tuple(args.ms) if args.ms else (suite.quick_M if args.quick else suite.M)
+    gates = [] if args.no_gate or args.shapes else suite.gate_shapes()
+    gate_ms = tuple(args.ms) if args.ms else tuple(m for m in suite.gate_M if not args.quick or m in (1, 16))
+    return experts, ms, gates, gate_ms
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from backends import BackendNotFound, load_backend
+    from benchmarks import suites
+
+    suite = suites.suite(args.backend)
+    try:
+        experts, ms, gates, gate_ms = _plan(args, suite)
+    except KeyError as exc:
+        log(f"benchmarks: {exc.args[0]}")
+        return NOT_HERE
+    if args.list:
+        log(f"suite of {args.backend}: M {list(ms)}; check up to M={suite.check_max_M}; peer {suite.peer or '-'}")
+        for s in experts:
+            log(f"  {s.id}: {s.label}")
+        for g in gates:
+            log(f"  {g.id}: {g.label} at M {list(gate_ms)}")
+        return 0
+    try:
+        backend = load_backend(args.backend)
+    except BackendNotFound as exc:
+        log(f"benchmarks: {exc}")
+        return NOT_HERE
+    status = backend.availability_status()
+    if status is not None:
+        log(f"benchmarks: backend {args.backend!r} cannot run here: {status}")
+        return NOT_HERE
+    doc = run_suite(backend, suite, experts, ms, gates, gate_ms, check=not args.no_check)
+    from benchmarks import report
+
+    path = args.json or (os.path.join(os.environ["OUT"], f"benchmark-{args.backend}.json")
+                         if os.environ.get("OUT") else None)
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump(report._jsonable(doc), f, indent=1, default=str)
+        except OSError as exc:
+            doc["notes"].append(f"could not write {path}: {exc}")
+    log()
+    log(report.render_suite(doc))
+    if path:
+        log(f"written: {path}")
+    return 1 if doc["failures"] else 0
+
+
+def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True) -> dict:
+    """Measure ``experts`` x ``ms`` (and the gate shapes) for ``backend``; the results document."""
+    import torch
+
+    from benchmarks import harness, report, suites, timing
+    from benchmarks.harness import ExpertsParam
+
+    t0 = time.time()
+    device = torch.device(backend.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch.set_num_threads(int(os.environ.get("MOE_BENCH_CPU_THREADS", "1")))
+    info = timing.device_info()
+    log(f"[{time.time() - t0:6.1f}s] {backend.name} {backend.version} on {info['name']}, torch {info['torch']}")
+    ceilings = timing.measure_ceilings(device)
+    l2 = info.get("l2_bytes", 50 * 2**20)
+    mm = ceilings["matmul_flops_per_s"]
+    log(f"[{time.time() - t0:6.1f}s] ceilings: copy {report.fmt_rate(ceilings['copy_bytes_per_s'], 'B/s')}, "
+        + ", ".join(f"{k} {report.fmt_rate(v, 'FLOP/s')}" for k, v in mm.items()))
+    settings = timing.Settings.from_env(device.type == "cuda")
+    hook = _hook(backend.name)
+    peer = suites.peer(suite.peer) if suite.peer else None
+    doc = {"backend": backend.name, "version": backend.version, "device": info, "ceilings": ceilings,
+           "peer": None if peer is None else {k: getattr(peer, k) for k in ("name", "title", "device", "source",
+                                                                             "measures", "unit")},
+           "compare": suite.compare, "experts": [], "gate": [], "failures": [], "notes": []}
+
+    def fail(what: str, exc: BaseException) -> None:
+        msg = f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+        doc["failures"].append(msg)
+        log(f"  FAILED {msg}")
+        traceback.print_exc()
+
+    for shape in experts:
+        extra = dict(hook.extra(shape)) if hook is not None and hasattr(hook, "extra") else {}
+        for M in ms:
+            if time.time() - t0 > suite.budget_s:
+                doc["notes"].append(f"time budget ({suite.budget_s:.0f} s) reached: {shape.id} M={M} not timed")
+                continue
+            row = {"case": shape.id, "label": shape.label, "M": M, "scheme": shape.scheme, "E": shape.E,
+                   "topk": shape.topk, "K": shape.K, "I": shape.I, "times_s": {}, "methods": {}, "checks": {},
+                   "extra": extra}
+            try:
+                inp = harness.experts_inputs(shape, M, device, l2)
+            except Exception as exc:  # noqa: BLE001 - a bench survives a failing case
+                fail(f"inputs {shape.id} M={M}", exc)
+                continue
+            floor_s, bound = inp.work.floor(ceilings)
+            row.update(floor_s=floor_s, bound=bound, flops=inp.work.flops, bytes=inp.work.bytes,
+                       touched=inp.touched, peer_s=peer.seconds(shape.id, M, inp.work.flops) if peer else None)
+            classes = [c for c in backend.experts if harness.standard_modular(c)]
+            claimed = []
+            for cls in classes:
+                ok, _ = harness.supported(ExpertsParam(shape, M, backend.name, cls))
+                if ok:
+                    claimed.append(cls)
+            if not claimed:
+                row["note"] = "no experts class claims this configuration"
+            for cls in claimed:
+                name = "step" if len(claimed) == 1 else f"step:{cls.__name__}"
+                row.setdefault("impl", cls.__name__)
+                try:
+                    call, _ = harness.make_experts_call(ExpertsParam(shape, M, backend.name, cls), inp)
+                    if check and M <= suite.check_max_M:
+                        c = _check(shape, M, cls, inp, call(0))
+                        row["checks"][name] = c.text
+                        if not c.ok:
+                            doc["failures"].append(f"check {shape.id} M={M} {cls.__name__}: {c.text}")
+                            row["times_s"][name] = None
+                            log(f"  {shape.id} M={M} {name}: {c.text} (not timed)")
+                            continue
+                    m = timing.measure(call, len(inp.sets), device, settings,
+                                       graph_key=f"{backend.name}.{cls.__name__}.{shape.scheme}")
+                    row["times_s"][name], row["methods"][name] = m.seconds, m.method
+                except Exception as exc:  # noqa: BLE001
+                    row["times_s"][name] = None
+                    fail(f"{shape.id} M={M} {name}", exc)
+            if hook is not None and hasattr(hook, "variants") and claimed:
+                try:
+                    variants = list(hook.variants(shape, M, inp, device))
+                except Exception as exc:  # noqa: BLE001
+                    variants = []
+                    fail(f"{shape.id} M={M} variants", exc)
+                for name, call in variants:
+                    try:
+                        m = timing.measure(call, len(inp.sets), device, settings,
+                                           graph_key=f"{backend.name}.{name}.{shape.scheme}")
+                        row["times_s"][name], row["methods"][name] = m.seconds, m.method
+                    except Exception as exc:  # noqa: BLE001
+                        row["times_s"][name] = None
+                        fail(f"{shape.id} M={M} {name}", exc)
+            doc["experts"].append(row)
+            log(f"[{time.time() - t0:6.1f}s] {shape.id} M={M}: "
+                + ", ".join(f"{k} {v * 1e6:.2f} us" if v else f"{k} -" for k, v in row["times_s"].items())
+                + f"; floor {floor_s * 1e6:.2f} us" + (f"; {' '.join(row['checks'].values())}" if row["checks"]
+                                                       else ""))
+    for shape in gates:
+        for M in gate_ms:
+            try:
+                doc["gate"].append(_gate_row(backend, shape, M, device, l2, ceilings, settings, hook))
+            except Exception as exc:  # noqa: BLE001
+                fail(f"gate {shape.id} M={M}", exc)
+    doc["wall_s"] = round(time.time() - t0, 1)
+    return doc
+
+
+def _check(shape, M, cls, inp, out):
+    from benchmarks.check import experts_bound, reference_output, verdict
+
+    w1, w2, qc = inp.weights.copies[0]
+    h, tw, ids = inp.sets[0]
+    ref = reference_output(h, w1, w2, tw, ids, qc, activation=shape.activation, global_num_experts=shape.E)
+    return verdict(out, ref.to(out.device), experts_bound(shape, qc, M, cls))
+
+
+def _gate_row(backend, shape, M, device, l2, ceilings, settings, hook) -> dict:
+    from benchmarks import harness, timing
+    from benchmarks.harness import GateParam
+
+    sets, work = harness.gate_inputs(shape, M, device, l2)
+    floor_s, bound = work.floor(ceilings)
+    row = {"case": shape.id, "label": shape.label, "M": M, "floor_s": floor_s, "bound": bound, "times_s": {},
+           "methods": {}, "notes": {}}
+    calls = []
+    for op in shape.ops:
+        if op in backend.ops:
+            calls.append((op, GateParam(shape, M, backend.name, op)))
+    for op in harness.TORCH_GATE_OPS.get(shape.id, ()):
+        calls.append((op, GateParam(shape, M, "torch", op)))
+    timed = []
+    for name, p in calls:
+        call, reason = harness.make_gate_call(p, sets)
+        if call is None:
+            row["notes"][name] = reason
+            continue
+        timed.append((name + (f"[{call.tier}]" if hasattr(call, "tier") else ""), call))
+    if hook is not None and hasattr(hook, "gate_variants"):
+        timed += list(hook.gate_variants(shape, M, sets))
+    for name, call in timed:
+        try:
+            call(0)
+            m = timing.measure(call, len(sets), device, settings, graph_key=f"gate.{name}")
+            row["times_s"][name], row["methods"][name] = m.seconds, m.method
+        except (NotImplementedError, ValueError) as exc:  # outside the op's contract here (test_bench_gate skips)
+            row["times_s"][name] = None
+            row["notes"][name] = f"{type(exc).__name__}: {str(exc).strip()[:100]}"
+    return row
+
+
+if __name__ == "__main__":
+    sys.exit(main())
