@@ -175,16 +175,17 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
         traceback.print_exc()
 
     for shape in experts:
-        extra = dict(hook.extra(shape)) if hook is not None and hasattr(hook, "extra") else {}
         for M in ms:
             if time.time() - t0 > suite.budget_s:
                 doc["notes"].append(f"time budget ({suite.budget_s:.0f} s) reached: {shape.id} M={M} not timed")
                 continue
             row = {"case": shape.id, "label": shape.label, "M": M, "scheme": shape.scheme, "E": shape.E,
                    "topk": shape.topk, "K": shape.K, "I": shape.I, "times_s": {}, "methods": {}, "checks": {},
-                   "extra": extra}
+                   "extra": {}}
             try:
                 inp = harness.experts_inputs(shape, M, device, l2)
+                if hook is not None and hasattr(hook, "extra"):
+                    row["extra"] = dict(hook.extra(shape, inp))
             except Exception as exc:  # noqa: BLE001 - a bench survives a failing case
                 fail(f"inputs {shape.id} M={M}", exc)
                 continue

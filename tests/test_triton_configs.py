@@ -28,7 +28,8 @@ def test_tables_exist_for_both_gpus():
 def test_every_bench_shape_has_a_tuned_table(gpu):
     """Issue 10: a tuned table per (E, N, dtype, block shape, GPU) for the benchmark shapes, with an entry for each
     benchmark M (a shape left to the defaults is slower by up to 1.7x: DeepSeek-V3 TP8 on the H100 at M = 1)."""
-    from backends.triton.bench import SHAPES
+    from backends.triton.tools.common import shapes
+    SHAPES = shapes()
 
     missing = []
     for sh in SHAPES:
@@ -71,7 +72,7 @@ def test_half_tail_needs_tiles_of_32_rows():
 def test_ntiles_tuner_variants():
     """The tuner's ntiles family: decode GEMM2s with 2 / 3 / 4 N tiles per program, with and without FLATTEN, at the
     entry's BLOCK_SIZE_N and 64; nothing for prefill (BLOCK_SIZE_M > 32) or Gluon GEMM2s."""
-    from backends.triton.tune import _ntiles_variants
+    from backends.triton.tools.tune import _ntiles_variants
     g2 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, PDL=1)
     v = _ntiles_variants({}, g2)
     assert {(c["BLOCK_SIZE_N"], c["N_TILES"], c["FLATTEN"]) for _, _, c in v} == {
@@ -83,7 +84,7 @@ def test_ntiles_tuner_variants():
 def test_tuner_candidate_lists_are_complete():
     """Each GEMM's candidate list is deduplicated on its own (a GEMM2 candidate equal to a GEMM1 candidate is still
     timed), and prefill has the 128-row HALF_TAIL key."""
-    from backends.triton.tune import candidates
+    from backends.triton.tools.tune import candidates
 
     for M, E, topk in ((1, 128, 8), (8, 128, 8), (4096, 128, 8), (1024, 32, 8)):
         for fp8_block in (False, True):
@@ -124,7 +125,8 @@ def _gluon_args(gemm, g, sh):
 def test_gluon_kernel_names_what_it_does_not_cover():
     from backends.triton import gluon_sm90
     from backends.triton._jit import ACT_SILU
-    from backends.triton.bench import SHAPES
+    from backends.triton.tools.common import shapes
+    SHAPES = shapes()
 
     sh = next(s for s in SHAPES if s.name == "dsv3_ep8_fp8blk")
     g = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, num_warps=8, num_stages=4, PERMUTE_A=1,
@@ -166,7 +168,8 @@ def _ws_args(gemm, g, sh):
 def test_warp_specialized_kernel_names_what_it_does_not_cover():
     from backends.triton import gluon_ws
     from backends.triton._jit import ACT_SILU
-    from backends.triton.bench import SHAPES
+    from backends.triton.tools.common import shapes
+    SHAPES = shapes()
 
     bf16 = next(s for s in SHAPES if s.name == "qwen3_30b_bf16")
     fp8 = next(s for s in SHAPES if s.name == "dsv3_ep8_fp8blk")
@@ -203,8 +206,9 @@ def _fp8_nonblock_configs():
     """(where, gemm config) of every launch configuration an FP8 per-tensor / per-channel experts step can get: the
     committed tables for ``dtype=fp8_w8a8`` without a block shape, the defaults at the token counts of the benchmarks
     (for the two FP8 shapes of ``tools.fp8_accum`` and every bench shape), and the tuner's candidates."""
-    from backends.triton import tune
-    from backends.triton.bench import SHAPES
+    from backends.triton.tools import tune
+    from backends.triton.tools.common import shapes
+    SHAPES = shapes()
     from backends.triton.tools.fp8_accum import timing_shapes
 
     out = []

@@ -1,6 +1,6 @@
 """Every tuned launch configuration of the triton backend compiles for sm_90 (H100 / H200), checked on a CPU.
 
-``backends.triton.sm90`` swaps Triton's driver for one that compiles for ``cuda:90`` with Triton's bundled ptxas and
+``backends.triton.tools.sm90`` swaps Triton's driver for one that compiles for ``cuda:90`` with Triton's bundled ptxas and
 launches nothing, then runs the real experts step (host code, JIT specialization, every kernel launch) on CPU
 tensors for each entry of the H200 and H100 tables. This catches what the interpreter subset cannot: a tile code
 path that does not compile for the GPU (a ``CompilationError`` only some configurations reach), a shared-memory
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    procs = {g: subprocess.Popen([sys.executable, "-m", "backends.triton.sm90", "--gpus", g, "--json"], cwd=ROOT,
+    procs = {g: subprocess.Popen([sys.executable, "-m", "backends.triton.tools.sm90", "--gpus", g, "--json"], cwd=ROOT,
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for g in GPUS}
     out = {}
     for g, p in procs.items():
@@ -48,7 +48,8 @@ def compiled():
 def _table_entries(gpu):
     """(shape, M) of every entry of ``gpu``'s tables for the bench shapes, read from the JSON files directly."""
     from backends.triton import configs as C
-    from backends.triton.bench import SHAPES
+    from backends.triton.tools.common import shapes
+    SHAPES = shapes()
 
     entries = set()
     for sh in SHAPES:
@@ -63,7 +64,7 @@ def test_every_table_entry_compiles_for_sm90(compiled, gpu):
     rc, rows, stderr = compiled[gpu]
     errors = [r for r in rows if "error" in r]
     assert not errors, f"{gpu}: entries that do not compile for sm_90: {errors}"
-    assert rc == 0, f"backends.triton.sm90 --gpus {gpu} exited {rc}:\n{stderr[-3000:]}"
+    assert rc == 0, f"backends.triton.tools.sm90 --gpus {gpu} exited {rc}:\n{stderr[-3000:]}"
     expected = _table_entries(gpu)
     assert expected, f"no tuned tables found for {gpu}"
     seen = {(r["shape"], r["M"]) for r in rows if r.get("kernel") in GEMMS}
@@ -85,7 +86,7 @@ def test_gemms_use_the_hopper_paths_and_do_not_spill(compiled, gpu):
     """The GEMMs of every entry fit the SM's registers without spilling to local memory and its shared memory;
     those of the prefill entries (M >= 1024: 64- and 128-row tiles) compile to wgmma (HGMMA / QGMMA), the Hopper
     tensor-core path, not mma.sync."""
-    from backends.triton.sm90 import SM90
+    from backends.triton.tools.sm90 import SM90
 
     gemms = [r for r in compiled[gpu][1] if r.get("kernel") in GEMMS]
     assert gemms
@@ -132,8 +133,10 @@ def test_warp_specialized_entries_run_their_partitions(compiled):
 
 GLUON_VARIANTS = r"""
 import json, sys, torch
-from backends.triton import configs as C, sm90, tune
-from backends.triton.bench import SHAPES, make_routing
+from backends.triton import configs as C
+from backends.triton.tools import sm90, tune
+from backends.triton.tools.common import make_routing, shapes
+SHAPES = shapes()
 from backends.triton.experts import fused_experts
 
 sh = next(s for s in SHAPES if s.name == "qwen3_30b_fp8blk")
@@ -163,7 +166,7 @@ def test_every_gluon_variant_compiles_with_overlapped_mmas():
     """Every Gluon variant the tuner tries (plain and gated epilogues, 64- and 128-row tiles, persistent) compiles for
     sm_90 without spills, within the SM's shared memory, with one wgmma group left in flight during the promotion:
     also the variants no committed table uses today."""
-    from backends.triton.sm90 import SM90
+    from backends.triton.tools.sm90 import SM90
 
     rows = _compile_script(GLUON_VARIANTS)
     assert {r["variant"] for r in rows} >= {"gluon1act-bm64", "gluon12-bm128", "gluon12act-bm128+persist"}, rows
@@ -173,8 +176,10 @@ def test_every_gluon_variant_compiles_with_overlapped_mmas():
 
 WS_VARIANTS = r"""
 import json, torch
-from backends.triton import configs as C, sm90, tune
-from backends.triton.bench import SHAPES, make_routing
+from backends.triton import configs as C
+from backends.triton.tools import sm90, tune
+from backends.triton.tools.common import make_routing, shapes
+SHAPES = shapes()
 from backends.triton.experts import fused_experts, strict_kernels
 
 for name, M in (("qwen3_30b_bf16", 1024), ("qwen3_30b_bf16", 4096), ("qwen3_30b_fp8blk", 1024),
@@ -219,7 +224,7 @@ def test_every_warp_specialized_variant_compiles():
     the SM's shared memory, on wgmma, the block-FP8 ones with their promotion overlapped; and an entry the kernel
     does not cover names why under ``strict_kernels`` (as the tuner runs) and falls back to ``fused_moe_kernel``
     otherwise."""
-    from backends.triton.sm90 import SM90
+    from backends.triton.tools.sm90 import SM90
 
     rows = _compile_script(WS_VARIANTS)
     kernels = [r for r in rows if "variant" in r]
@@ -237,7 +242,7 @@ def test_every_warp_specialized_variant_compiles():
 FP8_PROMOTED = r"""
 import json, torch
 from backends.triton import configs as C, sm90
-from backends.triton.bench import make_routing
+from backends.triton.tools.common import make_routing
 from backends.triton.experts import fused_experts, plan_quant, promotion_tiles
 from backends.triton.tools.fp8_accum import timing_shapes
 
@@ -264,7 +269,7 @@ def test_fp8_per_tensor_and_channel_gemms_compile_promoted():
     promoted (``PROMOTE`` > 0) without spills, within shared memory, the prefill GEMMs on wgmma (QGMMA); and where an
     interval holds several K tiles on wgmma, the chain inside it stays asynchronous (a wait that leaves one or two
     wgmma groups in flight), i.e. the promotion does not serialize every K tile."""
-    from backends.triton.sm90 import SM90
+    from backends.triton.tools.sm90 import SM90
 
     rows = _compile_script(FP8_PROMOTED)
     assert len(rows) == 2 * 3 * 2, rows

@@ -17,7 +17,7 @@ what the promotion costs (issue 22, item 5). One process on one H100 / H200, und
     sum) of Qwen3-30B-A3B ``fp8_channel_token`` (E=128, topk 8, K=2048, I=768) and Mixtral-8x7B TP2 ``fp8_tensor``
     (E=8, topk 2, K=4096, I=7168) at M in {64, 1024, 4096}, each variant on the launch configuration
     ``configs.get_config`` picks for the shape with the variant's accumulation keys set (these schemes have no tuned
-    table: the defaults). Inputs from ``bench.draw_inputs`` (rotating routings), timed by ``benchmarks.timing.Runner``
+    table: the defaults). Inputs from ``tools.common.draw_inputs`` (rotating routings), timed by ``benchmarks.timing.measure``
     (CUDA graphs, median of rounds), variants interleaved and repeated; before a variant's time counts, its output on
     the first input set is checked against ``reference.experts.fused_experts`` with the error model's bound for its
     accumulation (``reference.error_model``: the in-place form under the opt-in ``Accumulation.fast``; a failing
@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -70,9 +69,9 @@ def log(*a):
 
 
 def timing_shapes():
-    """The two timed shapes (``bench.Shape``): Qwen3-30B-A3B FP8 per-channel weights x per-token activations, and
+    """The two timed shapes (``tools.common.Shape``): Qwen3-30B-A3B FP8 per-channel weights x per-token activations, and
     Mixtral-8x7B at TP2 with FP8 per-tensor weights and activations (``specs/models.toml`` dimensions)."""
-    from backends.triton.bench import Shape
+    from backends.triton.tools.common import Shape
 
     return [Shape("qwen3_30b_fp8_channel_token", 128, 8, 2048, 768, "fp8_channel_token"),
             Shape("mixtral_tp2_fp8_tensor", 8, 2, 4096, 7168, "fp8_tensor")]
@@ -159,25 +158,19 @@ def accuracy(dev, Ks=ACC_KS, M=1024, N=1024, seed=0) -> list[dict]:
 
 
 def _median_call_us(call, n_sets, dev, budget_s):
-    """Median per-call device time (us) of ``call(i)`` over ``benchmarks.timing.Runner`` rounds (CUDA graph)."""
-    from benchmarks.timing import Runner, Settings, measured_clock
+    """Median per-call device time (us) of ``call(i)`` over ``benchmarks.timing.measure`` rounds (CUDA graph)."""
+    from benchmarks.timing import Settings, measure
 
-    r = Runner(call, n_sets, dev, Settings(budget_s=budget_s, min_rounds=10, max_rounds=60))
-    r.prepare()
-    ts = []
-    for _ in range(r.rounds):
-        t0 = measured_clock()
-        r.round()
-        ts.append(measured_clock() - t0)
-    r.close()
-    return statistics.median(ts) * 1e6, r.method
+    m = measure(call, n_sets, dev, Settings(budget_s=budget_s, min_rounds=10, max_rounds=60))
+    return m.us, m.method
 
 
 def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
     """Part (b): one row per (variant, shape, M): median us of the whole experts step (best of ``repeats``
     interleaved repeats), or the reason it was not timed."""
     from backends.triton import configs as C
-    from backends.triton.bench import draw_inputs, make_weights, reference_on_cpu, stats
+    from backends.triton.tools.common import draw_inputs, make_weights
+    from benchmarks.check import reference_output, verdict
     from backends.triton.experts import fused_experts, plan_quant
     from reference.error_model import Accumulation, experts_error_bound
     from reference.experts import fused_experts as ref_fused_experts
@@ -206,21 +199,18 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
                 ref = ref_fused_experts(xs[0], w1, w2, routes[0][0], routes[0][1], activation=act, quant_config=qc)
             except Exception as exc:  # noqa: BLE001
                 log(f"reference on the GPU failed ({type(exc).__name__}: {exc}); computing it on the CPU")
-                ref = reference_on_cpu(xs[0], w1, w2, routes[0][0], routes[0][1], qc, activation=act).to(dev)
+                ref = reference_output(xs[0], w1, w2, routes[0][0], routes[0][1], qc, activation=act).to(dev)
             ok = {}
             for name, keys in VARIANTS.items():
                 cfg = with_variant(base, keys)
                 try:
                     out = fused_experts(xs[0], w1, w2, routes[0][0], routes[0][1], activation=act, quant_config=qc,
                                         config=cfg)
-                    s = stats(out, ref)
-                    tol = bound(keys)
-                    good = not s["nan"] and all(s[k] <= tol[k] for k in ("max_norm", "rms_norm", "calc_diff"))
-                    ok[name] = (cfg, None if good else f"outside its bound: rms {s['rms_norm']:.2e} > "
-                                                       f"{tol['rms_norm']:.1e} or max {s['max_norm']:.2e} > "
-                                                       f"{tol['max_norm']:.1e}", True)
-                    log(f"check {sh.name} M={M} {name:32s} {'OK' if good else 'FAIL'} rms={s['rms_norm']:.2e} "
-                        f"max={s['max_norm']:.2e}")
+                    c = verdict(out, ref, bound(keys))
+                    good = c.ok
+                    ok[name] = (cfg, None if good else f"outside its bound: {c.text}", True)
+                    log(f"check {sh.name} M={M} {name:32s} {'OK' if good else 'FAIL'} {c.text}"
+                        + (f" rms={c.stats.rms_norm:.2e} max={c.stats.max_norm:.2e}" if c.stats else ""))
                 except Exception as exc:  # noqa: BLE001 - reported in the table, the run goes on
                     ok[name] = (cfg, f"{type(exc).__name__}: {exc}", False)
                     log(f"check {sh.name} M={M} {name} FAILED: {ok[name][1]}")

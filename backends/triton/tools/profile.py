@@ -1,19 +1,19 @@
 """Profile one benchmark shape's experts step: for an external profiler, or as a per-kernel breakdown.
 
     ncu -k regex:fused_moe_kernel --launch-skip 2 -c 2 --section SpeedOfLight --section Occupancy \
-        python3 -m backends.triton.profile dsv3_tp8_fp8blk 4096
+        python3 -m backends.triton.tools.profile dsv3_tp8_fp8blk 4096
 
 runs the step a few times (default 2): the first call compiles and warms up; the second is the one to profile
 (GEMM1 and GEMM2 are its 3rd and 4th ``fused_moe_kernel`` launches with ``--launch-skip 2``).
 
-    python3 -m backends.triton.profile --breakdown qwen3_30b_fp8blk:8 dsv3_ep8_fp8blk:8
+    python3 -m backends.triton.tools.profile --breakdown qwen3_30b_fp8blk:8 dsv3_ep8_fp8blk:8
 
-times the GEMM stage as the bench does (GEMM1 with its fused activation, the requantization kernel when one runs,
-GEMM2; a CUDA graph of 10 calls over 10 routings) and prints, per kernel in launch order, its device time per
+times the GEMM stage as ``python -m benchmarks --backend triton`` does (its ``gemms`` column: GEMM1 with its fused activation, the requantization kernel when one runs,
+GEMM2; a CUDA graph of >= 10 calls over 10 routings, ``benchmarks.timing``) and prints, per kernel in launch order, its device time per
 call from ``torch.profiler`` over 5 graph replays, the sum, and the idle time between kernels (graph time per call
 minus the sum). A kernel launched with programmatic dependent launch (``PDL`` entries) starts during the previous
 one and counts its wait as device time, so the sum then exceeds the graph time. Both use the tuned table entry of
-the GPU, as the bench does.
+the GPU, as the benchmark does.
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ import torch
 
 
 def _shape(name):
-    from backends.triton.bench import SHAPES
+    from backends.triton.tools.common import shape
 
-    sh = next((s for s in SHAPES if s.name == name), None)
-    if sh is None:
-        raise SystemExit(f"unknown shape {name!r}; names: {[s.name for s in SHAPES]}")
-    return sh
+    return shape(name)
 
 
 def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
@@ -38,7 +35,7 @@ def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from backends.triton import configs as C
-    from backends.triton.bench import capture_graph, draw_inputs, make_weights, time_graph
+    from backends.triton.tools.common import draw_inputs, make_weights, time_us
     from backends.triton.experts import plan_quant, route_layout, run_experts
 
     sh = _shape(name)
@@ -56,29 +53,32 @@ def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
                     topk_ids=routes[r][1], activation=act, expert_map=None, num_ids=sh.E, qc=qc, plan=plan,
                     cfg=cfg, layout=lays[r], stages="gemms")
 
-    g = capture_graph(call, n_calls=R)
-    graph_us = time_graph(call, n_calls=R, graph=g)
+    graph_us, runner = time_us(call, R, dev, keep_runner=True)  # benchmarks.timing: a graph of >= R calls
+    g = runner.graph
+    if g is None:
+        raise RuntimeError(f"the GEMM stage was not captured in a CUDA graph: {runner.graph_error}")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
     ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
                 key=lambda e: e.time_range.start)
-    calls = replays * R
+    calls = replays * runner.calls_per_round
     if not ev or len(ev) % calls:
         raise RuntimeError(f"{len(ev)} kernel records for {calls} calls: the profiler did not see every kernel")
     per = len(ev) // calls
     kernels = [(f"{j}:{ev[j].name}", sum(ev[c * per + j].device_time for c in range(calls)) / calls)
                for j in range(per)]
     del g
+    runner.close()
     return dict(graph_us=graph_us, kernels=kernels, sum_us=sum(t for _, t in kernels))
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or (argv[0] != "--breakdown" and len(argv) < 2):
-        print("usage: python3 -m backends.triton.profile SHAPE M [calls]\n"
-              "       python3 -m backends.triton.profile --breakdown SHAPE:M [SHAPE:M ...]")
+        print("usage: python3 -m backends.triton.tools.profile SHAPE M [calls]\n"
+              "       python3 -m backends.triton.tools.profile --breakdown SHAPE:M [SHAPE:M ...]")
         return 2
     if not torch.cuda.is_available():
         print("no CUDA GPU: profiling needs one")
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
             print(f"{name} M={m}: graph {r['graph_us']:.2f}, kernels {r['sum_us']:.2f} ({ks}), "
                   f"between kernels {r['graph_us'] - r['sum_us']:.2f}", flush=True)
         return 0
-    from backends.triton.bench import make_routing, make_weights
+    from backends.triton.tools.common import make_routing, make_weights
     from backends.triton.experts import fused_experts
 
     sh = _shape(argv[0])

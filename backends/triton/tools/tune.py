@@ -1,9 +1,9 @@
 """Tune the launch configurations of the triton backend's MoE GEMMs on the GPU; writes ``configs/*.json``.
 
-    python -m backends.triton.tune --shapes qwen3_30b_bf16,dsv3_ep8_fp8blk --ms 1,8,64,1024,4096 \
+    python -m backends.triton.tools.tune --shapes qwen3_30b_bf16,dsv3_ep8_fp8blk --ms 1,8,64,1024,4096 \
         --out backends/triton/configs [--budget-s 540]
 
-Shapes are ``bench.SHAPES`` names, or ``E,topk,K,I,scheme[,activation]`` tuples (scheme: bf16, fp16,
+Shapes are the names of ``tools.common.shapes()`` (the triton suite of ``benchmarks/suites.toml``), or ``E,topk,K,I,scheme[,activation]`` tuples (scheme: bf16, fp16,
 fp8_block128, fp8_tensor, fp8_channel_token, int8_channel_token). For each shape and M the tuner
 
 1. draws 4 routings (top-k of softmax of random logits; decode rotates them so L2 does not hold the experts),
@@ -133,7 +133,7 @@ def _smem_ok(cfg, elt, fuse_pair):
 
 def _draw_inputs(sh, M, dev, plan, qc, dt, R=4):
     """``R`` routings (seeded by M) and GEMM1 inputs (quantized per ``plan``): ``(routes, [(a1q, a1q_scale)])``."""
-    from backends.triton.bench import draw_inputs
+    from backends.triton.tools.common import draw_inputs
 
     _, routes, a1s = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=77 * M)
     return routes, a1s
@@ -154,7 +154,7 @@ def _write_table(fname, table: dict) -> None:
 
 def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
     from backends.triton import configs as C
-    from backends.triton.bench import make_weights, time_graph
+    from backends.triton.tools.common import make_weights, time_us
     from backends.triton.experts import layout_block, layout_rows, plan_quant, route_layout, run_experts
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
@@ -186,7 +186,7 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
                                 topk_weights=routes[r][0], topk_ids=routes[r][1], activation=act, expert_map=None,
                                 num_ids=sh.E, qc=qc, plan=plan, cfg=cfg, ws13=ws13, ws2=ws2, layout=lays[r],
                                 stages=stage)
-                return time_graph(call, n_calls=8 if M <= 64 else 4, budget_s=reps_s)
+                return time_us(call, 8 if M <= 64 else 4, dev, reps_s)
 
             default = C.sanitize_config(C.default_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype,
                                                          plan.block_shape), block_shape=plan.block_shape)
@@ -363,7 +363,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
 
 def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
     from backends.triton import configs as C
-    from backends.triton.bench import make_weights, time_graph
+    from backends.triton.tools.common import make_weights, time_us
     from backends.triton.experts import GLUON_KEYS, plan_quant, route_layout, run_experts
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
@@ -432,7 +432,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
                     # tail tiles, the joint gate / up tile and the Gluon kernel may take another MMA shape
                     ok = any(f in name for f in ("half_tail", "joint", "gluon", "ws")) and d <= 1e-3
                     verdict = f"differs: max_norm {d:.2e}" + ("" if ok else " (REJECTED)")
-                t = time_graph(call, n_calls=4, budget_s=reps_s)
+                t = time_us(call, 4, dev, reps_s)
             except Exception as exc:  # noqa: BLE001
                 log(f"  skip {name}: {type(exc).__name__}: {str(exc)[:160]}")
                 continue
@@ -443,7 +443,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
         # again, round-robin, and keeps its best median
         for _ in range(repeats - 1):
             for r in res:
-                r[0] = min(r[0], time_graph(r[3], n_calls=4, budget_s=reps_s))
+                r[0] = min(r[0], time_us(r[3], 4, dev, reps_s))
         if res:
             t, name, cand, _ = min(res, key=lambda r: r[0])
             table[str(M)] = cand
@@ -452,15 +452,16 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
 
 
 def parse_shape(spec):
-    from backends.triton.bench import SHAPES, Shape
+    from backends.triton.tools.common import Shape, shapes
 
+    SHAPES = shapes()
     for s in SHAPES:
         if s.name == spec:
             return s
     parts = spec.split(",")
     if len(parts) >= 5:
         E, topk, K, I = map(int, parts[:4])
-        return Shape(f"custom_{E}_{topk}_{K}_{I}_{parts[4]}", E, topk, K, I, parts[4], {},
+        return Shape(f"custom_{E}_{topk}_{K}_{I}_{parts[4]}", E, topk, K, I, parts[4],
                      activation=parts[5] if len(parts) > 5 else "silu")
     raise SystemExit(f"unknown shape {spec!r}; names: {[s.name for s in SHAPES]} or E,topk,K,I,scheme[,act]")
 
@@ -469,7 +470,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="", help="';'-separated names or E,topk,K,I,scheme tuples (default: all)")
     ap.add_argument("--ms", default="1,8,64,1024,4096")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "configs"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs"))
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--variants", nargs="?", const=",".join(VARIANT_FAMILIES), default=None, metavar="FAMILIES",
                     help="only revisit the existing table entries of --ms with the variant families given "
@@ -484,8 +485,9 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("no CUDA GPU: the tuner needs one")
         return 2
-    from backends.triton.bench import SHAPES
+    from backends.triton.tools.common import shapes
 
+    SHAPES = shapes()
     specs = [s for s in args.shapes.replace(";", " ").split()] if args.shapes else [s.name for s in SHAPES]
     if args.shapes and ";" not in args.shapes and all(p in {s.name for s in SHAPES} for p in args.shapes.split(",")):
         specs = args.shapes.split(",")
