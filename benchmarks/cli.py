@@ -16,7 +16,9 @@ What runs is data: ``benchmarks/suites.toml`` (shapes, token counts, the peer, r
    the suite's ``check_max_M`` its output is first checked against the reference with the error model's bound
    (``benchmarks.check``; a failing class is not timed);
 3. the backend's own extra variants, if its ``backends.<name>.tools.bench_variants`` module offers them (the GEMM
-   stage alone, which the peers' figures time);
+   stage alone, which the peers' figures time): ``variants(shape, M, inputs, device) -> [(name, call(i))]``,
+   ``extra(shape, inputs) -> {column: text}``, ``gate_variants(gate_shape, M, sets) -> [(name, call(i))]``, each
+   optional;
 4. timing by ``benchmarks.timing.measure`` (CUDA graphs, median of rounds; wall clock on CPU); floor and roofline
    by ``benchmarks.roofline`` on the ceilings ``benchmarks.timing.measure_ceilings`` measures in the same run.
 
@@ -241,7 +243,11 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
     for shape in gates:
         for M in gate_ms:
             try:
-                doc["gate"].append(_gate_row(backend, shape, M, device, l2, ceilings, settings, hook))
+                row = _gate_row(backend, shape, M, device, l2, ceilings, settings, hook)
+                doc["gate"].append(row)
+                doc["failures"] += row["errors"]
+                log(f"[{time.time() - t0:6.1f}s] {shape.id} M={M}: " + ", ".join(
+                    f"{k} {v * 1e6:.2f} us" if v else f"{k} -" for k, v in row["times_s"].items()))
             except Exception as exc:  # noqa: BLE001
                 fail(f"gate {shape.id} M={M}", exc)
     doc["wall_s"] = round(time.time() - t0, 1)
@@ -278,8 +284,12 @@ def _gate_row(backend, shape, M, device, l2, ceilings, settings, hook) -> dict:
             row["notes"][name] = reason
             continue
         timed.append((name + (f"[{call.tier}]" if hasattr(call, "tier") else ""), call))
+    row["errors"] = []
     if hook is not None and hasattr(hook, "gate_variants"):
-        timed += list(hook.gate_variants(shape, M, sets))
+        try:
+            timed += list(hook.gate_variants(shape, M, sets))
+        except Exception as exc:  # noqa: BLE001 - a failed build or check: reported, the other ops still timed
+            row["errors"].append(f"gate {shape.id} M={M} variants: {type(exc).__name__}: {exc}"[:300])
     for name, call in timed:
         try:
             call(0)
@@ -288,6 +298,9 @@ def _gate_row(backend, shape, M, device, l2, ceilings, settings, hook) -> dict:
         except (NotImplementedError, ValueError) as exc:  # outside the op's contract here (test_bench_gate skips)
             row["times_s"][name] = None
             row["notes"][name] = f"{type(exc).__name__}: {str(exc).strip()[:100]}"
+        except Exception as exc:  # noqa: BLE001
+            row["times_s"][name] = None
+            row["errors"].append(f"gate {shape.id} M={M} {name}: {type(exc).__name__}: {exc}"[:300])
     return row
 
 

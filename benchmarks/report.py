@@ -193,7 +193,7 @@ def render_suite(doc: dict) -> str:
         cols = _variants(rows)
         ref = compare if compare in cols else next((c for c in cols if c.startswith("step")), cols[0] if cols
                                                    else None)
-        extra = [k for k in rows[0].get("extra", {})]
+        extra = list(dict.fromkeys(k for r in rows for k in r.get("extra", {})))
         head = ["shape", "M"] + [f"{c} us" for c in cols]
         if peer:
             head += [f"{peer['title']} us", "speedup"]

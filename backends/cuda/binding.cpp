@@ -1,4 +1,4 @@
-// Thin torch binding of the router GEMM launchers (router_gemm.cu). Built by backends/cuda/build.py with
+// Thin torch binding of the router GEMM launchers (router_gemm.cu). Built by backends/cuda/tools/build.py with
 // torch.utils.cpp_extension.load; the Python wrappers in backends/cuda/gate.py validate arguments first and raise
 // ValueError with the tier's limits, so the TORCH_CHECKs here are a second line of defence.
 

@@ -38,7 +38,7 @@ __all__ = [
     "standalone_nvcc_command",
 ]
 
-SRC_DIR = Path(__file__).resolve().parent
+SRC_DIR = Path(__file__).resolve().parent.parent  # backends/cuda: the sources beside the backend
 SOURCES = (SRC_DIR / "binding.cpp", SRC_DIR / "router_gemm.cu")
 HEADERS = (SRC_DIR / "router_gemm.h",)
 

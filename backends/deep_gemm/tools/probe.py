@@ -1,11 +1,13 @@
-"""GPU script of the ``deep_gemm`` backend: layout probe, conformance on model shapes, timings. One run, < 6 min.
+"""GPU diagnostics of the ``deep_gemm`` backend: layout probe, the Triton kernels against the torch ops, the grouped
+GEMM at DeepGEMM's published shapes. One run, < 3 min. (The experts step against vLLM's figures is
+``python -m benchmarks --backend deep_gemm``; its conformance on model shapes is ``nox -s conformance``.)
 
     # on the GPU machine, from the repository root, after installing the wheels (nothing is installed here);
     # .whl/ must hold tokenspeed_deepgemm-2.5.0.post20260604-cp312-cp312-manylinux_2_28_x86_64.whl and NOT
     # sgl_deep_gemm-0.2.0 (both provide the module deep_gemm; sgl-deep-gemm 0.2.0 is ABI-broken on torch 2.11):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site
-    python3 -m backends.deep_gemm.bench [--sections env,probe,kernels,models,gemm,experts] [--json results.json]
+    python3 -m backends.deep_gemm.tools.probe [--sections env,probe,kernels,gemm] [--json results.json]
 
 Sections (each survives the failure of the others; a global deadline skips what would overrun):
 
@@ -14,19 +16,11 @@ Sections (each survives the failure of the others; a global deadline skips what 
   alternatives in sequence - canonical row-major SFA, ``disable_ue8m0_cast``, MN-major TMA-aligned SFA (this
   backend's call), explicit ``recipe=(1, 128, 128)``, psum layout - printing each exact error or its calc_diff
   against an fp32 dequantized reference; first the ABI check (``get_mn_major_tma_aligned_tensor``).
-- models: ``DeepGemmExperts`` through ``FusedMoEKernel`` vs ``reference.experts.fused_experts`` (both on the GPU)
-  on DeepSeek-V3, Kimi-K2, MiniMax-M2, Qwen3-30B-A3B FP8 block shapes (8 local experts of the model's E, routing
-  over all E, expert_map), plus SWIGLUSTEP / SWIGLUOAI_UNINTERLEAVE (alpha, beta, limit) and a chunked case;
-  metrics against specs' ``experts.fp8`` tolerances; seed 001's ``_valid_deep_gemm`` for each shape.
 - kernels: the Triton act+quant / reduction against the torch-op paths (code and scale mismatches, times).
-- gemm: the grouped GEMM alone at DeepGEMM's published shapes (contiguous 4 x 8192 rows, n=4096 k=7168:
-  1346 TFLOP/s on H800; n=7168 k=2048: 1214 TFLOP/s), TFLOP/s and ratio to the published figure.
-- experts: the whole experts step (``DeepGemmExperts.apply``: permute, 2 GEMMs, act+quant, unpermute) and the two
-  GEMMs alone at M in {64, 1024, 4096} on DeepSeek-V3 EP8-local (E=32 local experts, topk 8, K=7168, I=2048,
-  routing over the 32), next to vLLM's Triton GEMM-only times from ``shared/facts/perf-anchors.md`` (H200).
+- gemm: the grouped GEMM alone at DeepGEMM's published shapes (``benchmarks/peers.toml [peers.deepgemm_h800]``:
+  contiguous 4 x 8192 rows), TFLOP/s and ratio to the published figure.
 
-The table is printed last. Timings: CUDA events, median of repeated calls after warm-up (no L2 flush: the
-problems are compute- or weight-bound and larger than L2 except at M=64).
+Timings: ``benchmarks.timing.median_time`` (CUDA events, median of repeated calls after warm-up).
 """
 
 from __future__ import annotations
@@ -35,27 +29,22 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
 
-if __package__ in (None, ""):  # allow `python3 backends/deep_gemm/bench.py`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if __package__ in (None, ""):  # allow `python3 backends/deep_gemm/tools/probe.py`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch
 
-from reference.metrics import calc_diff, error_stats
-from specs import experts_tolerance
+from benchmarks.timing import median_time
+from reference.metrics import calc_diff
 
 T0 = time.time()
-DEADLINE_S = 330.0
+DEADLINE_S = 170.0
 ROWS: list[tuple[str, str, str, str]] = []  # (section, item, result, note)
 RESULTS: dict = {}
-FP8_TOL = experts_tolerance("fp8")  # specs/tolerances.toml [experts.fp8]
-PUBLISHED = {(4096, 7168): 1346.0, (7168, 2048): 1214.0}  # DeepGEMM README, H800, contiguous 4x8192
-# vLLM Triton fused_moe_kernel GEMM1+GEMM2 launches, H200, DeepSeek-V3 EP8-local fp8 block (perf-anchors.md).
-VLLM_TRITON_US = {64: 365.93, 1024: 1424.56, 4096: 4993.44}
 
 
 def log(msg: str) -> None:
@@ -71,24 +60,8 @@ def time_left() -> float:
     return DEADLINE_S - (time.time() - T0)
 
 
-def err_stats(out: torch.Tensor, ref: torch.Tensor) -> dict:
-    """max_norm / rms_norm / calc_diff / nonfinite of ``out`` against ``ref`` (``reference.metrics``)."""
-    return error_stats(out, ref).as_dict()
-
-
 def cuda_time_us(fn, warmup: int = 3, iters: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times)
+    return median_time(fn, "cuda", reps=iters, warmup=warmup) * 1e6
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -215,74 +188,6 @@ def section_probe() -> None:
     row("probe", "working alternatives", ",".join(works) or "NONE")
 
 
-def _model_case(name, E, E_local, topk, K, I, M, activation, gen, *, params=None, chunk=None, recipe="vllm",
-                ue8m0=True, torch_ops=False):
-    from backends.deep_gemm.experts import DeepGemmExperts, valid_deep_gemm
-    from reference.activation import MoEActivation
-    from reference.config import FusedMoEConfig, fp8_w8a8_moe_quant_config
-    from reference.experts import fused_experts
-    from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP
-
-    act = MoEActivation[activation]
-    w1, w1s = quant_weights(E_local, 2 * I, K, gen)
-    w2, w2s = quant_weights(E_local, K, I, gen)
-    x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
-    logits = torch.randn(M, E, device="cuda", generator=gen)
-    topk_w, topk_ids = torch.softmax(logits, -1).topk(topk, dim=-1)
-    topk_w = (topk_w / topk_w.sum(-1, keepdim=True)).float()
-    topk_ids = topk_ids.to(torch.int32)
-    emap = None
-    if E_local < E:
-        emap = torch.full((E,), -1, dtype=torch.int32, device="cuda")
-        emap[torch.randperm(E, device="cuda", generator=gen)[:E_local]] = torch.arange(E_local, dtype=torch.int32,
-                                                                                         device="cuda")
-    qc = fp8_w8a8_moe_quant_config(w1s, w2s, block_shape=[128, 128], use_ue8m0=ue8m0, recipe=recipe,
-                                   **(params or {}))
-    kw = dict(activation=act, global_num_experts=E, expert_map=emap)
-    ok_valid, why = valid_deep_gemm(x, w1, w2)
-    cfg = FusedMoEConfig(E, topk, K, I, E_local, activation=act)
-    ex = DeepGemmExperts(cfg, qc)
-    ex.use_triton = not torch_ops
-    kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ex, chunk_size=chunk, poison=float("nan"))
-    out = kernel.apply(x, w1, w2, topk_w, topk_ids, **kw)
-    ref = fused_experts(x, w1, w2, topk_w, topk_ids, quant_config=qc, **kw)
-    torch.cuda.synchronize()
-    st = err_stats(out, ref)
-    passed = st["nonfinite"] == 0 and all(st[k] <= FP8_TOL[k] for k in FP8_TOL)
-    local_routes = int((emap[topk_ids.long()] >= 0).sum()) if emap is not None else M * topk
-    note = (f"max_norm={st['max_norm']:.2e} rms={st['rms_norm']:.2e} calc_diff={st['calc_diff']:.2e} "
-            f"local_routes={local_routes}; _valid_deep_gemm={ok_valid}" + (f" ({why})" if why else ""))
-    row("models", name, "PASS" if passed else "FAIL", note)
-    RESULTS.setdefault("models", {})[name] = {**st, "passed": passed, "valid_deep_gemm": ok_valid}
-
-
-def section_models() -> None:
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    cases = [
-        ("deepseek_v3 E8/256 K7168 I2048 M256 silu", 256, 8, 8, 7168, 2048, 256, "SILU", {}),
-        ("kimi_k2 E8/384 K7168 I2048 M256 silu", 384, 8, 8, 7168, 2048, 256, "SILU", {}),
-        ("minimax_m2 E8/256 K3072 I1536 M256 silu", 256, 8, 8, 3072, 1536, 256, "SILU", {}),
-        ("qwen3_30b E8/128 K2048 I768 M256 silu", 128, 8, 8, 2048, 768, 256, "SILU", {}),
-        ("qwen3_30b ... swiglustep", 128, 8, 8, 2048, 768, 128, "SWIGLUSTEP", {}),
-        ("qwen3_30b ... swigluoai_uninterleave a1.702 b1 L7", 128, 8, 8, 2048, 768, 128, "SWIGLUOAI_UNINTERLEAVE",
-         dict(params=dict(gemm1_alpha=1.702, gemm1_beta=1.0, gemm1_clamp_limit=7.0))),
-        ("qwen3_30b ... chunk 64, M 300, recipe deepgemm", 128, 8, 8, 2048, 768, 300, "SILU",
-         dict(chunk=64, recipe="deepgemm")),
-        ("qwen3_30b ... use_ue8m0=False (FLOAT32 scales)", 128, 8, 8, 2048, 768, 128, "SILU", dict(ue8m0=False)),
-        ("qwen3_30b ... M 1 (decode)", 128, 8, 8, 2048, 768, 1, "SILU", {}),
-        ("deepseek_v3 ... torch-op act/reduce path", 256, 8, 8, 7168, 2048, 256, "SILU", dict(torch_ops=True)),
-    ]
-    for name, E, E_local, topk, K, I, M, act, extra in cases:
-        if time_left() < 150:
-            row("models", name, "SKIPPED", "deadline")
-            continue
-        try:
-            _model_case(name, E, E_local, topk, K, I, M, act, gen, **extra)
-        except Exception as exc:
-            row("models", name, "ERROR", f"{type(exc).__name__}: {str(exc).strip()}"[:400])
-            traceback.print_exc()
-        torch.cuda.empty_cache()
-
 
 def section_kernels() -> None:
     """The Triton act+quant and reduction against the torch-op paths (the definition) on the same inputs."""
@@ -357,8 +262,13 @@ def section_gemm() -> None:
     from backends.deep_gemm.experts import deep_gemm_m_grouped_fp8_gemm_nt_contiguous as gemm
     from backends.deep_gemm.layout import gather_scales_mn_major
 
+    from benchmarks.suites import peer
+
+    published = peer("deepgemm_h800")
     gen = torch.Generator(device="cuda").manual_seed(2)
-    for (n, k), pub in PUBLISHED.items():
+    for key, by_m in published.figures.items():
+        n, k = (int(t[1:]) for t in key.split("-"))
+        pub = by_m[4 * 8192]
         if time_left() < 90:
             row("gemm", f"4x8192 n={n} k={k}", "SKIPPED", "deadline")
             continue
@@ -380,124 +290,8 @@ def section_gemm() -> None:
             row("gemm", f"4x8192 n={n} k={k}", "ERROR", f"{type(exc).__name__}: {str(exc).strip()}"[:400])
 
 
-def section_experts() -> None:
-    from backends.deep_gemm import layout as L
-    from backends.deep_gemm.experts import DeepGemmExperts, deep_gemm_m_grouped_fp8_gemm_nt_contiguous as gemm
-    from reference.activation import MoEActivation
-    from reference.align import compute_aligned_M_and_alignment
-    from reference.config import FusedMoEConfig, fp8_w8a8_moe_quant_config
-    from reference.quant import per_token_group_quant_fp8
 
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    E, topk, K, I = 32, 8, 7168, 2048
-    N = 2 * I
-    w1, w1s = quant_weights(E, N, K, gen)
-    w2, w2s = quant_weights(E, K, I, gen)
-    qc = fp8_w8a8_moe_quant_config(w1s, w2s, block_shape=[128, 128], use_ue8m0=True)
-    ex = DeepGemmExperts(FusedMoEConfig(E, topk, K, I, E), qc)
-    weight_bytes = E * (N * K + K * I)
-    for M in (64, 1024, 4096):
-        if time_left() < 25:
-            row("experts", f"DSV3 EP8-local M={M}", "SKIPPED", "deadline")
-            continue
-        try:
-            x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
-            xq, xs = per_token_group_quant_fp8(x, 128, use_ue8m0=True)
-            topk_w, topk_ids = torch.softmax(torch.randn(M, E, device="cuda", generator=gen), -1).topk(topk, -1)
-            topk_ids = topk_ids.to(torch.int32)
-            ws13_shape, ws2_shape, out_shape = ex.workspace_shapes(M, N, K, topk, E, E, None, MoEActivation.SILU)
-            ws13 = torch.empty(ws13_shape, dtype=torch.bfloat16, device="cuda")
-            ws2 = torch.empty(ws2_shape, dtype=torch.bfloat16, device="cuda")
-            out = torch.empty(out_shape, dtype=torch.bfloat16, device="cuda")
-
-            def step():
-                ex.apply(out, xq, w1, w2, topk_w, topk_ids, MoEActivation.SILU, E, None, xs, None, ws13, ws2, None,
-                         False)
-
-            t_step = cuda_time_us(step, warmup=2, iters=10)
-            ex.use_triton = False
-            t_step_torch = cuda_time_us(step, warmup=1, iters=5)
-            ex.use_triton = True
-            # The two grouped GEMMs alone, on the same layout (what vLLM's Triton figure times).
-            M_sum, al = compute_aligned_M_and_alignment(M, topk, E, 128)
-            lay, _ = L.build_contiguous_layout(topk_ids, E, M_sum, al)
-            a1 = L.gather_rows(xq, lay.row_token)
-            s1 = L.gather_scales_mn_major(xs, lay.row_token)
-            h = torch.empty(M_sum, N, dtype=torch.bfloat16, device="cuda")
-            a2 = torch.zeros(M_sum, I, dtype=torch.float8_e4m3fn, device="cuda")
-            s2 = L.mn_major_tma_aligned_empty(M_sum, I // 128, "cuda")
-            s2.fill_(1.0)
-            y = torch.empty(M_sum, K, dtype=torch.bfloat16, device="cuda")
-
-            def gemms():
-                gemm(a1, s1, w1, w1s, h, lay.m_indices)
-                gemm(a2, s2, w2, w2s, y, lay.m_indices)
-
-            t_gemm = cuda_time_us(gemms, warmup=2, iters=10)
-            if M in (64, 4096):
-                phases = _phase_breakdown(ex, xq, xs, w1, w2, w1s, w2s, topk_w, topk_ids, ws13, ws2, out)
-                row("experts", f"  phases M={M} (ms, synced)", "", phases)
-            touched = int((lay.counts > 0).sum())
-            flops = 2 * M * topk * (K * N + I * K)
-            floor_us = max(touched / E * weight_bytes / 4.28e12, flops / 1260e12) * 1e6  # H200 measured ceilings
-            vllm = VLLM_TRITON_US.get(M)
-            row("experts", f"DSV3 EP8-local M={M}", f"{t_step:.0f} us step / {t_gemm:.0f} us GEMMs",
-                f"step with torch-op act/reduce {t_step_torch:.0f} us; "
-                f"{flops / (t_gemm * 1e-6) / 1e12:.0f} TFLOP/s in GEMMs; floor {floor_us:.0f} us (H200 ceilings); "
-                f"vLLM Triton GEMMs (H200) {vllm} us; M_sum={M_sum}, experts touched {touched}")
-            RESULTS.setdefault("experts", {})[M] = {"step_us": t_step, "step_torch_ops_us": t_step_torch,
-                                                     "gemm_us": t_gemm, "floor_us": floor_us,
-                                                     "vllm_triton_us": vllm}
-            ws13 = ws2 = h = y = a1 = a2 = None  # free before the next M
-            torch.cuda.empty_cache()
-        except Exception as exc:
-            row("experts", f"DSV3 EP8-local M={M}", "ERROR", f"{type(exc).__name__}: {str(exc).strip()}"[:400])
-            traceback.print_exc()
-
-
-def _phase_breakdown(ex, xq, xs, w1, w2, w1s, w2s, topk_w, topk_ids, ws13, ws2, out) -> str:
-    """Wall time of each phase of DeepGemmExperts.apply with a synchronisation around it (host + device)."""
-    from backends.deep_gemm import layout as L, triton_kernels as TK
-    from backends.deep_gemm.experts import BLOCK, _resize, deep_gemm_m_grouped_fp8_gemm_nt_contiguous as gemm
-    from reference.activation import MoEActivation
-    from reference.align import compute_aligned_M_and_alignment
-
-    M, K = xq.shape
-    E, N, _ = w1.shape
-    topk = topk_ids.size(1)
-    res = {}
-
-    def timed(name, fn):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        r = fn()
-        torch.cuda.synchronize()
-        res[name] = res.get(name, 0.0) + (time.perf_counter() - t) * 1e3
-        return r
-
-    for _rep in range(3):
-        res.clear()
-        M_sum, al = timed("layout", lambda: compute_aligned_M_and_alignment(M, topk, E, 128))
-        lay, ca = timed("layout", lambda: TK.build_contiguous_layout(topk_ids, E, M_sum, al))
-        timed("validate", lambda: ex._validate(lay, ca[E], topk_ids, None, None))
-        a1 = timed("permute", lambda: L.gather_rows(xq, lay.row_token,
-                                                    out=_resize(ws13.view(torch.float8_e4m3fn), (M_sum, K))))
-        s1 = timed("permute", lambda: L.gather_scales_mn_major(xs, lay.row_token))
-        h = _resize(ws2, (M_sum, N))
-        timed("gemm1", lambda: gemm(a1, s1, w1, w1s, h, lay.m_indices))
-        q, s2 = timed("act+quant", lambda: TK.act_mul_quant(h, MoEActivation.SILU, alpha=None, beta=None, limit=None,
-                                                           group_size=BLOCK, use_ue8m0=True, recipe="vllm",
-                                                           out_q=_resize(ws13.view(torch.float8_e4m3fn),
-                                                                         (M_sum, N // 2))))
-        y = _resize(ws2, (M_sum, K))
-        timed("gemm2", lambda: gemm(q, s2, w2, w2s, y, lay.m_indices))
-        timed("reduce", lambda: TK.unpermute_and_reduce(y, lay.inv_perm, topk_w, out))
-    return " ".join(f"{k}={v:.3f}" for k, v in res.items())
-
-
-SECTIONS = {"env": section_env, "probe": section_probe, "kernels": section_kernels, "models": section_models,
-            "gemm": section_gemm,
-            "experts": section_experts}
+SECTIONS = {"env": section_env, "probe": section_probe, "kernels": section_kernels, "gemm": section_gemm}
 
 
 def main() -> int:
@@ -506,7 +300,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the results as JSON to this path")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+        print("no CUDA GPU: probe.py needs one (torch.cuda.is_available() is False)")
         return 2
     for name in args.sections.split(","):
         if time_left() < 10:
@@ -522,7 +316,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"rows": ROWS, "results": RESULTS}, f, indent=1, default=str)
     print("\n" + "=" * 100)
-    print(f"deep_gemm backend bench on {torch.cuda.get_device_name()} ({time.time() - T0:.0f} s)")
+    print(f"deep_gemm backend probe on {torch.cuda.get_device_name()} ({time.time() - T0:.0f} s)")
     w = max(len(r[1]) for r in ROWS) if ROWS else 10
     for sec, item, result, note in ROWS:
         print(f"{sec:8} {item[:w]:{w}}  {result:26}  {note}")

@@ -1,0 +1,148 @@
+"""``python -m benchmarks --backend NAME`` on a CPU machine: argument handling, the refusal without a GPU, the table
+renderer on synthetic figures, the suites' data, and the FLOP / byte / roofline arithmetic of one shape by hand."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import cli, report, roofline, suites
+from benchmarks.shapes import experts_shape
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_GPU = not torch.cuda.is_available()
+
+
+def test_arguments():
+    a = cli.parse_args(["--backend", "triton", "--shapes", "qwen3_30b_bf16, dsv3_ep8-fp8_block128", "--ms", "1,64"])
+    assert a.backend == "triton" and a.shapes == ["qwen3_30b_bf16", "dsv3_ep8-fp8_block128"] and a.ms == [1, 64]
+    assert not a.quick and not a.no_check and a.json is None
+    for bad in ([], ["--backend", "triton", "--ms", "1,x"], ["--backend", "triton", "--quick", "--ms", "1"]):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(bad)
+        assert e.value.code == 2
+
+
+def test_plan_resolves_aliases_and_quick():
+    s = suites.suite("triton")
+    experts, ms, gates, _ = cli._plan(cli.parse_args(["--backend", "triton", "--shapes", "qwen3_30b_fp8blk"]), s)
+    assert [e.id for e in experts] == ["qwen3_30b-fp8_block128"] and ms == s.M and gates == []
+    _, ms, _, _ = cli._plan(cli.parse_args(["--backend", "triton", "--quick"]), s)
+    assert ms == (1, 64, 4096)
+    experts, _, gates, gate_ms = cli._plan(cli.parse_args(["--backend", "cuda"]), suites.suite("cuda"))
+    assert "dsv3_ep8-fp8_channel_token" in [e.id for e in experts] and [g.id for g in gates] == ["dsv3_gate",
+                                                                                                 "minimax_m2_gate"]
+    assert gate_ms == (1, 4, 8, 16, 32)
+
+
+def test_unknown_shape_and_backend_are_refused(capsys):
+    assert cli.main(["--backend", "triton", "--shapes", "nope"]) == cli.NOT_HERE
+    assert "unknown experts shape 'nope'" in capsys.readouterr().out
+    assert cli.main(["--backend", "no_such_backend", "--ms", "1"]) == cli.NOT_HERE
+    assert "unknown backend 'no_such_backend'" in capsys.readouterr().out
+
+
+def test_list_needs_no_device(capsys):
+    assert cli.main(["--backend", "triton", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "dsv3_tp8-fp8_block128: DeepSeek-V3" in out and "peer vllm_triton_h200" in out
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the refusal on a machine without a CUDA GPU")
+def test_no_gpu_refusal_names_the_reason():
+    """The process exits 2 with the backend's own availability reason (``availability_status``), no traceback."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "--backend", "triton"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "cannot run here" in r.stdout and "no CUDA GPU" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr
+    from backends import load_backend
+
+    status = load_backend("cuda").availability_status()
+    assert status is not None
+    assert cli.main(["--backend", "cuda"]) == 2
+
+
+def test_peers_and_suites_are_data():
+    p = suites.peer("vllm_triton_h200")
+    assert p.unit == "us" and p.value("dsv3_ep8-fp8_block128", 4096) == 4993.44
+    assert p.seconds("qwen3_30b-bf16", 64) == pytest.approx(283.92e-6)
+    assert p.seconds("gpt_oss_120b-bf16", 64) is None
+    d = suites.peer("deepgemm_h800")
+    assert d.seconds("n4096-k7168", 32768, flops=1346e12) == pytest.approx(1.0)
+    for name, s in suites.suites().items():
+        for shape in s.experts_shapes():  # every id resolves
+            assert shape.E > 0
+        assert set(s.aliases.values()) <= set(s.experts), name
+        if s.peer:
+            assert set(suites.peer(s.peer).figures) <= {x.id for x in s.experts_shapes()} | set(
+                suites.suite("triton").experts)
+
+
+def test_new_scheme_on_a_known_prefix():
+    s = experts_shape("dsv3_ep8-bf16")
+    assert (s.E, s.topk, s.K, s.I, s.scheme) == (32, 8, 7168, 2048, "bf16")
+    with pytest.raises(KeyError):
+        experts_shape("dsv3_ep8-no_such_scheme")
+
+
+def test_roofline_by_hand():
+    """Qwen3-30B-A3B bf16 (E=128, topk 8, K=2048, I=768) at M=64 with 100 experts touched, on a device of 4 TB/s and
+    800 TFLOP/s bf16."""
+    s = experts_shape("qwen3_30b-bf16")
+    assert (s.E, s.topk, s.K, s.I, s.N) == (128, 8, 2048, 768, 1536)
+    flops = roofline.experts_flops(64, 8, 2048, 1536, 768)
+    assert flops == 2 * 64 * 8 * (2048 * 1536 + 768 * 2048) == 4_831_838_208
+    per_expert = (1536 * 2048 + 2048 * 768) * 2  # w1 + w2, bf16
+    nbytes = roofline.experts_bytes(100, per_expert, 64, 2048, 8)
+    assert nbytes == 100 * 9_437_184 + 64 * 2048 * 4 + 64 * 8 * 8 == 944_246_784
+    ceil = {"copy_bytes_per_s": 4e12, "matmul_flops_per_s": {"bf16": 800e12}}
+    t, bound = roofline.Work(flops, nbytes, "bf16").floor(ceil)
+    assert bound == "memory" and t == pytest.approx(944_246_784 / 4e12)  # 236.06 us vs 6.04 us of compute
+    t, bound = roofline.Work(flops * 100, nbytes, "bf16").floor(ceil)
+    assert bound == "compute" and t == pytest.approx(483_183_820_800 / 800e12)
+
+
+def _doc():
+    row = dict(case="qwen3_30b-bf16", label="Qwen3", M=64, E=128, topk=8, K=2048, I=768, scheme="bf16",
+               times_s={"step": 400e-6, "gemms": 250e-6}, methods={"step": "cuda-graph", "gemms": "cuda-events"},
+               checks={"step": "ok 0.31"}, floor_s=200e-6, bound="memory", peer_s=283.92e-6, extra={"tuned": "y"})
+    pre = dict(row, M=4096, times_s={"step": 1e-3, "gemms": 0.5e-3}, methods={}, checks={}, floor_s=0.25e-3,
+               peer_s=1e-3, extra={})
+    return {"backend": "triton", "device": {"name": "NVIDIA H200"},
+            "ceilings": {"copy_bytes_per_s": 4.28e12, "matmul_flops_per_s": {"bf16": 7.9e14, "fp8": 1.26e15}},
+            "peer": {"title": "vLLM H200", "device": "NVIDIA H200", "source": "perf-anchors", "measures": "gemms"},
+            "compare": "gemms", "experts": [row, pre],
+            "gate": [dict(case="dsv3_gate", label="DeepSeek gate", M=1, floor_s=1e-6, times_s={"v0:a": 4e-6,
+                                                                                                "F.linear": None})],
+            "failures": ["check x: FAIL"], "notes": ["a note"]}
+
+
+def test_table_on_synthetic_figures():
+    text = report.render_suite(_doc())
+    lines = text.splitlines()
+    assert lines[0].startswith("# triton backend on NVIDIA H200: ceilings 4.28 TB/s copy, bf16 790 TFLOP/s")
+    head = next(ln for ln in lines if ln.startswith("| shape"))
+    assert head == ("| shape | M | step us | gemms us | vLLM H200 us | speedup | floor us | % of floor | check | "
+                    "tuned |")
+    assert "| qwen3_30b-bf16 (128,8,2048,768) | 64 | 400.00 | 250.00 (e) | 283.92 | 1.14x | 200.00 | 80% | ok 0.31 "\
+           "| y |" in lines
+    assert "| qwen3_30b-bf16 (128,8,2048,768) | 4096 | 1000.00 | 500.00 | 1000.00 | 2.00x | 250.00 | 50% | - |  |" \
+        in lines
+    assert "prefill (M >= 1024) geometric-mean speedup of gemms vs vLLM H200: 2.000x over 1 points" in lines
+    assert "decode (M 8..64) % of floor of gemms: min 80%, mean 80%" in lines
+    assert "| dsv3_gate | 1 | 1.00 | 4.00 | - |" in lines
+    assert "failures: 1" in text and "a note" in lines
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the CPU run of the torch backend")
+def test_torch_backend_runs_on_cpu(capsys, tmp_path):
+    out = tmp_path / "r.json"
+    rc = cli.main(["--backend", "torch", "--shapes", "qwen3_30b-bf16-cpu_small", "--ms", "1", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "| qwen3_30b-bf16-cpu_small (16,8,256,128) | 1 |" in text and "ok " in text and out.exists()
