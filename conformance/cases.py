@@ -15,10 +15,33 @@ from reference.activation import MoEActivation
 from specs import ModelSpec, load_cases, load_models
 
 __all__ = ["ExpertsCase", "RoutingCase", "ActivationCase", "experts_cases", "claim_cases", "claim_coverage",
-           "routing_cases", "activation_cases", "seed_of", "SCHEME_DTYPES"]
+           "routing_cases", "activation_cases", "seed_of", "SCHEME_DTYPES", "chunking_defined", "kernel_chunk_kwargs",
+           "situ_params"]
 
 # Unquantized schemes and their activation dtype.
 SCHEME_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def chunking_defined() -> bool:
+    """Whether the semantics version in force (``--vllm-semantics``) has activation chunking: 0.17 yes, 0.33 no."""
+    from reference.semantics import SemanticsVersion, current_semantics
+
+    return current_semantics() < SemanticsVersion.V0_33
+
+
+def kernel_chunk_kwargs(chunk_size: int | None) -> dict:
+    """``FusedMoEKernel`` keywords for a case's chunk size: ``chunk_size`` under 0.17; none under 0.33, whose kernel
+    has no chunking (a chunked case is skipped there; an unchunked one runs as one experts call anyway)."""
+    return {"chunk_size": chunk_size} if chunking_defined() else {}
+
+
+def situ_params(activation: MoEActivation) -> dict:
+    """SITU's parameters for a case (Kimi-K3's, the values vLLM 0.33 bakes into its fused kernel); {} otherwise."""
+    from reference.activation import SITU_KIMI_K3_BETA, SITU_KIMI_K3_LINEAR_BETA
+
+    if activation is not MoEActivation.SITU:
+        return {}
+    return {"activation_situ_beta": SITU_KIMI_K3_BETA, "activation_situ_linear_beta": SITU_KIMI_K3_LINEAR_BETA}
 
 
 def seed_of(case_id: str) -> int:
@@ -131,7 +154,7 @@ def _claimed(cls, case: ExpertsCase) -> bool:
                          num_local_experts=m.num_experts // case.ep_size, activation=case.activation,
                          in_dtype=case.dtype, moe_parallel_config=FusedMoEParallelConfig.make_ep(case.ep_size,
                                                                                                  case.ep_rank),
-                         has_bias=m.expert_bias)
+                         has_bias=m.expert_bias, **situ_params(case.activation))
     w, a = get_scheme(case.scheme).quant_keys()
     ok, _ = cls.is_supported_config(cls, cfg, w, a, cls.activation_format())
     rec = cls.support
@@ -150,8 +173,9 @@ def claim_cases(cls, on_gpu: bool) -> list[ExpertsCase]:
     - every claimed scheme at a decode size (rank 0), at a decode size on the last EP rank (the expert map), and at
       a prefill size where every local expert gets >= ``prefill_tokens_per_expert`` tokens (the kernel's prefill
       configuration); on the GPU on every model that ships the scheme, on the CPU on ``generic_model``;
-    - every claimed activation on ``generic_model`` (bf16 and the first claimed quantized scheme);
-    - a chunked call when chunking is claimed.
+    - every claimed activation on ``generic_model`` (bf16 and the first claimed quantized scheme) that exists under
+      the semantics version in force (SITU and GELU_TANH_NO_MUL are 0.33 members);
+    - a chunked call when chunking is claimed and the semantics version has chunking (0.17).
     A combination the class's ``is_supported_config`` refuses (or outside its token range) is not generated.
     BatchedExperts classes get no CPU prefill case: their capacity is M tokens per expert, so the CPU cost grows as
     E_local * M^2 (their claims are exercised at decode sizes, where the format is used).
@@ -189,11 +213,15 @@ def claim_cases(cls, on_gpu: bool) -> list[ExpertsCase]:
                 add(ExpertsCase(m, name, M, ep, 0, origin="claims", regime="prefill"))
     quantized = [n for n in claimed_schemes if n not in SCHEME_DTYPES]
     ep = generic.cpu_ep_size if rec.expert_map else 1
+    from reference.activation import activation_defined
+
     for act in sorted(rec.activations or (), key=lambda a: a.name):
+        if not activation_defined(act):
+            continue
         variant = dataclasses.replace(generic, activation=act.value)
         for name in ["bf16"] + quantized[:1]:
             add(ExpertsCase(variant, name, spec["activation_tokens"], ep, 0, origin="claims"))
-    if rec.chunking and not batched:
+    if rec.chunking and not batched and chunking_defined():
         add(ExpertsCase(generic, "bf16", spec["chunk_tokens"], ep, 0, chunk_size=spec["chunk_size"],
                         origin="claims"))
     return out
@@ -202,6 +230,7 @@ def claim_cases(cls, on_gpu: bool) -> list[ExpertsCase]:
 def claim_coverage(cls, cases: list[ExpertsCase]) -> dict[str, dict[str, bool]]:
     """For each claim dimension of ``cls`` (schemes, activations, expert map, token regime, chunking): which claimed
     values had at least one case among ``cases``. The conformance matrix prints it."""
+    from reference.activation import activation_defined
     from reference.modular import FusedMoEActivationFormat
     from reference.schemes import schemes
 
@@ -213,13 +242,13 @@ def claim_coverage(cls, cases: list[ExpertsCase]) -> dict[str, dict[str, bool]]:
     cov = {
         "scheme": {n: any(c.scheme == n for c in cases) for n in claimed},
         "activation": {a.name: any(c.activation is a for c in cases)
-                       for a in sorted(rec.activations or (), key=lambda a: a.name)},
+                       for a in sorted(rec.activations or (), key=lambda a: a.name) if activation_defined(a)},
         "regime": {r: any(c.regime == r for c in cases) for r in ("decode", "prefill")},
     }
     if rec.expert_map:
         cov["expert_map"] = {"ep rank 0": any(c.ep_size > 1 and c.ep_rank == 0 for c in cases),
                              "last ep rank": any(c.ep_size > 1 and c.ep_rank == c.ep_size - 1 for c in cases)}
-    if rec.chunking and rec.activation_format != FusedMoEActivationFormat.BatchedExperts:
+    if rec.chunking and rec.activation_format != FusedMoEActivationFormat.BatchedExperts and chunking_defined():
         cov["chunking"] = {"chunked": any(c.chunk_size for c in cases)}
     return cov
 
@@ -230,15 +259,22 @@ def routing_cases() -> list[RoutingCase]:
 
 
 def activation_cases() -> list[ActivationCase]:
-    """Every activation in bf16 (and SILU in fp16/fp32), plus the parameterized gpt-oss forms."""
+    """Every activation of the semantics version in force in bf16 (and SILU in fp16/fp32), plus the parameterized
+    gpt-oss forms and SITU with and without its linear beta."""
+    from reference.activation import SITU_KIMI_K3_BETA, SITU_KIMI_K3_LINEAR_BETA, activation_defined
+
     tokens = load_cases()["activation"]["tokens"]
     A = MoEActivation
     out = []
     for act in A:
-        if act is A.RELU2:
+        if act is A.RELU2 or not activation_defined(act):
             continue
         for M in tokens:
-            out.append(ActivationCase(act, torch.bfloat16, M, 256))
+            params = (("situ_beta", SITU_KIMI_K3_BETA), ("situ_linear_beta", SITU_KIMI_K3_LINEAR_BETA)) \
+                if act is A.SITU else ()
+            out.append(ActivationCase(act, torch.bfloat16, M, 256, params))
+    if activation_defined(A.SITU):  # no linear beta: the up projection passes through
+        out.append(ActivationCase(A.SITU, torch.bfloat16, 33, 256, (("situ_beta", 1.0),)))
     for dt in (torch.float16, torch.float32):
         out.append(ActivationCase(A.SILU, dt, 33, 256))
     out.append(ActivationCase(A.SWIGLUOAI_UNINTERLEAVE, torch.bfloat16, 33, 256,

@@ -63,6 +63,15 @@ _CONFIG = None
 def pytest_configure(config):
     global _CONFIG
     _CONFIG = config
+    chosen = config.getoption("--vllm-semantics", default=None)
+    if chosen:
+        # The whole run (case generation, every kernel the tests build, xdist workers) reads the version from the
+        # environment (reference.semantics.current_semantics), so one option selects it everywhere.
+        import os
+
+        from reference.semantics import ENV_VAR
+
+        os.environ[ENV_VAR] = chosen
     spec = _backend_spec(config)
     try:
         config._moe_backend = load_backend(spec)

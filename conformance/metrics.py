@@ -126,7 +126,8 @@ def assert_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: int, *, case: str, w
             f"expected {r[idx].item()!r}" + _footer(case, repro))
 
 
-_GELU_FAMILY = {MoEActivation.GELU: True, MoEActivation.GELU_TANH: True, MoEActivation.GELU_NO_MUL: False}
+_GELU_FAMILY = {MoEActivation.GELU: True, MoEActivation.GELU_TANH: True, MoEActivation.GELU_NO_MUL: False,
+                MoEActivation.GELU_TANH_NO_MUL: False}
 
 
 def gelu_cancellation_atol(activation: MoEActivation, x: torch.Tensor, factor: float) -> torch.Tensor | None:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance.cases import ExpertsCase, claim_cases, claim_coverage, experts_cases
+from conformance.cases import (ExpertsCase, chunking_defined, claim_cases, claim_coverage, experts_cases,
+                               kernel_chunk_kwargs, situ_params)
 from conformance.inputs import ExpertsInputs, make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, error_stats
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
@@ -69,6 +70,7 @@ def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:
         intermediate_size_per_partition=m.intermediate_size, num_local_experts=m.num_experts // case.ep_size,
         activation=case.activation, in_dtype=case.dtype,
         moe_parallel_config=FusedMoEParallelConfig.make_ep(case.ep_size, case.ep_rank), has_bias=m.expert_bias,
+        **situ_params(case.activation),
     )
 
 
@@ -102,6 +104,8 @@ def _load_inputs(request, case, device):
 def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, record, request):
     if experts_cls is None:
         pytest.skip(f"backend {backend.name} offers no experts implementation")
+    if case.chunk_size and not chunking_defined():
+        pytest.skip("a chunked case: vLLM 0.33 semantics have no activation chunking (run with --vllm-semantics 0.17)")
     inputs = _load_inputs(request, case, backend.device)
     qc = inputs.quant_config
     moe_config = moe_config_for(case)
@@ -124,8 +128,8 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         if batched:
             return FusedMoEKernel(BatchedPrepareAndFinalize(cap, moe_config.num_local_experts),
                                   cls(moe_config, qc, max_num_tokens=cap, num_dispatchers=1), poison=float("nan"))
-        return FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(moe_config, qc), chunk_size=case.chunk_size,
-                              poison=float("nan"))
+        return FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(moe_config, qc), poison=float("nan"),
+                              **kernel_chunk_kwargs(case.chunk_size))
 
     def run():
         return kernel_for(experts_cls).apply(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
@@ -137,7 +141,7 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
             return kernel_for(BatchedReferenceExperts).apply(inputs.hidden_states, inputs.w1, inputs.w2,
                                                              inputs.topk_weights, inputs.topk_ids, **kwargs)
         return fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
-                             quant_config=qc, **kwargs)
+                             quant_config=qc, **kwargs, **situ_params(case.activation))
 
     if not claimed and case.tokens == 0:
         pytest.skip(f"unsupported ({reason}); with M == 0 nothing runs, so the refusal cannot be observed")

@@ -1,7 +1,8 @@
 """MoE activation functions (vLLM ``MoEActivation``) with their exact formulas.
 
 Mirrors ``vllm/model_executor/layers/fused_moe/activation.py`` and the kernels in
-``vllm/model_executor/layers/activation.py`` (vLLM 0.17-0.33).
+``vllm/model_executor/layers/activation.py`` (vLLM 0.17-0.33). ``SITU`` and ``GELU_TANH_NO_MUL`` are vLLM 0.33
+members: under the 0.17 semantics (``reference.semantics``) applying them raises ``SemanticsError``.
 
 Numerics: every activation reads its input in the input dtype, computes in fp32 and rounds the result once to
 the input dtype, as vLLM's CUDA activation kernels (``silu_and_mul`` etc.) do.
@@ -26,11 +27,18 @@ __all__ = [
     "SWIGLUOAI_DEFAULT_ALPHA",
     "SWIGLUOAI_DEFAULT_LIMIT",
     "SWIGLUSTEP_LIMIT",
+    "SITU_KIMI_K3_BETA",
+    "SITU_KIMI_K3_LINEAR_BETA",
+    "activation_defined",
 ]
 
 SWIGLUOAI_DEFAULT_ALPHA = 1.702
 SWIGLUOAI_DEFAULT_LIMIT = 7.0
 SWIGLUSTEP_LIMIT = 7.0
+# Kimi-K3's SITU parameters: the values vLLM 0.33.0 bakes into its fused SITU kernel (csrc/activation_kernels.cu
+# SITU_BETA / SITU_LINEAR_BETA). The generic op takes them from FusedMoEConfig.activation_situ_beta / _linear_beta.
+SITU_KIMI_K3_BETA = 4.0
+SITU_KIMI_K3_LINEAR_BETA = 25.0
 
 
 class MoEActivation(enum.Enum):
@@ -49,6 +57,9 @@ class MoEActivation(enum.Enum):
     SILU_NO_MUL = "silu_no_mul"
     GELU_NO_MUL = "gelu_no_mul"
     RELU2_NO_MUL = "relu2_no_mul"
+    # vLLM 0.33 members (declared last so that the 0.17 members keep their order).
+    SITU = "situ"  # Kimi SituGLU, gated
+    GELU_TANH_NO_MUL = "gelu_tanh_no_mul"
 
     @property
     def is_gated(self) -> bool:
@@ -61,6 +72,20 @@ class MoEActivation(enum.Enum):
         except ValueError:
             valid = ", ".join(m.value for m in cls)
             raise ValueError(f"unknown MoE activation {name!r}; valid: {valid}") from None
+
+
+#: Members vLLM 0.17.0's ``MoEActivation`` does not have (vllm/model_executor/layers/fused_moe/activation.py).
+_SINCE_033 = frozenset({MoEActivation.SITU, MoEActivation.GELU_TANH_NO_MUL})
+
+
+def activation_defined(activation: MoEActivation, semantics=None) -> bool:
+    """Whether ``activation`` exists under the semantics version (``reference.semantics``; default: the current one).
+
+    SITU and GELU_TANH_NO_MUL are vLLM 0.33 members; every other member exists under 0.17 and 0.33.
+    """
+    from reference.semantics import SemanticsVersion, resolve_semantics
+
+    return activation not in _SINCE_033 or resolve_semantics(semantics) >= SemanticsVersion.V0_33
 
 
 def adjust_N_for_activation(N: int, activation: MoEActivation) -> int:
@@ -88,6 +113,9 @@ def apply_moe_activation(
     alpha: float | None = None,
     beta: float | None = None,
     limit: float | None = None,
+    situ_beta: float | None = None,
+    situ_linear_beta: float | None = None,
+    semantics=None,
 ) -> torch.Tensor:
     """Apply ``activation`` to the GEMM1 output ``x``.
 
@@ -98,6 +126,10 @@ def apply_moe_activation(
             SILU with ``limit`` clamps ``g <= limit`` and ``|u| <= limit`` first. SWIGLUOAI defaults to
             alpha 1.702, limit 7.0; SWIGLUOAI_UNINTERLEAVE defaults to alpha 1.0, beta 0.0 (== SILU) and applies
             the clamp only when ``limit`` is given.
+        situ_beta, situ_linear_beta: SITU's ``activation_situ_beta`` / ``activation_situ_linear_beta`` of vLLM 0.33's
+            ``FusedMoEConfig`` (Kimi-K3: 4.0 / 25.0). ``situ_beta`` is required (vLLM asserts it); a
+            ``situ_linear_beta`` of None or <= 0 means "unset": the up projection passes through, as in the kernel.
+        semantics: the vLLM semantics version (``reference.semantics``); SITU and GELU_TANH_NO_MUL need 0.33.
 
     Returns:
         ``(..., adjust_N_for_activation(N))`` tensor in ``x.dtype``; computed in fp32, rounded once.
@@ -109,10 +141,22 @@ def apply_moe_activation(
         SWIGLUOAI_UNINTERLEAVE  same clamps (if L given); g * sigmoid(alpha * g) * (u + beta)   [packed halves]
         SWIGLUSTEP     min(silu(g), 7) * clamp(u, -7, 7)
         SILU_NO_MUL    silu(x);  GELU_NO_MUL: gelu_erf(x);  RELU2_NO_MUL: relu(x)^2
+        SITU           b * tanh(g / b) * sigmoid(g) * u',  u' = lb * tanh(u / lb) if lb > 0 else u   [b = situ_beta,
+                       lb = situ_linear_beta; vLLM 0.33.0 SituAndMul.forward_native and csrc situ_activation, which
+                       writes sigmoid(g) as (1 + tanh(g / 2)) / 2: the same function, computed in fp32]
+        GELU_TANH_NO_MUL  gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))  (vLLM 0.33.0:
+                       ``F.gelu(input, approximate="tanh")`` in apply_moe_activation)
 
     Raises:
-        ValueError: RELU2 (gated; vLLM raises too), odd width for a gated activation, non-floating input.
+        ValueError: RELU2 (gated; vLLM raises too), odd width for a gated activation, non-floating input, SITU
+            without a positive ``situ_beta``.
+        SemanticsError (a ValueError): SITU / GELU_TANH_NO_MUL under the 0.17 semantics.
     """
+    if activation in _SINCE_033:
+        from reference.semantics import require
+
+        require(f"MoEActivation.{activation.name}", "0.33", semantics,
+                upstream="vllm/model_executor/layers/fused_moe/activation.py")
     if not x.is_floating_point():
         raise ValueError(f"activation input must be floating point, got {x.dtype}")
     xf = x.float()
@@ -125,6 +169,8 @@ def apply_moe_activation(
         y = F.gelu(xf)
     elif activation is A.RELU2_NO_MUL:
         y = torch.square(F.relu(xf))
+    elif activation is A.GELU_TANH_NO_MUL:
+        y = F.gelu(xf, approximate="tanh")
     else:
         g, u = _split_gated(xf, interleaved=activation is A.SWIGLUOAI)
         if activation is A.SILU:
@@ -152,6 +198,39 @@ def apply_moe_activation(
         elif activation is A.SWIGLUSTEP:
             L = SWIGLUSTEP_LIMIT if limit is None else limit
             y = F.silu(g).clamp(max=L) * u.clamp(-L, L)
+        elif activation is A.SITU:
+            # vLLM asserts the beta is set: a missing one means the config plumbing was bypassed.
+            if situ_beta is None or not situ_beta > 0:
+                raise ValueError(f"SITU needs a positive situ_beta (FusedMoEConfig.activation_situ_beta), "
+                                 f"got {situ_beta!r}")
+            if situ_linear_beta is not None and situ_linear_beta > 0:
+                u = situ_linear_beta * torch.tanh(u / situ_linear_beta)
+            y = situ_beta * torch.tanh(g / situ_beta) * torch.sigmoid(g) * u
         else:  # pragma: no cover - every member is handled above
             raise ValueError(f"unhandled activation {activation}")
     return y.to(x.dtype)
+
+
+def _register_points() -> None:
+    from reference.semantics import register_point
+
+    register_point(
+        "activation.new_members",
+        component="activation",
+        behaviour={
+            "0.17": "MoEActivation has no SITU and no GELU_TANH_NO_MUL: applying them raises SemanticsError.",
+            "0.33": "SITU (Kimi SituGLU, gated: b*tanh(g/b)*sigmoid(g)*u', u' = lb*tanh(u/lb) if lb > 0 else u; "
+                    "b = activation_situ_beta required, lb = activation_situ_linear_beta optional) and "
+                    "GELU_TANH_NO_MUL (gelu_tanh(x), non-gated); fp32 math, one rounding.",
+        },
+        upstream={
+            "0.17": "vLLM 0.17.0 vllm/model_executor/layers/fused_moe/activation.py",
+            "0.33": "vLLM 0.33.0 vllm/model_executor/layers/fused_moe/activation.py (apply_moe_activation), "
+                    "vllm/model_executor/layers/activation.py (SituAndMul), csrc/activation_kernels.cu "
+                    "(situ_activation, gelu_tanh_no_mul_kernel)",
+        },
+        reference="reference.activation.apply_moe_activation",
+    )
+
+
+_register_points()

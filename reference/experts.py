@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from reference.activation import MoEActivation, adjust_N_for_activation, apply_moe_activation
-from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig, FusedMoEQuantDesc
+from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig, FusedMoEQuantDesc, is_wna16
 from reference.modular import (
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
@@ -67,7 +67,7 @@ def dequant_groups(q: torch.Tensor, scale: torch.Tensor | None, group_shape: tup
 
 
 # Elements per stored element of the packed weight formats (w1 is (E, N, K // pack)).
-_PACK = {"mxfp4": 2, "nvfp4": 2, "int4_w4a8": 8}
+_PACK = {"mxfp4": 2, "nvfp4": 2, "int4_w4a8": 8, "int4": 2}
 
 
 def _per_expert(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
@@ -83,6 +83,10 @@ def _dequant_weight(w: torch.Tensor, desc: FusedMoEQuantDesc, e: int) -> torch.T
 
     if desc.dtype is None:
         return w[e].float()
+    if is_wna16(desc):  # weight-only INT4 / INT8: ((u - zp) * s) rounded to the activation dtype (= the scales')
+        zp = None if desc.zp is None else desc.zp[e]
+        return q.wna16_dequantize(w[e], desc.scale[e], zp, num_bits=4 if desc.dtype == "int4" else 8,
+                                  group_size=desc.shape[1], out_dtype=desc.scale.dtype).float()
     if desc.dtype == "mxfp4":
         return q.mxfp4_dequantize(w[e], desc.scale[e])
     if desc.dtype == "mxfp8":
@@ -104,6 +108,10 @@ def dequant_activation(aq: torch.Tensor, scale: torch.Tensor | None, desc: Fused
         return aq.float()
     if desc.dtype == "mxfp8":
         return q.mxfp8_dequantize(aq, scale)
+    if desc.dtype == "mxfp4":
+        return q.mxfp4_dequantize(aq, scale)
+    if desc.dtype == "nvfp4" and desc.per_token_gscale:  # scale: per-block decode factors SF / gs_token (fp32)
+        return q.e2m1_decode(q.unpack_fp4(aq)) * scale.float().repeat_interleave(q.NVFP4_BLOCK_SIZE, dim=-1)
     if desc.dtype == "nvfp4":
         return q.nvfp4_dequantize(aq, scale, desc.alpha_or_gscale)
     return dequant_groups(aq, scale, desc.shape)
@@ -173,7 +181,8 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
 
 
 def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
-                       acc_dtype: torch.dtype = torch.float32, gemm=None) -> torch.Tensor:
+                       acc_dtype: torch.dtype = torch.float32, gemm=None, *, situ_beta=None,
+                       situ_linear_beta=None) -> torch.Tensor:
     """(M, topk, K) unweighted expert outputs in act dtype; zeros for routes to experts not held here.
 
     ``acc_dtype`` is the GEMMs' accumulation dtype: fp32 defines the reference; float64 gives the (nearly) exact
@@ -202,7 +211,8 @@ def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activat
             h = h + qc.w1_bias[e].to(acc_dtype)
         h = h.to(act_dtype)
         g_rows[e] = apply_moe_activation(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta,
-                                         limit=qc.gemm1_clamp_limit)
+                                         limit=qc.gemm1_clamp_limit, situ_beta=situ_beta,
+                                         situ_linear_beta=situ_linear_beta)
     out = torch.zeros(M, topk, K, dtype=act_dtype, device=a1q.device)
     if not routes:
         return out
@@ -235,6 +245,8 @@ def fused_experts(
     apply_router_weight_on_input: bool = False,
     quant_config: FusedMoEQuantConfig | None = None,
     accumulate_dtype: torch.dtype = torch.float32,
+    activation_situ_beta: float | None = None,
+    activation_situ_linear_beta: float | None = None,
 ) -> torch.Tensor:
     """The reference MoE experts: ``(M, K)`` output in ``hidden_states.dtype``.
 
@@ -250,6 +262,7 @@ def fused_experts(
         accumulate_dtype: the GEMMs' accumulation dtype. fp32 (default) *is* the reference; float64 computes the
             exact products of the dequantized operands, for measuring accumulation error
             (``reference.error_model``, ``conformance/test_accumulation.py``).
+        activation_situ_beta, activation_situ_linear_beta: SITU's parameters (vLLM 0.33 ``FusedMoEConfig``).
 
     Raises:
         ValueError: bad shapes/dtypes/devices (``check_moe_inputs``), apply_router_weight_on_input with topk > 1.
@@ -266,7 +279,8 @@ def fused_experts(
         x = x.contiguous()
     a1q, a1q_scale = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
     y = _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
-                           accumulate_dtype)
+                           accumulate_dtype, situ_beta=activation_situ_beta,
+                           situ_linear_beta=activation_situ_linear_beta)
     w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
     return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(act_dtype)
 
@@ -297,7 +311,7 @@ class ReferenceExperts(FusedMoEExpertsModular):
 
     def moe_problem_size(self, a1, w1, w2, topk_ids):
         E, M, N, K, topk = super().moe_problem_size(a1, w1, w2, topk_ids)
-        if self.quant_config.a1.dtype == "nvfp4":
+        if self.quant_config.a1.dtype in ("nvfp4", "mxfp4"):
             K *= 2  # packed E2M1 activations: two elements per byte
         return E, M, N, K, topk
 
@@ -310,5 +324,6 @@ class ReferenceExperts(FusedMoEExpertsModular):
               apply_router_weight_on_input):
         act_dtype = output.dtype
         y = _experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
-                               activation, act_dtype)
+                               activation, act_dtype, situ_beta=getattr(self.moe_config, "activation_situ_beta", None),
+                               situ_linear_beta=getattr(self.moe_config, "activation_situ_linear_beta", None))
         output.copy_(y.view(output.shape))

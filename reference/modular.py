@@ -12,8 +12,28 @@ default 16*1024; switched off by ``VLLM_ENABLE_FUSED_MOE_ACTIVATION_CHUNKING=0``
 support chunking). A backend plugs its ``FusedMoEExpertsModular`` subclass into this kernel; conformance compares the
 result with ``reference.experts.fused_experts``.
 
-Not modelled: async prepare/finalize, DBO, all2all dispatch across real ranks, the workspace manager (buffers are
-allocated per call, with the same sharing rules).
+Versions (``reference.semantics``; the kernel reads the version in force when it is constructed, or its
+``semantics=`` argument). Under **0.17** (vLLM 0.17.0, the seeds) the kernel is as above. Under **0.33** (vLLM
+0.33.0 ``modular_kernel.py``, the default):
+
+- no chunking: one experts call over all M tokens (no chunk loop, no ``VLLM_FUSED_MOE_CHUNK_SIZE``; a ``chunk_size``
+  argument raises), so a dynamic per-tensor scale of the second GEMM's input spans the whole call; no ``inplace``;
+- the kernel never calls ``supports_expert_map`` (it left vLLM's base class; a few classes keep an unused
+  override). The reference keeps the method for 0.17 and, under both versions, the claim as data:
+  ``SupportRecord.expert_map``, from which conformance derives the EP cases;
+- the output is ``(M, fused_experts.output_hidden_dim(K))`` (experts may drop a hidden padding);
+  ``prepare_finalize.allocate_fused_expert_output`` may supply the experts' output buffer; when the caller's
+  output has the experts' output shape the experts write into it directly;
+- M == 0 returns before allocating or calling the experts (finalize still runs);
+- deferred finalize: experts may return an ``UnfinalizedMoEOutput`` (``reference.moe_output``) instead of writing
+  the output; the kernel passes it through when ``prepare_finalize.supports_deferred_moe_finalize()``, else raises;
+  experts with a ``post_gemm2_hook`` hand it the unfinalized rows and the output to reduce into;
+- shared experts are a ``reference.shared_experts.SharedExperts`` passed to ``apply``; the kernel runs them only in
+  the ``MK_INTERNAL_OVERLAPPED`` order (prepare/finalize with async support) and returns the routed output alone.
+
+Not modelled: async prepare/finalize (a ``supports_async`` prepare/finalize runs synchronously), DBO, all2all
+dispatch across real ranks (``reference.distributed`` does it over torch.distributed), the workspace manager
+(buffers are allocated per call, with the same sharing rules).
 """
 
 from __future__ import annotations
@@ -29,7 +49,10 @@ import torch
 
 from reference.activation import MoEActivation, adjust_N_for_activation, apply_moe_activation
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
+from reference.moe_output import UnfinalizedMoEOutput, moe_fused_mul_sum, route_major_moe_output
 from reference.routing import RoutingMethodType
+from reference.semantics import SemanticsError, SemanticsVersion, register_point, resolve_semantics
+from reference.shared_experts import SharedExperts, SharedExpertsOrder
 
 __all__ = [
     "ExpertTokensMetadata",
@@ -52,6 +75,11 @@ __all__ = [
     "chunk_size_from_env",
     "chunking_enabled_from_env",
     "cdiv",
+    "UnfinalizedMoEOutput",
+    "route_major_moe_output",
+    "moe_fused_mul_sum",
+    "SharedExperts",
+    "SharedExpertsOrder",
 ]
 
 DEFAULT_CHUNK_SIZE = 16 * 1024
@@ -292,6 +320,10 @@ class FusedMoEExperts(ABC):
     or missing for the BatchedExperts format.
     """
 
+    #: vLLM 0.33: called with the unweighted GEMM2 rows (an ``UnfinalizedMoEOutput``) and the output to weight
+    #: and reduce into, replacing the experts' own top-k reduction (set on an instance by a fusing consumer).
+    post_gemm2_hook: Callable[[UnfinalizedMoEOutput, torch.Tensor], None] | None = None
+
     def __init__(
         self,
         moe_config: FusedMoEConfig,
@@ -433,7 +465,26 @@ class FusedMoEExperts(ABC):
         return type(self)._record().chunking
 
     def supports_expert_map(self) -> bool:
+        """The 0.17 base-class predicate (``SupportRecord.expert_map``). vLLM 0.33 removed it from the base class
+        and its kernel never asks; the reference's 0.33 kernel does not call it either (see the module docstring)."""
         return type(self)._record().expert_map
+
+    def _uses_post_gemm2_hook(self, num_tokens: int) -> bool:
+        """vLLM 0.33: defer the top-k reduction to ``post_gemm2_hook`` (only when there are tokens)."""
+        return self.post_gemm2_hook is not None and num_tokens > 0
+
+    def _run_post_gemm2_hook(self, unfinalized: UnfinalizedMoEOutput,
+                             output: torch.Tensor | None = None) -> torch.Tensor:
+        """Hand ``unfinalized`` and the output (allocated ``(num_tokens, hidden)`` if None) to the hook."""
+        if self.post_gemm2_hook is None:
+            raise ValueError("_run_post_gemm2_hook called without a post_gemm2_hook")
+        if not isinstance(unfinalized, UnfinalizedMoEOutput):
+            raise ValueError(f"post_gemm2_hook takes an UnfinalizedMoEOutput, got {type(unfinalized).__name__}")
+        if output is None:
+            rows = unfinalized.gemm2_permuted
+            output = rows.new_empty((unfinalized.num_tokens, rows.shape[1]))
+        self.post_gemm2_hook(unfinalized, output)
+        return output
 
     def supports_packed_ue8m0_act_scales(self) -> bool:
         return False
@@ -471,6 +522,12 @@ class FusedMoEExpertsModular(FusedMoEExperts):
 
     def workspace_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         return act_dtype
+
+    def output_hidden_dim(self, hidden_dim: int) -> int:
+        """Hidden size of the finalized output (vLLM 0.33). Experts that drop a hidden padding (their K is padded
+        for the kernel, e.g. TRTLLM MXFP4 2880 -> 3072) return the unpadded size; the 0.33 kernel allocates the
+        output, and the M == 0 result, with it. Under 0.17 the output is always ``(M, K)``."""
+        return hidden_dim
 
     @abstractmethod
     def workspace_shapes(
@@ -522,8 +579,10 @@ class FusedMoEExpertsModular(FusedMoEExperts):
         workspace2: torch.Tensor,
         expert_tokens_meta: ExpertTokensMetadata | None,
         apply_router_weight_on_input: bool,
-    ) -> None:
-        """Compute the experts for one chunk, writing ``output`` (shape from ``workspace_shapes``)."""
+    ) -> UnfinalizedMoEOutput | None:
+        """Compute the experts for one chunk (0.17) or the whole call (0.33), writing ``output`` (shape from
+        ``workspace_shapes``) and returning None; under 0.33 an implementation that stopped after GEMM2 leaves
+        ``output`` untouched and returns the ``UnfinalizedMoEOutput`` instead (deferred finalize)."""
         raise NotImplementedError
 
 
@@ -599,9 +658,16 @@ def moe_kernel_quantize_input(
             return q.int8_quant_static(A, A_scale)
         if desc.shape == (1, -1):
             return q.int8_quant_per_token(A)
-        raise NotImplementedError("dynamic per-tensor INT8 activation quantization is not defined here")
+        return q.int8_quant_per_tensor(A)  # kInt8DynamicTensorSym (vLLM 0.33 utils.py::_int8_quantize)
     if desc.dtype == "mxfp8":
         return q.mxfp8_quantize(A, scale_rule=q.get_recipe(quant_config.recipe).mx_scale_rule)
+    if desc.dtype == "mxfp4":  # kMxfp4Dynamic (W4A4): codes and E8M0 scales, dequantized by the experts
+        return q.mxfp4_quantize(A, scale_rule=q.get_recipe(quant_config.recipe).mx_scale_rule)
+    if desc.dtype == "nvfp4" and desc.per_token_gscale:
+        # kNvfp4DynamicToken: the scale handed on is the per-block decode factor SF / gs_token (fp32 (M, K // 16)),
+        # so it slices by rows like every other activation scale; the bits are nvfp4_quantize_per_token's.
+        packed, block_scales, gs = q.nvfp4_quantize_per_token(A)
+        return packed, block_scales.to(torch.float32) / gs
     if desc.dtype == "nvfp4":
         if desc.alpha_or_gscale is None:
             raise ValueError(f"NVFP4 activation quantization needs the global scale ({desc_name}_gscale)")
@@ -636,6 +702,19 @@ class FusedMoEPrepareAndFinalize(ABC):
     @abstractmethod
     def output_is_reduced(self) -> bool:
         raise NotImplementedError
+
+    def allocate_fused_expert_output(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                                     weight_and_reduce_impl: TopKWeightAndReduce) -> torch.Tensor | None:
+        """vLLM 0.33: optionally provide the experts' exact output buffer (e.g. the combine input of a naive DP/EP
+        prepare/finalize); None lets the kernel allocate it. A returned tensor must have ``shape`` and ``dtype``,
+        live on ``device`` and be contiguous (the 0.33 kernel raises ValueError otherwise), and finalize must keep
+        its identity. Not called under 0.17."""
+        return None
+
+    def supports_deferred_moe_finalize(self) -> bool:
+        """vLLM 0.33: whether ``finalize`` may be skipped for a consumer that takes an ``UnfinalizedMoEOutput``:
+        only if everything finalize does (the top-k reduction, any combine) is work the consumer takes over."""
+        return False
 
 
 class FusedMoEPrepareAndFinalizeModular(FusedMoEPrepareAndFinalize):
@@ -711,6 +790,11 @@ class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
     def num_dispatchers(self) -> int:
         return 1
 
+    def supports_deferred_moe_finalize(self) -> bool:
+        # finalize here is the top-k weight-and-reduce and nothing else: exactly what a deferring consumer takes
+        # over (vLLM 0.33 MoEPrepareAndFinalizeNoDPEPModular).
+        return True
+
     def output_is_reduced(self) -> bool:
         return False
 
@@ -755,19 +839,24 @@ def _resize_cache(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 class FusedMoEKernel:
-    """prepare -> experts (chunked over tokens) -> finalize (seed 002 ``FusedMoEKernel`` + ``...ModularImpl``).
+    """prepare -> experts -> finalize (seed 002 ``FusedMoEKernel`` + ``...ModularImpl``), per semantics version:
+    0.17 chunks the experts over tokens, 0.33 runs them once (see the module docstring for every 0.33 change).
 
     Args:
         prepare_finalize: a ``FusedMoEPrepareAndFinalizeModular`` (or ``...Monolithic`` with monolithic experts).
         fused_experts: the experts implementation under test.
-        shared_experts: optional callable ``(M, K) -> (M, K)``; when set, ``apply`` returns ``(shared, routed)``.
-        inplace: write the result into ``hidden_states`` (not allowed with shared experts).
-        chunk_size: tokens per chunk; default ``VLLM_FUSED_MOE_CHUNK_SIZE`` (16*1024) read at construction.
+        shared_experts: 0.17 only: optional callable ``(M, K) -> (M, K)``; when set, ``apply`` returns
+            ``(shared, routed)``. (0.33: pass a ``SharedExperts`` to ``apply``.)
+        inplace: 0.17 only: write the result into ``hidden_states`` (not allowed with shared experts).
+        chunk_size: 0.17 only: tokens per chunk; default ``VLLM_FUSED_MOE_CHUNK_SIZE`` (16*1024) read at
+            construction.
         poison: if not None, fill every workspace and the experts' output buffer with this value before the
             experts run (conformance uses NaN so unwritten elements fail).
+        semantics: the vLLM semantics version (default: the one in force at construction, ``reference.semantics``).
 
     Raises:
         ValueError: mismatched monolithic/modular pair or activation formats, inplace with shared experts.
+        SemanticsError (a ValueError): ``shared_experts``, ``inplace`` or ``chunk_size`` under 0.33.
     """
 
     def __init__(
@@ -780,7 +869,20 @@ class FusedMoEKernel:
         *,
         chunk_size: int | None = None,
         poison: float | None = None,
+        semantics: SemanticsVersion | str | None = None,
     ):
+        self.semantics = resolve_semantics(semantics)
+        if self.semantics >= SemanticsVersion.V0_33:
+            # vLLM 0.33's FusedMoEKernel has none of these: refuse them rather than silently ignore them.
+            for name, given in (("chunk_size", chunk_size is not None), ("inplace", inplace),
+                                ("shared_experts", shared_experts is not None)):
+                if given:
+                    hint = {"chunk_size": "vLLM 0.33 has no activation chunking (no chunk loop, no "
+                                          "VLLM_FUSED_MOE_CHUNK_SIZE)",
+                            "inplace": "vLLM 0.33's kernel always allocates its output",
+                            "shared_experts": "pass a reference.shared_experts.SharedExperts to apply()"}[name]
+                    raise SemanticsError(f"FusedMoEKernel({name}=...) is vLLM 0.17 semantics: {hint}. Use "
+                                         "semantics='0.17' for the 0.17 kernel.")
         modular = isinstance(prepare_finalize, FusedMoEPrepareAndFinalizeModular) and isinstance(
             fused_experts, FusedMoEExpertsModular
         )
@@ -801,8 +903,12 @@ class FusedMoEKernel:
         self.shared_experts = shared_experts
         self.moe_parallel_config = moe_parallel_config
         self.inplace = inplace
-        self.chunk_size = chunk_size_from_env() if chunk_size is None else chunk_size
-        if self.chunk_size < 1:
+        # 0.33 reads no chunk size (no VLLM_FUSED_MOE_CHUNK_SIZE): None marks "no chunking".
+        if self.semantics >= SemanticsVersion.V0_33:
+            self.chunk_size = None
+        else:
+            self.chunk_size = chunk_size_from_env() if chunk_size is None else chunk_size
+        if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         self.poison = poison
         prepare_finalize.post_init_setup(fused_experts)
@@ -822,10 +928,21 @@ class FusedMoEKernel:
     def output_is_reduced(self) -> bool:
         return self.prepare_finalize.output_is_reduced()
 
+    def supports_deferred_moe_finalize(self) -> bool:
+        """vLLM 0.33: the prepare/finalize's ``supports_deferred_moe_finalize``."""
+        return self.prepare_finalize.supports_deferred_moe_finalize()
+
+    @property
+    def can_overlap_shared_experts(self) -> bool:
+        """vLLM 0.33: the kernel runs shared experts itself (MK_INTERNAL_OVERLAPPED) when its prepare/finalize
+        supports async; monolithic kernels never do."""
+        return (not self.is_monolithic) and bool(getattr(self.prepare_finalize, "supports_async", lambda: False)())
+
     # --- chunking helpers (seed 002) -------------------------------------------------------------------------
     def _chunk_info(self, M: int) -> tuple[int, int]:
-        """``(num_chunks, CHUNK_SIZE)``; one chunk when chunking is off; zero chunks when M == 0."""
-        CHUNK_SIZE = max(1, M if not self.fused_experts.enable_chunking() else min(M, self.chunk_size))
+        """``(num_chunks, CHUNK_SIZE)``; one chunk when chunking is off (always under 0.33); zero chunks when M == 0."""
+        chunked = self.chunk_size is not None and self.fused_experts.enable_chunking()
+        CHUNK_SIZE = max(1, min(M, self.chunk_size) if chunked else M)
         num_chunks = cdiv(M, CHUNK_SIZE)
         assert M > 0 or num_chunks == 0
         return num_chunks, CHUNK_SIZE
@@ -911,7 +1028,7 @@ class FusedMoEKernel:
                 num_chunks, expert_tokens_meta, topk_ids[s:e], local_num_experts, expert_map
             )
             c_out = self._slice_output_tensor(fused_out, chunk_idx, num_chunks, CHUNK_SIZE, M_full)
-            fe.apply(
+            ret = fe.apply(
                 output=c_out,
                 hidden_states=a1q[s:e],
                 w1=w1,
@@ -928,6 +1045,10 @@ class FusedMoEKernel:
                 expert_tokens_meta=c_meta,
                 apply_router_weight_on_input=apply_router_weight_on_input,
             )
+            if isinstance(ret, UnfinalizedMoEOutput):
+                raise SemanticsError(f"{type(fe).__name__}.apply returned an UnfinalizedMoEOutput: deferred finalize "
+                                     "is vLLM 0.33 semantics (fused_moe/moe_output.py); the 0.17 kernel needs the "
+                                     "experts to write their output")
         return fused_out
 
     def apply(
@@ -942,8 +1063,9 @@ class FusedMoEKernel:
         expert_map: torch.Tensor | None = None,
         apply_router_weight_on_input: bool = False,
         shared_experts_input: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Run the layer: ``(M, K)`` output in ``hidden_states.dtype`` (or ``(shared_out, routed_out)``).
+        shared_experts: SharedExperts | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | UnfinalizedMoEOutput:
+        """Run the layer.
 
         Args:
             hidden_states: ``(M, K)``. w1 ``(E_local, N, K)``, w2 ``(E_local, K, N')`` (maybe quantized/packed).
@@ -951,10 +1073,19 @@ class FusedMoEKernel:
             global_num_experts: E (``-1`` means ``E_local``). expert_map: int32 ``(E,)`` global -> local, -1 not held.
             apply_router_weight_on_input: weights multiply the input (topk must be 1) instead of the output.
             shared_experts_input: input of the shared experts when it differs (latent MoE).
+            shared_experts: 0.33 only: a ``SharedExperts``; the kernel runs it when its order is
+                ``MK_INTERNAL_OVERLAPPED`` (read the result from ``shared_experts.output``).
+
+        Returns:
+            0.17: ``(M, K)`` in ``hidden_states.dtype``, or ``(shared_out, routed_out)`` with the constructor's
+            shared experts. 0.33: ``(M, fused_experts.output_hidden_dim(K))`` in ``hidden_states.dtype``, or the
+            experts' ``UnfinalizedMoEOutput`` (deferred finalize).
 
         Raises:
-            ValueError: shape mismatches, expert_map given to experts that do not support it,
-                apply_router_weight_on_input with topk > 1.
+            ValueError: shape mismatches, apply_router_weight_on_input with topk > 1; 0.17: expert_map given to
+                experts that do not support it; 0.33: an unfinalized output the prepare/finalize cannot pass
+                through, a bad ``allocate_fused_expert_output`` buffer. SemanticsError: ``shared_experts`` under
+                0.17.
         """
         if self.is_monolithic:
             raise ValueError("this kernel is monolithic: call apply_monolithic with router logits")
@@ -965,20 +1096,39 @@ class FusedMoEKernel:
                 f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
                 f"(M={hidden_states.size(0)}, topk)"
             )
-        if expert_map is not None and not self.fused_experts.supports_expert_map():
-            raise ValueError(f"{type(self.fused_experts).__name__} does not support expert_map")
         if apply_router_weight_on_input and topk_ids.size(1) != 1:
             raise ValueError(f"apply_router_weight_on_input is only supported for topk == 1, got {topk_ids.size(1)}")
-        output = hidden_states if self.inplace else torch.empty_like(hidden_states)
-        local_num_experts = w1.size(0)
-        if global_num_experts == -1:
-            global_num_experts = local_num_experts
+        args = (hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
+                apply_router_weight_on_input, shared_experts_input)
+        if self.semantics >= SemanticsVersion.V0_33:
+            return self._apply_033(*args, shared_experts)
+        if shared_experts is not None:
+            raise SemanticsError("apply(shared_experts=SharedExperts) is vLLM 0.33 semantics; the 0.17 kernel takes "
+                                 "a shared-experts callable in its constructor")
+        return self._apply_017(*args)
+
+    def _prepare(self, hidden_states, topk_weights, topk_ids, global_num_experts, expert_map,
+                 apply_router_weight_on_input):
         a1q, a1q_scale, meta, d_ids, d_weights = self.prepare_finalize.prepare(
             hidden_states, topk_weights, topk_ids, global_num_experts, expert_map, apply_router_weight_on_input,
             self.fused_experts.quant_config, defer_input_quant=self.fused_experts.expects_unquantized_inputs,
         )
+        # Dispatching prepare/finalizes hand back the topk ids and weights of the tokens they gathered.
         topk_ids = topk_ids if d_ids is None else d_ids
         topk_weights = topk_weights if d_weights is None else d_weights
+        return a1q, a1q_scale, meta, topk_ids, topk_weights
+
+    def _apply_017(self, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
+                   apply_router_weight_on_input, shared_experts_input):
+        """vLLM 0.17: chunked experts, inplace, constructor shared experts, supports_expert_map checked."""
+        if expert_map is not None and not self.fused_experts.supports_expert_map():
+            raise ValueError(f"{type(self.fused_experts).__name__} does not support expert_map")
+        output = hidden_states if self.inplace else torch.empty_like(hidden_states)
+        local_num_experts = w1.size(0)
+        if global_num_experts == -1:
+            global_num_experts = local_num_experts
+        a1q, a1q_scale, meta, topk_ids, topk_weights = self._prepare(
+            hidden_states, topk_weights, topk_ids, global_num_experts, expert_map, apply_router_weight_on_input)
         fused_out = self._fused_experts(
             hidden_states.dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
             local_num_experts, expert_map, apply_router_weight_on_input, meta,
@@ -993,6 +1143,128 @@ class FusedMoEKernel:
             return output
         se_in = shared_experts_input if shared_experts_input is not None else hidden_states
         return self.shared_experts(se_in), output
+
+    # --- vLLM 0.33 -------------------------------------------------------------------------------------------
+    def _allocate_buffers_033(self, out_dtype, device, M, N, K, top_k, global_num_experts, local_num_experts,
+                              expert_tokens_meta, activation, output):
+        """Workspaces and the experts' output for one unchunked call (0.33 ``_allocate_buffers`` with M_chunk ==
+        M_full, plus the output aliasing of ``_fused_experts``).
+
+        The experts' output is, in order of preference: the prepare/finalize's ``allocate_fused_expert_output``
+        buffer (validated); the caller's ``output`` when it has exactly the experts' output shape and dtype (the
+        experts then write the final output directly and a NoOP finalize copies nothing); a view of workspace13's
+        memory (GEMM1's result is dead by the time the output is written).
+        """
+        fe = self.fused_experts
+        ws_dtype = fe.workspace_dtype(out_dtype)
+        ws13_shape, ws2_shape, out_shape = fe.workspace_shapes(
+            M, N, K, top_k, global_num_experts, local_num_experts, expert_tokens_meta, activation)
+        alias = self.prepare_finalize.allocate_fused_expert_output(
+            tuple(out_shape), ws_dtype, device, fe.finalize_weight_and_reduce_impl())
+        if alias is not None:
+            # vLLM asserts these; a wrong buffer would be written out of bounds or reinterpreted.
+            if (tuple(alias.shape) != tuple(out_shape) or alias.dtype != ws_dtype or alias.device != torch.device(device)
+                    or not alias.is_contiguous()):
+                raise ValueError(
+                    f"{type(self.prepare_finalize).__name__}.allocate_fused_expert_output returned "
+                    f"{tuple(alias.shape)} {alias.dtype} on {alias.device} (contiguous: {alias.is_contiguous()}); "
+                    f"the experts need a contiguous {tuple(out_shape)} {ws_dtype} tensor on {device}")
+            fused_out = alias
+            ws13 = torch.empty(ws13_shape, dtype=ws_dtype, device=device)
+        elif (tuple(output.shape) == tuple(out_shape) and output.dtype == ws_dtype and output.is_contiguous()):
+            fused_out = output
+            ws13 = torch.empty(ws13_shape, dtype=ws_dtype, device=device)
+        else:
+            common = torch.empty(max(prod(ws13_shape), prod(out_shape)), dtype=ws_dtype, device=device)
+            ws13 = _resize_cache(common, ws13_shape)
+            fused_out = _resize_cache(common, out_shape)
+        ws2 = torch.empty(ws2_shape, dtype=ws_dtype, device=device)
+        if self.poison is not None:
+            for t in (ws13, ws2, fused_out):
+                if t.is_floating_point():
+                    t.fill_(self.poison)
+                elif t.numel():
+                    t.fill_(-1)
+        return ws13, ws2, fused_out
+
+    def _fused_experts_033(self, in_dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids, activation,
+                           global_num_experts, local_num_experts, expert_map, apply_router_weight_on_input,
+                           expert_tokens_meta, output):
+        """One experts call over every token (no chunk loop): a dynamic per-tensor scale of GEMM2's input is the
+        amax over the whole call. Returns the experts' output buffer or their ``UnfinalizedMoEOutput``."""
+        fe = self.fused_experts
+        _, M_full, N, K, top_k = fe.moe_problem_size(a1q, w1, w2, topk_ids)
+        if a1q.dim() == 2 and a1q.size(0) == 0:
+            M_full = 0
+        if M_full == 0:
+            # No token reached this rank: return before allocating anything or calling the experts.
+            out_dim = fe.output_hidden_dim(a1q.size(-1))
+            return torch.empty((*a1q.shape[:-1], out_dim), dtype=in_dtype, device=a1q.device)
+        ws13, ws2, fused_out = self._allocate_buffers_033(
+            in_dtype, a1q.device, M_full, N, K, top_k, global_num_experts, local_num_experts, expert_tokens_meta,
+            activation, output)
+        unfinalized = fe.apply(
+            output=fused_out, hidden_states=a1q, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+            activation=activation, global_num_experts=global_num_experts, expert_map=expert_map,
+            a1q_scale=a1q_scale, a2_scale=fe.a2_scale, workspace13=ws13, workspace2=ws2,
+            expert_tokens_meta=expert_tokens_meta, apply_router_weight_on_input=apply_router_weight_on_input,
+        )
+        if isinstance(unfinalized, UnfinalizedMoEOutput):
+            return unfinalized  # the experts wrote nothing; the top-k reduction belongs to whoever takes this
+        return fused_out
+
+    def _apply_033(self, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
+                   apply_router_weight_on_input, shared_experts_input, shared_experts):
+        """vLLM 0.33 ``FusedMoEKernelModularImpl.apply``."""
+        fe = self.fused_experts
+        output = hidden_states.new_empty((*hidden_states.shape[:-1], fe.output_hidden_dim(hidden_states.size(-1))))
+        local_num_experts = w1.size(0)
+        if global_num_experts == -1:
+            global_num_experts = local_num_experts
+        a1q, a1q_scale, meta, topk_ids, topk_weights = self._prepare(
+            hidden_states, topk_weights, topk_ids, global_num_experts, expert_map, apply_router_weight_on_input)
+        fused_out = self._fused_experts_033(
+            hidden_states.dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+            local_num_experts, expert_map, apply_router_weight_on_input, meta, output)
+        if isinstance(fused_out, UnfinalizedMoEOutput):
+            # Nothing below can run on an unfinalized output: finalize (top-k reduction, combine) is the consumer's.
+            if not self.prepare_finalize.supports_deferred_moe_finalize():
+                raise ValueError(f"{type(self.prepare_finalize).__name__} cannot pass through a deferred MoE output "
+                                 f"(supports_deferred_moe_finalize() is False) but {type(fe).__name__} returned one")
+            return fused_out
+        self.prepare_finalize.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
+                                       fe.finalize_weight_and_reduce_impl())
+        if shared_experts is not None and self.can_overlap_shared_experts:
+            # Upstream launches finalize asynchronously and runs the shared experts before receiving it; the result
+            # is the same in any order on one stream.
+            shared_experts(shared_experts_input if shared_experts_input is not None else hidden_states,
+                           SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
+        return output
+
+    def forward_with_shared_experts(self, shared_experts: SharedExperts, hidden_states: torch.Tensor, w1, w2,
+                                    topk_weights, topk_ids, activation: MoEActivation = MoEActivation.SILU,
+                                    global_num_experts: int = -1, expert_map: torch.Tensor | None = None,
+                                    apply_router_weight_on_input: bool = False,
+                                    shared_experts_input: torch.Tensor | None = None):
+        """vLLM 0.33's runner around this kernel (``MoERunner._forward_impl`` / ``_apply_quant_method``): the shared
+        experts run once, at the site their order names: ``maybe_forward_async`` before the routed experts
+        (MULTI_STREAM_OVERLAPPED), ``NO_OVERLAP`` just before the kernel, or inside it (MK_INTERNAL_OVERLAPPED).
+
+        Returns:
+            ``(shared_output, routed_output)``; combine them with ``reference.shared_experts.combine_shared_and_routed``.
+
+        Raises:
+            SemanticsError: under 0.17.
+        """
+        if self.semantics < SemanticsVersion.V0_33:
+            raise SemanticsError("SharedExperts orderings are vLLM 0.33 semantics (runner/shared_experts.py)")
+        se_in = shared_experts_input if shared_experts_input is not None else hidden_states
+        shared_experts.maybe_forward_async(se_in)
+        shared_experts(se_in, SharedExpertsOrder.NO_OVERLAP)
+        routed = self.apply(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
+                            apply_router_weight_on_input, shared_experts_input=shared_experts_input,
+                            shared_experts=shared_experts)
+        return shared_experts.output, routed
 
     def apply_monolithic(self, hidden_states, w1, w2, router_logits, activation, global_num_experts, expert_map,
                          apply_router_weight_on_input, num_expert_group=None, e_score_correction_bias=None,
@@ -1012,3 +1284,77 @@ class FusedMoEKernel:
             topk_group=topk_group,
         )
         return self.prepare_finalize.finalize(out)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Semantics points (reference.semantics; docs/SEMANTICS.md)
+# ------------------------------------------------------------------------------------------------------------
+
+_MK017 = "vLLM 0.17.0 fused_moe/modular_kernel.py"
+_MK033 = "vLLM 0.33.0 fused_moe/modular_kernel.py"
+
+register_point(
+    "modular.activation_chunking", component="modular",
+    behaviour={"0.17": "FusedMoEKernel chunks the experts over tokens (chunk_size, VLLM_FUSED_MOE_CHUNK_SIZE default "
+                       "16*1024, VLLM_ENABLE_FUSED_MOE_ACTIVATION_CHUNKING, supports_chunking); per-chunk "
+                       "ExpertTokensMetadata; a dynamic per-tensor a2 scale is one per chunk; inplace allowed.",
+               "0.33": "no chunking: one experts call over all M tokens (chunk_size raises, the environment "
+                       "variables are not read); a dynamic per-tensor a2 scale spans the whole call; no inplace."},
+    upstream={"0.17": _MK017 + " (FusedMoEModularKernel._chunk_info, _slice_*)",
+              "0.33": _MK033 + " (FusedMoEKernelModularImpl._fused_experts: M_chunk == M_full)"},
+    reference="reference.modular.FusedMoEKernel")
+register_point(
+    "modular.supports_expert_map", component="modular",
+    behaviour={"0.17": "FusedMoEExperts.supports_expert_map() (from SupportRecord.expert_map); the kernel raises "
+                       "ValueError for an expert_map given to experts that do not support it.",
+               "0.33": "not in the base class and never called by the kernel; the reference keeps the claim as "
+                       "SupportRecord.expert_map (conformance derives EP cases from it) and the 0.33 kernel does not "
+                       "check it."},
+    upstream={"0.17": _MK017 + " (FusedMoEExperts.supports_expert_map)",
+              "0.33": _MK033 + " (absent; kept unused by experts/cpu_moe.py, b12x.py, trtllm_mxint4_moe.py, ...)"},
+    reference="reference.modular.FusedMoEExperts.supports_expert_map")
+register_point(
+    "modular.deferred_finalize", component="modular",
+    behaviour={"0.17": "experts always write their output; an UnfinalizedMoEOutput raises SemanticsError.",
+               "0.33": "experts may return an UnfinalizedMoEOutput (permuted unweighted GEMM2 rows, weights, int32 "
+                       "permute map, -1 = not local) or hand it to post_gemm2_hook; the kernel returns it when "
+                       "prepare_finalize.supports_deferred_moe_finalize() (NoEP: True), else raises; "
+                       "UnfinalizedMoEOutput.finalize is the top-k reduction the consumer owes."},
+    upstream={"0.17": _MK017 + " (absent)",
+              "0.33": _MK033 + ", fused_moe/moe_output.py, prepare_finalize/no_dp_ep.py"},
+    reference="reference.moe_output.UnfinalizedMoEOutput / reference.modular.FusedMoEKernel")
+register_point(
+    "modular.output_hidden_dim", component="modular",
+    behaviour={"0.17": "the output is (M, K) like hidden_states (or hidden_states itself when inplace).",
+               "0.33": "the output is (M, fused_experts.output_hidden_dim(K)) (experts may drop a hidden padding); "
+                       "prepare_finalize.allocate_fused_expert_output may supply the experts' output buffer; the "
+                       "caller's output is the experts' buffer when the shapes match."},
+    upstream={"0.17": _MK017,
+              "0.33": _MK033 + " (output_hidden_dim, _allocate_buffers), experts/trtllm_mxfp4_moe.py, "
+                               "prepare_finalize/naive_dp_ep.py"},
+    reference="reference.modular.FusedMoEExpertsModular.output_hidden_dim")
+register_point(
+    "modular.empty_batch", component="modular",
+    behaviour={"0.17": "M == 0: zero chunks, no experts call; finalize only when num_dispatchers() > 1.",
+               "0.33": "M == 0: _fused_experts returns an empty (0, output_hidden_dim(K)) tensor before allocating "
+                       "or calling the experts; finalize still runs."},
+    upstream={"0.17": _MK017, "0.33": _MK033 + " (_fused_experts: 'if M_full == 0')"},
+    reference="reference.modular.FusedMoEKernel._fused_experts_033")
+register_point(
+    "modular.shared_experts_order", component="modular",
+    behaviour={"0.17": "a shared-experts callable given to the kernel runs after the routed experts; apply returns "
+                       "(shared, routed).",
+               "0.33": "SharedExperts picks one order per call (NO_OVERLAP when overlap is disabled, else "
+                       "MK_INTERNAL_OVERLAPPED when the prepare/finalize supports async, else "
+                       "MULTI_STREAM_OVERLAPPED on a CUDA-like aux stream for M <= 256, else NO_OVERLAP) and runs "
+                       "once at that site; the runner adds shared + routed (routed scaled, fp16: shared divided)."},
+    upstream={"0.17": _MK017 + " (FusedMoEModularKernel shared_experts)",
+              "0.33": "vLLM 0.33.0 fused_moe/runner/shared_experts.py, runner/moe_runner.py, " + _MK033},
+    reference="reference.shared_experts.SharedExperts / FusedMoEKernel.forward_with_shared_experts")
+register_point(
+    "modular.moe_fused_mul_sum", component="modular",
+    behaviour={"0.17": "not defined (the experts' moe_sum / TopKWeightAndReduce reduce over top-k).",
+               "0.33": "moe_fused_mul_sum: fp32 weighted top-k sum in slot order, skipping -1 and non-local slots; "
+                       "all-padding rows and rows past num_valid_tokens are left untouched."},
+    upstream={"0.17": "vLLM 0.17.0 (absent)", "0.33": "vLLM 0.33.0 fused_moe/moe_fused_mul_sum.py"},
+    reference="reference.moe_output.moe_fused_mul_sum")

@@ -53,7 +53,7 @@ def test_output_dtype_and_single_rounding():
 def test_gated_relu2_raises_and_is_gated():
     with pytest.raises(ValueError, match="RELU2_NO_MUL"):
         apply_moe_activation(A.RELU2, torch.randn(2, 4))
-    assert [a for a in A if not a.is_gated] == [A.SILU_NO_MUL, A.GELU_NO_MUL, A.RELU2_NO_MUL]
+    assert [a for a in A if not a.is_gated] == [A.SILU_NO_MUL, A.GELU_NO_MUL, A.RELU2_NO_MUL, A.GELU_TANH_NO_MUL]
     assert adjust_N_for_activation(512, A.SILU) == 256 and adjust_N_for_activation(512, A.RELU2_NO_MUL) == 512
     with pytest.raises(ValueError, match="even"):
         apply_moe_activation(A.SILU, torch.randn(2, 5))
@@ -101,3 +101,83 @@ def test_conformance_activation_tolerance_accepts_exact_gelu_and_rejects_a_wrong
              else _exact_gelu_family(A.GELU_TANH, torch.cat([x, torch.ones_like(x)], dim=1)))
     with pytest.raises(ConformanceFailure, match="beyond"):
         assert_ulps(wrong, ref, ulps, case="wrong", what="wrong gelu", atol=atol)
+
+
+# --- vLLM 0.33's new members: SITU and GELU_TANH_NO_MUL, against float64 formulas written from the upstream source ---
+def _situ_f64(x: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """csrc/activation_kernels.cu situ_activation, in float64: (0.5 b) tanh(g / b) (1 + tanh(g / 2)) * u', with
+    u' = lb tanh(u / lb) for lb > 0 (the kernel's sigmoid form, independent of the reference's torch.sigmoid)."""
+    xd = x.double()
+    d = xd.shape[-1] // 2
+    g, u = xd[..., :d], xd[..., d:]
+    gate = (0.5 * beta) * torch.tanh(g / beta) * (1.0 + torch.tanh(g * 0.5))
+    if linear_beta is not None and linear_beta > 0:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return gate * u
+
+
+def test_situ_hand_value():
+    # g = 2, u = 30, b = 4, lb = 25: 4 tanh(0.5) sigmoid(2) * 25 tanh(1.2)
+    x = torch.tensor([[2.0, 30.0]], dtype=torch.float64)
+    exp = 4 * math.tanh(0.5) / (1 + math.exp(-2)) * 25 * math.tanh(1.2)
+    out = apply_moe_activation(A.SITU, x.float(), situ_beta=4.0, situ_linear_beta=25.0)
+    torch.testing.assert_close(out, torch.tensor([[exp]], dtype=torch.float32))  # fp32 default tolerances
+    # linear_beta unset (None or <= 0): u passes through
+    for lb in (None, 0.0, -1.0):
+        out = apply_moe_activation(A.SITU, x.float(), situ_beta=4.0, situ_linear_beta=lb)
+        torch.testing.assert_close(out, torch.tensor([[4 * math.tanh(0.5) / (1 + math.exp(-2)) * 30]]))
+
+
+def _spec_ulps(dtype):
+    from specs import load_tolerances
+
+    tol = load_tolerances()["activation"]
+    return tol["ulps"][str(dtype).removeprefix("torch.")], tol["gelu_cancellation"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("linear_beta", [25.0, None])
+def test_situ_matches_float64_within_one_rounding(dtype, linear_beta):
+    """fp32 math rounded once: within the activation ulps of specs/tolerances.toml of the float64 value."""
+    from conformance.metrics import assert_ulps
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, 512, generator=g) * 6).to(dtype)
+    out = apply_moe_activation(A.SITU, x, situ_beta=4.0, situ_linear_beta=linear_beta)
+    assert out.dtype == dtype and out.shape == (64, 256)
+    ulps, _ = _spec_ulps(dtype)
+    assert_ulps(out, _situ_f64(x, 4.0, linear_beta).to(dtype), ulps, case=f"situ-{dtype}", what="SITU")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gelu_tanh_no_mul_matches_float64(dtype):
+    from conformance.metrics import assert_ulps, gelu_cancellation_atol
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.cat([torch.linspace(-12, -3, 2048), torch.randn(2048, generator=g) * 4])[None].to(dtype)
+    xd = x.double()
+    exact = 0.5 * xd * (1 + torch.tanh(math.sqrt(2 / math.pi) * (xd + 0.044715 * xd**3)))
+    out = apply_moe_activation(A.GELU_TANH_NO_MUL, x)
+    assert out.shape == x.shape and out.dtype == dtype
+    ulps, cancel = _spec_ulps(dtype)
+    assert_ulps(out, exact.to(dtype), ulps, case=f"gelu_tanh_no_mul-{dtype}", what="GELU_TANH_NO_MUL",
+                atol=gelu_cancellation_atol(A.GELU_TANH_NO_MUL, x, cancel))
+    assert not A.GELU_TANH_NO_MUL.is_gated and A.SITU.is_gated
+    assert adjust_N_for_activation(512, A.GELU_TANH_NO_MUL) == 512 and adjust_N_for_activation(512, A.SITU) == 256
+
+
+def test_new_members_need_033_semantics_and_situ_needs_beta():
+    from reference.activation import activation_defined
+    from reference.semantics import SemanticsError, use_semantics
+
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="situ_beta"):
+        apply_moe_activation(A.SITU, x)
+    with pytest.raises(ValueError, match="situ_beta"):
+        apply_moe_activation(A.SITU, x, situ_beta=0.0)
+    with use_semantics("0.17"):
+        assert not activation_defined(A.SITU) and activation_defined(A.SILU)
+        for act in (A.SITU, A.GELU_TANH_NO_MUL):
+            with pytest.raises(SemanticsError, match="0.33"):
+                apply_moe_activation(act, x, situ_beta=1.0)
+    assert activation_defined(A.SITU, "0.33") and A.from_str("situ") is A.SITU

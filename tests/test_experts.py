@@ -37,10 +37,11 @@ def dense_oracle(x, w1, w2, w, ids, activation=MoEActivation.SILU):
     return (y.float() * w.unsqueeze(-1)).sum(1).to(dt)
 
 
-def kernel(chunk_size=None, **kw):
+def kernel(chunk_size=None, semantics="0.17", **kw):
+    """The 0.17 kernel (chunking, inplace, constructor shared experts); tests/test_modular_033.py tests 0.33's."""
     cfg = FusedMoEConfig(8, 3, 64, 48, 8)
     return FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ReferenceExperts(cfg, FUSED_MOE_UNQUANTIZED_CONFIG),
-                          chunk_size=chunk_size, poison=float("nan"), **kw)
+                          chunk_size=chunk_size, poison=float("nan"), semantics=semantics, **kw)
 
 
 def test_hand_computed_single_route():

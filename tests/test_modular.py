@@ -120,7 +120,7 @@ def test_each_chunk_gets_its_own_expert_counts():
     emap = determine_expert_map(2, 0, 8)[1]
     rec = _Recorder(CFG, FUSED_MOE_UNQUANTIZED_CONFIG)
     rec.seen = []
-    out = FusedMoEKernel(_MetaPrepare(), rec, chunk_size=5).apply(x, w1, w2, w, ids, expert_map=emap,
+    out = FusedMoEKernel(_MetaPrepare(), rec, chunk_size=5, semantics="0.17").apply(x, w1, w2, w, ids, expert_map=emap,
                                                                    global_num_experts=8)
     assert len(rec.seen) == 4
     for chunk_ids, meta in rec.seen:
@@ -136,7 +136,8 @@ def test_single_chunk_shares_workspace13_with_the_output():
     k = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ReferenceExperts(CFG, FUSED_MOE_UNQUANTIZED_CONFIG))
     ws13, ws2, out = k._allocate_buffers(torch.bfloat16, "cpu", 19, 19, 256, 256, 2, 8, 4, None, CFG.activation)
     assert ws13.data_ptr() == out.data_ptr() and ws2.data_ptr() != out.data_ptr()
-    k = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ReferenceExperts(CFG, FUSED_MOE_UNQUANTIZED_CONFIG), chunk_size=4)
+    k = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ReferenceExperts(CFG, FUSED_MOE_UNQUANTIZED_CONFIG), chunk_size=4,
+                       semantics="0.17")
     ws13, ws2, out = k._allocate_buffers(torch.bfloat16, "cpu", 4, 19, 256, 256, 2, 8, 4, None, CFG.activation)
     assert ws13.data_ptr() != out.data_ptr() and ws13.shape[0] == 8 and out.shape[0] == 19
     assert not k.output_is_reduced()

@@ -50,10 +50,10 @@ def test_the_gpu_case_crosses_int32_in_one_experts_call(monkeypatch):
     monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", "1024")  # the case's kernel must not take the environment's
     kernel = oc.kernel(TorchExperts, moe_config_for(oc.experts_case()), _unquantized_qc())
     assert kernel._chunk_info(oc.tokens) == (1, oc.tokens)
-    # The old case ran the modular kernel with its default chunking: no single call came near 2^31.
+    # The old case ran the modular kernel with its default (0.17) chunking: no single call came near 2^31.
     monkeypatch.delenv("VLLM_FUSED_MOE_CHUNK_SIZE")
     default = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), TorchExperts(moe_config_for(oc.experts_case()),
-                                                                        _unquantized_qc()))
+                                                                        _unquantized_qc()), semantics="0.17")
     n_chunks, chunk = default._chunk_info(oc.tokens)
     assert (n_chunks, chunk) == (11, 16384) and chunk * oc.model.top_k * oc.N < 2**31
 
@@ -97,7 +97,8 @@ def test_a_chunked_variant_fails_the_precondition():
 
     class Chunked(OffsetsCase):
         def kernel(self, cls, moe_config, qc):
-            return FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(moe_config, qc), chunk_size=16)
+            return FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(moe_config, qc), chunk_size=16,
+                                  semantics="0.17")
 
     oc = Chunked(**{f.name: getattr(_analogue(), f.name) for f in dataclasses.fields(OffsetsCase)})
     with pytest.raises(AssertionError, match="precondition: _OffsetsWrap16 was called with \\[16, 16, 16, 16\\]"):
