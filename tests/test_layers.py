@@ -82,12 +82,21 @@ def _violation(path: Path, module: str) -> str | None:
         return None  # backend-only tools (tuners, profilers) time through benchmarks/
     if top in forbidden:
         return why
+    if (layer == "backends" and top == "backends" and "tools" not in parts[:-1] and len(module.split(".")) > 3
+            and module.split(".")[2] == "tools" and _tool_imports_benchmarks(module)):
+        return (f"backend code outside tools/ never imports a tool that imports benchmarks ({module}): the backend "
+                "would depend on the measurement layer")
     if layer == "backends" and top == "backends":
         own = parts[1] if len(parts) > 2 else None  # backends/__init__.py (the registry) is no backend
         mod = module.split(".")
         if own is not None and len(mod) > 1 and mod[1] != own:
             return f"a backend never imports another backend (backends/{own} imports {module})"
     return None
+
+
+def _tool_imports_benchmarks(module: str) -> bool:
+    path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+    return path.is_file() and any(m.split(".")[0] == "benchmarks" for _, m in _imports(path))
 
 
 def _files():
@@ -122,10 +131,15 @@ def test_checker_sees_violations():
     assert got == ["torch", "reference.quant.keys", "reference", "reference.schemes", "conformance.metrics",
                    "backends.cuda"], got
     assert _violation(ROOT / "reference" / "x.py", "conformance.metrics")
-    assert _violation(ROOT / "backends" / "triton" / "bench.py", "backends.cuda.experts")
-    assert not _violation(ROOT / "backends" / "triton" / "bench.py", "backends.triton.experts")
+    assert _violation(ROOT / "backends" / "triton" / "experts.py", "backends.cuda.experts")
+    assert not _violation(ROOT / "backends" / "triton" / "experts.py", "backends.triton.quant")
     assert not _violation(ROOT / "backends" / "triton" / "tools" / "t.py", "benchmarks.timing")
-    assert _violation(ROOT / "backends" / "triton" / "bench.py", "benchmarks.timing")
+    assert _violation(ROOT / "backends" / "triton" / "tools" / "t.py", "conformance.metrics")
+    assert _violation(ROOT / "backends" / "triton" / "experts.py", "benchmarks.timing")
+    # backend code may use a tool that does not measure (cuda's JIT build), never one that imports benchmarks
+    assert not _violation(ROOT / "backends" / "cuda" / "gate.py", "backends.cuda.tools.build")
+    assert _violation(ROOT / "backends" / "triton" / "experts.py", "backends.triton.tools.common")
+    assert not _violation(ROOT / "backends" / "triton" / "tools" / "tune.py", "backends.triton.tools.common")
     assert _violation(ROOT / "specs" / "__init__.py", "reference")
     assert _violation(ROOT / "benchmarks" / "harness.py", "conformance.schemes")
     assert not _violation(ROOT / "conformance" / "inputs.py", "reference.schemes")
