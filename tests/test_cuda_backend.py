@@ -3,7 +3,7 @@ compile-only check of ``router_gemm.cu`` for sm_90a, the gate tier dispatch and 
 support oracle (claims and refusals), the activation against ``reference.activation``, the routing plan, and
 the whole experts pipeline through the modular kernel against ``reference.experts.fused_experts`` (bf16 through
 torch's CPU ``_grouped_mm``; FP8 through an emulated ``_scaled_grouped_mm`` whose argument layout is checked by
-torch's own meta kernel). The kernels themselves run in ``backends/cuda/bench.py`` on the GPU machine.
+torch's own meta kernel). The kernels themselves run in ``python -m benchmarks --backend cuda`` and conformance on the GPU machine.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``workspace_shapes`` against the seed's formula, the device layout against ``reference.align``, the activation +
 requantization against ``reference.activation`` / ``reference.quant`` (bit-exact), and the whole
 ``DeepGemmExperts`` pipeline through the modular kernel with an emulated grouped GEMM against
-``reference.experts.fused_experts``. The real GEMM runs in ``backends/deep_gemm/bench.py`` on the GPU machine."""
+``reference.experts.fused_experts``. The real GEMM runs in ``backends/deep_gemm/tools/probe.py`` and ``python -m benchmarks --backend deep_gemm`` on the GPU machine."""
 
 from __future__ import annotations
 
@@ -409,7 +409,7 @@ def test_pipeline_refuses_bad_ids_and_stale_meta():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Triton kernels under the interpreter (only where triton is installed; the GPU check is bench.py's "kernels")
+# Triton kernels under the interpreter (only where triton is installed; the GPU check is tools/probe.py's "kernels")
 # ------------------------------------------------------------------------------------------------------------
 
 _INTERPRETER_SCRIPT = r"""
@@ -424,7 +424,7 @@ for act, p in [(A.SILU, {}), (A.SWIGLUSTEP, {}), (A.SWIGLUOAI_UNINTERLEAVE, dict
     q1, s1 = tk.act_mul_quant(x, act, **kw)
     q2, s2 = act_quant.act_mul_quant(x, act, **kw)
     assert s1.stride() == s2.stride()
-    # The interpreter truncates fp32 -> bf16 / fp8 conversions (the GPU rounds to nearest; bench.py checks the
+    # The interpreter truncates fp32 -> bf16 / fp8 conversions (the GPU rounds to nearest; tools/probe.py checks the
     # kernels bit-exactly there), so only a loose value check: it catches row / column / group mix-ups.
     d1 = q1.float().view(21, 2, 128) * s1[:, :, None]
     d2 = q2.float().view(21, 2, 128) * s2[:, :, None]

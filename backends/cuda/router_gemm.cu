@@ -363,7 +363,7 @@ struct VariantDesc {
   const char* name;
 };
 
-// Measured on H200 (bench.py), us per call at M = 1 / 4 / 8 / 16, E = 256: v0 3.9 / 4.1 / 5.1 / 7.0,
+// Measured on H200 (the old bench.py), us per call at M = 1 / 4 / 8 / 16, E = 256: v0 3.9 / 4.1 / 5.1 / 7.0,
 // v1 4.8 / 4.2 / 5.5 / 7.4, v2 3.7 / 4.1 / 5.1 / 8.4, v3 (no cluster) 4.7 / 6.3 / 7.4 / 11.3 (cuBLAS 7.3-7.5).
 // A variant spreading the experts over the warps (each lane 4 K vectors x 2 experts) was 1.5-3x slower.
 constexpr VariantDesc kDsv3Variants[] = {
@@ -388,7 +388,7 @@ constexpr int kFp32NumVariants = sizeof(kFp32Variants) / sizeof(kFp32Variants[0]
 
 int dsv3_num_variants() { return kDsv3NumVariants; }
 int fp32_num_variants() { return kFp32NumVariants; }
-// The variant used when none is requested, by token count (fastest measured on H200, backends/cuda/bench.py).
+// The variant used when none is requested, by token count (fastest measured on H200 by the old backends/cuda/bench.py; now python -m benchmarks --backend cuda).
 int dsv3_auto_variant(int M, int E) { return (E == 256 && M <= 4) ? 2 : 0; }
 int fp32_auto_variant(int M) { return M <= 8 ? 0 : (M <= 16 ? 1 : 2); }
 

@@ -10,7 +10,8 @@ Contents
 - :mod:`~backends.deep_gemm.triton_kernels`: the same three steps as Triton kernels (used on CUDA; bit-identical
   to the torch paths on the H200).
 - :mod:`~backends.deep_gemm.platform`: package / GPU / capability probes (replaceable in tests).
-- ``python3 -m backends.deep_gemm.bench``: the GPU script (layout probe, conformance on model shapes, timings).
+- ``python -m benchmarks --backend deep_gemm``: the timings (step and GEMMs alone against vLLM's figures);
+  ``python3 -m backends.deep_gemm.tools.probe``: layout probe, kernels against the torch ops, published GEMM rates.
 
 Availability (``backend.unavailable_reason()``), in this order so that a CPU machine never installs the package:
 no CUDA GPU; a GPU that is not SM90; ``deep_gemm is not installed (...)``; a deep_gemm whose compiled ``_C`` does
@@ -64,7 +65,7 @@ tokenspeed-deepgemm wheels, and two runs on the project's H200 (torch 2.11.0+cu1
    - N and K multiples of 128 (block scales, TMA); seed 001's ``_valid_deep_gemm`` also wants M >= 128 and
      N (= I of w2) > 512 to prefer DeepGEMM over Triton.
 
-Measured on the H200 (``bench.py``, 2026-11-22): the grouped GEMM alone reaches 1391-1423 TFLOP/s at 4x8192 rows,
+Measured on the H200 (the old ``bench.py``, 2026-11-22): the grouped GEMM alone reaches 1391-1423 TFLOP/s at 4x8192 rows,
 n=4096, k=7168 (1.03-1.06x DeepGEMM's published 1346 on H800) and 1244-1312 TFLOP/s at n=7168, k=2048 (1.02-1.08x
 of 1214). DeepSeek-V3 EP8-local (E=32, topk 8): the two GEMMs take 0.49 / 0.82 / 2.30 ms at M = 64 / 1024 / 4096
 (vLLM's Triton GEMMs: 0.37 / 1.42 / 4.99 ms; floor 0.33 / 0.57 / 2.29 ms); the whole step 1.34 / 1.72 / 3.40 ms

@@ -20,7 +20,7 @@ allocated per call (small).
 Steps 2, 4 and 6 have two implementations with the same results: torch ops (:mod:`~backends.deep_gemm.layout`,
 :mod:`~backends.deep_gemm.act_quant`; the definition, and the CPU path) and Triton kernels
 (:mod:`~backends.deep_gemm.triton_kernels`, used on CUDA when ``use_triton``; checked equal - codes, scales, layout
-and reduction bit for bit - on an H200 by ``bench.py``'s "kernels" section).
+and reduction bit for bit - on an H200 by ``tools/probe.py``'s "kernels" section).
 
 The grouped GEMM is a class attribute (``grouped_gemm``) so a test can run the whole pipeline on CPU with an
 emulated GEMM; the platform probes live in :mod:`backends.deep_gemm.platform` for the same reason.
