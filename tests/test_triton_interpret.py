@@ -270,15 +270,23 @@ def _():
                     bad.append((M, E, k, sf, rn))
     x = torch.randn(4, 16, generator=G)
     x[1, 3] = float("nan")
-    w1, i1 = T_routing.fused_topk(None, x, 4, True, check_finite=False)
-    w2, i2 = ref_topk(None, x, 4, True, check_finite=False)
-    if not (torch.equal(i1, i2) and bool(((i1 >= 0) & (i1 < 16)).all())):
-        bad.append("nan ranking")
+    x[2, 5] = float("inf")
+    for sem in ("0.17", "0.33"):  # 0.17: NaN ranks lowest; 0.33: the row's scores clamp to 0, lower index first
+        w1, i1 = T_routing.fused_topk(None, x, 4, True, check_finite=False, semantics=sem)
+        w2, i2 = ref_topk(None, x, 4, True, check_finite=False, semantics=sem)
+        if not (torch.equal(i1, i2) and bool(((i1 >= 0) & (i1 < 16)).all())):
+            bad.append(f"non-finite ranking ({sem}): {i1.tolist()} vs reference {i2.tolist()}")
+        if sem == "0.33" and not (torch.isfinite(w1).all() and torch.allclose(w1, w2, atol=1e-6, rtol=1e-6)):
+            bad.append(f"0.33 clamp weights differ: {w1.tolist()} vs reference {w2.tolist()}")
     try:
-        T_routing.fused_topk(None, x, 4, True)
-        bad.append("non-finite logits did not raise")
+        T_routing.fused_topk(None, x, 4, True, semantics="0.17")
+        bad.append("non-finite logits did not raise under 0.17")
     except ValueError:
         pass
+    w1, i1 = T_routing.fused_topk(None, x, 4, True, semantics="0.33")  # 0.33's default: clamp, no raise
+    w2, i2 = ref_topk(None, x, 4, True, semantics="0.33")
+    if not (torch.equal(i1, i2) and torch.allclose(w1, w2, atol=1e-6, rtol=1e-6)):
+        bad.append("0.33 default (clamp) differs from the reference")
     return bad or None
 
 

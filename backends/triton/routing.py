@@ -137,7 +137,9 @@ def fused_topk(
             x = logits[bad].float()
             sc = x.sigmoid() if scoring_func == "sigmoid" else x.softmax(-1)
             sc = sc.masked_fill(~torch.isfinite(sc), 0.0)
-            bw, bi = sc.topk(topk, dim=-1)
+            # vLLM's kernel breaks ties (all clamped scores are 0) by the lower index: a stable sort, not topk.
+            bw, bi = sc.sort(dim=-1, descending=True, stable=True)
+            bw, bi = bw[:, :topk], bi[:, :topk]
             if renormalize:
                 tot = bw.sum(-1, keepdim=True)
                 bw = bw / torch.where(tot > 0, tot, torch.ones_like(tot))
