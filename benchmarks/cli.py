@@ -202,39 +202,36 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                     claimed.append(cls)
             if not claimed:
                 row["note"] = "no experts class claims this configuration"
+            timed = []  # (column, call, graph key, class to check or None)
             for cls in claimed:
                 name = "step" if len(claimed) == 1 else f"step:{cls.__name__}"
                 row.setdefault("impl", cls.__name__)
                 try:
                     call, _ = harness.make_experts_call(ExpertsParam(shape, M, backend.name, cls), inp)
-                    if check and M <= suite.check_max_M:
-                        c = _check(shape, M, cls, inp, call(0))
-                        row["checks"][name] = c.text
-                        if not c.ok:
-                            doc["failures"].append(f"check {shape.id} M={M} {cls.__name__}: {c.text}")
-                            row["times_s"][name] = None
-                            log(f"  {shape.id} M={M} {name}: {c.text} (not timed)")
-                            continue
-                    m = timing.measure(call, len(inp.sets), device, settings,
-                                       graph_key=f"{backend.name}.{cls.__name__}.{shape.scheme}")
-                    row["times_s"][name], row["methods"][name] = m.seconds, m.method
+                    timed.append((name, call, cls.__name__, cls))
                 except Exception as exc:  # noqa: BLE001
                     row["times_s"][name] = None
                     fail(f"{shape.id} M={M} {name}", exc)
             if hook is not None and hasattr(hook, "variants") and claimed:
                 try:
-                    variants = list(hook.variants(shape, M, inp, device))
+                    timed += [(name, call, name, None) for name, call in hook.variants(shape, M, inp, device)]
                 except Exception as exc:  # noqa: BLE001
-                    variants = []
                     fail(f"{shape.id} M={M} variants", exc)
-                for name, call in variants:
-                    try:
-                        m = timing.measure(call, len(inp.sets), device, settings,
-                                           graph_key=f"{backend.name}.{name}.{shape.scheme}")
-                        row["times_s"][name], row["methods"][name] = m.seconds, m.method
-                    except Exception as exc:  # noqa: BLE001
-                        row["times_s"][name] = None
-                        fail(f"{shape.id} M={M} {name}", exc)
+            for name, call, key, cls in timed:
+                row["times_s"][name] = None
+                try:
+                    if cls is not None and check and M <= suite.check_max_M:
+                        c = _check(shape, M, cls, inp, call(0))
+                        row["checks"][name] = c.text
+                        if not c.ok:
+                            doc["failures"].append(f"check {shape.id} M={M} {cls.__name__}: {c.text}")
+                            log(f"  {shape.id} M={M} {name}: {c.text} (not timed)")
+                            continue
+                    m = timing.measure(call, len(inp.sets), device, settings,
+                                       graph_key=f"{backend.name}.{key}.{shape.scheme}")
+                    row["times_s"][name], row["methods"][name] = m.seconds, m.method
+                except Exception as exc:  # noqa: BLE001
+                    fail(f"{shape.id} M={M} {name}", exc)
             doc["experts"].append(row)
             log(f"[{time.time() - t0:6.1f}s] {shape.id} M={M}: "
                 + ", ".join(f"{k} {v * 1e6:.2f} us" if v else f"{k} -" for k, v in row["times_s"].items())
