@@ -126,8 +126,10 @@ def assert_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: int, *, case: str, w
             f"expected {r[idx].item()!r}" + _footer(case, repro))
 
 
+# The activations whose fp32 formula cancels for g << 0 (value: gated). SITU joins them: vLLM's kernel writes
+# sigmoid(g) as (1 + tanh(g / 2)) / 2, which cancels like GELU's 1 + erf, with |b tanh(g / b)| <= |g|.
 _GELU_FAMILY = {MoEActivation.GELU: True, MoEActivation.GELU_TANH: True, MoEActivation.GELU_NO_MUL: False,
-                MoEActivation.GELU_TANH_NO_MUL: False}
+                MoEActivation.GELU_TANH_NO_MUL: False, MoEActivation.SITU: True}
 
 
 def gelu_cancellation_atol(activation: MoEActivation, x: torch.Tensor, factor: float) -> torch.Tensor | None:

@@ -166,5 +166,7 @@ class BatchedReferenceExperts(FusedMoEExpertsModular):
             one_expert = torch.full((n, 1), e, dtype=torch.int64, device=hidden_states.device)
             # Run the reference loop on this slot alone (expert e only, ids already local).
             y = _experts_unreduced(hidden_states[e, :n], scale, w1, w2, one_expert, None, self.quant_config,
-                                   activation, output.dtype)
+                                   activation, output.dtype,
+                                   situ_beta=getattr(self.moe_config, "activation_situ_beta", None),
+                                   situ_linear_beta=getattr(self.moe_config, "activation_situ_linear_beta", None))
             output[e, :n] = y[:, 0]

@@ -249,6 +249,10 @@ class SupportRecord:
             fp32), "before_store" (vLLM fused_moe_kernel MUL_ROUTED_WEIGHT: w * y rounded) or "output_dtype"
             (TopKWeightAndReduceContiguous: y rounded, then w * y in the output dtype); reference.error_model allows
             the vLLM forms one more independent rounding per term.
+        deferred_finalize: vLLM 0.33: ``apply`` honours ``post_gemm2_hook`` (hands it the route-major
+            ``UnfinalizedMoEOutput`` instead of reducing); conformance/test_modular_033.py checks it when claimed.
+        hidden_padding: vLLM 0.33: ``output_hidden_dim`` drops a hidden padding (``moe_config.hidden_dim`` smaller
+            than the K the kernel runs at); checked by conformance when claimed.
         notes: one line for the matrix (recipes, limits not expressible above).
     """
 
@@ -267,6 +271,8 @@ class SupportRecord:
     key_match: Callable | None = field(default=None, compare=False)
     finalize: str = ""
     router_weight_rounding: str = "reference"
+    deferred_finalize: bool = False
+    hidden_padding: bool = False
     notes: str = ""
 
     def claims_quant(self, weight_key, activation_key) -> bool:
@@ -305,6 +311,8 @@ class SupportRecord:
             "tokens": f"{self.min_tokens}..{'' if self.max_tokens is None else self.max_tokens}",
             "finalize": self.finalize or "-",
             "router weight": self.router_weight_rounding,
+            "deferred finalize": "yes" if self.deferred_finalize else "no",
+            "hidden padding": "yes" if self.hidden_padding else "no",
             "notes": self.notes or "-",
         }
 

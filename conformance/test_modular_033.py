@@ -1,0 +1,194 @@
+"""The vLLM 0.33 modular-kernel contract, per backend experts class (``reference.modular`` under 0.33 semantics).
+
+- M == 0: the kernel returns ``(0, output_hidden_dim(K))`` before calling the experts (the class is never asked);
+- deferred finalize: a class that claims it (``SupportRecord.deferred_finalize``) hands ``post_gemm2_hook`` a valid
+  route-major ``UnfinalizedMoEOutput`` whose finalize (``reference.moe_output``) matches the reference within the
+  error model's bound, and writes nothing itself;
+- hidden padding: a class that claims it (``SupportRecord.hidden_padding``) run at a zero-padded K returns the
+  unpadded ``(M, K)`` output, matching the reference on the unpadded inputs;
+- shared experts: in each of the three orders they run exactly once, at the order's site, and the routed output is
+  bitwise the one without shared experts;
+- ``moe_fused_mul_sum`` (a backend op): the reference's rows within the activation ulps, untouched rows untouched.
+
+Skipped under ``--vllm-semantics 0.17`` (none of this exists there). Small: Qwen3-30B-A3B at its CPU EP size, 16 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.cases import ExpertsCase, seed_of
+from conformance.inputs import make_experts_inputs
+from conformance.metrics import ConformanceFailure, assert_close, assert_ulps
+from conformance.test_experts import case_error_bound, moe_config_for
+from reference.experts import fused_experts
+from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
+from reference.moe_output import UnfinalizedMoEOutput, moe_fused_mul_sum
+from reference.semantics import SemanticsVersion, current_semantics
+from reference.shared_experts import SharedExperts, SharedExpertsOrder
+from specs import load_models
+
+MODEL = "qwen3_30b_a3b"
+
+
+@pytest.fixture(autouse=True)
+def _needs_033():
+    if current_semantics() < SemanticsVersion.V0_33:
+        pytest.skip("the 0.33 modular-kernel contract does not exist under --vllm-semantics 0.17")
+
+
+def _case(tokens: int = 16, rank: str = "last") -> ExpertsCase:
+    m = load_models()[MODEL]
+    return ExpertsCase(m, "bf16", tokens, m.cpu_ep_size, m.cpu_ep_size - 1 if rank == "last" else 0)
+
+
+def _standard_classes(config):
+    return [c for c in config._moe_backend.experts if c.activation_format() == FusedMoEActivationFormat.Standard]
+
+
+def pytest_generate_tests(metafunc):
+    if "experts_cls" in metafunc.fixturenames and metafunc.module.__name__.endswith("test_modular_033"):
+        classes = _standard_classes(metafunc.config)
+        metafunc.parametrize("experts_cls", classes or [None], ids=lambda c: getattr(c, "__name__", "no-experts"))
+
+
+def _setup(backend, experts_cls, case):
+    if experts_cls is None:
+        pytest.skip(f"backend {backend.name} offers no Standard-format experts")
+    inputs = make_experts_inputs(case, backend.device)
+    qc = inputs.quant_config
+    cfg = moe_config_for(case)
+    ok, reason = experts_cls.is_supported_config(experts_cls, cfg, qc.weight_key, qc.activation_key,
+                                                 experts_cls.activation_format())
+    if not ok:
+        pytest.skip(f"{experts_cls.__name__} does not claim {case.id}: {reason}")
+    kw = dict(activation=case.activation, global_num_experts=inputs.global_num_experts, expert_map=inputs.expert_map)
+    return inputs, qc, cfg, kw
+
+
+def test_empty_batch_returns_before_the_experts(backend, experts_cls, record):
+    case = _case(0)
+    inputs, qc, cfg, kw = _setup(backend, experts_cls, case)
+    calls = []
+
+    class Spy(experts_cls):
+        def apply(self, *a, **k):
+            calls.append(1)
+            return super().apply(*a, **k)
+
+    record(component="modular-0.33", scheme="empty-batch", model=case.model.name, tokens=0,
+           experts_class=experts_cls.__name__)
+    ex = Spy(cfg, qc)
+    out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ex, poison=float("nan")).apply(
+        inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids, **kw)
+    K = inputs.hidden_states.shape[1]
+    if calls or tuple(out.shape) != (0, ex.output_hidden_dim(K)) or out.dtype != inputs.hidden_states.dtype:
+        raise ConformanceFailure(f"M == 0: the 0.33 kernel must return (0, {ex.output_hidden_dim(K)}) "
+                                 f"{inputs.hidden_states.dtype} without calling the experts; got "
+                                 f"{tuple(out.shape)} {out.dtype}, experts called {len(calls)} times")
+
+
+def test_deferred_finalize_through_post_gemm2_hook(backend, experts_cls, repro, record):
+    rec = getattr(experts_cls, "support", None)
+    if rec is None or not rec.deferred_finalize:
+        pytest.skip(f"{getattr(experts_cls, '__name__', None)} does not claim deferred finalize")
+    case = _case()
+    inputs, qc, cfg, kw = _setup(backend, experts_cls, case)
+    record(component="modular-0.33", scheme="deferred-finalize", model=case.model.name, tokens=case.tokens,
+           experts_class=experts_cls.__name__)
+    seen = []
+
+    def hook(unfinalized, output):
+        if not isinstance(unfinalized, UnfinalizedMoEOutput):
+            raise ConformanceFailure(f"post_gemm2_hook got {type(unfinalized).__name__}, not UnfinalizedMoEOutput")
+        unfinalized.validate()  # raises ValueError naming the broken field
+        seen.append(unfinalized)
+        unfinalized.finalize(output)  # the reference's reduction stands in for the fused consumer
+
+    ex = experts_cls(cfg, qc)
+    ex.post_gemm2_hook = hook
+    out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ex, poison=float("nan")).apply(
+        inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids, **kw)
+    if len(seen) != 1:
+        raise ConformanceFailure(f"post_gemm2_hook called {len(seen)} times (expected once)\n  reproduce: {repro}")
+    expected = fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
+                             quant_config=qc, **kw)
+    assert_close(out, expected, case_error_bound(case, qc, experts_cls).as_tolerance(), case=case.id + "-deferred",
+                 what=f"{experts_cls.__name__} deferred-finalize output", repro=repro)
+
+
+def test_hidden_padding_is_dropped(backend, experts_cls, repro, record):
+    rec = getattr(experts_cls, "support", None)
+    if rec is None or not rec.hidden_padding:
+        pytest.skip(f"{getattr(experts_cls, '__name__', None)} does not claim output_hidden_dim (hidden padding)")
+    case = _case()
+    inputs, qc, cfg, kw = _setup(backend, experts_cls, case)
+    record(component="modular-0.33", scheme="hidden-padding", model=case.model.name, tokens=case.tokens,
+           experts_class=experts_cls.__name__)
+    pad = 64  # zero columns of x / w1 and zero rows of w2: they change nothing but the K the kernel runs at
+    x = torch.nn.functional.pad(inputs.hidden_states, (0, pad))
+    w1 = torch.nn.functional.pad(inputs.w1, (0, pad))
+    w2 = torch.nn.functional.pad(inputs.w2, (0, 0, 0, pad))
+    out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(cfg, qc), poison=float("nan")).apply(
+        x, w1, w2, inputs.topk_weights, inputs.topk_ids, **kw)
+    expected = fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
+                             quant_config=qc, **kw)
+    assert_close(out, expected, case_error_bound(case, qc, experts_cls).as_tolerance(), case=case.id + "-hpad",
+                 what=f"{experts_cls.__name__} output with the hidden padding dropped", repro=repro)
+
+
+class _AsyncNoEP(MoEPrepareAndFinalizeNoEP):
+    """A prepare/finalize that declares async support: the kernel then runs shared experts itself."""
+
+    def supports_async(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("order", [SharedExpertsOrder.NO_OVERLAP, SharedExpertsOrder.MULTI_STREAM_OVERLAPPED,
+                                   SharedExpertsOrder.MK_INTERNAL_OVERLAPPED], ids=lambda o: o.name)
+def test_shared_experts_run_once_in_their_order(backend, experts_cls, order, record):
+    case = _case()
+    inputs, qc, cfg, kw = _setup(backend, experts_cls, case)
+    record(component="modular-0.33", scheme=f"shared-{order.name}", model=case.model.name, tokens=case.tokens,
+           experts_class=experts_cls.__name__)
+    pf = _AsyncNoEP() if order == SharedExpertsOrder.MK_INTERNAL_OVERLAPPED else MoEPrepareAndFinalizeNoEP()
+    kernel = FusedMoEKernel(pf, experts_cls(cfg, qc))
+    layer = lambda h: h * 2  # noqa: E731
+    se = SharedExperts(layer, mk_can_overlap_shared_experts=lambda: kernel.can_overlap_shared_experts,
+                       aux_stream=order == SharedExpertsOrder.MULTI_STREAM_OVERLAPPED,
+                       is_cuda_alike=order == SharedExpertsOrder.MULTI_STREAM_OVERLAPPED)
+    args = (inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
+    shared, routed = kernel.forward_with_shared_experts(se, *args, **kw)
+    plain = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(cfg, qc)).apply(*args, **kw)
+    if se.calls != [order]:
+        raise ConformanceFailure(f"shared experts ran at {[o.name for o in se.calls]}, expected once at {order.name}")
+    if not torch.equal(shared, layer(inputs.hidden_states)) or not torch.equal(routed, plain):
+        raise ConformanceFailure(f"{order.name}: the shared or routed output changed with the ordering")
+
+
+def test_moe_fused_mul_sum(backend, tolerances, repro, record):
+    op = backend.ops.get("moe_fused_mul_sum")
+    if op is None:
+        pytest.skip(f"backend {backend.name} does not implement moe_fused_mul_sum")
+    record(component="modular-0.33", scheme="moe_fused_mul_sum", tokens=24)
+    g = torch.Generator().manual_seed(seed_of("moe_fused_mul_sum"))
+    T, k, H, E = 24, 4, 256, 16
+    inputs = torch.randn(T, k, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(T, k, generator=g)
+    ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32)
+    ids[::5] = -1  # all-padding rows: left untouched
+    ids[1::3, 0] = -1  # one skipped slot
+    emap = torch.where(torch.arange(E) % 2 == 0, torch.arange(E) // 2, -1).to(torch.int32)  # odd experts remote
+    sentinel = torch.full((T, H), 7.0, dtype=torch.bfloat16)
+    for kwargs in (dict(), dict(topk_ids=ids), dict(topk_ids=ids, expert_map=emap),
+                   dict(topk_ids=ids, expert_map=emap, num_valid_tokens=torch.tensor([T - 4], dtype=torch.int32))):
+        dev = {n: v.to(backend.device) for n, v in kwargs.items()}
+        out = op(inputs.to(backend.device), w.to(backend.device), sentinel.clone().to(backend.device), **dev).cpu()
+        ref = moe_fused_mul_sum(inputs, w, sentinel.clone(), **kwargs)
+        untouched = (ref == sentinel).all(dim=1)
+        what = f"moe_fused_mul_sum({', '.join(kwargs) or 'no ids'})"
+        if not torch.equal(out[untouched], ref[untouched]):
+            raise ConformanceFailure(f"{what}: a row that must stay untouched was written\n  reproduce: {repro}")
+        assert_ulps(out, ref, tolerances["activation"]["ulps"]["bfloat16"], case="moe_fused_mul_sum", what=what,
+                    repro=repro)
