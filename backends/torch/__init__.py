@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from backends import Backend
-from backends.torch import align, gate, quant, routing
+from backends.torch import align, gate, moe_output, quant, routing
 from backends.torch.experts import TorchBatchedExperts, TorchExperts, torch_activation
 
 backend = Backend(
@@ -27,8 +27,10 @@ backend = Backend(
         "gate_linear": gate.gate_linear,
         "moe_align_block_size": align.moe_align_block_size,
         "count_expert_num_tokens": align.count_expert_num_tokens,
-        "apply_moe_activation": lambda act, x, *, alpha=None, beta=None, limit=None: torch_activation(
-            act, x, alpha, beta, limit),
+        # **situ: SITU's situ_beta / situ_linear_beta (vLLM 0.33), forwarded only when given.
+        "apply_moe_activation": lambda act, x, *, alpha=None, beta=None, limit=None, **situ: torch_activation(
+            act, x, alpha, beta, limit, **situ),
+        "moe_fused_mul_sum": moe_output.moe_fused_mul_sum,
     },
     experts=[TorchExperts, TorchBatchedExperts],
     recipes={"per_token_group_quant_fp8": "vllm", "scaled_fp8_quant": "vllm", "int8_quant_per_token": "vllm"},
