@@ -31,6 +31,11 @@ __all__ = [
     "mxfp4_moe_quant_config",
     "nvfp4_moe_quant_config",
     "w4a8_moe_quant_config",
+    "int4_w4a16_moe_quant_config",
+    "int8_w8a16_moe_quant_config",
+    "fp8_w8a16_moe_quant_config",
+    "mxfp8_w8a8_moe_quant_config",
+    "is_wna16",
     "quant_key_of",
 ]
 
@@ -90,11 +95,14 @@ class FusedMoEQuantDesc:
     """How one operand (a1, a2, w1 or w2) is quantized.
 
     dtype: None (unquantized), ``torch.float8_e4m3fn``, ``torch.int8``, or a string format name
-        (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``, ``"int4"``).
+        (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``, ``"int4"`` (WNA16), ``"int4_w4a8"`` (CUTLASS INT4 x FP8)).
     shape: group shape ``(rows, cols)`` of one scale: ``(-1, -1)`` per tensor, ``(1, -1)`` per token/channel,
-        ``(1, 128)`` per 1x128 group, ``(128, 128)`` per block, ``(1, 32)`` MX.
+        ``(1, 128)`` per 1x128 group, ``(128, 128)`` per block, ``(1, 32)`` MX, ``(0, G)`` weight-only groups of G
+        along K (vLLM's ``block_shape=[0, group_size]`` of ``int4_w4a16_moe_quant_config``).
     scale: the scale tensor (dequant multiplier, x ~= q * scale) for static quantization; None for dynamic.
     alpha_or_gscale, zp, bias: global scale (NVFP4) / zero point / per-expert bias.
+    per_token_gscale: NVFP4 activations with one dynamic global scale per token (``kNvfp4DynamicToken``, vLLM 0.33)
+        instead of the fixed per-tensor ``alpha_or_gscale``.
     """
 
     dtype: torch.dtype | str | None = None
@@ -103,6 +111,12 @@ class FusedMoEQuantDesc:
     alpha_or_gscale: torch.Tensor | None = None
     zp: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    per_token_gscale: bool = False
+
+
+def is_wna16(desc: FusedMoEQuantDesc) -> bool:
+    """Weight-only INT4 / INT8 (``reference.quant.wna16``): group shape ``(0, G)``."""
+    return desc.dtype in ("int4", torch.int8) and desc.shape is not None and desc.shape[0] == 0
 
 
 @dataclass(frozen=True)
@@ -176,13 +190,32 @@ class FusedMoEQuantConfig:
     w2_bias = property(lambda self: self.w2.bias)
 
     @property
+    def use_int4_w4a16(self) -> bool:
+        return self.w1.dtype == "int4" and is_wna16(self.w1)
+
+    @property
+    def use_int8_w8a16(self) -> bool:
+        return self.w1.dtype == torch.int8 and is_wna16(self.w1)
+
+    @property
     def weight_key(self):
         """The ``reference.quant.keys.QuantKey`` of the weights (None when unquantized)."""
         return quant_key_of(self.w1, is_weight=True)
 
     @property
     def activation_key(self):
-        """The ``QuantKey`` of the activations (None when they stay in bf16/fp16, e.g. W4A16)."""
+        """The ``QuantKey`` of the activations (None when they stay in bf16/fp16, e.g. W4A16).
+
+        Block-quantized FP8 weights pair with ``kFp8Dynamic128Sym`` whatever the block shape: vLLM 0.33's
+        ``Fp8MoEMethod`` (``quantization/fp8.py``) sets that key for every block shape and the activations are
+        quantized per 1 x ``block_k`` group (``fused_moe/utils.py::_fp8_quantize``), so a 64x64 scheme claims
+        ``(kFp8Static64BlockSym, kFp8Dynamic128Sym)`` with 1x64 activation groups."""
+        bs = self.block_shape
+        if (bs is not None and bs != [1, 32] and self.w1.dtype == torch.float8_e4m3fn
+                and self.a1.dtype == torch.float8_e4m3fn and self.a1.scale is None and self.a1.shape == (1, bs[1])):
+            from reference.quant import keys as K
+
+            return K.kFp8Dynamic128Sym
         return quant_key_of(self.a1, is_weight=False)
 
     def scheme_name(self) -> str:
@@ -190,17 +223,27 @@ class FusedMoEQuantConfig:
         if not self.is_quantized:
             return "unquantized"
         w, a = self.w1, self.a1
+        if is_wna16(w):
+            bits = "int4" if w.dtype == "int4" else "int8"
+            name = f"{bits}_w{bits[3]}a16" + ("_zp" if w.zp is not None else "")
+            return name + ("" if w.shape[1] == 128 else f"_g{w.shape[1]}")
         if w.dtype == torch.float8_e4m3fn:
-            if self.block_shape == [128, 128]:
-                return "fp8_block128" + ("_ue8m0" if self.use_ue8m0 else "")
+            if a.dtype is None:
+                return "fp8_w8a16"
+            if self.block_shape is not None:
+                return f"fp8_block{self.block_shape[0]}" + ("_ue8m0" if self.use_ue8m0 else "")
             if w.shape == (1, -1):
                 return "fp8_channel_token" if a.shape == (1, -1) else "fp8_channel_tensor"
-            return "fp8_tensor"
+            if a.shape == (1, -1):
+                return "fp8_tensor_token"
+            return "fp8_tensor_static" if a.scale is not None else "fp8_tensor"
         if w.dtype == torch.int8:
-            return "int8_channel_token"
+            return "int8_tensor" if w.shape == (-1, -1) else "int8_channel_token"
         if w.dtype == "mxfp4":
-            return {None: "mxfp4_w4a16", "mxfp8": "mxfp4_mxfp8"}.get(a.dtype, "mxfp4_fp8")
-        return {"nvfp4": "nvfp4", "int4_w4a8": "w4a8"}.get(w.dtype, str(w.dtype))
+            return {None: "mxfp4_w4a16", "mxfp8": "mxfp4_mxfp8", "mxfp4": "mxfp4_w4a4"}.get(a.dtype, "mxfp4_fp8")
+        if w.dtype == "nvfp4" and a.per_token_gscale:
+            return "nvfp4_token"
+        return {"nvfp4": "nvfp4", "int4_w4a8": "w4a8", "mxfp8": "mxfp8"}.get(w.dtype, str(w.dtype))
 
 
 FUSED_MOE_UNQUANTIZED_CONFIG = FusedMoEQuantConfig()
@@ -263,16 +306,74 @@ def int8_w8a8_moe_quant_config(
     a1_scale: torch.Tensor | None = None,
     a2_scale: torch.Tensor | None = None,
     per_act_token_quant: bool = True,
+    per_out_ch_quant: bool = True,
 ) -> FusedMoEQuantConfig:
-    """INT8 W8A8: per-channel weight scales ``(E, N, 1)``, dynamic per-token activations (vLLM's MoE int8 scheme)."""
+    """INT8 W8A8 (vLLM ``int8_w8a8_moe_quant_config``): per-channel weight scales ``(E, N, 1)`` and dynamic per-token
+    activations (the default), or, with both flags False, per-tensor weight scales ``(E,)`` and dynamic per-tensor
+    activations (``(kInt8StaticTensorSym, kInt8DynamicTensorSym)``, vLLM 0.33 ``TritonExperts``)."""
     i8 = torch.int8
     a_shape = (1, -1) if per_act_token_quant else (-1, -1)
+    w_shape = (1, -1) if per_out_ch_quant else (-1, -1)
     return FusedMoEQuantConfig(
         a1=FusedMoEQuantDesc(i8, a_shape, a1_scale),
         a2=FusedMoEQuantDesc(i8, a_shape, a2_scale),
-        w1=FusedMoEQuantDesc(i8, (1, -1), w1_scale),
-        w2=FusedMoEQuantDesc(i8, (1, -1), w2_scale),
+        w1=FusedMoEQuantDesc(i8, w_shape, w1_scale),
+        w2=FusedMoEQuantDesc(i8, w_shape, w2_scale),
     )
+
+
+def int4_w4a16_moe_quant_config(
+    w1_scale: torch.Tensor, w2_scale: torch.Tensor, w1_zp: torch.Tensor | None = None,
+    w2_zp: torch.Tensor | None = None, block_shape: list[int] | None = None,
+) -> FusedMoEQuantConfig:
+    """Weight-only INT4 (vLLM 0.33 ``int4_w4a16_moe_quant_config``; ``reference.quant.wna16`` layout): packed uint8
+    weights ``(E, N, K // 2)``, scales ``(E, N, K // G)`` in the activation dtype, optional zero points
+    ``(E, N // 2, K // G)`` uint8; ``block_shape = [0, G]``; activations unquantized."""
+    return _wna16("int4", w1_scale, w2_scale, w1_zp, w2_zp, block_shape)
+
+
+def int8_w8a16_moe_quant_config(
+    w1_scale: torch.Tensor, w2_scale: torch.Tensor, w1_zp: torch.Tensor | None = None,
+    w2_zp: torch.Tensor | None = None, block_shape: list[int] | None = None,
+) -> FusedMoEQuantConfig:
+    """Weight-only INT8 (vLLM 0.33 ``int8_w8a16_moe_quant_config``): uint8 codes with bias 128 ``(E, N, K)``, scales
+    ``(E, N, K // G)``; ``block_shape = [0, G]``; activations unquantized. Raises ValueError with zero points (vLLM
+    0.33 has no INT8 weight-only key with them)."""
+    if w1_zp is not None or w2_zp is not None:
+        raise ValueError("int8_w8a16_moe_quant_config: zero points are not defined for INT8 weight-only")
+    return _wna16(torch.int8, w1_scale, w2_scale, None, None, block_shape)
+
+
+def _wna16(dtype, w1_scale, w2_scale, w1_zp, w2_zp, block_shape) -> FusedMoEQuantConfig:
+    if block_shape is None or len(block_shape) != 2 or block_shape[0] != 0 or block_shape[1] <= 0:
+        raise ValueError(f"weight-only quantization needs block_shape = [0, group_size], got {block_shape}")
+    shape = (0, int(block_shape[1]))
+    return FusedMoEQuantConfig(w1=FusedMoEQuantDesc(dtype, shape, w1_scale, zp=w1_zp),
+                               w2=FusedMoEQuantDesc(dtype, shape, w2_scale, zp=w2_zp))
+
+
+def fp8_w8a16_moe_quant_config(
+    w1_scale: torch.Tensor, w2_scale: torch.Tensor, *, per_out_ch_quant: bool = True,
+    block_shape: list[int] | None = None,
+) -> FusedMoEQuantConfig:
+    """FP8 weights with 16-bit activations (vLLM ``fp8_w8a16_moe_quant_config``; Marlin's FP8 path): weight scales
+    per output channel ``(E, N, 1)`` (default), per tensor ``(E,)``, or per ``block_shape`` block; activations are
+    not quantized. The reference dequantizes the weights to the exact fp32 products of codes and scales and
+    multiplies the unquantized activations with fp32 accumulation (Marlin applies the scales in its epilogue;
+    the products are the same up to accumulation order)."""
+    fp8 = torch.float8_e4m3fn
+    w_shape = tuple(block_shape) if block_shape is not None else ((1, -1) if per_out_ch_quant else (-1, -1))
+    return FusedMoEQuantConfig(w1=FusedMoEQuantDesc(fp8, w_shape, w1_scale),
+                               w2=FusedMoEQuantDesc(fp8, w_shape, w2_scale))
+
+
+def mxfp8_w8a8_moe_quant_config(w1_scale: torch.Tensor, w2_scale: torch.Tensor) -> FusedMoEQuantConfig:
+    """MXFP8 W8A8 (``(kMxfp8Static, kMxfp8Dynamic)``; vLLM 0.33 ``experts/mxfp8_native_moe.py``,
+    ``mxfp8_emulation_moe.py``): E4M3 weights ``(E, N, K)`` with E8M0 scale bytes per 1x32 ``(E, N, K // 32)``;
+    activations quantized dynamically to MXFP8 per 1x32 under the config's recipe."""
+    mx = FusedMoEQuantDesc("mxfp8", (1, 32))
+    return FusedMoEQuantConfig(a1=mx, a2=mx, w1=FusedMoEQuantDesc("mxfp8", (1, 32), w1_scale),
+                               w2=FusedMoEQuantDesc("mxfp8", (1, 32), w2_scale))
 
 
 def quant_key_of(desc: FusedMoEQuantDesc, *, is_weight: bool):
@@ -286,6 +387,17 @@ def quant_key_of(desc: FusedMoEQuantDesc, *, is_weight: bool):
     d, shape, static = desc.dtype, desc.shape, desc.scale is not None or is_weight
     if d is None:
         return None
+    if is_weight and is_wna16(desc):
+        # vLLM 0.33 names group 32 and a generic "runtime" group size (quant_utils.py kInt4Static*, kInt8Static).
+        if d == torch.int8:
+            if desc.zp is not None:
+                raise ValueError("no named QuantKey for INT8 weight-only quantization with zero points")
+            return K.kInt8Static
+        if shape[1] == 32:
+            return K.kInt4Static32 if desc.zp is None else K.kInt4Static32Asym
+        return K.kInt4Static if desc.zp is None else K.kInt4StaticAsym
+    if d == "nvfp4" and desc.per_token_gscale and not is_weight:
+        return K.kNvfp4DynamicToken
     table = {
         (torch.float8_e4m3fn, (-1, -1), True): K.kFp8StaticTensorSym,
         (torch.float8_e4m3fn, (-1, -1), False): K.kFp8DynamicTensorSym,
@@ -294,16 +406,20 @@ def quant_key_of(desc: FusedMoEQuantDesc, *, is_weight: bool):
         (torch.float8_e4m3fn, (1, 128), False): K.kFp8Dynamic128Sym,
         (torch.float8_e4m3fn, (1, 64), False): K.kFp8Dynamic64Sym,
         (torch.float8_e4m3fn, (128, 128), True): K.kFp8Static128BlockSym,
+        (torch.float8_e4m3fn, (64, 64), True): K.kFp8Static64BlockSym,
         (torch.int8, (1, -1), True): K.kInt8StaticChannelSym if is_weight else None,
         (torch.int8, (1, -1), False): K.kInt8DynamicTokenSym,
         (torch.int8, (-1, -1), True): K.kInt8StaticTensorSym,
+        (torch.int8, (-1, -1), False): K.kInt8DynamicTensorSym,
         ("mxfp8", (1, 32), True): K.kMxfp8Static,
         ("mxfp8", (1, 32), False): K.kMxfp8Dynamic,
         ("mxfp4", (1, 32), True): K.kMxfp4Static,
         ("mxfp4", (1, 32), False): K.kMxfp4Dynamic,
         ("nvfp4", (1, 16), True): K.kNvfp4Static,
         ("nvfp4", (1, 16), False): K.kNvfp4Dynamic,
-        ("int4_w4a8", (1, 128), True): K.kInt4W4A8StaticGroup128Sym,
+        # The CUTLASS INT4 x FP8 experts claim kInt4Static (vLLM 0.33 experts/cutlass_moe.py); vLLM 0.33's
+        # kInt4W4A8StaticGroup128Sym is another format (INT8-stored INT4, bf16 group scales: the CPU experts').
+        ("int4_w4a8", (1, 128), True): K.kInt4Static,
     }
     key = table.get((d, shape, static))
     if key is None:
@@ -324,9 +440,11 @@ def mxfp4_moe_quant_config(
     gemm1_clamp_limit: float | None = None,
 ) -> FusedMoEQuantConfig:
     """MXFP4 weights (packed E2M1 ``(E, N, K // 2)`` uint8 + E8M0 bytes ``(E, N, K // 32)``), with activations
-    unquantized (``activation=None``: W4A16, gpt-oss on Hopper) or dynamic MXFP8 (``"mxfp8"``) or dynamic FP8
-    per 1x128 group (``"fp8"``, DeepGemmFP4Experts)."""
+    unquantized (``activation=None``: W4A16, gpt-oss on Hopper) or dynamic MXFP8 (``"mxfp8"``) or dynamic MXFP4
+    (``"mxfp4"``: W4A4, ``(kMxfp4Static, kMxfp4Dynamic)``, vLLM 0.33 ``CutlassExpertsMxfp4``) or dynamic FP8 per
+    1x128 group (``"fp8"``, DeepGemmFP4Experts)."""
     a = {None: FusedMoEQuantDesc(), "mxfp8": FusedMoEQuantDesc("mxfp8", (1, 32)),
+         "mxfp4": FusedMoEQuantDesc("mxfp4", (1, 32)),
          "fp8": FusedMoEQuantDesc(torch.float8_e4m3fn, (1, 128))}[activation]
     return FusedMoEQuantConfig(
         a1=a, a2=a, w1=FusedMoEQuantDesc("mxfp4", (1, 32), w1_scale, bias=w1_bias),
@@ -337,14 +455,23 @@ def mxfp4_moe_quant_config(
 
 def nvfp4_moe_quant_config(
     w1_scale: torch.Tensor, w2_scale: torch.Tensor, g1_gscale: torch.Tensor, g2_gscale: torch.Tensor,
-    a1_gscale: torch.Tensor, a2_gscale: torch.Tensor,
+    a1_gscale: torch.Tensor | None, a2_gscale: torch.Tensor | None, *, per_token_activation: bool = False,
 ) -> FusedMoEQuantConfig:
     """NVFP4: weights packed E2M1 with E4M3 block scales per 16 (``(E, N, K // 16)``, linear layout) and an fp32
     encode scale per expert (``g*_gscale`` ``(E,)``: dequant = e2m1 * SF / gs); activations quantized dynamically
-    per 16 with the fixed encode scales ``a1_gscale`` / ``a2_gscale`` (one element each)."""
+    per 16 with the fixed encode scales ``a1_gscale`` / ``a2_gscale`` (one element each), or, with
+    ``per_token_activation`` (``kNvfp4DynamicToken``, vLLM 0.33 ``experts/trtllm_nvfp4_moe.py``), with one dynamic
+    encode scale per token (``reference.quant.nvfp4_quantize_per_token``; pass None for the a*_gscale).
+
+    Raises:
+        ValueError: per-tensor activations without their global scales, or per-token ones with them.
+    """
+    if per_token_activation != (a1_gscale is None and a2_gscale is None):
+        raise ValueError("nvfp4_moe_quant_config: give a1_gscale and a2_gscale for per-tensor activations, neither "
+                         "for per_token_activation")
     return FusedMoEQuantConfig(
-        a1=FusedMoEQuantDesc("nvfp4", (1, 16), alpha_or_gscale=a1_gscale),
-        a2=FusedMoEQuantDesc("nvfp4", (1, 16), alpha_or_gscale=a2_gscale),
+        a1=FusedMoEQuantDesc("nvfp4", (1, 16), alpha_or_gscale=a1_gscale, per_token_gscale=per_token_activation),
+        a2=FusedMoEQuantDesc("nvfp4", (1, 16), alpha_or_gscale=a2_gscale, per_token_gscale=per_token_activation),
         w1=FusedMoEQuantDesc("nvfp4", (1, 16), w1_scale, alpha_or_gscale=g1_gscale),
         w2=FusedMoEQuantDesc("nvfp4", (1, 16), w2_scale, alpha_or_gscale=g2_gscale),
     )
@@ -354,7 +481,8 @@ def w4a8_moe_quant_config(
     w1_scale: torch.Tensor, w2_scale: torch.Tensor, w1_chan_scale: torch.Tensor, w2_chan_scale: torch.Tensor,
 ) -> FusedMoEQuantConfig:
     """W4A8 (seed 004 ``cutlass_moe_w4a8_fp8``): int4 weights packed 8 per int32 with E4M3 group scales per 128
-    (``(E, N, K // 128)``) and fp32 per-channel scales ``(E, N)``; FP8 activations quantized per token."""
+    (``(E, N, K // 128)``) and fp32 per-channel scales ``(E, N)``; FP8 activations quantized per token. Its keys are
+    vLLM 0.33's ``(kInt4Static, kFp8DynamicTokenSym)`` (``experts/cutlass_moe.py``)."""
     fp8_tok = FusedMoEQuantDesc(torch.float8_e4m3fn, (1, -1))
     return FusedMoEQuantConfig(
         a1=fp8_tok, a2=fp8_tok,

@@ -98,6 +98,11 @@ from reference.config import FusedMoEQuantConfig, FusedMoEQuantDesc
 __all__ = ["Accumulation", "ErrorBound", "experts_error_bound", "format_mantissa_bits", "acc_rel"]
 
 # Mantissa bits of each floating format (s = 2^-p relative spacing at mantissa 1.0).
+# Every activation format of specs/schemes.toml is here or INT8 (a uniform grid, step 4): FP8 E4M3 (per tensor,
+# static or dynamic, per token, per 1xG group), MXFP8 / MXFP4 (E8M0 power-of-two scales per 32: step 4 adds no
+# scale shift), NVFP4 (E2M1 under an E4M3 block scale; with the per-tensor encode scale or one per token, the
+# block scale moves with the block's amax either way). Weight-only schemes (WNA16, FP8 W8A16) quantize no
+# activation: their weights are the same bits on both sides, so only accumulation and the act-dtype roundings count.
 _MANTISSA = {
     torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52,
     torch.float8_e4m3fn: 3, torch.float8_e5m2: 2,
@@ -275,7 +280,7 @@ def _requantize(st: _State, desc: FusedMoEQuantDesc, qc: FusedMoEQuantConfig, wi
         return None
     static = desc.scale is not None
     if fmt == torch.int8:
-        group = width if desc.shape in ((1, -1), None) or desc.shape[1] <= 0 else desc.shape[1]
+        group = _int8_group(desc, width, st.rows)
         st.round(_tail(group) / 127.0, c["c_flip"], stage + " (int8)", width, scale_shift=True)
         return None
     p = format_mantissa_bits(fmt)
@@ -285,6 +290,15 @@ def _requantize(st: _State, desc: FusedMoEQuantDesc, qc: FusedMoEQuantConfig, wi
     st.round(2.0**-p, c["c_flip"], f"{stage} ({fmt if isinstance(fmt, str) else str(fmt)[6:]})", width,
              scale_shift=not static and not pow2)
     return p
+
+
+def _int8_group(desc: FusedMoEQuantDesc, width: int, rows: float) -> float:
+    """Elements whose amax sets one INT8 step: a row (per token, ``width``), a 1xG group, or, per tensor
+    (``kInt8DynamicTensorSym``), every routed row of the call (``rows x width``; one row when the count is unknown,
+    the smallest tail, since a larger tensor only widens the step)."""
+    if desc.shape == (-1, -1):
+        return width * (rows if math.isfinite(rows) else 1.0)
+    return width if desc.shape in ((1, -1), None) or desc.shape[1] <= 0 else desc.shape[1]
 
 
 def _is_fp8_mma(desc: FusedMoEQuantDesc) -> bool:
@@ -367,7 +381,7 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     expected = math.sqrt(st.m2)
     step = 2.0 ** -(p_a2 if p_a2 is not None else p_act)
     if quant_config.a2.dtype == torch.int8:
-        step = _tail(I) / 127.0
+        step = _tail(_int8_group(quant_config.a2, I, st.rows)) / 127.0
     single_flip = step * c["tail"] / math.sqrt(I)
     rms_bound = c["k_rms"] * rms
     return ErrorBound(

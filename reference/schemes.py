@@ -25,11 +25,16 @@ from reference.config import (
     FusedMoEQuantConfig,
     biased_moe_quant_config,
     fp8_w8a8_moe_quant_config,
+    fp8_w8a16_moe_quant_config,
+    int4_w4a16_moe_quant_config,
     int8_w8a8_moe_quant_config,
+    int8_w8a16_moe_quant_config,
     mxfp4_moe_quant_config,
+    mxfp8_w8a8_moe_quant_config,
     nvfp4_moe_quant_config,
     w4a8_moe_quant_config,
 )
+from reference.semantics import register_point
 from specs import load_schemes
 
 __all__ = ["Scheme", "schemes", "get_scheme", "quantize_weights", "scheme_tolerance_key", "UNQUANTIZED"]
@@ -39,6 +44,35 @@ UNQUANTIZED = frozenset({"bf16", "fp16", "fp32"})
 # NVFP4 activations use fixed global encode scales (vLLM calibrates them): 448*6 / expected amax.
 NVFP4_A1_GSCALE = torch.tensor([448.0 * 6.0 / 8.0])
 NVFP4_A2_GSCALE = torch.tensor([448.0 * 6.0 / 16.0])
+# Static FP8 activation scales of fp8_tensor_static (vLLM loads calibrated ones from the checkpoint): the same
+# expected amax as the NVFP4 encode scales above, so values fill E4M3's normal range (amax / 448).
+FP8_A1_STATIC_SCALE = torch.tensor([8.0 / 448.0])
+FP8_A2_STATIC_SCALE = torch.tensor([16.0 / 448.0])
+
+register_point(
+    "schemes.quant_keys",
+    component="schemes",
+    behaviour={
+        "0.17": "Schemes are named by the keys of the seeds (seed 001/002: FP8 tensor/channel/128x128 block, MXFP4, "
+                "MXFP8, NVFP4); vLLM 0.17.0's quant_utils.py defines no INT4/INT8 weight-only keys, no "
+                "kNvfp4DynamicToken, no INT8 keys. The reference still builds every scheme of specs/schemes.toml "
+                "(a format does not change with the release); a scheme whose keys only 0.33 defines says so in "
+                "its `since`.",
+        "0.33": "Schemes carry vLLM 0.33's key names (reference.quant.keys.KEYS_NEW_IN_0_33 lists the names 0.17 "
+                "lacks): WNA16 kInt4Static / kInt4StaticAsym / kInt4Static32 / kInt8Static, kNvfp4DynamicToken, "
+                "INT8 per-tensor, and the CUTLASS INT4 x FP8 scheme w4a8 as (kInt4Static, kFp8DynamicTokenSym); "
+                "kInt4W4A8StaticGroup128Sym means INT8-stored INT4 with bf16 group-128 scales (the CPU experts').",
+    },
+    upstream={
+        "0.17": "vllm-0.17.0 vllm/model_executor/layers/quantization/utils/quant_utils.py",
+        "0.33": "vllm-0.33.0 vllm/model_executor/layers/quantization/utils/quant_utils.py; the experts' "
+                "_supports_quant_scheme in fused_moe/experts/ (triton_moe.py TritonExperts / TritonWNA16Experts, "
+                "cutlass_moe.py, trtllm_nvfp4_moe.py, mxfp8_native_moe.py, marlin_moe.py)",
+    },
+    reference="reference.schemes / specs/schemes.toml",
+    introduced="",
+    notes="The reference names the 64x64 FP8 block key vLLM builds unnamed (kFp8Static64BlockSym).",
+)
 
 
 @dataclass(frozen=True)
@@ -47,13 +81,17 @@ class Scheme:
 
     ``weight_key`` / ``activation_key`` are the ``reference.quant`` ``QuantKey`` names an experts class must claim
     (seed 002 ``_supports_quant_scheme``; ``"none"`` = unquantized); ``tolerance`` names the ``[experts.<key>]``
-    table of ``specs/tolerances.toml`` (unquantized schemes use the output dtype's table instead)."""
+    table of ``specs/tolerances.toml`` (unquantized schemes use the output dtype's table instead); ``since`` is the
+    first semantics version whose vLLM names these keys and claims the pair (``"0.17"``: the seeds' era), with
+    ``upstream`` the vLLM file of an experts class that claims it (semantics point ``schemes.quant_keys``)."""
 
     name: str
     description: str
     tolerance: str
     weight_key: str
     activation_key: str
+    since: str = "0.17"
+    upstream: str = ""
 
     @property
     def quantized(self) -> bool:
@@ -93,6 +131,53 @@ def _fp8_block128(scheme, w1, w2, w1_bias, w2_bias, extra):
     return w1q, w2q, fp8_w8a8_moe_quant_config(s1, s2, block_shape=[128, 128], use_ue8m0=ue8m0, **extra)
 
 
+def _fp8_tensor_act(scheme, w1, w2, w1_bias, w2_bias, extra):
+    (w1q, s1), (w2q, s2) = (_stack([q.scaled_fp8_quant(w[e]) for e in range(w.shape[0])]) for w in (w1, w2))
+    if scheme == "fp8_tensor_static":
+        return w1q, w2q, fp8_w8a8_moe_quant_config(s1.reshape(-1), s2.reshape(-1), FP8_A1_STATIC_SCALE,
+                                                   FP8_A2_STATIC_SCALE, **extra)
+    return w1q, w2q, fp8_w8a8_moe_quant_config(s1.reshape(-1), s2.reshape(-1), per_act_token_quant=True, **extra)
+
+
+def _fp8_block64(scheme, w1, w2, w1_bias, w2_bias, extra):
+    w1q, s1 = q.per_block_quant_fp8(w1, (64, 64))
+    w2q, s2 = q.per_block_quant_fp8(w2, (64, 64))
+    return w1q, w2q, fp8_w8a8_moe_quant_config(s1, s2, block_shape=[64, 64], **extra)
+
+
+def _fp8_w8a16(scheme, w1, w2, w1_bias, w2_bias, extra):
+    (w1q, s1), (w2q, s2) = (_stack([q.scaled_fp8_quant(w[e], use_per_token_if_dynamic=True)
+                                    for e in range(w.shape[0])]) for w in (w1, w2))
+    return w1q, w2q, fp8_w8a16_moe_quant_config(s1, s2)
+
+
+def _int8_tensor(scheme, w1, w2, w1_bias, w2_bias, extra):
+    def one(w):  # one static scale per expert: absmax / 127, as the per-channel rule over the whole expert
+        q8, s = q.int8_quant_per_channel(w.reshape(w.shape[0], 1, -1))
+        return q8.reshape(w.shape), s.reshape(-1)
+
+    (w1q, s1), (w2q, s2) = one(w1), one(w2)
+    return w1q, w2q, int8_w8a8_moe_quant_config(s1, s2, per_act_token_quant=False, per_out_ch_quant=False)
+
+
+# Weight-only schemes: (bits, group size, zero points). The scales are stored in the weights' dtype.
+_WNA16 = {"int4_w4a16": (4, 128, False), "int4_w4a16_zp": (4, 128, True), "int4_w4a16_g32": (4, 32, False),
+          "int8_w8a16": (8, 128, False)}
+
+
+def _wna16(scheme, w1, w2, w1_bias, w2_bias, extra):
+    bits, group, zp = _WNA16[scheme]
+    (w1q, s1, z1), (w2q, s2, z2) = (q.wna16_quantize(w, num_bits=bits, group_size=group, zero_points=zp,
+                                                     scale_dtype=w.dtype) for w in (w1, w2))
+    factory = int4_w4a16_moe_quant_config if bits == 4 else int8_w8a16_moe_quant_config
+    return w1q, w2q, factory(s1, s2, z1, z2, block_shape=[0, group])
+
+
+def _mxfp8(scheme, w1, w2, w1_bias, w2_bias, extra):
+    (w1q, s1), (w2q, s2) = q.mxfp8_quantize(w1), q.mxfp8_quantize(w2)
+    return w1q, w2q, mxfp8_w8a8_moe_quant_config(s1, s2)
+
+
 def _int8_channel_token(scheme, w1, w2, w1_bias, w2_bias, extra):
     (w1q, s1), (w2q, s2) = q.int8_quant_per_channel(w1), q.int8_quant_per_channel(w2)
     return w1q, w2q, int8_w8a8_moe_quant_config(s1, s2)
@@ -100,12 +185,15 @@ def _int8_channel_token(scheme, w1, w2, w1_bias, w2_bias, extra):
 
 def _mxfp4(scheme, w1, w2, w1_bias, w2_bias, extra):
     (w1q, s1), (w2q, s2) = q.mxfp4_quantize(w1), q.mxfp4_quantize(w2)
-    act = None if scheme == "mxfp4_w4a16" else "mxfp8"
+    act = {"mxfp4_w4a16": None, "mxfp4_mxfp8": "mxfp8", "mxfp4_w4a4": "mxfp4"}[scheme]
     return w1q, w2q, mxfp4_moe_quant_config(s1, s2, activation=act, w1_bias=w1_bias, w2_bias=w2_bias, **extra)
 
 
 def _nvfp4(scheme, w1, w2, w1_bias, w2_bias, extra):
     (w1q, s1, g1), (w2q, s2, g2) = (_stack([q.nvfp4_quantize(w[e]) for e in range(w.shape[0])]) for w in (w1, w2))
+    if scheme == "nvfp4_token":
+        return w1q, w2q, nvfp4_moe_quant_config(s1, s2, g1.reshape(-1), g2.reshape(-1), None, None,
+                                                per_token_activation=True)
     return w1q, w2q, nvfp4_moe_quant_config(s1, s2, g1.reshape(-1), g2.reshape(-1), NVFP4_A1_GSCALE, NVFP4_A2_GSCALE)
 
 
@@ -131,6 +219,18 @@ _BUILDERS: dict[str, Callable] = {
     "mxfp4_mxfp8": _mxfp4,
     "nvfp4": _nvfp4,
     "w4a8": _w4a8,
+    "fp8_tensor_static": _fp8_tensor_act,
+    "fp8_tensor_token": _fp8_tensor_act,
+    "fp8_block64": _fp8_block64,
+    "fp8_w8a16": _fp8_w8a16,
+    "int8_tensor": _int8_tensor,
+    "int4_w4a16": _wna16,
+    "int4_w4a16_zp": _wna16,
+    "int4_w4a16_g32": _wna16,
+    "int8_w8a16": _wna16,
+    "mxfp8": _mxfp8,
+    "mxfp4_w4a4": _mxfp4,
+    "nvfp4_token": _nvfp4,
 }
 
 
@@ -146,7 +246,8 @@ def schemes() -> dict[str, Scheme]:
     for name, raw in load_schemes().items():
         try:
             wkey, akey = raw["keys"]
-            out[name] = Scheme(name, raw.get("description", ""), raw["tolerance"], wkey, akey)
+            out[name] = Scheme(name, raw.get("description", ""), raw["tolerance"], wkey, akey,
+                               str(raw.get("since", "0.17")), raw.get("upstream", ""))
         except (KeyError, ValueError) as exc:
             raise ValueError(f"specs/schemes.toml [schemes.{name}]: needs tolerance and keys = [weight, "
                              f"activation] ({exc})") from None

@@ -172,3 +172,28 @@ def test_accumulation_probe_classifies(backend, selection, passes, tmp_path):
     else:
         assert r.returncode == 1, r.stdout[-3000:]
         assert "accumulates in reduced precision" in r.stdout
+
+
+# vLLM 0.33's schemes (specs/schemes.toml since = "0.33" and the FP8 tensor pairs): each format has its step in the
+# model (a finite bound), and the float64-accumulated reference sits inside it on the generic model of the claims.
+_SCHEMES_033 = ["fp8_tensor_static", "fp8_tensor_token", "fp8_block64", "fp8_w8a16", "int8_tensor", "int4_w4a16",
+                "int4_w4a16_zp", "int4_w4a16_g32", "int8_w8a16", "mxfp8", "mxfp4_w4a4", "nvfp4_token", "w4a8"]
+
+
+@pytest.mark.parametrize("scheme", _SCHEMES_033)
+def test_schemes_of_033_have_bounds_and_the_reference_sits_inside(scheme):
+    from reference.schemes import get_scheme
+
+    get_scheme(scheme)  # a scheme of the specs
+    test_float64_reference_sits_well_inside("qwen3_30b_a3b", scheme)
+
+
+def test_int8_per_tensor_step_spans_the_routed_rows():
+    """A dynamic per-tensor INT8 scale is the amax over every routed row: a wider step than per token."""
+    tok, ten = _qc("int8_channel_token"), _qc("int8_tensor")
+    b_tok = experts_error_bound(tok, act_dtype=torch.bfloat16, K=2048, I=768, routed_rows=512)
+    b_ten = experts_error_bound(ten, act_dtype=torch.bfloat16, K=2048, I=768, routed_rows=512)
+    assert b_ten.expected_rms > b_tok.expected_rms and b_ten.max_norm > b_tok.max_norm
+    weight_only = experts_error_bound(_qc("int4_w4a16"), act_dtype=torch.bfloat16, K=2048, I=768)
+    bf16 = experts_error_bound(_qc("bf16"), act_dtype=torch.bfloat16, K=2048, I=768)
+    assert weight_only.rms_norm == pytest.approx(bf16.rms_norm)  # no activation requantized

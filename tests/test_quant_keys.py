@@ -11,6 +11,7 @@ import reference.quant as rq
 from reference.quant import GroupShape, QuantKey, ScaleDesc
 
 FP8, FP4, E8M0, F32 = torch.float8_e4m3fn, torch.float4_e2m1fn_x2, torch.float8_e8m0fnu, torch.float32
+F16, BF16 = torch.float16, torch.bfloat16
 
 # name -> (dtype, scale dtype, static, group shape, scale2 or None)
 EXPECTED = {
@@ -32,8 +33,29 @@ EXPECTED = {
     "kInt8StaticChannelSym": (torch.int8, F32, True, (-1, 1), None),
     "kInt8DynamicTokenSym": (torch.int8, F32, False, (1, -1), None),
     "kInt8StaticTensorSym": (torch.int8, F32, True, (-1, -1), None),
+    "kInt8DynamicTensorSym": (torch.int8, F32, False, (-1, -1), None),
+    "kInt8Dynamic32Sym": (torch.int8, F32, False, (1, 32), None),
+    "kNvfp4DynamicToken": (FP4, FP8, False, (1, 16), (F32, False, (1, -1))),
+    "kFp8Static64BlockSym": (FP8, F32, True, (64, 64), None),
     "kInt4StaticGroup128Sym": (torch.int4, F32, True, (1, 128), None),
-    "kInt4W4A8StaticGroup128Sym": (torch.int4, FP8, True, (1, 128), (F32, True, (-1, 1))),
+    # vLLM 0.33 weight-only keys: fp16 scale descriptor, group (1, -1) = "size at runtime", or group 32
+    "kInt4Static": (torch.int4, F16, True, (1, -1), None),
+    "kInt4Static32": (torch.int4, F16, True, (1, 32), None),
+    "kInt8Static": (torch.int8, F16, True, (1, -1), None),
+    # vLLM 0.33's W4A8 keys (experts/cpu_int4_moe.py): int8 storage, bf16 group scales / fp32 channel scales
+    "kInt4W4A8StaticGroup128Sym": (torch.int8, BF16, True, (1, 128), None),
+    "kInt4W4A8StaticGroup64Sym": (torch.int8, BF16, True, (1, 64), None),
+    "kInt4W4A8StaticGroup32Sym": (torch.int8, BF16, True, (1, 32), None),
+    "kInt4W4A8StaticGroupSym": (torch.int8, BF16, True, (1, -1), None),
+    "kInt4W4A8StaticChannelSym": (torch.int8, F32, True, (-1, 1), None),
+}
+# asymmetric keys: name -> (dtype, scale dtype, static, group shape)
+EXPECTED_ASYM = {
+    "kInt4StaticAsym": (torch.uint4, F16, True, (1, -1)),
+    "kInt4Static32Asym": (torch.uint4, F16, True, (1, 32)),
+    "kInt8DynamicTokenAsym": (torch.int8, F32, False, (1, -1)),
+    "kInt8StaticTensorAsym": (torch.int8, F32, True, (-1, -1)),
+    "kInt8DynamicTensorAsym": (torch.int8, F32, False, (-1, -1)),
 }
 
 
@@ -50,10 +72,31 @@ def test_named_key_fields(name):
     assert rq.QUANT_KEYS[name] is key
 
 
+@pytest.mark.parametrize("name", sorted(EXPECTED_ASYM))
+def test_asymmetric_key_fields(name):
+    key = getattr(rq, name)
+    dtype, sdtype, static, gs = EXPECTED_ASYM[name]
+    assert key.dtype == dtype and not key.symmetric and key.scale2 is None
+    assert key.scale == ScaleDesc(sdtype, static, GroupShape(*gs))
+    assert rq.QUANT_KEYS[name] is key
+
+
 def test_all_named_keys_are_distinct_and_registered():
-    keys = [getattr(rq, n) for n in EXPECTED]
+    names = list(EXPECTED) + list(EXPECTED_ASYM)
+    # vLLM 0.33 defines kInt4W4A8StaticChannelSym with the very fields of kInt8StaticChannelSym: equal keys.
+    assert rq.kInt4W4A8StaticChannelSym == rq.kInt8StaticChannelSym
+    keys = [getattr(rq, n) for n in names if n != "kInt4W4A8StaticChannelSym"]
     assert len(set(keys)) == len(keys)
-    assert set(rq.QUANT_KEYS) == set(EXPECTED)
+    assert set(rq.QUANT_KEYS) == set(names)
+
+
+def test_version_sets_name_known_keys():
+    """KEYS_NEW_IN_0_33 / REFERENCE_ONLY_KEYS name registered keys, and never the same one."""
+    assert rq.KEYS_NEW_IN_0_33 <= set(rq.QUANT_KEYS) and rq.REFERENCE_ONLY_KEYS <= set(rq.QUANT_KEYS)
+    assert not rq.KEYS_NEW_IN_0_33 & rq.REFERENCE_ONLY_KEYS
+    assert {"kNvfp4DynamicToken", "kInt4Static", "kInt4StaticAsym", "kInt8Static",
+            "kInt4W4A8StaticGroup128Sym"} <= rq.KEYS_NEW_IN_0_33
+    assert "kFp8Static64BlockSym" in rq.REFERENCE_ONLY_KEYS
 
 
 def test_reprs():

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from backends.torch import quant as tq
 from backends.torch.quant import FP8, dequant, quantize_activation
 from reference.activation import MoEActivation
 from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, TopKWeightAndReduceNoOP
@@ -26,17 +27,30 @@ _GATED = {
     MoEActivation.SWIGLUOAI,
     MoEActivation.SWIGLUOAI_UNINTERLEAVE,
     MoEActivation.SWIGLUSTEP,
+    MoEActivation.SITU,  # vLLM 0.33
 }
-_NO_MUL = {MoEActivation.SILU_NO_MUL, MoEActivation.GELU_NO_MUL, MoEActivation.RELU2_NO_MUL}
+_NO_MUL = {MoEActivation.SILU_NO_MUL, MoEActivation.GELU_NO_MUL, MoEActivation.RELU2_NO_MUL,
+           MoEActivation.GELU_TANH_NO_MUL}  # GELU_TANH_NO_MUL: vLLM 0.33
 
 
-def torch_activation(act: MoEActivation, h: torch.Tensor, alpha=None, beta=None, limit=None) -> torch.Tensor:
+def torch_activation(act: MoEActivation, h: torch.Tensor, alpha=None, beta=None, limit=None, situ_beta=None,
+                     situ_linear_beta=None) -> torch.Tensor:
     """The activations in fp32, rounded once to ``h.dtype`` (own code; see reference.activation for the spec)."""
     x = h.float()
     if act in _NO_MUL:
         y = {MoEActivation.SILU_NO_MUL: F.silu, MoEActivation.GELU_NO_MUL: F.gelu,
+             MoEActivation.GELU_TANH_NO_MUL: lambda v: F.gelu(v, approximate="tanh"),
              MoEActivation.RELU2_NO_MUL: lambda v: F.relu(v) ** 2}[act](x)
         return y.to(h.dtype)
+    if act is MoEActivation.SITU:
+        if situ_beta is None or situ_beta <= 0:
+            raise ValueError(f"TorchExperts: SITU needs a positive activation_situ_beta, got {situ_beta!r}")
+        gate, up = x.chunk(2, dim=-1)
+        # The CUDA kernel's form: sigmoid(g) = (1 + tanh(g / 2)) / 2.
+        gate = (0.5 * situ_beta) * torch.tanh(gate * (1.0 / situ_beta)) * (1.0 + torch.tanh(gate * 0.5))
+        if situ_linear_beta is not None and situ_linear_beta > 0:
+            up = situ_linear_beta * torch.tanh(up * (1.0 / situ_linear_beta))
+        return (gate * up).to(h.dtype)
     if act is MoEActivation.SWIGLUOAI:
         gate, up = x[..., ::2], x[..., 1::2]
     else:
@@ -106,9 +120,28 @@ def _expert_scales(scale: torch.Tensor | None, experts: torch.Tensor) -> torch.T
     return scale.index_select(0, experts)
 
 
+def _requantize(g: torch.Tensor, qc) -> torch.Tensor:
+    """The activation between the GEMMs after the a2 quantization the config asks for, as values (unchanged when a2
+    is not quantized; fp32 otherwise)."""
+    desc = qc.a2
+    if desc.dtype is None:
+        return g
+    if desc.dtype in ("mxfp8", "mxfp4"):
+        return tq.fake_quant_mx(g, desc.dtype)
+    if desc.dtype == "nvfp4" and desc.per_token_gscale:
+        return tq.fake_quant_nvfp4_per_token(g)
+    if desc.dtype == torch.int8 and desc.shape == (-1, -1) and desc.scale is None:
+        gq, gs = tq.int8_quant_per_tensor(g)
+        return dequant(gq, gs, None)
+    gq, gs = quantize_activation(g, desc, qc.use_ue8m0)
+    return dequant(gq, gs, desc.shape)
+
+
 class TorchExperts(FusedMoEExpertsModular):
-    """Vectorized experts: bf16/fp16/fp32, FP8 (per-tensor, per-channel x per-token, 128x128 blocks x 1x128
-    groups, fp32 or UE8M0 scales) and INT8 W8A8. Quantized weights are dequantized per expert in fp32 (the
+    """Vectorized experts: bf16/fp16/fp32, FP8 (per-tensor x per-tensor static/dynamic or per-token, per-channel x
+    per-token, 128x128 or 64x64 blocks x 1 x block_k groups, fp32 or UE8M0 scales, W8A16), INT8 W8A8 (per-channel x
+    per-token, per-tensor x dynamic per-tensor), weight-only INT4 / INT8 (groups of 128 or 32, zero points), MXFP8
+    W8A8, MXFP4 W4A4 and NVFP4 with per-token global scales. Quantized weights are dequantized per expert in fp32 (the
     GEMMs run on exact fp32 products of codes and scales); activations are requantized between the GEMMs with this
     backend's own quantizers (``backends.torch.quant``, vllm recipe)."""
 
@@ -125,9 +158,23 @@ class TorchExperts(FusedMoEExpertsModular):
             (K.kFp8StaticChannelSym, K.kFp8DynamicTokenSym),
             (K.kFp8Static128BlockSym, K.kFp8Dynamic128Sym),
             (K.kInt8StaticChannelSym, K.kInt8DynamicTokenSym),
+            # vLLM 0.33's schemes (specs/schemes.toml since = "0.33" and the FP8 tensor pairs)
+            (K.kFp8StaticTensorSym, K.kFp8DynamicTokenSym),
+            (K.kFp8Static64BlockSym, K.kFp8Dynamic128Sym),
+            (K.kFp8StaticChannelSym, None),
+            (K.kInt8StaticTensorSym, K.kInt8DynamicTensorSym),
+            (K.kInt4Static, None),
+            (K.kInt4StaticAsym, None),
+            (K.kInt4Static32, None),
+            (K.kInt8Static, None),
+            (K.kMxfp8Static, K.kMxfp8Dynamic),
+            (K.kMxfp4Static, K.kMxfp4Dynamic),
+            (K.kNvfp4Static, K.kNvfp4DynamicToken),
         }),
         activations=frozenset(_GATED | _NO_MUL),
         finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        deferred_finalize=True,
+        hidden_padding=True,
         notes="vectorized torch (padded bmm); vllm recipe",
     )
 
@@ -136,9 +183,14 @@ class TorchExperts(FusedMoEExpertsModular):
 
     def _input_rows(self, a1q: torch.Tensor, a1q_scale: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
         """Routed input rows, dequantized to fp32 when prepare quantized them."""
-        if self.quant_config.a1.dtype is None:
+        desc = self.quant_config.a1
+        if desc.dtype is None:
             return a1q[tokens]
         rows = a1q[tokens]
+        if desc.dtype in ("mxfp8", "mxfp4"):
+            return tq.mx_values(rows, a1q_scale[tokens], desc.dtype)
+        if desc.dtype == "nvfp4":  # per-token global scale: prepare hands on SF / gs_token per 16 elements
+            return tq.nvfp4_values(rows, a1q_scale[tokens])
         if a1q_scale is None or a1q_scale.numel() == 1:
             return dequant(rows, a1q_scale, None)
         return dequant(rows, a1q_scale[tokens], self.quant_config.a1.shape)
@@ -151,15 +203,38 @@ class TorchExperts(FusedMoEExpertsModular):
         if desc.dtype is None:
             return wsel
         scale = _expert_scales(desc.scale, experts)
+        if desc.shape is not None and desc.shape[0] == 0:  # weight-only INT4 / INT8 groups along K
+            return tq.wna16_weights(wsel, scale, _expert_scales(desc.zp, experts), 4 if desc.dtype == "int4" else 8,
+                                    desc.shape[1])
+        if desc.dtype in ("mxfp8", "mxfp4"):
+            return tq.mx_values(wsel, scale, desc.dtype)
+        if desc.dtype == "nvfp4":  # E4M3 block scales over the expert's fp32 encode scale
+            gs = _expert_scales(desc.alpha_or_gscale, experts).float().reshape(-1, 1, 1)
+            return tq.nvfp4_values(wsel, scale.float() / gs)
         if scale is not None and scale.numel() > 1 and scale.dim() == 1:
             scale = scale.reshape(-1, 1, 1)  # one scale per expert
         if scale is not None and scale.dim() == 3 and desc.shape in ((-1, -1), (1, -1)):
             return wsel.float() * scale.float()  # (E, 1, 1) per tensor or (E, N, 1) per channel broadcast
         return dequant(wsel, scale, desc.shape)
 
+    def moe_problem_size(self, a1, w1, w2, topk_ids):
+        E, M, N, K, topk = super().moe_problem_size(a1, w1, w2, topk_ids)
+        if self.quant_config.a1.dtype in ("mxfp4", "nvfp4"):
+            K *= 2  # packed E2M1 activations: two elements per byte
+        return E, M, N, K, topk
+
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
         n_act = N // 2 if activation.is_gated else N
-        return (M * topk, max(N, K)), (M * topk, n_act), (M, K)
+        return (M * topk, max(N, K)), (M * topk, n_act), (M, self.output_hidden_dim(K))
+
+    def output_hidden_dim(self, hidden_dim: int) -> int:
+        """vLLM 0.33: drops a hidden padding: a layer whose ``moe_config.hidden_dim`` is smaller than the K the kernel
+        runs at gets outputs of the unpadded size (the padded columns are computed, then dropped)."""
+        return min(hidden_dim, getattr(self.moe_config, "hidden_dim", hidden_dim))
+
+    def _situ(self) -> tuple:
+        cfg = self.moe_config
+        return getattr(cfg, "activation_situ_beta", None), getattr(cfg, "activation_situ_linear_beta", None)
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
@@ -178,7 +253,10 @@ class TorchExperts(FusedMoEExpertsModular):
             local = torch.where(in_range, expert_map.long()[ids.clamp(0, expert_map.numel() - 1)], -1)
         else:
             local = torch.where((ids >= 0) & (ids < E_local), ids, -1)
-        acc = torch.zeros(M, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
+        acc = torch.zeros(M, output.shape[-1], dtype=torch.float32, device=hidden_states.device)  # K unpacked
+        defer = self._uses_post_gemm2_hook(M)  # vLLM 0.33 deferred finalize: one unweighted row per route
+        if defer:
+            routes = torch.zeros(M * topk, acc.shape[1], dtype=output.dtype, device=hidden_states.device)
         keep = (local >= 0).nonzero().squeeze(1)
         if keep.numel():
             order = keep[torch.argsort(local[keep], stable=True)]
@@ -191,17 +269,25 @@ class TorchExperts(FusedMoEExpertsModular):
             if qc.w1_bias is not None:  # the bias joins the fp32 accumulator before the store rounds it
                 h = h + qc.w1_bias[torch.repeat_interleave(experts, counts)].float()
             h = h.to(act_dtype)
-            g = torch_activation(activation, h, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
-            gq, gs = quantize_activation(g, qc.a2, qc.use_ue8m0)
-            g = dequant(gq, gs, qc.a2.shape) if qc.a2.dtype is not None else g
+            g = torch_activation(activation, h, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit, *self._situ())
+            g = _requantize(g, qc)
             w2x = self._weights(w2, qc.w2, experts)
             y = padded_grouped_mm(g, counts, torch.arange(len(experts), device=rows.device), w2x, torch.float32)
             if qc.w2_bias is not None:
                 y = y + qc.w2_bias[torch.repeat_interleave(experts, counts)].float()
             y = y.to(act_dtype).float()  # GEMM2 output rounds to the activation dtype, like a kernel's store
+            y = y[:, : acc.shape[1]]  # drops a hidden padding (output_hidden_dim)
+            if defer:
+                routes[order] = y.to(act_dtype)
             if not apply_router_weight_on_input:
                 y = y * topk_weights.reshape(-1)[order].float().unsqueeze(1)
             acc.index_add_(0, tokens, y)
+        if defer:
+            from reference.moe_output import route_major_moe_output
+
+            w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
+            self._run_post_gemm2_hook(route_major_moe_output(routes, w, topk_ids, expert_map), output)
+            return None
         output.copy_(acc)
 
 
@@ -215,13 +301,16 @@ class TorchBatchedExperts(TorchExperts):
         return FusedMoEActivationFormat.BatchedExperts
 
     support = dataclasses.replace(TorchExperts.support, activation_format=FusedMoEActivationFormat.BatchedExperts,
-                                  chunking=False,
+                                  chunking=False, deferred_finalize=False, hidden_padding=False,
                                   finalize="(E_local, max_tokens, K) unweighted: TopKWeightAndReduceDelegate")
 
     def finalize_weight_and_reduce_impl(self):
         from reference.modular import TopKWeightAndReduceDelegate
 
         return TopKWeightAndReduceDelegate()
+
+    def output_hidden_dim(self, hidden_dim: int) -> int:
+        return hidden_dim  # the batched format keeps K (no hidden padding claimed)
 
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
         # Each slot receives up to max_num_tokens rows from every dispatcher (seed 002 BatchedExperts).
@@ -243,24 +332,60 @@ class TorchBatchedExperts(TorchExperts):
         counts = expert_tokens_meta.expert_num_tokens.to(hidden_states.device).long()
         valid = torch.arange(T, device=hidden_states.device)[None, :] < counts[:, None]  # (E, T)
         act_dtype = output.dtype
-        rows = torch.zeros(E, T, hidden_states.shape[-1], dtype=torch.float32, device=hidden_states.device)
+        rows = torch.zeros(E, T, output.shape[-1], dtype=torch.float32, device=hidden_states.device)
         for e in range(E):
             n = int(counts[e])
             if n:
                 s = None if a1q_scale is None else (a1q_scale[e, :n] if a1q_scale[e].numel() > 1 else a1q_scale[e])
-                rows[e, :n] = dequant(hidden_states[e, :n], s, qc.a1.shape if qc.a1.dtype is not None else None)
+                if qc.a1.dtype in ("mxfp8", "mxfp4"):
+                    rows[e, :n] = tq.mx_values(hidden_states[e, :n], a1q_scale[e, :n], qc.a1.dtype)
+                elif qc.a1.dtype == "nvfp4":
+                    rows[e, :n] = tq.nvfp4_values(hidden_states[e, :n], a1q_scale[e, :n])
+                else:
+                    rows[e, :n] = dequant(hidden_states[e, :n], s, qc.a1.shape if qc.a1.dtype is not None else None)
         all_e = torch.arange(E, device=hidden_states.device)
         h = torch.bmm(rows, self._weights(w1, qc.w1, all_e).float().transpose(1, 2))
         if qc.w1_bias is not None:
             h = h + qc.w1_bias.float().unsqueeze(1)
-        g = torch_activation(activation, h.to(act_dtype), qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
+        g = torch_activation(activation, h.to(act_dtype), qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit,
+                             *self._situ())
         gd = torch.zeros(g.shape, dtype=torch.float32, device=g.device)
         for e in range(E):
             n = int(counts[e])
             if n:
-                gq, gs = quantize_activation(g[e, :n], qc.a2, qc.use_ue8m0)
-                gd[e, :n] = dequant(gq, gs, qc.a2.shape) if qc.a2.dtype is not None else gq.float()
+                gd[e, :n] = _requantize(g[e, :n], qc).float()
         y = torch.bmm(gd, self._weights(w2, qc.w2, all_e).float().transpose(1, 2))
         if qc.w2_bias is not None:
             y = y + qc.w2_bias.float().unsqueeze(1)
         output.copy_(torch.where(valid.unsqueeze(-1), y, torch.zeros_like(y)).to(act_dtype))
+
+
+def moe_fused_mul_sum(inputs, topk_weights, outputs=None, topk_ids=None, expert_map=None, num_valid_tokens=None):
+    """vLLM 0.33 ``moe_fused_mul_sum`` (spec: ``reference.moe_output.moe_fused_mul_sum``), vectorized: a slot mask,
+    one fp32 weighted sum over top-k, and a row mask for the rows left untouched (all-padding, past
+    ``num_valid_tokens``)."""
+    if inputs.dim() != 3 or topk_weights.shape != inputs.shape[:2]:
+        raise ValueError(f"moe_fused_mul_sum: inputs {tuple(inputs.shape)} must be (T, top_k, H) with topk_weights "
+                         f"(T, top_k), got {tuple(topk_weights.shape)}")
+    if expert_map is not None and topk_ids is None:
+        raise ValueError("moe_fused_mul_sum: topk_ids is required to interpret expert_map")
+    T, k, H = inputs.shape
+    if outputs is None:
+        outputs = torch.empty(T, H, dtype=inputs.dtype, device=inputs.device)
+    if outputs.shape != (T, H):
+        raise ValueError(f"moe_fused_mul_sum: outputs must be {(T, H)}, got {tuple(outputs.shape)}")
+    w = topk_weights.float()
+    rows = torch.ones(T, dtype=torch.bool, device=inputs.device)
+    if topk_ids is not None:
+        ids = topk_ids.long()
+        valid = ids >= 0
+        rows = valid.any(1)
+        if expert_map is not None:
+            valid = valid & (expert_map.long()[ids.clamp(min=0)] >= 0)
+        w = torch.where(valid, w, torch.zeros_like(w))
+    if num_valid_tokens is not None:
+        n = int(num_valid_tokens) if not isinstance(num_valid_tokens, torch.Tensor) else int(num_valid_tokens.item())
+        rows = rows & (torch.arange(T, device=inputs.device) < n)
+    acc = torch.einsum("tkh,tk->th", inputs.float(), w)
+    outputs[rows] = acc[rows].to(outputs.dtype)
+    return outputs

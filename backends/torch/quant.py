@@ -101,3 +101,93 @@ def quantize_activation(x: torch.Tensor, desc, use_ue8m0: bool):
     if desc.dtype == torch.int8 and desc.shape == (1, -1) and desc.scale is None:
         return int8_quant_per_token(x)
     raise NotImplementedError(f"torch backend: no activation quantizer for {desc.dtype} {desc.shape}")
+
+
+# --- formats of vLLM 0.33's schemes (own code; reference.quant specifies them) ------------------------------------
+# E2M1 magnitudes of codes 0..7 (bit 3 is the sign).
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _nibbles(packed: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """uint8 bytes -> their two 4-bit values along ``dim`` (low nibble first), as int64."""
+    v = packed.to(torch.int64).movedim(dim, -1)
+    return torch.stack((v & 0xF, v >> 4), -1).flatten(-2).movedim(-1, dim)
+
+
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 (two per byte, low nibble first) -> fp32 values."""
+    c = _nibbles(packed)
+    mag = _E2M1.to(packed.device)[c & 7]
+    return torch.where(c >= 8, -mag, mag)
+
+
+def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to the E2M1 grid, nearest-even, saturating at +-6 (as values, not codes)."""
+    a = y.abs().clamp(max=6.0)
+    # The grid spacing is 0.5 below 2, 1 below 4, 2 above; torch.round rounds half to even, which on each of these
+    # scaled grids is the even E2M1 code.
+    r = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
+    return torch.copysign(r.clamp(max=6.0), y)
+
+
+def _pow2_even_scale(amax: torch.Tensor, emax: int, mbits: int) -> torch.Tensor:
+    """The MX scale of the vllm recipe's "even" rule: amax rounded (half up) to the element's mantissa bits, then
+    2^(floor(log2) - emax), clamped to E8M0's range."""
+    bits = amax.float().view(torch.int32)
+    e = (((bits + (1 << (22 - mbits))) & 0x7F800000) >> 23) - 127
+    return torch.exp2((e - emax).clamp(-127, 127).to(torch.float32))
+
+
+def fake_quant_mx(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """MXFP8 (``"mxfp8"``) or MXFP4 (``"mxfp4"``) quantize-dequantize per 32 along the last dim (vllm recipe's
+    "even" scale rule), fp32 result."""
+    xb = x.float().unflatten(-1, (x.shape[-1] // 32, 32))
+    s = _pow2_even_scale(xb.abs().amax(-1, keepdim=True), *((8, 3) if fmt == "mxfp8" else (2, 1)))
+    y = xb / s
+    q = _fp8(y).float() if fmt == "mxfp8" else _e2m1_round(y)
+    return (q * s).flatten(-2)
+
+
+def mx_values(codes: torch.Tensor, scale_bytes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """MX codes (fp8 e4m3 or packed E2M1) and E8M0 bytes per 32 -> fp32 values."""
+    v = codes.float() if fmt == "mxfp8" else e2m1_values(codes)
+    s = torch.exp2(scale_bytes.view(torch.uint8).to(torch.float32) - 127)
+    return (v.unflatten(-1, (v.shape[-1] // 32, 32)) * s.unsqueeze(-1)).flatten(-2)
+
+
+def nvfp4_values(packed: torch.Tensor, per_block: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 codes times an fp32 factor per 16 elements."""
+    v = e2m1_values(packed)
+    return (v.unflatten(-1, (v.shape[-1] // 16, 16)) * per_block.float().unsqueeze(-1)).flatten(-2)
+
+
+def fake_quant_nvfp4_per_token(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4 with a per-token global encode scale ``2688 / amax_row``, quantized and dequantized (fp32)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    gs = torch.where(amax == 0, torch.ones_like(amax), torch.full_like(amax, 448.0 * 6.0) / amax)
+    xb = xf.unflatten(-1, (x.shape[-1] // 16, 16))
+    sf = _fp8(gs * (xb.abs().amax(-1) * (torch.tensor(1.0) / torch.tensor(6.0)))).float()
+    denom = sf * (1.0 / gs)
+    mult = torch.where(sf == 0, torch.zeros_like(sf), 1.0 / denom)
+    q = _e2m1_round(xb * mult.unsqueeze(-1))
+    return (q * (sf / gs).unsqueeze(-1)).flatten(-2)
+
+
+def int8_quant_per_tensor(x: torch.Tensor):
+    """Dynamic per-tensor INT8 as vLLM's ``_int8_quantize``: the scale ``amax / 127`` in x's dtype, then x / s."""
+    if not bool(torch.isfinite(x.float()).all()):
+        raise ValueError("int8_quant_per_tensor: NaN/inf input cannot be quantized to int8")
+    s = torch.clamp(x.abs().amax() / 127.0, min=1e-10).float().reshape(1)
+    return torch.round(x.float() / s).clamp(-128, 127).to(torch.int8), s
+
+
+def wna16_weights(qweight: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, bits: int,
+                  group: int) -> torch.Tensor:
+    """Weight-only INT4 / INT8 ``(E, N, K)``: ``((u - zp) * s)`` rounded to the scales' dtype, returned as fp32."""
+    u = _nibbles(qweight) if bits == 4 else qweight.to(torch.int64)
+    z = (_nibbles(zp, dim=-2) if zp is not None else torch.full_like(scales, 8 if bits == 4 else 128,
+                                                                     dtype=torch.int64))
+    ug = u.unflatten(-1, (u.shape[-1] // group, group)).float()
+    w = (ug - z.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)
+    return w.flatten(-2).to(scales.dtype).float()

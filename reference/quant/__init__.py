@@ -9,6 +9,7 @@ Modules:
     mx       E8M0, MX scale rules, MXFP8, E2M1, MXFP4
     nvfp4    NVFP4 (E2M1 + E4M3 per 16 + fp32 global scale)
     int      INT8 W8A8, INT4 group quantization, W4A8 weights
+    wna16    weight-only INT4 / INT8 with group scales and zero points (TritonWNA16Experts' layout)
     layout   MN-major TMA-aligned scales, CUTLASS 128x4 block-scale swizzle
     keys     GroupShape, ScaleDesc, QuantKey and the named keys
 
@@ -39,6 +40,7 @@ from .int import (
     int4_group_quant,
     int8_quant_per_channel,
     int8_quant_per_token,
+    int8_quant_per_tensor,
     int8_quant_static,
     pack_int4,
     unpack_int4,
@@ -47,6 +49,24 @@ from .int import (
 )
 from .keys import (
     QUANT_KEYS,
+    kFp8Static64BlockSym,
+    kInt4Static,
+    kInt4StaticAsym,
+    kInt4Static32,
+    kInt4Static32Asym,
+    kInt8Static,
+    kInt8DynamicTensorSym,
+    kInt8DynamicTokenAsym,
+    kInt8StaticTensorAsym,
+    kInt8DynamicTensorAsym,
+    kInt8Dynamic32Sym,
+    kNvfp4DynamicToken,
+    kInt4W4A8StaticGroup64Sym,
+    kInt4W4A8StaticGroup32Sym,
+    kInt4W4A8StaticGroupSym,
+    kInt4W4A8StaticChannelSym,
+    KEYS_NEW_IN_0_33,
+    REFERENCE_ONLY_KEYS,
     GroupShape,
     QuantKey,
     ScaleDesc,
@@ -101,8 +121,16 @@ from .mx import (
     pack_fp4,
     unpack_fp4,
 )
-from .nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
+from .nvfp4 import (
+    NVFP4_BLOCK_SIZE,
+    nvfp4_dequantize,
+    nvfp4_dequantize_per_token,
+    nvfp4_global_scale,
+    nvfp4_quantize,
+    nvfp4_quantize_per_token,
+)
 from .recipes import DEEPGEMM, RECIPES, VLLM, QuantRecipe, get_recipe
+from .wna16 import WNA16_BIAS, pack_uint4, unpack_uint4, wna16_dequantize, wna16_quantize
 from .ue8m0 import DeepGemmQuantScaleFMT, ceil_to_ue8m0, pack_ue8m0, ue8m0_byte, unpack_ue8m0
 
 __all__ = [
@@ -120,10 +148,13 @@ __all__ = [
     "mxfp4_quantize", "mxfp4_dequantize",
     # nvfp4
     "NVFP4_BLOCK_SIZE", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_dequantize",
+    "nvfp4_quantize_per_token", "nvfp4_dequantize_per_token",
     # int
     "INT8_MAX", "INT8_MIN", "INT4_MAX", "INT4_MIN", "int8_quant_per_token", "int8_quant_per_channel",
-    "int8_quant_static", "dequant_int8", "int4_group_quant", "dequant_int4_group", "pack_int4", "unpack_int4",
+    "int8_quant_static", "int8_quant_per_tensor", "dequant_int8", "int4_group_quant", "dequant_int4_group", "pack_int4", "unpack_int4",
     "w4a8_quantize_weight", "w4a8_dequantize_weight",
+    # wna16
+    "WNA16_BIAS", "pack_uint4", "unpack_uint4", "wna16_quantize", "wna16_dequantize",
     # layout
     "get_tma_aligned_size", "get_mn_major_tma_aligned_tensor", "mn_major_scales", "swizzle_mxfp4_scales",
     "swizzle_block_scales", "unswizzle_block_scales",
@@ -135,4 +166,6 @@ __all__ = [
     "kFp8Static128BlockE8M0Sym", "kMxfp8Static", "kMxfp8Dynamic", "kMxfp4Static", "kMxfp4Dynamic",
     "kNvfp4Static", "kNvfp4Dynamic", "kInt8StaticChannelSym", "kInt8DynamicTokenSym", "kInt8StaticTensorSym",
     "kInt4StaticGroup128Sym", "kInt4W4A8StaticGroup128Sym",
+    "kFp8Static64BlockSym", "kInt4Static", "kInt4StaticAsym", "kInt4Static32", "kInt4Static32Asym", "kInt8Static", "kInt8DynamicTensorSym", "kInt8DynamicTokenAsym",
+    "kInt8StaticTensorAsym", "kInt8DynamicTensorAsym", "kInt8Dynamic32Sym", "kNvfp4DynamicToken", "kInt4W4A8StaticGroup64Sym", "kInt4W4A8StaticGroup32Sym", "kInt4W4A8StaticGroupSym", "kInt4W4A8StaticChannelSym", "KEYS_NEW_IN_0_33", "REFERENCE_ONLY_KEYS",
 ]

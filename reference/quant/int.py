@@ -27,6 +27,7 @@ __all__ = [
     "int8_quant_per_token",
     "int8_quant_per_channel",
     "int8_quant_static",
+    "int8_quant_per_tensor",
     "dequant_int8",
     "int4_group_quant",
     "dequant_int4_group",
@@ -103,6 +104,26 @@ def int8_quant_static(x: torch.Tensor, scale: torch.Tensor | float) -> tuple[tor
     _check_finite(xf, "int8_quant_static")
     q = torch.round(xf / s).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
     return q, s.reshape(1)
+
+
+def int8_quant_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric INT8 with one scale for the whole tensor (the ``kInt8DynamicTensorSym`` activations).
+
+    Mirrors vLLM 0.33 ``fused_moe/utils.py::_int8_quantize`` (dynamic per-tensor branch): ``A_scale =
+    torch.clamp(A.abs().max() / 127.0, min=1e-10)`` computed *in x's dtype* (for bf16 x: the fp32 quotient rounded
+    to bf16, as torch's bf16 division does), then the static kernel ``scaled_int8_quant(A, scale=A_scale)``:
+    ``q = clamp(rne(x / s), -128, 127)`` with ``s`` widened to fp32. Because the bf16 scale may round below
+    ``amax / 127``, the largest elements can clamp at +-127 / -128.
+
+    Args: x ``(..., K)`` float16 / bfloat16 / float32.
+    Returns: ``(q int8 like x, s float32 (1,))``.
+    Raises: TypeError (dtype); ValueError (NaN / inf).
+    """
+    check_high_precision(x, "x")
+    _check_finite(x.to(torch.float32), "int8_quant_per_tensor")
+    amax = x.abs().amax() if x.numel() else torch.zeros((), dtype=x.dtype)
+    s = torch.clamp(amax / 127.0, min=1e-10).to(torch.float32).reshape(1)
+    return int8_quant_static(x, s)
 
 
 def dequant_int8(

@@ -4,7 +4,16 @@ match on in ``_supports_quant_scheme(weight_key, activation_key)`` (seeds 001 / 
 Mirrors ``vllm/model_executor/layers/quantization/utils/quant_utils.py``. One deliberate
 difference: keys carry the *logical* dtype. vLLM stores FP4 data as ``torch.uint8`` (FP4_DTYPE)
 and MX scales as ``torch.uint8`` (MXFP_SCALE_DTYPE); here they are ``torch.float4_e2m1fn_x2``
-and ``torch.float8_e8m0fnu`` so a key says what the bytes mean. INT4 weights use ``torch.int4``.
+and ``torch.float8_e8m0fnu`` so a key says what the bytes mean. INT4 weights use ``torch.int4``
+(vLLM 0.33: ``INT4_DTYPE = scalar_types.uint4b8``, the same values stored with a bias of 8), asymmetric
+INT4 ``torch.uint4`` (``scalar_types.uint4``), and ``kInt8Static``'s INT8 ``torch.int8`` (vLLM 0.33:
+``INT8_DTYPE = scalar_types.uint8b128``).
+
+Versions: the names vLLM 0.33.0 defines and vLLM 0.17.0 does not are listed in :data:`KEYS_NEW_IN_0_33`
+(semantics point ``quant.keys``); a name the reference adds where vLLM builds a key without naming it is in
+:data:`REFERENCE_ONLY_KEYS`. One name changed meaning: ``kInt4W4A8StaticGroup128Sym`` is, as in vLLM 0.33,
+INT8-stored INT4 weights with *bf16* group scales (the CPU W4A8 experts' key); the CUTLASS INT4 x FP8 experts
+(``cutlass_moe_w4a8_fp8``) claim ``(kInt4Static, kFp8DynamicTokenSym)`` (``fused_moe/experts/cutlass_moe.py``).
 """
 
 from __future__ import annotations
@@ -44,8 +53,26 @@ __all__ = [
     "kInt8StaticChannelSym",
     "kInt8DynamicTokenSym",
     "kInt8StaticTensorSym",
+    "kInt8DynamicTensorSym",
+    "kInt8DynamicTokenAsym",
+    "kInt8StaticTensorAsym",
+    "kInt8DynamicTensorAsym",
+    "kInt8Dynamic32Sym",
+    "kNvfp4DynamicToken",
+    "kFp8Static64BlockSym",
     "kInt4StaticGroup128Sym",
+    "kInt4Static",
+    "kInt4StaticAsym",
+    "kInt4Static32",
+    "kInt4Static32Asym",
+    "kInt8Static",
     "kInt4W4A8StaticGroup128Sym",
+    "kInt4W4A8StaticGroup64Sym",
+    "kInt4W4A8StaticGroup32Sym",
+    "kInt4W4A8StaticGroupSym",
+    "kInt4W4A8StaticChannelSym",
+    "KEYS_NEW_IN_0_33",
+    "REFERENCE_ONLY_KEYS",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -206,13 +233,61 @@ kNvfp4Dynamic = QuantKey(FP4_DTYPE, ScaleDesc(FP8_DTYPE, False, GroupShape(1, 16
 kInt8StaticChannelSym = QuantKey(torch.int8, kStaticChannelScale)
 kInt8DynamicTokenSym = QuantKey(torch.int8, kDynamicTokenScale)
 kInt8StaticTensorSym = QuantKey(torch.int8, kStaticTensorScale)
+kInt8DynamicTensorSym = QuantKey(torch.int8, kDynamicTensorScale)
+kInt8DynamicTokenAsym = QuantKey(torch.int8, kDynamicTokenScale, symmetric=False)
+kInt8StaticTensorAsym = QuantKey(torch.int8, kStaticTensorScale, symmetric=False)
+kInt8DynamicTensorAsym = QuantKey(torch.int8, kDynamicTensorScale, symmetric=False)
+kInt8Dynamic32Sym = QuantKey(torch.int8, ScaleDesc(torch.float32, False, GroupShape(1, 32)))
 
-# INT4 weights, group 128 along K
+# NVFP4 activations with one dynamic fp32 global scale per token (vLLM 0.33: FlashInfer TRT-LLM / CuteDSL experts,
+# ``quantize_nvfp4_per_token_input``) instead of the calibrated per-tensor one of kNvfp4Dynamic.
+kNvfp4DynamicToken = QuantKey(FP4_DTYPE, ScaleDesc(FP8_DTYPE, False, GroupShape(1, 16)), scale2=kDynamicTokenScale)
+
+# FP8 weights per 64x64 block. vLLM 0.33 builds this key without naming it
+# (``create_fp8_quant_key(static=True, group_shape=GroupShape(64, 64))`` in ``quantization/fp8.py`` when
+# ``oracle/fp8.py::refine_fp8_moe_block_shape`` refines 128x128 checkpoint blocks for a TP shard); the Triton
+# experts claim any such block shape with the activation key kFp8Dynamic128Sym (activations are then quantized
+# per 1x64 group: ``fused_moe/utils.py::_fp8_quantize`` takes the group from the block shape, not the key).
+kFp8Static64BlockSym = QuantKey(FP8_DTYPE, ScaleDesc(torch.float32, True, GroupShape(64, 64)))
+
+# INT4 weights, group 128 along K, fp32 scales: a reference-only name of the seed era (no vLLM release names it).
 kInt4StaticGroup128Sym = QuantKey(INT4_DTYPE, ScaleDesc(torch.float32, True, GroupShape(1, 128)))
-# W4A8 (cutlass_moe_w4a8_fp8): fp8 group scales, fp32 per-channel scale in the epilogue
-kInt4W4A8StaticGroup128Sym = QuantKey(
-    INT4_DTYPE, ScaleDesc(FP8_DTYPE, True, GroupShape(1, 128)), scale2=kStaticChannelScale
-)
+
+# Weight-only INT4 / INT8 (WNA16: Marlin, TritonWNA16Experts, ...; vLLM 0.33 quant_utils.py). The scale
+# descriptor is vLLM's as written (fp16, group shape (1, -1) = "a group size chosen at runtime"; vLLM marks it
+# "TODO: not right"): the scales are stored in the activation dtype and the group size is the checkpoint's. The
+# group-32 keys name that size; every other group size uses the generic key.
+kInt4StaticGroupScale = ScaleDesc(torch.float16, True, GroupShape(1, -1))
+kInt4Static = QuantKey(INT4_DTYPE, kInt4StaticGroupScale)
+kInt8Static = QuantKey(torch.int8, ScaleDesc(torch.float16, True, GroupShape(1, -1)))
+kInt4Static32GroupScale = ScaleDesc(torch.float16, True, GroupShape(1, 32))
+kInt4Static32 = QuantKey(INT4_DTYPE, kInt4Static32GroupScale)
+kInt4StaticAsym = QuantKey(torch.uint4, kInt4StaticGroupScale, symmetric=False)
+kInt4Static32Asym = QuantKey(torch.uint4, kInt4Static32GroupScale, symmetric=False)
+
+# vLLM 0.33's W4A8 keys of the CPU INT4 experts (``experts/cpu_int4_moe.py``): INT4 values stored as int8 with bf16
+# group scales (group 128 / 64 / 32 / runtime) or fp32 channel scales. Not the CUTLASS INT4 x FP8 format (that is
+# kInt4Static with kFp8DynamicTokenSym activations).
+kInt4W4A8StaticGroup128Sym = QuantKey(torch.int8, ScaleDesc(torch.bfloat16, True, GroupShape(1, 128)))
+kInt4W4A8StaticGroup64Sym = QuantKey(torch.int8, ScaleDesc(torch.bfloat16, True, GroupShape(1, 64)))
+kInt4W4A8StaticGroup32Sym = QuantKey(torch.int8, ScaleDesc(torch.bfloat16, True, GroupShape(1, 32)))
+kInt4W4A8StaticGroupSym = QuantKey(torch.int8, ScaleDesc(torch.bfloat16, True, GroupShape(1, -1)))
+kInt4W4A8StaticChannelSym = QuantKey(torch.int8, ScaleDesc(torch.float32, True, GroupShape.PER_CHANNEL))
+
+#: Key names vLLM 0.33.0's ``quantization/utils/quant_utils.py`` defines and vLLM 0.17.0's does not (read from both
+#: source distributions). The seeds (0.11-0.17 era experts) already used the MX ones; the reference has them under
+#: both semantics versions, since a key is a name for a format, not a behaviour.
+KEYS_NEW_IN_0_33 = frozenset({
+    "kFp8Static128BlockE8M0Sym", "kMxfp8Static", "kMxfp8Dynamic", "kNvfp4DynamicToken",
+    "kInt8StaticChannelSym", "kInt8DynamicTokenSym", "kInt8StaticTensorSym", "kInt8DynamicTensorSym",
+    "kInt8DynamicTokenAsym", "kInt8StaticTensorAsym", "kInt8DynamicTensorAsym", "kInt8Dynamic32Sym",
+    "kInt4Static", "kInt4StaticAsym", "kInt4Static32", "kInt4Static32Asym", "kInt8Static",
+    "kInt4W4A8StaticGroup128Sym", "kInt4W4A8StaticGroup64Sym", "kInt4W4A8StaticGroup32Sym",
+    "kInt4W4A8StaticGroupSym", "kInt4W4A8StaticChannelSym",
+})
+#: Names no vLLM release defines: the reference names a key vLLM builds unnamed (kFp8Static64BlockSym), or one of
+#: the seed era's reference (kInt4StaticGroup128Sym).
+REFERENCE_ONLY_KEYS = frozenset({"kFp8Static64BlockSym", "kInt4StaticGroup128Sym"})
 
 #: Every named key by name (for specs and reports).
 QUANT_KEYS: Mapping[str, QuantKey] = MappingProxyType(

@@ -31,7 +31,8 @@ from ._common import (
 )
 from .mx import e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
 
-__all__ = ["NVFP4_BLOCK_SIZE", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_dequantize"]
+__all__ = ["NVFP4_BLOCK_SIZE", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_dequantize",
+           "nvfp4_quantize_per_token", "nvfp4_dequantize_per_token"]
 
 NVFP4_BLOCK_SIZE = 16
 _INV_6 = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP4_E2M1_MAX, dtype=torch.float32)
@@ -83,6 +84,12 @@ def nvfp4_quantize(
     check_high_precision(x, "x")
     check_last_dim_multiple(x, NVFP4_BLOCK_SIZE, "nvfp4_quantize", what="the NVFP4 block size")
     gs = nvfp4_global_scale(x).reshape(()) if global_scale is None else scalar_scale(global_scale, "global_scale")
+    packed, sf_e4m3 = _quantize_blocks(x, gs)
+    return packed, sf_e4m3, gs.reshape(1)
+
+
+def _quantize_blocks(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and E4M3 block scales of x under the encode scale ``gs`` (0-d, or ``(..., 1)`` one per row)."""
     k = x.shape[-1]
     xb = x.to(torch.float32).reshape(*x.shape[:-1], k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
     amax_b = xb.abs().amax(dim=-1)
@@ -96,7 +103,62 @@ def nvfp4_quantize(
     y = torch.where(poisoned.unsqueeze(-1), torch.zeros_like(y), y)
     # x * mult can reach inf only for inf inputs, which are poisoned above; e2m1_encode saturates
     codes = e2m1_encode(y).reshape(x.shape)
-    return pack_fp4(codes), sf_e4m3, gs.reshape(1)
+    return pack_fp4(codes), sf_e4m3
+
+
+def nvfp4_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 with one dynamic global scale per token (row): the ``kNvfp4DynamicToken`` activations.
+
+    Each row ``r`` gets its own encode scale ``gs_r = (448 * 6) / amax(|x_r|)`` (fp32, as
+    :func:`nvfp4_global_scale` of the row; an all-zero row gets 1.0), then block scales and codes follow the
+    per-tensor rule with ``gs_r``. vLLM 0.33 (``quantization/utils/flashinfer_utils.py::
+    quantize_nvfp4_per_token_input``) calls FlashInfer's ``nvfp4_quantize(x, 1 / (448 * 6),
+    per_token_activation=True)`` inside the experts (``experts/trtllm_nvfp4_moe.py``,
+    ``experts/flashinfer_cutedsl_moe.py``), which returns the *decode* scale ``1 / gs_r`` per token; FlashInfer's
+    own rounding of that scale is not in vLLM's source, so this is the reference's definition: the encode scale
+    in fp32 and the multiplications of :func:`nvfp4_quantize`.
+
+    Args: x ``(..., K)`` float16 / bfloat16 / float32, ``K % 16 == 0``.
+    Returns: ``(packed uint8 (..., K // 2), block_scales float8_e4m3fn (..., K // 16), gs float32 (..., 1))``.
+    Raises: TypeError (dtype); ValueError (``K % 16``, NaN / inf in x: no finite per-token scale).
+    """
+    check_high_precision(x, "x")
+    check_last_dim_multiple(x, NVFP4_BLOCK_SIZE, "nvfp4_quantize_per_token", what="the NVFP4 block size")
+    xf = x.to(torch.float32)
+    if not bool(torch.isfinite(xf).all()):
+        raise ValueError("nvfp4_quantize_per_token: x contains NaN or inf; a per-token scale would not be finite")
+    amax = xf.abs().amax(dim=-1, keepdim=True) if xf.shape[-1] else torch.zeros(*xf.shape[:-1], 1)
+    gs = torch.where(amax == 0, torch.ones_like(amax),
+                     torch.tensor(FP8_E4M3_MAX * FP4_E2M1_MAX, dtype=torch.float32) / amax)
+    packed, sf = _quantize_blocks(x, gs)
+    return packed, sf, gs
+
+
+def nvfp4_dequantize_per_token(
+    packed: torch.Tensor, block_scales: torch.Tensor, token_gs: torch.Tensor, *, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``e2m1(q) * (SF / gs_r)`` with one encode scale per row (:func:`nvfp4_quantize_per_token`'s output).
+
+    Args: packed uint8 ``(..., K // 2)``; block_scales float8_e4m3fn ``(..., K // 16)``; token_gs float32
+        ``(..., 1)`` positive.
+    Returns ``(..., K)`` (fp32; one cast to ``out_dtype``). Raises TypeError / ValueError on dtypes or shapes.
+    """
+    check_dtype(block_scales, "block_scales", (torch.float8_e4m3fn,))
+    if tuple(token_gs.shape) != tuple(block_scales.shape[:-1]) + (1,):
+        raise ValueError(f"token_gs must be {tuple(block_scales.shape[:-1]) + (1,)}, got {tuple(token_gs.shape)}")
+    return _dequantize(packed, block_scales.to(torch.float32) / token_gs.to(torch.float32), out_dtype)
+
+
+def _dequantize(packed: torch.Tensor, per_block: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    vals = e2m1_decode(unpack_fp4(packed))
+    check_last_dim_multiple(vals, NVFP4_BLOCK_SIZE, "nvfp4_dequantize", what="the NVFP4 block size")
+    nb = vals.shape[-1] // NVFP4_BLOCK_SIZE
+    if tuple(per_block.shape) != tuple(vals.shape[:-1]) + (nb,):
+        raise ValueError(
+            f"block_scales shape {tuple(per_block.shape)} does not match values {tuple(vals.shape)} (block 16)"
+        )
+    y = (vals.reshape(*vals.shape[:-1], nb, NVFP4_BLOCK_SIZE) * per_block.unsqueeze(-1)).reshape(vals.shape)
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
 def nvfp4_dequantize(
@@ -114,13 +176,4 @@ def nvfp4_dequantize(
     """
     check_dtype(block_scales, "block_scales", (torch.float8_e4m3fn,))
     gs = scalar_scale(global_scale, "global_scale")
-    vals = e2m1_decode(unpack_fp4(packed))
-    check_last_dim_multiple(vals, NVFP4_BLOCK_SIZE, "nvfp4_dequantize", what="the NVFP4 block size")
-    nb = vals.shape[-1] // NVFP4_BLOCK_SIZE
-    if tuple(block_scales.shape) != tuple(vals.shape[:-1]) + (nb,):
-        raise ValueError(
-            f"block_scales shape {tuple(block_scales.shape)} does not match values {tuple(vals.shape)} (block 16)"
-        )
-    per_block = block_scales.to(torch.float32) / gs
-    y = (vals.reshape(*vals.shape[:-1], nb, NVFP4_BLOCK_SIZE) * per_block.unsqueeze(-1)).reshape(vals.shape)
-    return y if out_dtype == torch.float32 else y.to(out_dtype)
+    return _dequantize(packed, block_scales.to(torch.float32) / gs, out_dtype)
