@@ -300,7 +300,10 @@ class TorchBatchedExperts(TorchExperts):
     def activation_format():
         return FusedMoEActivationFormat.BatchedExperts
 
+    # Packed E2M1 activations (MXFP4 W4A4, NVFP4 per-token) are not implemented in the batched slots.
     support = dataclasses.replace(TorchExperts.support, activation_format=FusedMoEActivationFormat.BatchedExperts,
+                                  quant_schemes=TorchExperts.support.quant_schemes - {
+                                      (K.kMxfp4Static, K.kMxfp4Dynamic), (K.kNvfp4Static, K.kNvfp4DynamicToken)},
                                   chunking=False, deferred_finalize=False, hidden_padding=False,
                                   finalize="(E_local, max_tokens, K) unweighted: TopKWeightAndReduceDelegate")
 
