@@ -4,7 +4,9 @@
     nox -s "conformance(torch)"        one backend (arguments after -- go to pytest: -k, -x, --results-dir ...)
     nox -s conformance -- --backend X  only X's session runs (the others say they were not selected); an
                                        out-of-tree ``module:attribute`` runs in conformance(torch)'s environment
-    nox -s tests                       the reference and the harness against independent oracles (2 workers)
+    nox -s tests                       the reference and the harness against independent oracles (2 workers),
+                                       every test not marked slow
+    nox -s slow                        the tests marked slow (subprocess runs of the suite, the interpreter)
     nox -s benchmark                   pytest-benchmark suite (GPU figures need a GPU)
     nox -s dev                         a development environment in .venv for the commands run without nox
 
@@ -199,20 +201,33 @@ def conformance(session: nox.Session, backend: str) -> None:
         session.skip(f"backend {backend}: no case ran ({counts.get('skipped', 0)} skipped): nothing was tested")
 
 
-@nox.session
-def tests(session: nox.Session) -> None:
-    """Test the reference against independent oracles, and the harness (it must go red for broken backends)."""
+def _run_tests(session: nox.Session, marker: str) -> None:
     _install(session, "test,plot")
     if not _passthrough(session):
         # The Triton kernels run under TRITON_INTERPRET=1 on CPU (tests/test_triton_interpret.py); same Triton as
         # the GPU machine.
         session.install(TRITON_SPEC, "nox")  # nox: tests/test_noxfile.py imports the noxfile
-    # Two worker processes (MOE_TESTS_WORKERS, 0 = in-process): the suite is dominated by independent subprocess
-    # runs of the conformance suite and interpreter kernels, so it scales with the cores. loadfile: a module's
+    # Two worker processes (MOE_TESTS_WORKERS, 0 = in-process): much of the suite is independent subprocess runs
+    # of the conformance suite and interpreter kernels, so it scales with the cores. loadfile: a module's
     # expensive module-scoped fixtures (the sm_90 compilation of every table entry) run once, not once per worker.
     workers = os.environ.get("MOE_TESTS_WORKERS", "2")
     xdist = ["-n", workers, "--dist", "loadfile"] if workers != "0" else []
-    session.run("python", "-m", "pytest", "tests", "-p", "no:cacheprovider", *xdist, *session.posargs)
+    session.run("python", "-m", "pytest", "tests", "-p", "no:cacheprovider", "-m", marker, *xdist, *session.posargs)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Test the reference against independent oracles, and the harness (it must go red for broken backends): every
+    test not marked ``slow`` (about 4 minutes on 2 cores)."""
+    _run_tests(session, "not slow")
+
+
+@nox.session(default=False)
+def slow(session: nox.Session) -> None:
+    """The tests marked ``slow`` (about 25 minutes on 2 cores; CI runs them after ``tests``): the harness run end to
+    end against broken backends in subprocesses, the Triton kernels and the suite's op files in Triton's
+    interpreter, the error model's float64 sweep over every model x scheme and its K = 16384 probe, nvcc."""
+    _run_tests(session, "slow")
 
 
 @nox.session(venv_backend="none", default=False)

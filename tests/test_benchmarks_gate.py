@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "qwen3_30b-bf16-cpu_small-M16-torch.TorchExperts"
@@ -44,6 +45,7 @@ def _run(args: list[str], env_extra: dict, tmp_path: Path) -> subprocess.Complet
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # times a planted slowdown
 def test_compare_fail_catches_planted_slowdown(tmp_path):
     storage = tmp_path / "storage"
     base = _run([f"--benchmark-storage=file://{storage}", "--benchmark-save=baseline"], {}, tmp_path)

@@ -114,6 +114,7 @@ def test_side_by_side_ratios_and_markdown(tmp_path):
     assert mpath.read_text().startswith("### Test GPU")
 
 
+@pytest.mark.slow  # subprocess runs of the benchmark suite
 def test_plot_from_json(tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks import plot
@@ -130,6 +131,7 @@ def test_plot_from_json(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # subprocess runs of the benchmark suite
 def test_storage_is_chosen_per_device():
     """Without --benchmark-storage the suite stores and compares under benchmarks/baselines/<device slug>."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", MOE_BENCH_SHAPES="no-such-shape")

@@ -116,6 +116,7 @@ def planted_run(tmp_path_factory):
     return r, by_pf
 
 
+@pytest.mark.slow  # a distributed conformance run with planted faults (CI also runs the distributed suite itself)
 def test_reference_pairs_stay_green(planted_run):
     r, by_pf = planted_run
     assert r.returncode == 1, r.stdout[-4000:]  # red: the planted faults below
@@ -125,6 +126,7 @@ def test_reference_pairs_stay_green(planted_run):
     assert any(e["scenario"] == "overflow" for e in by_pf["DeepEPLLPrepareAndFinalize"])
 
 
+@pytest.mark.slow  # a distributed conformance run with planted faults (CI also runs the distributed suite itself)
 def test_dispatch_that_drops_the_last_token_is_caught(planted_run):
     r, by_pf = planted_run
     (e,) = by_pf["DropLastTokenDispatch"]
@@ -132,12 +134,14 @@ def test_dispatch_that_drops_the_last_token_is_caught(planted_run):
     assert "failing ranks: rank 0 (rows 0..4" in r.stdout  # rank 0's last token; rank 1 has none
 
 
+@pytest.mark.slow  # a distributed conformance run with planted faults (CI also runs the distributed suite itself)
 def test_combine_that_applies_router_weights_twice_is_caught(planted_run):
     _, by_pf = planted_run
     (e,) = [e for e in by_pf["WeightsTwiceCombine"] if e["scenario"] == "uneven"]
     assert e["outcome"] == "failed" and "differs from the reference" in e["message"], e
 
 
+@pytest.mark.slow  # a distributed conformance run with planted faults (CI also runs the distributed suite itself)
 def test_batched_dispatch_that_overflows_silently_is_caught(planted_run):
     _, by_pf = planted_run
     outcome = {e["scenario"]: e for e in by_pf["SilentOverflowDispatch"]}
@@ -336,6 +340,7 @@ def _stuck(rank, world_size, device):
     return "ok"
 
 
+@pytest.mark.slow  # waits for its timeout
 def test_hung_collective_times_out_and_names_the_rank():
     c = RankCluster(2, timeout_s=3.0)
     try:  # rank 1 never joins the all-reduce: rank 0's collective times out (process group timeout)

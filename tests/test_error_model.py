@@ -74,11 +74,15 @@ def test_bound_orders_schemes_and_recipes():
         experts_error_bound(_qc("bf16"), act_dtype=torch.int8, K=128, I=128)
 
 
-# Every model x scheme of the specs at 8 tokens: the float64-accumulated reference against the fp32 one.
-_PAIRS = [(m.name, s) for m in load_models().values() for s in m.schemes]
+# Every model x scheme of the specs at 8 tokens: the float64-accumulated reference against the fp32 one. The two
+# smallest models run in nox -s tests; the sweep over the others (minutes of CPU: DeepSeek-V3's and gpt-oss's
+# weights) in nox -s slow.
+_FAST_MODELS = ("qwen3_30b_a3b", "nemotron_3_nano")
+_PAIRS = [pytest.param(m.name, s, id=f"{m.name}-{s}", marks=() if m.name in _FAST_MODELS else pytest.mark.slow)
+          for m in load_models().values() for s in m.schemes]
 
 
-@pytest.mark.parametrize(("model", "scheme"), _PAIRS, ids=[f"{m}-{s}" for m, s in _PAIRS])
+@pytest.mark.parametrize(("model", "scheme"), _PAIRS)
 def test_float64_reference_sits_well_inside(model, scheme):
     m = load_models()[model]
     case = ExpertsCase(m, scheme, 8, m.cpu_ep_size, 0)
@@ -158,6 +162,7 @@ def test_issue_22_measurements_are_classified(row):
     assert inside == conforming, (row, b)
 
 
+@pytest.mark.slow  # the K = 16384 probe through the suite, in a subprocess
 @pytest.mark.parametrize(("backend", "selection", "passes"), [
     ("torch", "fp8_tensor or bf16", True),
     # The emulation applies its 14-bit partial to every GEMM; only FP8 MMAs are allowed one.
@@ -193,7 +198,8 @@ def test_int8_per_tensor_step_spans_the_routed_rows():
     tok, ten = _qc("int8_channel_token"), _qc("int8_tensor")
     b_tok = experts_error_bound(tok, act_dtype=torch.bfloat16, K=2048, I=768, routed_rows=512)
     b_ten = experts_error_bound(ten, act_dtype=torch.bfloat16, K=2048, I=768, routed_rows=512)
-    assert b_ten.expected_rms > b_tok.expected_rms and b_ten.max_norm > b_tok.max_norm
+    # The wider step shows in the max bound; the rms here is set by GEMM2's output rounding in both.
+    assert b_ten.max_norm > b_tok.max_norm and b_ten.expected_rms >= b_tok.expected_rms
     weight_only = experts_error_bound(_qc("int4_w4a16"), act_dtype=torch.bfloat16, K=2048, I=768)
     bf16 = experts_error_bound(_qc("bf16"), act_dtype=torch.bfloat16, K=2048, I=768)
     assert weight_only.rms_norm == pytest.approx(bf16.rms_norm)  # no activation requantized

@@ -5,6 +5,7 @@ Each test runs the real suite in a subprocess (as a user would) on a small selec
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ def run_conformance(backend: str, *args: str, tmp_path: Path, quiet: bool = True
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_correct_backend_passes_the_selection(tmp_path):
     r = run_conformance("torch", "-k", "qwen3_30b_a3b and (M1 or M7)", tmp_path=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:]
@@ -29,6 +31,7 @@ def test_correct_backend_passes_the_selection(tmp_path):
     assert results["backend"] == "torch" and all(e["outcome"] == "passed" for e in results["results"])
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_dropped_renormalization_fails_routing(tmp_path):
     r = run_conformance("tests.broken_backends:no_renormalize", "-k", "test_routing and qwen3_30b_a3b",
                         tmp_path=tmp_path)
@@ -46,12 +49,14 @@ def test_skipped_router_weights_fail_experts_with_case_and_repro(tmp_path):
     assert "worst at [" in out
     repro = next(line.split("reproduce: ", 1)[1] for line in out.splitlines() if "reproduce: python" in line)
     assert repro.startswith("python -m pytest 'conformance/test_experts.py::test_experts[qwen3_30b_a3b-bf16-M4-ep8r0]'")
-    # The printed command reproduces the failure on its own.
-    r2 = subprocess.run(repro + f" -p no:cacheprovider --results-dir {tmp_path}", shell=True, cwd=ROOT,
+    # The printed command reproduces the failure on its own ("python" is this interpreter, as in an activated venv).
+    cmd = shlex.quote(sys.executable) + repro[len("python"):]
+    r2 = subprocess.run(cmd + f" -p no:cacheprovider --results-dir {tmp_path}", shell=True, cwd=ROOT,
                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert r2.returncode == 1 and "1 failed" in r2.stdout
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_unwritten_output_is_caught_by_poisoning(tmp_path):
     r = run_conformance("tests.broken_backends:half_output", "-k", "test_experts and qwen3_30b_a3b-bf16-M1-",
                         tmp_path=tmp_path)
@@ -59,6 +64,7 @@ def test_unwritten_output_is_caught_by_poisoning(tmp_path):
     assert "non-finite elements where the reference is finite" in r.stdout
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_activation_double_rounding_is_caught(tmp_path):
     r = run_conformance("tests.broken_backends:activation_double_rounding", "-k",
                         "test_activation and silu-bfloat16-M33", tmp_path=tmp_path)
@@ -92,6 +98,7 @@ def test_one_bit_quantizer_change_is_caught(tmp_path):
     assert "per_token_group_quant_fp8 scales (recipe vllm)" in r.stdout and "elements differ" in r.stdout
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_works_but_not_claimed_is_reported(tmp_path):
     r = run_conformance("tests.broken_backends:claims_nothing", "-k", "test_experts and qwen3_30b_a3b-fp8_block128-M4",
                         tmp_path=tmp_path)
@@ -99,6 +106,7 @@ def test_works_but_not_claimed_is_reported(tmp_path):
     assert "works but not claimed" in r.stdout
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_garbage_for_unsupported_config_is_reported(tmp_path):
     r = run_conformance("tests.broken_backends:garbage_when_unsupported", "-k",
                         "test_experts and gpt_oss_120b-mxfp4_w4a16-M4", tmp_path=tmp_path)
@@ -106,6 +114,7 @@ def test_garbage_for_unsupported_config_is_reported(tmp_path):
     assert "returned a tensor instead of raising" in r.stdout
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_a_crashing_case_does_not_take_the_run_with_it(tmp_path):
     r = run_conformance("tests.broken_backends:crashes_on_m4", "-k", "test_experts and qwen3_30b_a3b-bf16 and (M1- or M4- or M16-) and not gelu "
                         "and not relu and not silu and not swiglu", "-n", "1", "--dist", "worksteal", "--max-worker-restart", "5", tmp_path=tmp_path)
@@ -117,6 +126,7 @@ def test_a_crashing_case_does_not_take_the_run_with_it(tmp_path):
     assert [e["nodeid"] for e in crashed] == ["conformance/test_experts.py::test_experts[qwen3_30b_a3b-bf16-M4-ep8r0]"]
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_known_failures_file(tmp_path):
     """Entries mark failures as xfail; a stale entry is reported; a strict entry that passes fails the run."""
     xdir = tmp_path / "xfail"
@@ -151,6 +161,7 @@ issue = "https://example.invalid/issues/2"
             os.environ["MOE_XFAIL_DIR"] = env_backup
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_out_of_tree_backend_through_an_entry_point(tmp_path):
     """An installed package registers a backend under the entry-point group and runs with --backend NAME."""
     site = tmp_path / "site"
@@ -169,6 +180,7 @@ def test_out_of_tree_backend_through_an_entry_point(tmp_path):
     assert "4 passed" in r.stdout
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_diagnosis_names_the_stage_and_the_dump_replays(tmp_path):
     dumps = tmp_path / "dumps"
     r = run_conformance("tests.broken_backends:no_router_weights", "-k", "test_experts and qwen3_30b_a3b-fp8_block128-M4-",
@@ -190,6 +202,7 @@ def test_diagnosis_names_the_stage_and_the_dump_replays(tmp_path):
 # --- Issue 22 item 7: bug classes that used to pass the whole suite (conformance/test_padding.py, test_hygiene.py) --
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 @pytest.mark.parametrize("broken,rank,n_cases", [
     ("padding_id_clamped", "ep8r0", 3),  # expert_map[max(id, 0)]: -1 slots go to global expert 0, held by rank 0
     ("padding_id_wraps", "ep8r7", 2),  # expert_map[id] wrapping: -1 slots go to the last expert, held by rank 7
@@ -202,6 +215,7 @@ def test_padding_id_lookups_fail_the_padding_cases(broken, rank, n_cases, tmp_pa
     assert f"case: qwen3_30b_a3b-bf16-M16-{rank}-pad" in r.stdout
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_router_weight_applied_twice_fails_the_weight_on_input_cases(tmp_path):
     r = run_conformance("tests.broken_backends:router_weight_twice", "-k", "test_router_weight_on_input",
                         tmp_path=tmp_path)
@@ -210,6 +224,7 @@ def test_router_weight_applied_twice_fails_the_weight_on_input_cases(tmp_path):
     assert "case: qwen3_30b_a3b_top1-fp8_block128-M16-ep8r0-router-weight-on-input" in r.stdout
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_torch_backend_passes_the_padding_weight_on_input_and_offsets_selection(tmp_path):
     """The correct backend on the same selections: green; the int32 case is GPU-only and says where its CPU proof
     is (tests/test_offsets_int32.py runs the check red on a planted wrap at a tiny width, green on torch)."""

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conformance.report import main, margin, merge, output_name, parse_failure, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +110,7 @@ def _run(cmd, tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT), "MOE_PROGRESS_INTERVAL": "0"})
 
 
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_a_planted_failure_is_reported_whole_and_its_reproduce_keeps_the_full_report(tmp_path):
     case = "conformance/test_experts.py::test_experts[qwen3_30b_a3b-bf16-M4-ep8r0]"
     # A full run's report already there (as after `nox -s conformance`): the selected runs must merge into it.

@@ -5,7 +5,7 @@ The kernels run in one subprocess started with ``TRITON_INTERPRET=1`` (``@triton
 compilation when the kernels are defined, so the mode cannot be switched inside a process that may already have
 imported them); each check reports a JSON line and becomes one test here. Skipped when triton is not installed.
 
-What the interpreter cannot cover (the GPU script ``python -m backends.triton.bench`` checks it on the H100/H200):
+What the interpreter cannot cover (``python -m benchmarks --backend triton`` and the GPU conformance run check it on the H100/H200):
 - real FP8 / INT8 / BF16 tensor-core numerics (wgmma / mma accumulation order and FP8 accumulator precision);
   the interpreter multiplies in numpy fp32, and it mishandles bf16 dots and float casts, so the kernels upcast
   operands and round bf16 explicitly when ``EMU`` is set: the GPU takes the hardware paths instead;
@@ -26,6 +26,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Minutes in the interpreter (one worker process runs every check): nox -s slow.
+pytestmark = pytest.mark.slow
 
 CHECKS = [
     "ptgq_bf16", "ptgq_fp16", "ptgq_fp32", "ptgq_layouts", "ptgq_ue8m0_fp32_near_pow2", "ptgq_nonfinite",
@@ -650,7 +653,8 @@ def modular(M, chunk, ep):
     ok, why = TritonExperts.is_supported_config(TritonExperts, mc, None, None, ex.activation_format())
     if not ok:
         return why
-    kern = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ex, chunk_size=chunk, poison=float("nan"))
+    kern = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ex, chunk_size=chunk, poison=float("nan"),
+                          semantics="0.17")  # chunking is the 0.17 modular kernel's
     out = kern.apply(xx, ww1, ww2, w, ids, global_num_experts=Eg, expert_map=emap)
     if M == 0:
         return out.shape == (0, 128) or f"M=0 output shape {tuple(out.shape)}"
@@ -678,10 +682,10 @@ def _():
             bad.append(why)
             continue
         kern = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), TritonExperts(mc, qc, config=CFG(bn1=128, bk2=128)),
-                              chunk_size=5, poison=float("nan"))
+                              chunk_size=5, poison=float("nan"), semantics="0.17")
         out = kern.apply(x, q1, q2, rest[0], rest[1])
         # a dynamic per-tensor a2 scale is per chunk: compare with the reference experts under the same chunking
-        rkern = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ReferenceExperts(mc, qc), chunk_size=5)
+        rkern = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ReferenceExperts(mc, qc), chunk_size=5, semantics="0.17")
         r = close(out, rkern.apply(x, q1, q2, rest[0], rest[1]), key)
         if r is not True:
             bad.append(r)

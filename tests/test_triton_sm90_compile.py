@@ -27,8 +27,9 @@ GPUS = ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"]
 # one (PINGPONG / COOPERATIVE)
 GEMMS = ("fused_moe_kernel", "fp8_block_moe_gemm_kernel", "ws_moe_gemm_kernel")
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton is not installed (pip install -e .[triton])")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="triton is not installed (pip install -e .[triton])"),
+              pytest.mark.slow]  # minutes of sm_90 compilation on the CPU: nox -s slow
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +242,8 @@ def test_every_warp_specialized_variant_compiles():
 
 FP8_PROMOTED = r"""
 import json, torch
-from backends.triton import configs as C, sm90
+from backends.triton import configs as C
+from backends.triton.tools import sm90
 from backends.triton.tools.common import make_routing
 from backends.triton.experts import fused_experts, plan_quant, promotion_tiles
 from backends.triton.tools.fp8_accum import timing_shapes

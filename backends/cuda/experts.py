@@ -165,7 +165,9 @@ def cuda_moe_activation(activation: MoEActivation, h: torch.Tensor, *, alpha: fl
             y = F.relu(x).square()
         return y.to(h.dtype)
     if activation not in _GATED:
-        raise ValueError(f"activation {activation} is not supported by the cuda backend (gated RELU2 is undefined)")
+        why = ("gated RELU2 is undefined" if activation is A.RELU2 else
+               f"it claims {', '.join(a.name for a in _GATED + _NO_MUL)}")
+        raise ValueError(f"activation {activation.name} is not supported by the cuda backend ({why})")
     if x.shape[-1] % 2:
         raise ValueError(f"gated activation {activation.name} needs an even width, got {tuple(h.shape)}")
     if activation is A.SWIGLUOAI:
