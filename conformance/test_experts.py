@@ -50,7 +50,17 @@ def pytest_generate_tests(metafunc):
                 coverage[cls.__name__] = {"claims": cls.support.describe(),
                                           "coverage": claim_coverage(cls, cases + derived)}
         metafunc.config._moe_claims = coverage
+        # Cases that share weights run one after another (a stable sort by what conformance.inputs caches: the
+        # model's bf16 weights per EP shard, then the scheme's codes): each is drawn and quantized once per worker
+        # (worksteal hands each worker a contiguous run), where drawing and quantizing DeepSeek-V3's 8 local experts
+        # costs ten times the case itself.
+        params.sort(key=lambda p: _weights_key(p.values[1]))
         metafunc.parametrize(("experts_cls", "case"), params)
+
+
+def _weights_key(case: ExpertsCase) -> tuple:
+    m = case.model
+    return (m.name, m.activation, str(case.dtype), case.ep_size, case.ep_rank, case.scheme)
 
 
 def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None) -> ErrorBound:

@@ -1004,13 +1004,19 @@ class FusedMoEKernel:
             ws13 = empty(ws13_shape, dtype=ws_dtype, device=device)
             ws2 = empty(ws2_shape, dtype=ws_dtype, device=device)
             fused_out = empty(out_shape, dtype=out_dtype, device=device)
-        if self.poison is not None:
-            for t in (ws13, ws2, fused_out):
-                if t.is_floating_point():
-                    t.fill_(self.poison)
-                elif t.numel():
-                    t.fill_(-1)
+        self._poison(ws13, ws2, fused_out)
         return ws13, ws2, fused_out
+
+    def _poison(self, *buffers: torch.Tensor) -> None:
+        """Fill fresh buffers with ``poison`` (NaN; -1 for integer ones) so a kernel that leaves an element unwritten
+        is caught."""
+        if self.poison is None:
+            return
+        for t in buffers:
+            if t.is_floating_point():
+                t.fill_(self.poison)
+            elif t.numel():
+                t.fill_(-1)
 
     def _fused_experts(self, in_dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids, activation,
                        global_num_experts, local_num_experts, expert_map, apply_router_weight_on_input,
@@ -1187,12 +1193,7 @@ class FusedMoEKernel:
             ws13 = _resize_cache(common, ws13_shape)
             fused_out = _resize_cache(common, out_shape)
         ws2 = torch.empty(ws2_shape, dtype=ws_dtype, device=device)
-        if self.poison is not None:
-            for t in (ws13, ws2, fused_out):
-                if t.is_floating_point():
-                    t.fill_(self.poison)
-                elif t.numel():
-                    t.fill_(-1)
+        self._poison(ws13, ws2, fused_out)
         return ws13, ws2, fused_out
 
     def _fused_experts_033(self, in_dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids, activation,
