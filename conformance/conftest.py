@@ -26,6 +26,7 @@ import torch
 
 from backends import Backend, BackendNotFound, load_backend
 from conformance.metrics import ConformanceFailure
+from conformance.workers import share_cores_between_workers
 from specs import load_tolerances, load_xfails
 
 _RESULTS: list[dict] = []
@@ -63,6 +64,7 @@ _CONFIG = None
 def pytest_configure(config):
     global _CONFIG
     _CONFIG = config
+    share_cores_between_workers()
     chosen = config.getoption("--vllm-semantics", default=None)
     if chosen:
         # The whole run (case generation, every kernel the tests build, xdist workers) reads the version from the
