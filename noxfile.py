@@ -218,7 +218,7 @@ def _run_tests(session: nox.Session, marker: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Test the reference against independent oracles, and the harness (it must go red for broken backends): every
-    test not marked ``slow`` (about 4 minutes on 2 cores)."""
+    test not marked ``slow`` (about 2 minutes on 2 cores)."""
     _run_tests(session, "not slow")
 
 
