@@ -224,7 +224,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def slow(session: nox.Session) -> None:
-    """The tests marked ``slow`` (about 25 minutes on 2 cores; CI runs them after ``tests``): the harness run end to
+    """The tests marked ``slow`` (about 15 minutes on 2 cores; CI runs them after ``tests``): the harness run end to
     end against broken backends in subprocesses, the Triton kernels and the suite's op files in Triton's
     interpreter, the error model's float64 sweep over every model x scheme and its K = 16384 probe, nvcc."""
     _run_tests(session, "slow")
