@@ -1207,7 +1207,8 @@ class FusedMoEKernel:
             M_full = 0
         if M_full == 0:
             # No token reached this rank: return before allocating anything or calling the experts.
-            out_dim = fe.output_hidden_dim(a1q.size(-1))
+            # K of the problem, not a1q's last dimension: packed FP4 activations hold K / 2 bytes per row.
+            out_dim = fe.output_hidden_dim(K)
             return torch.empty((*a1q.shape[:-1], out_dim), dtype=in_dtype, device=a1q.device)
         ws13, ws2, fused_out = self._allocate_buffers_033(
             in_dtype, a1q.device, M_full, N, K, top_k, global_num_experts, local_num_experts, expert_tokens_meta,
