@@ -6,7 +6,7 @@ Stages, in pipeline order (reference.experts' rounding points):
     gemm1         (M, topk, N) act dtype        experts ``stages()`` protocol (optional)
     activation    (M, topk, N') act dtype       backend ``apply_moe_activation`` op on the reference's GEMM1 output
     requant       a2 codes and scales           backend quantizer op on the reference's activation output
-    gemm2         (M, topk, K) act dtype        experts ``stages()`` protocol (optional)
+    gemm2         (M, topk, K) act dtype        experts ``stages()`` protocol (optional; with the requantization)
     weights       output with unit weights      the experts rerun with topk_weights = 1 (black box)
     reduction     (M, K)                        the full output
 
@@ -23,7 +23,7 @@ import torch
 from conformance.metrics import ConformanceFailure, assert_close, assert_exact
 from reference import quant as rq
 from reference.activation import apply_moe_activation
-from reference.experts import dequant_activation, local_expert_ids, _dequant_weight
+from reference.experts import _dequant_weight, _experts_unreduced, dequant_activation, local_expert_ids
 from reference.modular import moe_kernel_quantize_input
 
 __all__ = ["reference_stages", "diagnose"]
@@ -51,6 +51,8 @@ def reference_stages(inputs, activation) -> dict[str, torch.Tensor]:
         for name, val in (("gemm1", h), ("activation", g)):
             buf = out.setdefault(name, torch.zeros(M, topk, val.shape[1], dtype=val.dtype, device=val.device))
             buf[t, k] = val
+    # GEMM2 per route (requantized activation x w2, rounded to the act dtype), before the router weights
+    out["gemm2"] = _experts_unreduced(a1q, a1s, w1, w2, ids, inputs.expert_map, qc, activation, act_dtype)
     return out
 
 
@@ -119,6 +121,12 @@ def diagnose(backend, experts_cls, kernel_factory, inputs, case, tol) -> str:
                 first = first or "activation"
         else:
             report.append(f"  {name}: not observable (the experts class has no stages())")
+    if "gemm2" in got:  # per route, before the router weights: GEMM2 (and the requantization before it)
+        if not _check("requant -> gemm2 (per route)",
+                      lambda: assert_close(got["gemm2"], ref["gemm2"], tol, case=cid, what="gemm2"), report):
+            first = first or "requant/gemm2"
+    else:
+        report.append("  requant -> gemm2: not observable (the experts class has no stages())")
     # 5. weights: rerun with unit weights (black box)
     def unit_weights():
         from reference.experts import fused_experts

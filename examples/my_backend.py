@@ -52,7 +52,8 @@ class MyExperts(FusedMoEExpertsModular):
 def my_fused_experts(x, w1, w2, topk_weights, topk_ids, *, expert_map=None, apply_router_weight_on_input=False,
                      stages=None):
     """The "kernel": (M, K) output in x.dtype. With a dict ``stages``, also stores its intermediates per route,
-    (M, topk, N) like ``conformance.diagnose.reference_stages``, for a stage-by-stage comparison."""
+    (M, topk, cols) like ``conformance.diagnose.reference_stages`` (gemm1, activation, gemm2), for a stage-by-stage
+    comparison."""
     ids = topk_ids.long()
     # -1: no route (padding) or an expert held by another rank; never index expert_map with -1 (vLLM #48371)
     local = torch.where(ids >= 0, expert_map.long()[ids.clamp(min=0)], -1) if expert_map is not None else ids
@@ -63,12 +64,13 @@ def my_fused_experts(x, w1, w2, topk_weights, topk_ids, *, expert_map=None, appl
             continue
         h = (x[token].float() @ w1[e].float().T).to(x.dtype)  # GEMM1, fp32 accumulation, rounded
         a = apply_moe_activation(MoEActivation.SILU, h)
-        y = (a.float() @ w2[e].float().T).to(x.dtype).float()  # GEMM2, rounded
+        y2 = (a.float() @ w2[e].float().T).to(x.dtype)  # GEMM2, rounded
+        y = y2.float()
         if not apply_router_weight_on_input:
             y = y * topk_weights[token, slot].float().unsqueeze(1)
         acc.index_add_(0, token, y)
         if stages is not None:
-            for name, val in (("gemm1", h), ("activation", a)):
+            for name, val in (("gemm1", h), ("activation", a), ("gemm2", y2)):
                 buf = stages.setdefault(name, torch.zeros(*ids.shape, val.shape[1], dtype=val.dtype))
                 buf[token, slot] = val
     return acc.to(x.dtype)

@@ -13,6 +13,8 @@ import torch
 from backends import Backend
 from backends.torch import backend as _torch
 from backends.torch.experts import TorchExperts
+from reference.experts import ReferenceExperts, _experts_unreduced
+from reference.modular import moe_kernel_quantize_input
 
 
 def _fused_topk_no_renormalize(hidden_states, gating_output, topk, renormalize, **kw):
@@ -255,3 +257,23 @@ class _RouterWeightTwice(TorchExperts):
 
 
 router_weight_twice = dataclasses.replace(_torch, name="broken_router_weight_twice", experts=[_RouterWeightTwice])
+
+
+# --- The diagnosis locates a stage through the experts' stages() protocol (conformance/diagnose.py) ----------------
+
+
+class _Gemm2WrongExpert(ReferenceExperts):
+    """GEMM2 reads the neighbouring expert's ``w2`` (an off-by-one in the expert offset of the second GEMM only);
+    it offers ``stages()``, so the diagnosis can say that GEMM1 and the activation match and GEMM2 diverges."""
+
+    def apply(self, output, hidden_states, w1, w2, *args, **kwargs):
+        super().apply(output, hidden_states, w1, w2.roll(1, dims=0), *args, **kwargs)
+
+    def stages(self, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map):
+        qc = self.quant_config
+        a1q, a1s = moe_kernel_quantize_input(hidden_states, qc.a1_scale, qc, "a1")
+        return {"gemm2": _experts_unreduced(a1q, a1s, w1, w2.roll(1, dims=0), topk_ids, expert_map, qc, activation,
+                                            hidden_states.dtype)}
+
+
+gemm2_wrong_expert = dataclasses.replace(_torch, name="broken_gemm2_wrong_expert", experts=[_Gemm2WrongExpert])

@@ -235,3 +235,12 @@ def test_torch_backend_passes_the_padding_weight_on_input_and_offsets_selection(
     assert r.returncode == 0, r.stdout[-3000:]
     assert "22 passed, 1 skipped" in r.stdout and "failed" not in r.stdout, r.stdout[-3000:]
     assert "its CPU proof: tests/test_offsets_int32.py" in r.stdout
+
+
+@pytest.mark.slow  # a subprocess run of the suite: nox -s slow
+def test_diagnosis_locates_gemm2_through_the_stages_protocol(tmp_path):
+    r = run_conformance("tests.broken_backends:gemm2_wrong_expert", "-k", "test_experts and qwen3_30b_a3b-bf16-M4-",
+                        tmp_path=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "first divergent stage: requant/gemm2" in r.stdout, r.stdout[-3000:]
+    assert "requant -> gemm2 (per route): DIVERGES" in r.stdout

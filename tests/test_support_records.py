@@ -138,6 +138,15 @@ def _broken_classes() -> list[str]:
                   if isinstance(v, type) and issubclass(v, FusedMoEExperts) and v.__module__ == broken.__name__)
 
 
+def _old_broken(name: str) -> type:
+    """The baseline of a broken class: itself at BASELINE, or (a class new since) its base class there."""
+    if hasattr(_old("broken"), name):
+        return getattr(_old("broken"), name)
+    base = getattr(broken, name).__mro__[1].__name__
+    return {"TorchExperts": lambda: _old("torch").TorchExperts,
+            "ReferenceExperts": lambda: _old("reference").ReferenceExperts}[base]()
+
+
 def _emulated_classes() -> list[tuple[str, type]]:
     try:
         import tests.emulated_backends as emulated
@@ -156,7 +165,7 @@ PAIRS_OF_CLASSES = [
       for n in ("CutlassExpertsBf16", "CutlassExpertsFp8", "CutlassExpertsFp4", "CutlassExpertsMxfp4")],
     ("deep_gemm.DeepGemmExperts", dg_experts.DeepGemmExperts, lambda: _old("deep_gemm").DeepGemmExperts),
     ("deep_gemm.DeepGemmFP4Experts", dg_experts.DeepGemmFP4Experts, lambda: _old("deep_gemm").DeepGemmFP4Experts),
-    *[(f"broken.{n}", getattr(broken, n), (lambda n=n: getattr(_old("broken"), n))) for n in _broken_classes()],
+    *[(f"broken.{n}", getattr(broken, n), (lambda n=n: _old_broken(n))) for n in _broken_classes()],
     ("reference.ReferenceExperts", ReferenceExperts, lambda: _old("reference").ReferenceExperts),
     ("reference.BatchedReferenceExperts", BatchedReferenceExperts, lambda: _old("batched").BatchedReferenceExperts),
     ("reference.ReferenceMonolithicExperts", ReferenceMonolithicExperts,

@@ -41,7 +41,7 @@ CHECKS = [
     "experts_fp8_block", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8", "fp8_promotion_order", "experts_fp8_promotion",
     "experts_permute_a", "align_tiles", "experts_half_tail", "experts_n_tiles",
-    "experts_joint_gate_up", "act_quant_tensor_amax_sorted",
+    "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "experts_stages",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
 
@@ -736,6 +736,43 @@ def _():
     return bool(stat[0] == want) or f"amax {stat[0].item()} != {want.item()} over the routed rows"
 
 
+@check("experts_stages")
+def _():
+    """``TritonExperts.stages`` (the conformance diagnosis protocol): each launch path hands out the intermediates it
+    materializes, by route (zeros for routes held by another EP rank), and each equals the reference's stage."""
+    from types import SimpleNamespace
+    from conformance.diagnose import reference_stages
+    xe, w1e, w2e, we, ide, eme, Ege = make(11, 2, 128, 64, 2, torch.bfloat16, ep=2)
+    (q1, s1), (q2, s2) = per_expert(rq.scaled_fp8_quant, w1), per_expert(rq.scaled_fp8_quant, w2)
+    b1, b2, qb = block()
+    runs = [  # (name, tensors, quant config, config, the stages this path materializes)
+        ("bf16 fused, EP", (xe, w1e, w2e, we, ide, eme, Ege), None, CFG(), {"activation", "gemm2"}),
+        ("bf16 unfused, EP", (xe, w1e, w2e, we, ide, eme, Ege), None, CFG(fuse=0), {"gemm1", "activation", "gemm2"}),
+        ("fp8_tensor", (x, q1, q2, *rest), fp8_w8a8_moe_quant_config(s1.reshape(-1), s2.reshape(-1)), CFG(),
+         {"activation", "gemm2"}),
+        ("fp8_block fused requant", (x, b1, b2, *rest), qb, CFG(bn1=128, bk1=64, bk2=128), {"gemm2"}),
+    ]
+    bad = []
+    for name, (xx, ww1, ww2, ww, ii, em, eg), qc, cfg, want in runs:
+        taps = {}
+        tri_fe(xx, ww1, ww2, ww, ii, global_num_experts=eg, expert_map=em, quant_config=qc, config=cfg, taps=taps)
+        if set(taps) != want:
+            bad.append(f"{name}: stages {sorted(taps)}, expected {sorted(want)}")
+            continue
+        ref = reference_stages(SimpleNamespace(quant_config=qc or FusedMoEQuantConfig(), hidden_states=xx, w1=ww1,
+                                               w2=ww2, topk_ids=ii, expert_map=em), A.SILU)
+        for st, t in taps.items():
+            if t.shape != ref[st].shape:
+                bad.append(f"{name} {st}: shape {tuple(t.shape)} != {tuple(ref[st].shape)}")
+                continue
+            if em is not None and t[ref[st].abs().sum(-1) == 0].abs().max() > 0:
+                bad.append(f"{name} {st}: non-zero rows for routes not held here")
+            r = close(t, ref[st], "fp8" if qc is not None else "bfloat16")
+            if r is not True:
+                bad.append(f"{name} {st}: {r}")
+    return bad or None
+
+
 @check("deterministic")
 def _():
     a = tri_fe(*D[:5], global_num_experts=D[6], config=CFG())
@@ -750,7 +787,7 @@ def results():
         pytest.skip("triton is not installed (pip install -e '.[triton]')")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, "-c", WORKER], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+                       timeout=1200)  # the whole interpreter worker: ~7 min on 2 busy cores
     out = {}
     for line in r.stdout.splitlines():
         if line.startswith("{"):

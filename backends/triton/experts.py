@@ -420,12 +420,17 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
                 expert_map: torch.Tensor | None, num_ids: int, qc: FusedMoEQuantConfig, plan: QuantPlan,
                 cfg: dict, ws13: torch.Tensor | None = None, ws2: torch.Tensor | None = None,
                 apply_router_weight_on_input: bool = False, a2_scale: torch.Tensor | None = None,
-                layout: RouteLayout | None = None, stages: str = "all") -> torch.Tensor:
+                layout: RouteLayout | None = None, stages: str = "all", taps: dict | None = None) -> torch.Tensor:
     """The experts step on already-quantized input: writes ``out (M, K)`` (activation dtype) and returns it.
 
     ``layout``: a precomputed :func:`route_layout` for this ``topk_ids`` and ``cfg`` (benchmarks);
     ``stages``: ``"all"``; ``"gemms"`` = GEMM1 (+ activation / requantization) and GEMM2 only; ``"gemm1"`` /
     ``"gemm2"`` = one of them (the tuner; with explicit workspaces so GEMM2 reads what GEMM1 left).
+    ``taps``: a dict that receives the intermediates this launch path materializes, as ``(M, topk, cols)`` tensors
+    in the activation dtype (zeros for routes not held here), for the conformance diagnosis
+    (:meth:`TritonExperts.stages`): ``"gemm1"`` (unfused GEMM1 output), ``"activation"`` (GEMM1 with the fused
+    activation, before any requantization; absent when GEMM1's epilogue also quantizes) and ``"gemm2"`` (GEMM2's
+    output per route, before the router weights). Costs copies and one device-to-host read: never on a hot path.
 
     Args:
         a1q: ``(M, K)`` input (bf16/fp16/fp32, or fp8/int8 codes per ``plan``); a1q_scale its scales.
@@ -515,12 +520,16 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
                      w_scale=qc.w1_scale, b_mode=plan.b_mode, bias=w1_bias, a_gather=gather, c_sorted=True, n_out=I,
                      fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit,
                      out_quant=out_quant, cfg=g1, pdl_trigger=pdl, **common)
+        if taps is not None and not quant:
+            taps["activation"] = _unsort_rows(c2, layout, numel, M, topk)
     else:
         c1 = _view(buf2, 0, (rows, c1_cols), act_dtype)
         _launch_gemm(a=a1, w=w1, c=c1, a_scale=a1s, a_mode=plan.a1_mode, w_scale=qc.w1_scale,
                      b_mode=plan.b_mode, bias=w1_bias, a_gather=gather, c_sorted=True, n_out=I if fuse else NW1,
                      fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit, cfg=g1,
                      pdl_trigger=pdl, **common)
+        if taps is not None:  # copied now: GEMM2's output C3 reuses this buffer
+            taps["activation" if fuse else "gemm1"] = _unsort_rows(c1, layout, numel, M, topk)
         aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,
                   up_off=I if split == 1 else 0, num_e=1, block_m=BM, act_dtype=act_dtype, rp=rp,
                   use_ue8m0=plan.use_ue8m0, group=group, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit)
@@ -539,6 +548,8 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             if qm in (QMODE_FP8_STATIC, QMODE_INT8_STATIC):
                 a2s = (a2_scale if a2_scale is not None else qc.a2_scale).reshape(1).to(torch.float32)
             _launch_act_quant(x=c1, y=c2_view, ys=c2s, a2s=a2s, qmode=qm, pdl=pdl, **aq)
+        if taps is not None and not quant and not fuse:
+            taps["activation"] = _unsort_rows(c2, layout, numel, M, topk)
     if stages == "gemm1":
         return out
     # ---- GEMM2
@@ -553,6 +564,9 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             a2_scale_arg = c2s
     _launch_gemm(a=c2, w=w2, c=c3, a_scale=a2_scale_arg, a_mode=a2_mode, w_scale=qc.w2_scale, b_mode=plan.b_mode,
                  bias=w2_bias, a_gather=False, c_sorted=False, n_out=K, fuse=0, act=0, cfg=g2, pdl_wait=pdl, **common)
+    if taps is not None:  # C3 is by route; rows of routes not held here were never written
+        taps["gemm2"] = torch.where((local >= 0)[:, None], c3, torch.zeros((), dtype=c3.dtype, device=dev)).view(
+            M, topk, K).clone()
     if stages == "gemms":
         return out
     # ---- weighted top-k sum
@@ -562,6 +576,17 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
         c3, tw, local, out, K, c3.stride(0), tw.stride(0), out.stride(0),
         TOPK=topk, BLOCK_K=bk, APPLY_W=not apply_router_weight_on_input, EMU=INTERPRET, num_warps=4)
     return out
+
+
+def _unsort_rows(c: torch.Tensor, layout: RouteLayout, numel: int, M: int, topk: int) -> torch.Tensor:
+    """Rows of ``c`` in the sorted layout (position ``p`` holds route ``sorted_token_ids[p]``) as ``(M, topk, cols)``
+    by route; routes not in the layout (not held here) are zeros. For ``run_experts``' ``taps`` only."""
+    n = int(layout[2].item())
+    ids = layout[0][:n].long()
+    pos = (ids < numel).nonzero().squeeze(1)
+    out = torch.zeros(numel, c.shape[1], dtype=c.dtype, device=c.device)
+    out[ids[pos]] = c[:n][pos]
+    return out.view(M, topk, c.shape[1])
 
 
 def _check_ids(topk_ids: torch.Tensor, num_ids: int) -> None:
@@ -689,6 +714,17 @@ class TritonExperts(FusedMoEExpertsModular):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOP()
 
+    def stages(self, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map):
+        """The conformance diagnosis protocol (``conformance/diagnose.py``): this class's intermediates on the same
+        launch path and configuration as ``apply``: ``gemm1`` (unfused configs only), ``activation`` (before any
+        requantization; absent where GEMM1's epilogue quantizes) and ``gemm2`` (per route, before the router
+        weights), each ``(M, topk, cols)`` in the activation dtype, zeros for routes not held here."""
+        taps: dict = {}
+        fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation,
+                      global_num_experts=global_num_experts, expert_map=expert_map, quant_config=self.quant_config,
+                      config=self.config_override, taps=taps)
+        return taps
+
     def _act_elt(self) -> int:
         dt = getattr(self.moe_config, "in_dtype", torch.bfloat16)
         return torch.empty((), dtype=dt if dt in _TL_DTYPES else torch.bfloat16).element_size()
@@ -750,11 +786,13 @@ def fused_experts(
     apply_router_weight_on_input: bool = False,
     quant_config: FusedMoEQuantConfig | None = None,
     config: dict | None = None,
+    taps: dict | None = None,
 ) -> torch.Tensor:
     """The whole experts step on the GPU (input quantization included): same contract as
     ``reference.experts.fused_experts`` — ``(M, K)`` output in ``hidden_states.dtype``.
 
-    ``config`` overrides the launch configuration (``{"gemm1": {...}, "gemm2": {...}}``, see ``configs``).
+    ``config`` overrides the launch configuration (``{"gemm1": {...}, "gemm2": {...}}``, see ``configs``);
+    ``taps`` receives the intermediates (see ``run_experts``).
 
     Raises:
         ValueError: bad shapes/dtypes/devices, apply_router_weight_on_input with topk > 1.
@@ -800,4 +838,4 @@ def fused_experts(
     return run_experts(out=out, a1q=a1q, a1q_scale=a1s, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
                        activation=activation, expert_map=expert_map,
                        num_ids=expert_map.numel() if expert_map is not None else E, qc=qc, plan=plan, cfg=cfg,
-                       apply_router_weight_on_input=apply_router_weight_on_input)
+                       apply_router_weight_on_input=apply_router_weight_on_input, taps=taps)
