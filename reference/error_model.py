@@ -27,6 +27,17 @@ differences):
    ``Accumulation.fast()`` (no promotion: ``P = n``) is the opt-in recipe of ``torch._scaled_mm(use_fast_accum=True)``
    and vLLM's in-place ``tl.dot(a, b, acc)``; its error grows with sqrt(K) and it is never the default.
 
+1b. **A 16-bit-operand MMA** (bf16 / fp16 tensor cores) does not round to nearest: every step of ``B`` products
+   (one k-step, ``mma16_block``) is aligned with the accumulator to the largest magnitude among them, truncated to
+   ``p`` bits below it (``mma16_align_bits``) and normalized to fp32 *toward zero* (Fasi et al. 2021; Khattak &
+   Mikaitis 2025). The normalization drops on average ``c = 2^-24 ln 2`` of the running sum ``S_k`` (half an ulp of a
+   log-distributed mantissa), always toward zero, so over ``m = n / B`` steps the error is ``-c sum_k S_k``: for a
+   random walk that has RMS ``c sigma_B m^1.5 / sqrt 3`` against ``|S_m| = sigma_B sqrt m``, a relative ``c m / sqrt 3``,
+   linear in ``n`` where round-to-nearest grows as ``sqrt n``. The truncated products and the normalization's spread
+   add ``0.541 (B 2^-2p / 3 + 2^-46 / 12) m / 2`` in mean square (``mma16_rel``). Emulated (float64, bit by bit) this
+   bound holds with 1.3-2.2x to spare at n = 1024..14336, as ``acc`` does for fp32. It applies to GEMMs whose operands
+   are bf16 / fp16 (unquantized, and weight-only schemes dequantized to the act dtype), never to fp32 operands.
+
 2. **A GEMM** sums many independent input differences: the relative mean square carries through
    (``m2_out = m2_in + acc^2`` for a dot product with independent weights). Differences come in two kinds, tracked
    apart: *dense* ones (every element a little: accumulation order), near Gaussian, whose mean |value| is
@@ -95,7 +106,7 @@ import torch
 
 from reference.config import FusedMoEQuantConfig, FusedMoEQuantDesc
 
-__all__ = ["Accumulation", "ErrorBound", "experts_error_bound", "format_mantissa_bits", "acc_rel"]
+__all__ = ["Accumulation", "ErrorBound", "experts_error_bound", "format_mantissa_bits", "acc_rel", "mma16_rel"]
 
 # Mantissa bits of each floating format (s = 2^-p relative spacing at mantissa 1.0).
 # Every activation format of specs/schemes.toml is here or INT8 (a uniform grid, step 4): FP8 E4M3 (per tensor,
@@ -122,23 +133,48 @@ def acc_rel(n: int, unit_roundoff: float) -> float:
     return unit_roundoff * math.sqrt(max(n, 1) / 6.0)
 
 
+def mma16_rel(n: int, block: int, align_bits: int) -> float:
+    """Relative RMS error of a length-``n`` dot product on a 16-bit-operand MMA that, every ``block`` products,
+    aligns them and the accumulator to the largest magnitude, keeps ``align_bits`` bits below it (truncating) and
+    normalizes the sum to fp32 toward zero (step 1b): ``sqrt((c m / sqrt 3)^2 + 0.541 (B 2^-2p / 3 + 2^-46 / 12) m / 2)``
+    with ``m = ceil(n / B)`` steps and ``c = 2^-24 ln 2``."""
+    m = math.ceil(max(n, 1) / block)
+    coherent = 2.0**-24 * math.log(2.0) * m / math.sqrt(3.0)
+    random2 = 0.541 * (block * 2.0 ** (-2 * align_bits) / 3.0 + 2.0**-46 / 12.0) * m / 2.0
+    return math.sqrt(coherent * coherent + random2)
+
+
 @dataclass(frozen=True)
 class Accumulation:
     """How a kernel accumulates a GEMM's products.
 
     ``mma_mantissa_bits``: precision of a tensor-core partial accumulator (None: fp32 throughout);
     ``promote_every``: K elements after which the partial is added into an fp32 accumulator (None: never, the
-    partial spans the whole reduction: "fast accumulation"). Applies to GEMMs whose MMA takes FP8 operands; bf16,
-    fp16 and INT8 (exact int32) MMAs accumulate in full precision.
+    partial spans the whole reduction: "fast accumulation"). Applies to GEMMs whose MMA takes FP8 operands.
+    ``mma16_block`` / ``mma16_align_bits``: a bf16 / fp16 MMA that aligns and normalizes toward zero every
+    ``mma16_block`` products (step 1b; None: fp32 round to nearest). INT8 MMAs accumulate exactly in int32.
+    ``Accumulation.allowed(constants)`` is what every kernel may do; the reference is ``fp32()``.
     """
 
     name: str = "fp32"
     mma_mantissa_bits: int | None = None
     promote_every: int | None = None
+    mma16_block: int | None = None
+    mma16_align_bits: int = 24
 
     @staticmethod
     def fp32() -> "Accumulation":
         return Accumulation("fp32")
+
+    @staticmethod
+    def allowed(constants: dict) -> "Accumulation":
+        """What every kernel is allowed (``[error_model]``): fp32 in any order; an FP8 MMA partial of
+        ``mma_mantissa_bits`` promoted every ``promote_every`` K elements; a bf16/fp16 MMA that aligns each step of
+        ``mma16_block`` products and normalizes toward zero (``mma16_align_bits`` bits kept below the step's largest
+        magnitude), as the SM90 tensor cores do (step 1b)."""
+        b, p = constants["mma_mantissa_bits"], constants["promote_every"]
+        blk, bits = constants["mma16_block"], constants["mma16_align_bits"]
+        return Accumulation(f"mma{b}-promote{p}, mma16 aligned-{bits} toward zero every {blk}", b, p, blk, bits)
 
     @staticmethod
     def promoted(mantissa_bits: int, promote_every: int) -> "Accumulation":
@@ -150,9 +186,12 @@ class Accumulation:
         """Opt-in fast accumulation: the MMA partial is never promoted (``use_fast_accum=True``)."""
         return Accumulation(f"mma{mantissa_bits}-fast", mantissa_bits, None)
 
-    def relative_error(self, n: int, fp8_mma: bool) -> float:
-        """Relative RMS accumulation error of a length-``n`` reduction (step 1 of the derivation)."""
+    def relative_error(self, n: int, fp8_mma: bool, mma16: bool = False) -> float:
+        """Relative RMS accumulation error of a length-``n`` reduction (step 1 of the derivation); ``mma16``: the
+        GEMM's operands are bf16/fp16 (step 1b applies where ``mma16_block`` is set)."""
         fp32 = acc_rel(n, 2.0**-24)
+        if mma16 and not fp8_mma and self.mma16_block is not None:
+            return max(fp32, mma16_rel(n, self.mma16_block, self.mma16_align_bits))
         if not fp8_mma or self.mma_mantissa_bits is None:
             return fp32
         span = n if self.promote_every is None else min(n, self.promote_every)
@@ -318,8 +357,8 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
         K: hidden size (GEMM1's reduction); I: intermediate size (GEMM2's reduction).
         gated: the activation multiplies two halves (``MoEActivation.is_gated``); ignored when ``activation`` is given.
         activation: the ``MoEActivation`` (its gating and relative condition number, step 5).
-        accumulation: what the kernel is allowed (default: ``specs/tolerances.toml [error_model]``'s
-            ``mma_mantissa_bits`` / ``promote_every``, i.e. fp32 or a promoted MMA partial); the reference side is fp32.
+        accumulation: what the kernel is allowed (default ``Accumulation.allowed``: fp32, a promoted FP8 MMA partial,
+            or the 16-bit MMA of step 1b, from ``specs/tolerances.toml [error_model]``); the reference side is fp32.
         gemm1_exact: the inputs are on a grid where every product and every partial sum of GEMM1 within a promotion
             interval is exact in an accumulator of ``mma_mantissa_bits`` bits (the accumulation probe): a conforming
             GEMM1 is then exact, and only what follows it may differ.
@@ -344,7 +383,7 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"error model: activation dtype must be bf16, fp16 or fp32, got {act_dtype}")
     if accumulation is None:
-        accumulation = Accumulation.promoted(c["mma_mantissa_bits"], c["promote_every"])
+        accumulation = Accumulation.allowed(c)
     ref_acc = Accumulation.fp32()
     p_act = _MANTISSA[act_dtype]
     st = _State(rows=math.inf if routed_rows is None else max(float(routed_rows), 1.0))
@@ -352,7 +391,9 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
 
     def acc(n, desc):
         fp8 = _is_fp8_mma(desc)
-        return math.hypot(accumulation.relative_error(n, fp8), ref_acc.relative_error(n, fp8))
+        # bf16/fp16 operands on the MMA: unquantized activations, or weight-only schemes dequantized to the act dtype
+        mma16 = desc.dtype is None and act_dtype in (torch.bfloat16, torch.float16)
+        return math.hypot(accumulation.relative_error(n, fp8, mma16), ref_acc.relative_error(n, fp8, mma16))
 
     # a1 is quantized bit-exactly by both sides (the quantizer cases check it): no difference enters GEMM1.
     s_act = 2.0**-p_act

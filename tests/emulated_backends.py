@@ -5,8 +5,10 @@ to accept what a conforming kernel does and to reject reduced-precision accumula
 - ``mma_accumulate``: a GEMM whose products are summed ``chunk`` at a time (one MMA instruction: exact), added into
   a partial accumulator rounded to ``mantissa_bits`` bits after every chunk, and the partial added into an fp32
   accumulator every ``promote_every`` K elements (None: never, i.e. fast accumulation).
+- ``mma16_accumulate``: a bf16 / fp16 tensor core that aligns every 16 products with its accumulator, truncates, and
+  normalizes toward zero (``reference/error_model.py`` step 1b).
 - Backends (``--backend tests.emulated_backends:NAME``): ``promoted`` (14 bits, promoted every 128 K elements, as
-  DeepGEMM on Hopper: must pass), ``inplace_13bit`` (13 bits every 32 products, never promoted: the planted
+  DeepGEMM on Hopper: must pass), ``mma16`` (the SM90 16-bit MMA: must pass), ``inplace_13bit`` (13 bits every 32 products, never promoted: the planted
   reduced-precision accumulator of issue 22, must fail), ``extra_rounding`` (the reference plus one more bf16
   rounding of every GEMM output element: split-K with bf16 partials, must fail), ``dropped_weight`` (the router
   weight of the last top-k slot dropped: must fail).
@@ -49,6 +51,28 @@ def mma_accumulate(a: torch.Tensor, w: torch.Tensor, *, mantissa_bits: int, prom
     return (master + partial).float()
 
 
+def mma16_accumulate(a: torch.Tensor, w: torch.Tensor, *, block: int = 16, align_bits: int = 24,
+                     rows_per_pass: int = 64) -> torch.Tensor:
+    """``a (R, K) @ w (N, K).T`` on an emulated 16-bit-operand tensor core (reference/error_model.py step 1b): every
+    ``block`` products are aligned with the accumulator to the largest magnitude among them, truncated toward zero
+    ``align_bits`` bits below it, summed exactly, and the sum normalized to fp32's 24 significant bits toward zero.
+    Products of bf16 / fp16 values are exact in float64. Returns fp32 ``(R, N)``."""
+    a64, w64 = a.double(), w.double()
+    out = torch.empty(a.shape[0], w.shape[0], dtype=torch.float32)
+    for r0 in range(0, a.shape[0], rows_per_pass):
+        ar = a64[r0:r0 + rows_per_pass]
+        acc = torch.zeros(ar.shape[0], w.shape[0], dtype=torch.float64)
+        for k0 in range(0, a.shape[1], block):
+            terms = torch.cat([acc[:, :, None], ar[:, None, k0:k0 + block] * w64[None, :, k0:k0 + block]], dim=2)
+            top = torch.floor(torch.log2(terms.abs().amax(dim=2, keepdim=True).clamp_min(1e-300)))
+            q = torch.exp2(top - align_bits)
+            s = (torch.trunc(terms / q) * q).sum(dim=2)
+            ulp = torch.exp2(torch.floor(torch.log2(s.abs().clamp_min(1e-300))) - 23)
+            acc = torch.trunc(s / ulp) * ulp
+        out[r0:r0 + rows_per_pass] = acc.float()
+    return out
+
+
 class _EmulatedExperts(ReferenceExperts):
     """The reference loop with an emulated GEMM accumulator (``gemm``) and optionally an extra rounding."""
 
@@ -73,6 +97,10 @@ PromotedExperts = _experts_class(
     "PromotedExperts", lambda a, w: mma_accumulate(a, w, mantissa_bits=14, promote_every=128))
 InplaceExperts = _experts_class(
     "Inplace13BitExperts", lambda a, w: mma_accumulate(a, w, mantissa_bits=13, promote_every=None))
+
+
+# The SM90 bf16 / fp16 tensor core as the error model describes it (step 1b): must pass.
+Mma16Experts = _experts_class("Mma16Experts", lambda a, w: mma16_accumulate(a, w))
 
 
 def _extra_rounding_gemm(a, w):
@@ -106,6 +134,7 @@ def _backend(name, cls):
 
 
 promoted = _backend("emulated_promoted", PromotedExperts)
+mma16 = _backend("emulated_mma16", Mma16Experts)
 inplace_13bit = _backend("emulated_inplace_13bit", InplaceExperts)
 extra_rounding = _backend("emulated_extra_rounding", ExtraRoundingExperts)
 dropped_weight = _backend("emulated_dropped_weight", DroppedWeightExperts)

@@ -21,14 +21,15 @@ import torch
 from conformance.cases import ExpertsCase
 from conformance.inputs import make_experts_inputs
 from reference.activation import MoEActivation
-from reference.error_model import Accumulation, acc_rel, experts_error_bound
+from reference.error_model import Accumulation, acc_rel, experts_error_bound, mma16_rel
 from reference.experts import _experts_unreduced, fused_experts
 from reference.metrics import error_stats
 from reference.modular import moe_kernel_quantize_input
 from reference.routing import fused_topk
 from reference.schemes import quantize_weights
 from specs import load_models
-from tests.emulated_backends import DroppedWeightExperts, ExtraRoundingExperts, InplaceExperts, PromotedExperts
+from tests.emulated_backends import (DroppedWeightExperts, ExtraRoundingExperts, InplaceExperts, Mma16Experts,
+                                     PromotedExperts, mma16_accumulate)
 from tests.test_harness import run_conformance
 
 
@@ -47,6 +48,26 @@ def test_accumulation_term_follows_the_derivation():
     # bf16 / INT8 MMAs accumulate in full precision whatever the recipe.
     assert fast.relative_error(7168, fp8_mma=False) == fp32.relative_error(7168, fp8_mma=False)
     assert acc_rel(6, 0.5) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_mma16_term_bounds_the_emulated_tensor_core(n):
+    """Step 1b against a bit-level emulation of the 16-bit MMA on random dot products: the formula is an upper bound
+    (as ``acc`` is for fp32), not a loose one, and it grows linearly in n where fp32's grows as sqrt(n)."""
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(256, n, generator=g).bfloat16()
+    w = (torch.randn(1, n, generator=g) * n**-0.5).bfloat16()
+    exact = a.double() @ w.double().T
+    got = mma16_accumulate(a, w).double()
+    measured = ((got - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()
+    formula = mma16_rel(n, 16, 24)
+    assert measured <= formula <= 3 * measured, (measured, formula)
+    assert formula > acc_rel(n, 2.0**-24)  # the normalization toward zero dominates fp32's round to nearest
+    assert mma16_rel(4 * n, 16, 24) / formula > 3.5  # linear in n (sqrt(n) growth would give 2)
+    allowed = Accumulation.allowed({"mma_mantissa_bits": 14, "promote_every": 256, "mma16_block": 16,
+                                    "mma16_align_bits": 24})
+    assert allowed.relative_error(n, fp8_mma=False, mma16=True) == formula
+    assert allowed.relative_error(n, fp8_mma=False, mma16=False) == acc_rel(n, 2.0**-24)  # fp32 operands
 
 
 def test_few_flip_events_widen_the_bound():
@@ -132,8 +153,10 @@ def test_emulated_kernels_are_classified(E, topk, K, I, M, scheme):
         s = error_stats(out, ref)
         return s.rms_norm <= bound["rms_norm"] and s.max_norm <= bound["max_norm"]
 
-    if scheme != "bf16":  # bf16 MMAs accumulate in full fp32: a 14-bit partial is not a bf16 kernel
+    if scheme != "bf16":  # a 14-bit FP8 partial is not a bf16 kernel
         assert inside(_emulated(PromotedExperts, x, w1q, w2q, w, ids, qc))
+    else:  # the SM90 bf16 tensor core (aligned, normalized toward zero every 16 products) conforms
+        assert inside(_emulated(Mma16Experts, x, w1q, w2q, w, ids, qc))
     if K >= 4096:  # at shorter K the reduced-precision accumulator is the accumulation probe's to catch
         assert not inside(_emulated(InplaceExperts, x, w1q, w2q, w, ids, qc))
     assert not inside(_emulated(ExtraRoundingExperts, x, w1q, w2q, w, ids, qc))
