@@ -36,6 +36,13 @@ class MyExperts(FusedMoEExpertsModular):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOP()  # apply() writes the weighted, reduced output itself
 
+    def stages(self, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map):
+        """Optional: the intermediates per route (gemm1, activation, gemm2), which the conformance diagnosis compares
+        with the reference's stage by stage when a case fails (conformance/diagnose.py)."""
+        out = {}
+        my_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map, stages=out)
+        return out
+
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
         return (M * topk, max(N, K)), (M * topk, N // 2), (M, K)
 
