@@ -30,13 +30,15 @@ differences):
 1b. **A 16-bit-operand MMA** (bf16 / fp16 tensor cores) does not round to nearest: every step of ``B`` products
    (one k-step, ``mma16_block``) is aligned with the accumulator to the largest magnitude among them, truncated to
    ``p`` bits below it (``mma16_align_bits``) and normalized to fp32 *toward zero* (Fasi et al. 2021; Khattak &
-   Mikaitis 2025). The normalization drops on average ``c = 2^-24 ln 2`` of the running sum ``S_k`` (half an ulp of a
+   Mikaitis 2025). The normalization drops on average ``c = 2^-24 / (2 ln 2)`` of the running sum ``S_k`` (half an ulp of a
    log-distributed mantissa), always toward zero, so over ``m = n / B`` steps the error is ``-c sum_k S_k``: for a
    random walk that has RMS ``c sigma_B m^1.5 / sqrt 3`` against ``|S_m| = sigma_B sqrt m``, a relative ``c m / sqrt 3``,
    linear in ``n`` where round-to-nearest grows as ``sqrt n``. The truncated products and the normalization's spread
    add ``0.541 (B 2^-2p / 3 + 2^-46 / 12) m / 2`` in mean square (``mma16_rel``). Emulated (float64, bit by bit) this
    bound holds with 1.3-2.2x to spare at n = 1024..14336, as ``acc`` does for fp32. It applies to GEMMs whose operands
    are bf16 / fp16 (unquantized, and weight-only schemes dequantized to the act dtype), never to fp32 operands.
+   Its mean part (a shrink of about ``c m / 2``) has one sign in gate, up and GEMM2, but each is rounded before they
+   meet, and what survives a rounding is flips at independent elements: they combine in quadrature as the rest.
 
 2. **A GEMM** sums many independent input differences: the relative mean square carries through
    (``m2_out = m2_in + acc^2`` for a dot product with independent weights). Differences come in two kinds, tracked
@@ -49,10 +51,10 @@ differences):
 3. **Rounding to a grid** with spacing ``s_i`` at element ``i``: an input difference ``d_i`` (|d_i| < s_i) makes
    the two roundings differ by one step with probability ``|d_i| / s_i``, so ``E[diff^2] = s_i |d_i|`` while the
    mean |difference| stays ``|d_i|``. For a floating format with ``p`` mantissa bits, ``s_i = 2^-p |v_i| / mant_i``
-   (``mant_i`` in [1, 2)); with ``E[1 / mant] = ln 2`` (logarithmically distributed mantissas) and
+   (``mant_i`` in [1, 2)); with ``E[1 / mant] = 1 / (2 ln 2)`` (logarithmically distributed mantissas) and
    ``E|v| = sqrt(2 / pi) rms`` (near-Gaussian values)::
 
-       m2_out = m2_in + min(c_flip * 2^-p * m1_in, 2^-2p / 6),   c_flip = ln2 * sqrt(2 / pi) = 0.553
+       m2_out = m2_in + min(c_flip * 2^-p * m1_in, 2^-2p / 6),   c_flip = sqrt(2 / pi) / (2 ln 2) = 0.575
 
    capped at the variance of two independent roundings. What does not flip is *equal* after the rounding: a dense
    input difference becomes a sparse one (``q = m1 / (c_flip s)``); a sparse one flips again with probability
@@ -137,9 +139,9 @@ def mma16_rel(n: int, block: int, align_bits: int) -> float:
     """Relative RMS error of a length-``n`` dot product on a 16-bit-operand MMA that, every ``block`` products,
     aligns them and the accumulator to the largest magnitude, keeps ``align_bits`` bits below it (truncating) and
     normalizes the sum to fp32 toward zero (step 1b): ``sqrt((c m / sqrt 3)^2 + 0.541 (B 2^-2p / 3 + 2^-46 / 12) m / 2)``
-    with ``m = ceil(n / B)`` steps and ``c = 2^-24 ln 2``."""
+    with ``m = ceil(n / B)`` steps and ``c = 2^-24 / (2 ln 2)``."""
     m = math.ceil(max(n, 1) / block)
-    coherent = 2.0**-24 * math.log(2.0) * m / math.sqrt(3.0)
+    coherent = 2.0**-24 / (2.0 * math.log(2.0)) * m / math.sqrt(3.0)  # E[1 / mant] of log-distributed mantissas
     random2 = 0.541 * (block * 2.0 ** (-2 * align_bits) / 3.0 + 2.0**-46 / 12.0) * m / 2.0
     return math.sqrt(coherent * coherent + random2)
 

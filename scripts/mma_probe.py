@@ -37,7 +37,7 @@ JS = list(range(18, 31))
 
 def vectors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``{family: (len(JS), 32)`` rows in ``dtype``, one per ``j``}; exact in bf16 and fp16 for every ``j`` in JS
-    (powers of two; fp16's subnormals reach 2^-24, so fp16 rows beyond that are flushed and marked NaN)."""
+    (powers of two; fp16's subnormals reach 2^-24: fp16 rows beyond that are flushed, and printed as "-")."""
     out = {}
     for fam in ("align", "neg", "carry"):
         rows = torch.zeros(len(JS), 2 * K_BLOCK, dtype=torch.float64)

@@ -99,8 +99,12 @@ InplaceExperts = _experts_class(
     "Inplace13BitExperts", lambda a, w: mma_accumulate(a, w, mantissa_bits=13, promote_every=None))
 
 
-# The SM90 bf16 / fp16 tensor core as the error model describes it (step 1b): must pass.
+# The SM90 bf16 / fp16 tensor core as the error model describes it (step 1b): must pass. It claims what that
+# MMA computes: unquantized bf16 / fp16 (fp32 operands take no tensor core, FP8 ones have their own model).
 Mma16Experts = _experts_class("Mma16Experts", lambda a, w: mma16_accumulate(a, w))
+Mma16Experts.support = dataclasses.replace(ReferenceExperts.support, quant_schemes=frozenset({(None, None)}),
+                                           act_dtypes=frozenset({torch.bfloat16, torch.float16}),
+                                           notes="emulated SM90 16-bit MMA (tests/emulated_backends.py)")
 
 
 def _extra_rounding_gemm(a, w):

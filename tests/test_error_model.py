@@ -45,7 +45,7 @@ def test_accumulation_term_follows_the_derivation():
     # A promoted partial stops growing at the interval; a fast one grows as sqrt(K).
     assert prom.relative_error(1024, True) == pytest.approx(prom.relative_error(16384, True), rel=1e-3)
     assert fast.relative_error(16384, True) / fast.relative_error(1024, True) == pytest.approx(4.0, rel=1e-3)
-    # bf16 / INT8 MMAs accumulate in full precision whatever the recipe.
+    # An FP8 recipe says nothing of other operands: without mma16 they accumulate as fp32 (step 1b: Accumulation.allowed).
     assert fast.relative_error(7168, fp8_mma=False) == fp32.relative_error(7168, fp8_mma=False)
     assert acc_rel(6, 0.5) == pytest.approx(0.5)
 

@@ -243,4 +243,4 @@ def test_diagnosis_locates_gemm2_through_the_stages_protocol(tmp_path):
                         tmp_path=tmp_path)
     assert r.returncode == 1, r.stdout[-3000:]
     assert "first divergent stage: requant/gemm2" in r.stdout, r.stdout[-3000:]
-    assert "requant -> gemm2 (per route): DIVERGES" in r.stdout
+    assert "requant -> gemm2 (per route): DIVERGES" in r.stdout and "activation: matches" in r.stdout

@@ -19,9 +19,13 @@ def lost(fn, family, dtype=torch.bfloat16):
 
 
 def test_vectors_are_exact_in_bf16():
-    for rows in probe.vectors(torch.bfloat16).values():
-        assert torch.equal(rows.double().to(torch.bfloat16).double(), rows.double())
-        assert (rows.double().abs() > 0).sum(dim=1).min() >= 16  # 1 and its 15 or 16 small terms
+    vec = probe.vectors(torch.bfloat16)
+    for r, j in enumerate(probe.JS):  # built here from the description, in float64
+        t = 2.0 ** -j
+        want = {"align": [1.0] + [t] * 15 + [0.0] * 16, "neg": [1.0] + [-t] * 15 + [0.0] * 16,
+                "carry": [1.0] + [0.0] * 15 + [t] * 16}
+        for fam, row in want.items():
+            assert vec[fam][r].double().tolist() == row, (fam, j)
 
 
 def test_fp32_round_to_nearest_keeps_the_tail_up_to_2_to_the_minus_23():

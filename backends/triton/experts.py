@@ -428,9 +428,10 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     ``"gemm2"`` = one of them (the tuner; with explicit workspaces so GEMM2 reads what GEMM1 left).
     ``taps``: a dict that receives the intermediates this launch path materializes, as ``(M, topk, cols)`` tensors
     in the activation dtype (zeros for routes not held here), for the conformance diagnosis
-    (:meth:`TritonExperts.stages`): ``"gemm1"`` (unfused GEMM1 output), ``"activation"`` (GEMM1 with the fused
-    activation, before any requantization; absent when GEMM1's epilogue also quantizes) and ``"gemm2"`` (GEMM2's
-    output per route, before the router weights). Costs copies and one device-to-host read: never on a hot path.
+    (:meth:`TritonExperts.stages`): ``"gemm1"`` (unfused GEMM1 output), ``"activation"`` (the activation output in
+    the act dtype, when it is materialized unquantized: not where GEMM1's epilogue quantizes, nor on the unfused
+    quantized path, whose act_quant kernel applies it on the way to the codes) and ``"gemm2"`` (GEMM2's output per
+    route, before the router weights). Costs copies and a device-to-host read per tap: never on a hot path.
 
     Args:
         a1q: ``(M, K)`` input (bf16/fp16/fp32, or fp8/int8 codes per ``plan``); a1q_scale its scales.
@@ -715,10 +716,11 @@ class TritonExperts(FusedMoEExpertsModular):
         return TopKWeightAndReduceNoOP()
 
     def stages(self, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map):
-        """The conformance diagnosis protocol (``conformance/diagnose.py``): this class's intermediates on the same
-        launch path and configuration as ``apply``: ``gemm1`` (unfused configs only), ``activation`` (before any
-        requantization; absent where GEMM1's epilogue quantizes) and ``gemm2`` (per route, before the router
-        weights), each ``(M, topk, cols)`` in the activation dtype, zeros for routes not held here."""
+        """The conformance diagnosis protocol (``conformance/diagnose.py``): this class's intermediates for the whole
+        call (``fused_experts``: the launch configuration ``apply`` picks for an unchunked call of these M tokens, the
+        input quantized by the backend's own quantizer): ``gemm1`` (unfused configs only), ``activation`` (where it
+        is materialized unquantized) and ``gemm2`` (per route, before the router weights), each ``(M, topk, cols)``
+        in the activation dtype, zeros for routes not held here (see ``run_experts``' ``taps``)."""
         taps: dict = {}
         fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation,
                       global_num_experts=global_num_experts, expert_map=expert_map, quant_config=self.quant_config,
