@@ -96,7 +96,11 @@ value) carried by one weight of ``w2`` (``~ N(0, 1/I)``): relative to ``max |y|`
 Where this model is honest about its limits: a *per-tensor* dynamic scale is one draw per call, so the expectation
 in 4 is realised all-or-nothing; the bound holds on average over cases, and the conformance suite's
 accumulation probe (``conformance/test_accumulation.py``) is the sharp instrument for accumulation precision
-(it uses inputs on which every conforming accumulation is exact).
+(it uses inputs on which every conforming accumulation is exact). Two known gaps (docs/GPU_NOTES.md, 2026-11-26):
+step 3 treats a difference as independent of the value it perturbs, while most of step 1b's is a shrink proportional to
+it (whose rounding mean square is 1.57x larger); and step 7 counts flip events as unit-sized, while an event's square
+goes as its element's value squared (a compound Poisson sum: on one-route outputs, with a gated activation's heavy
+tail, one event can carry the whole mean square). Both show on single-token bf16 cases.
 """
 
 from __future__ import annotations
