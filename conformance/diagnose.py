@@ -22,8 +22,7 @@ import torch
 
 from conformance.metrics import ConformanceFailure, assert_close, assert_exact
 from reference import quant as rq
-from reference.activation import apply_moe_activation
-from reference.experts import _dequant_weight, _experts_unreduced, dequant_activation, local_expert_ids
+from reference.experts import _experts_unreduced
 from reference.modular import moe_kernel_quantize_input
 
 __all__ = ["reference_stages", "diagnose"]
@@ -32,28 +31,11 @@ __all__ = ["reference_stages", "diagnose"]
 def reference_stages(inputs, activation) -> dict[str, torch.Tensor]:
     """The reference's intermediates for every route as (M, topk, ...) in the act dtype: gemm1, activation and gemm2
     (GEMM2's output before the router weights, the requantization of its input included)."""
-    qc = inputs.quant_config
-    x, w1, w2, ids = inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_ids
-    act_dtype = x.dtype
+    qc, x = inputs.quant_config, inputs.hidden_states
     a1q, a1s = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
-    a = dequant_activation(a1q, a1s, qc.a1)
-    local = local_expert_ids(ids, w1.size(0), inputs.expert_map)
-    M, topk = ids.shape
     out = {}
-    for e in range(w1.size(0)):
-        t, k = (local == e).nonzero(as_tuple=True)
-        if not t.numel():
-            continue
-        h = a[t] @ _dequant_weight(w1, qc.w1, e).T
-        if qc.w1_bias is not None:
-            h = h + qc.w1_bias[e].float()
-        h = h.to(act_dtype)
-        g = apply_moe_activation(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta, limit=qc.gemm1_clamp_limit)
-        for name, val in (("gemm1", h), ("activation", g)):
-            buf = out.setdefault(name, torch.zeros(M, topk, val.shape[1], dtype=val.dtype, device=val.device))
-            buf[t, k] = val
-    # GEMM2 per route (requantized activation x w2, rounded to the act dtype), before the router weights
-    out["gemm2"] = _experts_unreduced(a1q, a1s, w1, w2, ids, inputs.expert_map, qc, activation, act_dtype)
+    out["gemm2"] = _experts_unreduced(a1q, a1s, inputs.w1, inputs.w2, inputs.topk_ids, inputs.expert_map, qc,
+                                      activation, x.dtype, stages=out)
     return out
 
 

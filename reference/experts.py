@@ -182,13 +182,15 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
 
 def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                        acc_dtype: torch.dtype = torch.float32, gemm=None, *, situ_beta=None,
-                       situ_linear_beta=None) -> torch.Tensor:
+                       situ_linear_beta=None, stages: dict | None = None) -> torch.Tensor:
     """(M, topk, K) unweighted expert outputs in act dtype; zeros for routes to experts not held here.
 
     ``acc_dtype`` is the GEMMs' accumulation dtype: fp32 defines the reference; float64 gives the (nearly) exact
     products of the dequantized operands that ``reference.error_model`` measures accumulation errors against.
     ``gemm(a (R, K), w (N, K)) -> (R, N)`` replaces the matmul of both GEMMs (dequantized fp32 operands in, the
     accumulated product out): a hook for emulating a kernel's accumulator (tests/emulated_backends.py).
+    ``stages``: a dict that receives GEMM1's rounded output (``"gemm1"``, ``(M, topk, N)``) and the activation's
+    (``"activation"``, ``(M, topk, N')``) per route, zeros for routes not held here (``conformance/diagnose.py``).
 
     Three passes, because the requantization of a2 may need every routed row at once: a *per-tensor* dynamic a2
     scale is the amax over all routed rows of the call (one chunk of the modular kernel), as vLLM's Triton path
@@ -213,6 +215,10 @@ def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activat
         g_rows[e] = apply_moe_activation(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta,
                                          limit=qc.gemm1_clamp_limit, situ_beta=situ_beta,
                                          situ_linear_beta=situ_linear_beta)
+        if stages is not None:
+            for name, val in (("gemm1", h), ("activation", g_rows[e])):
+                buf = stages.setdefault(name, torch.zeros(M, topk, val.shape[1], dtype=val.dtype, device=val.device))
+                buf[t, k] = val
     out = torch.zeros(M, topk, K, dtype=act_dtype, device=a1q.device)
     if not routes:
         return out

@@ -273,22 +273,11 @@ class _Gemm2WrongExpert(ReferenceExperts):
     def stages(self, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map):
         qc = self.quant_config
         a1q, a1s = moe_kernel_quantize_input(hidden_states, qc.a1_scale, qc, "a1")
-        from conformance.diagnose import reference_stages
-
-        ok = reference_stages(_Inputs(qc, hidden_states, w1, w2, topk_ids, expert_map), activation)
-        return {"activation": ok["activation"],
-                "gemm2": _experts_unreduced(a1q, a1s, w1, w2.roll(1, dims=0), topk_ids, expert_map, qc, activation,
-                                            hidden_states.dtype)}
-
-
-@dataclasses.dataclass
-class _Inputs:  # what reference_stages reads of the suite's inputs
-    quant_config: object
-    hidden_states: torch.Tensor
-    w1: torch.Tensor
-    w2: torch.Tensor
-    topk_ids: torch.Tensor
-    expert_map: torch.Tensor | None
+        out = {}
+        out["gemm2"] = _experts_unreduced(a1q, a1s, w1, w2.roll(1, dims=0), topk_ids, expert_map, qc, activation,
+                                          hidden_states.dtype, stages=out)
+        del out["gemm1"]  # hands out the activation (right) and GEMM2 (wrong), as a fused kernel would
+        return out
 
 
 gemm2_wrong_expert = dataclasses.replace(_torch, name="broken_gemm2_wrong_expert", experts=[_Gemm2WrongExpert])

@@ -567,7 +567,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
                  bias=w2_bias, a_gather=False, c_sorted=False, n_out=K, fuse=0, act=0, cfg=g2, pdl_wait=pdl, **common)
     if taps is not None:  # C3 is by route; rows of routes not held here were never written
         taps["gemm2"] = torch.where((local >= 0)[:, None], c3, torch.zeros((), dtype=c3.dtype, device=dev)).view(
-            M, topk, K).clone()
+            M, topk, K)  # a new tensor: C3's buffer may be reused
     if stages == "gemms":
         return out
     # ---- weighted top-k sum
