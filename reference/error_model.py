@@ -112,7 +112,8 @@ import torch
 
 from reference.config import FusedMoEQuantConfig, FusedMoEQuantDesc
 
-__all__ = ["Accumulation", "ErrorBound", "experts_error_bound", "format_mantissa_bits", "acc_rel", "mma16_rel"]
+__all__ = ["Accumulation", "ErrorBound", "experts_error_bound", "format_mantissa_bits", "acc_rel", "mma16_rel",
+           "emulate_mma16"]
 
 # Mantissa bits of each floating format (s = 2^-p relative spacing at mantissa 1.0).
 # Every activation format of specs/schemes.toml is here or INT8 (a uniform grid, step 4): FP8 E4M3 (per tensor,
@@ -148,6 +149,28 @@ def mma16_rel(n: int, block: int, align_bits: int) -> float:
     coherent = 2.0**-24 / (2.0 * math.log(2.0)) * m / math.sqrt(3.0)  # E[1 / mant] of log-distributed mantissas
     random2 = 0.541 * (block * 2.0 ** (-2 * align_bits) / 3.0 + 2.0**-46 / 12.0) * m / 2.0
     return math.sqrt(coherent * coherent + random2)
+
+
+def emulate_mma16(a: torch.Tensor, w: torch.Tensor, *, block: int = 16, align_bits: int = 24,
+                     rows_per_pass: int = 64) -> torch.Tensor:
+    """``a (R, K) @ w (N, K).T`` on an emulated 16-bit-operand tensor core (step 1b, bit by bit): every
+    ``block`` products are aligned with the accumulator to the largest magnitude among them, truncated toward zero
+    ``align_bits`` bits below it, summed exactly, and the sum normalized to fp32's 24 significant bits toward zero.
+    Products of bf16 / fp16 values are exact in float64. Returns fp32 ``(R, N)``."""
+    a64, w64 = a.double(), w.double()
+    out = torch.empty(a.shape[0], w.shape[0], dtype=torch.float32)
+    for r0 in range(0, a.shape[0], rows_per_pass):
+        ar = a64[r0:r0 + rows_per_pass]
+        acc = torch.zeros(ar.shape[0], w.shape[0], dtype=torch.float64)
+        for k0 in range(0, a.shape[1], block):
+            terms = torch.cat([acc[:, :, None], ar[:, None, k0:k0 + block] * w64[None, :, k0:k0 + block]], dim=2)
+            top = torch.floor(torch.log2(terms.abs().amax(dim=2, keepdim=True).clamp_min(1e-300)))
+            q = torch.exp2(top - align_bits)
+            s = (torch.trunc(terms / q) * q).sum(dim=2)
+            ulp = torch.exp2(torch.floor(torch.log2(s.abs().clamp_min(1e-300))) - 23)
+            acc = torch.trunc(s / ulp) * ulp
+        out[r0:r0 + rows_per_pass] = acc.float()
+    return out
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,13 @@ property of the SM90 MMA shared by every kernel on it), not a widened bound.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from reference.error_model import emulate_mma16  # noqa: E402
 
 K_BLOCK = 16
 JS = list(range(18, 31))
@@ -59,21 +62,10 @@ def exact(rows: torch.Tensor) -> torch.Tensor:
 
 
 def emulated_mma(rows: torch.Tensor, p: int, block: int = K_BLOCK) -> torch.Tensor:
-    """A model MMA: per k-block, the block's products and the running accumulator aligned to the largest exponent
-    among them and truncated toward zero to ``p`` bits below it, summed exactly, the sum truncated to fp32's 24
-    significant bits. ``p = None``-like behaviour (fp32 round to nearest) is ``torch.float32`` summation instead."""
-    x = rows.double()
-    acc = torch.zeros(x.shape[0], dtype=torch.float64)
-    for k0 in range(0, x.shape[1], block):
-        terms = torch.cat([acc[:, None], x[:, k0:k0 + block]], dim=1)
-        mag = terms.abs().amax(dim=1)
-        e = torch.where(mag > 0, torch.floor(torch.log2(mag.clamp(min=1e-300))), torch.zeros_like(mag))
-        q = torch.exp2(e - p)[:, None]
-        s = (torch.trunc(terms / q) * q).sum(dim=1)
-        se = torch.where(s != 0, torch.floor(torch.log2(s.abs().clamp(min=1e-300))), torch.zeros_like(s))
-        q24 = torch.exp2(se - 23)
-        acc = torch.trunc(s / q24) * q24
-    return acc
+    """``rows @ ones`` on the model MMA of ``reference.error_model.emulate_mma16`` (step 1b): per step of ``block``
+    products, aligned with the accumulator, ``p`` bits kept below the largest magnitude, normalized toward zero."""
+    ones = torch.ones(1, rows.shape[1], dtype=rows.dtype)
+    return emulate_mma16(rows, ones, block=block, align_bits=p)[:, 0].double()
 
 
 def sequential_fp32(rows: torch.Tensor) -> torch.Tensor:

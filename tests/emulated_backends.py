@@ -5,7 +5,8 @@ to accept what a conforming kernel does and to reject reduced-precision accumula
 - ``mma_accumulate``: a GEMM whose products are summed ``chunk`` at a time (one MMA instruction: exact), added into
   a partial accumulator rounded to ``mantissa_bits`` bits after every chunk, and the partial added into an fp32
   accumulator every ``promote_every`` K elements (None: never, i.e. fast accumulation).
-- ``mma16_accumulate``: a bf16 / fp16 tensor core that aligns every 16 products with its accumulator, truncates, and
+- ``emulate_mma16`` (reference.error_model): a bf16 / fp16 tensor core that aligns every 16 products with its
+  accumulator, truncates, and
   normalizes toward zero (``reference/error_model.py`` step 1b).
 - Backends (``--backend tests.emulated_backends:NAME``): ``promoted`` (14 bits, promoted every 128 K elements, as
   DeepGEMM on Hopper: must pass), ``mma16`` (the SM90 16-bit MMA: must pass), ``inplace_13bit`` (13 bits every 32 products, never promoted: the planted
@@ -23,6 +24,7 @@ import torch
 from backends import Backend
 from backends.torch import backend as _torch
 from reference.experts import ReferenceExperts, _experts_unreduced
+from reference.error_model import emulate_mma16
 from reference.modular import TopKWeightAndReduceContiguous
 
 
@@ -49,28 +51,6 @@ def mma_accumulate(a: torch.Tensor, w: torch.Tensor, *, mantissa_bits: int, prom
             master = (master + partial).float().double()
             partial.zero_()
     return (master + partial).float()
-
-
-def mma16_accumulate(a: torch.Tensor, w: torch.Tensor, *, block: int = 16, align_bits: int = 24,
-                     rows_per_pass: int = 64) -> torch.Tensor:
-    """``a (R, K) @ w (N, K).T`` on an emulated 16-bit-operand tensor core (reference/error_model.py step 1b): every
-    ``block`` products are aligned with the accumulator to the largest magnitude among them, truncated toward zero
-    ``align_bits`` bits below it, summed exactly, and the sum normalized to fp32's 24 significant bits toward zero.
-    Products of bf16 / fp16 values are exact in float64. Returns fp32 ``(R, N)``."""
-    a64, w64 = a.double(), w.double()
-    out = torch.empty(a.shape[0], w.shape[0], dtype=torch.float32)
-    for r0 in range(0, a.shape[0], rows_per_pass):
-        ar = a64[r0:r0 + rows_per_pass]
-        acc = torch.zeros(ar.shape[0], w.shape[0], dtype=torch.float64)
-        for k0 in range(0, a.shape[1], block):
-            terms = torch.cat([acc[:, :, None], ar[:, None, k0:k0 + block] * w64[None, :, k0:k0 + block]], dim=2)
-            top = torch.floor(torch.log2(terms.abs().amax(dim=2, keepdim=True).clamp_min(1e-300)))
-            q = torch.exp2(top - align_bits)
-            s = (torch.trunc(terms / q) * q).sum(dim=2)
-            ulp = torch.exp2(torch.floor(torch.log2(s.abs().clamp_min(1e-300))) - 23)
-            acc = torch.trunc(s / ulp) * ulp
-        out[r0:r0 + rows_per_pass] = acc.float()
-    return out
 
 
 class _EmulatedExperts(ReferenceExperts):
@@ -101,7 +81,7 @@ InplaceExperts = _experts_class(
 
 # The SM90 bf16 / fp16 tensor core as the error model describes it (step 1b): must pass. It claims what that
 # MMA computes: unquantized bf16 / fp16 (fp32 operands take no tensor core, FP8 ones have their own model).
-Mma16Experts = _experts_class("Mma16Experts", lambda a, w: mma16_accumulate(a, w))
+Mma16Experts = _experts_class("Mma16Experts", lambda a, w: emulate_mma16(a, w))
 Mma16Experts.support = dataclasses.replace(ReferenceExperts.support, quant_schemes=frozenset({(None, None)}),
                                            act_dtypes=frozenset({torch.bfloat16, torch.float16}),
                                            notes="emulated SM90 16-bit MMA (tests/emulated_backends.py)")

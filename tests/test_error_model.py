@@ -21,7 +21,7 @@ import torch
 from conformance.cases import ExpertsCase
 from conformance.inputs import make_experts_inputs
 from reference.activation import MoEActivation
-from reference.error_model import Accumulation, acc_rel, experts_error_bound, mma16_rel
+from reference.error_model import Accumulation, acc_rel, emulate_mma16, experts_error_bound, mma16_rel
 from reference.experts import _experts_unreduced, fused_experts
 from reference.metrics import error_stats
 from reference.modular import moe_kernel_quantize_input
@@ -29,7 +29,7 @@ from reference.routing import fused_topk
 from reference.schemes import quantize_weights
 from specs import load_models
 from tests.emulated_backends import (DroppedWeightExperts, ExtraRoundingExperts, InplaceExperts, Mma16Experts,
-                                     PromotedExperts, mma16_accumulate)
+                                     PromotedExperts)
 from tests.test_harness import run_conformance
 
 
@@ -58,7 +58,7 @@ def test_mma16_term_bounds_the_emulated_tensor_core(n):
     a = torch.randn(256, n, generator=g).bfloat16()
     w = (torch.randn(1, n, generator=g) * n**-0.5).bfloat16()
     exact = a.double() @ w.double().T
-    got = mma16_accumulate(a, w).double()
+    got = emulate_mma16(a, w).double()
     measured = ((got - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()
     formula = mma16_rel(n, 16, 24)
     assert measured <= formula <= 3 * measured, (measured, formula)
