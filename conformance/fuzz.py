@@ -46,6 +46,7 @@ from specs import SPECS_DIR
 __all__ = ["FuzzCase", "make_inputs", "check_case", "Outcome", "main", "REGRESSIONS"]
 
 REGRESSIONS = SPECS_DIR / "regressions.toml"
+_INSIDE = 8  # of 10 draws inside the class's claims; the rest check that unclaimed configurations raise
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -105,6 +106,25 @@ class FuzzCase:
         return f"python -m conformance.fuzz --backend {backend} --replay '{json.dumps(dataclasses.asdict(self))}'"
 
 
+def make_config(fc: FuzzCase) -> FusedMoEConfig:
+    """The ``FusedMoEConfig`` of ``fc`` (no weights: cheap, for the claim check before any input is built)."""
+    return FusedMoEConfig(num_experts=fc.E, experts_per_token=fc.topk, hidden_dim=fc.K,
+                          intermediate_size_per_partition=fc.I, num_local_experts=fc.E // fc.ep_size,
+                          activation=fc.act, in_dtype=_DTYPES[fc.dtype],
+                          moe_parallel_config=FusedMoEParallelConfig.make_ep(fc.ep_size, fc.ep_rank),
+                          **situ_params(fc.act))
+
+
+def claim_of(cls, fc: FuzzCase) -> tuple[bool, str | None]:
+    """Whether ``cls`` claims ``fc`` (its support oracle on the scheme's quant keys, and its token range)."""
+    wk, ak = get_scheme(fc.scheme).quant_keys()
+    claimed, reason = cls.is_supported_config(cls, make_config(fc), wk, ak, cls.activation_format())
+    rec = getattr(cls, "support", None)
+    if claimed and rec is not None and (fc.M < rec.min_tokens or (rec.max_tokens is not None and fc.M > rec.max_tokens)):
+        claimed, reason = False, f"{fc.M} tokens outside the claimed range {rec.min_tokens}..{rec.max_tokens}"
+    return claimed, reason
+
+
 def make_inputs(fc: FuzzCase, device: str):
     """``(hidden_states, w1q, w2q, topk_weights, topk_ids, expert_map, quant_config, moe_config)`` for ``fc``."""
     g = torch.Generator().manual_seed(seed_of("fuzz-" + fc.id))
@@ -123,10 +143,7 @@ def make_inputs(fc: FuzzCase, device: str):
         ids[flat] = -1
         ids = ids.view(fc.M, fc.topk)
     _, expert_map, _ = determine_expert_map(fc.ep_size, fc.ep_rank, fc.E, fc.placement)
-    cfg = FusedMoEConfig(num_experts=fc.E, experts_per_token=fc.topk, hidden_dim=fc.K,
-                         intermediate_size_per_partition=fc.I, num_local_experts=E_local, activation=fc.act,
-                         in_dtype=dtype, moe_parallel_config=FusedMoEParallelConfig.make_ep(fc.ep_size, fc.ep_rank),
-                         **situ_params(fc.act))
+    cfg = make_config(fc)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return to(x), to(w1q), to(w2q), to(w), to(ids), to(expert_map), to_device(qc, device), cfg
 
@@ -141,12 +158,12 @@ class Outcome:
 
 def check_case(cls, fc: FuzzCase, device: str) -> Outcome:
     """Run ``fc`` on ``cls`` against the reference (see the module docstring)."""
+    claimed, reason = claim_of(cls, fc)
+    if not claimed and fc.M == 0:
+        return Outcome("refused", f"{reason} (M == 0: nothing runs, so the refusal cannot be observed)")
     x, w1, w2, w, ids, emap, qc, cfg = make_inputs(fc, device)
     fmt = cls.activation_format()
-    claimed, reason = cls.is_supported_config(cls, cfg, qc.weight_key, qc.activation_key, fmt)
     rec = getattr(cls, "support", None)
-    if claimed and rec is not None and (fc.M < rec.min_tokens or (rec.max_tokens is not None and fc.M > rec.max_tokens)):
-        claimed, reason = False, f"{fc.M} tokens outside the claimed range {rec.min_tokens}..{rec.max_tokens}"
     batched = fmt == FusedMoEActivationFormat.BatchedExperts
     cap = max(fc.M, 1)
     kw = dict(activation=fc.act, global_num_experts=fc.E, expert_map=emap)
@@ -157,8 +174,6 @@ def check_case(cls, fc: FuzzCase, device: str) -> Outcome:
                                   c(cfg, qc, max_num_tokens=cap, num_dispatchers=1), poison=float("nan"))
         return FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), c(cfg, qc), poison=float("nan"))
 
-    if not claimed and fc.M == 0:
-        return Outcome("refused", f"{reason} (M == 0: nothing runs, so the refusal cannot be observed)")
     try:
         out = kernel(cls).apply(x, w1, w2, w, ids, **kw)
     except Exception as exc:
@@ -184,27 +199,39 @@ def check_case(cls, fc: FuzzCase, device: str) -> Outcome:
 
 
 def _strategy(cls):
-    """Hypothesis strategy of FuzzCases for ``cls`` (every scheme and activation: unclaimed ones must raise)."""
+    """Hypothesis strategy of FuzzCases for ``cls``: most draws (``_INSIDE`` of 10) inside its claims (a claimed
+    scheme and activation, on a device it supports), the rest anywhere, on small shapes (an unclaimed draw only has
+    to raise, and quantizing a large layer for a refusal would spend the budget on nothing)."""
     from hypothesis import strategies as st
+
+    from reference.activation import activation_defined
 
     rec = getattr(cls, "support", None)
     names = list(schemes())
-    from reference.activation import activation_defined
-
     # Only the members of the semantics version in force (SITU and GELU_TANH_NO_MUL are 0.33's).
     acts = [a.value for a in MoEActivation if a is not MoEActivation.RELU2 and activation_defined(a)]
+    inside_schemes = [n for n in names if rec is None or rec.claims_quant(*get_scheme(n).quant_keys())]
+    inside_acts = [a for a in acts if rec is None or rec.claims_activation(MoEActivation.from_str(a))]
+    can_claim = bool(inside_schemes and inside_acts) and (rec is None or rec.device_reason() is None)
 
     @st.composite
     def case(draw):
-        scheme = draw(st.sampled_from(names))
-        E = draw(st.sampled_from([1, 2, 3, 8, 16, 60, 64]))
-        topk = draw(st.integers(1, min(E, 9)))
+        inside = can_claim and draw(st.integers(0, 9)) < _INSIDE  # shrinks toward 0: inside the claims
+        scheme = draw(st.sampled_from(inside_schemes if inside else names))
+        act = draw(st.sampled_from(inside_acts if inside else acts))
         blocked = _needs_k_multiple_of_128(scheme)
-        K = draw(st.sampled_from([128, 256, 384, 1024, 2048] if blocked else [16, 64, 96, 200, 256, 1024, 2880]))
-        I = draw(st.sampled_from([128, 256] if blocked else [8, 24, 64, 96, 128, 192]))
-        M = draw(st.one_of(st.sampled_from([0, 1, 7, 33, 100, 257]), st.integers(2, 300),
-                           st.just(4096) if K * I <= 256 * 256 else st.just(1)))
-        act = draw(st.sampled_from(acts))
+        if inside:
+            E = draw(st.sampled_from([1, 2, 3, 8, 16, 60, 64]))
+            K = draw(st.sampled_from([128, 256, 384, 1024, 2048] if blocked else [16, 64, 96, 200, 256, 1024, 2880]))
+            I = draw(st.sampled_from([128, 256] if blocked else [8, 24, 64, 96, 128, 192]))
+            M = draw(st.one_of(st.sampled_from([0, 1, 7, 33, 100, 257]), st.integers(2, 300),
+                               st.just(4096) if K * I <= 256 * 256 else st.just(1)))
+        else:
+            E = draw(st.sampled_from([1, 2, 8]))
+            K = draw(st.sampled_from([128, 256] if blocked else [16, 64, 96, 200]))
+            I = draw(st.sampled_from([128] if blocked else [8, 24, 64]))
+            M = draw(st.sampled_from([0, 1, 7, 33]))
+        topk = draw(st.integers(1, min(E, 9)))
         dtypes = ["bfloat16"] if scheme not in UNQUANTIZED else sorted(
             str(d).removeprefix("torch.") for d in (rec.act_dtypes if rec else _DTYPES.values()))
         dtype = draw(st.sampled_from(dtypes))
@@ -253,6 +280,8 @@ def fuzz_class(cls, backend_name: str, device: str, budget_s: float, seed: int, 
     refused = collections.Counter()
     failures: list[tuple[FuzzCase, str]] = []
     deadline = time.monotonic() + budget_s
+    # Shrinking a failure may run past the budget, but not without end (hypothesis alone allows it 5 minutes).
+    hard_deadline = deadline + max(30.0, 0.15 * budget_s)
     last: dict = {}
 
     class _OutOfTime(Exception):
@@ -262,7 +291,8 @@ def fuzz_class(cls, backend_name: str, device: str, budget_s: float, seed: int, 
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     @given(_strategy(cls))
     def run(fc):
-        if time.monotonic() > deadline and not last.get("shrinking"):
+        now = time.monotonic()
+        if now > deadline and (not last.get("shrinking") or now > hard_deadline):
             raise _OutOfTime()
         try:
             o = check_case(cls, fc, device)
@@ -279,33 +309,47 @@ def fuzz_class(cls, backend_name: str, device: str, budget_s: float, seed: int, 
             log(f"  [{cls.__name__}] {counts['cases']} cases: {counts['passed']} passed, {counts['refused']} refused, "
                 f"{counts['failed']} failed; {budget_s - (deadline - time.monotonic()):.0f}/{budget_s:.0f} s")
 
+    def record_failure(shrunk: bool) -> None:
+        fc, detail = last["case"], last["detail"]  # the shrunk (last failing) example
+        failures.append((fc, detail))
+        log(f"FAILED {cls.__name__} {fc.id}: {detail}" + ("" if shrunk else " (shrinking cut short by the budget)")
+            + f"\n  reproduce: {fc.repro(backend_name)}")
+        if regressions is not None:
+            _append_regression(fc, backend_name, f"{cls.__name__}: {detail}", regressions)
+            log(f"  appended to {regressions}")
+
     import random
 
     random.seed(seed)
+    interrupted = False
     while time.monotonic() < deadline:
         last.clear()
         try:
             run()
             break
         except _OutOfTime:
+            if last.get("case") is not None:
+                record_failure(shrunk=False)
             break
         except BaseExceptionGroup as group:
             # Hypothesis may report the deadline twice (once from a generated example, once from its replay) as a
             # group; only the deadline inside it means the budget is spent, anything else is a real error.
             if group.split(_OutOfTime)[1] is not None:
                 raise
+            if last.get("case") is not None:
+                record_failure(shrunk=False)
             break
         except AssertionError:
-            fc, detail = last["case"], last["detail"]  # the shrunk (last failing) example
-            failures.append((fc, detail))
-            log(f"FAILED {cls.__name__} {fc.id}: {detail}\n  reproduce: {fc.repro(backend_name)}")
-            if regressions is not None:
-                _append_regression(fc, backend_name, f"{cls.__name__}: {detail}", regressions)
-                log(f"  appended to {regressions}")
+            record_failure(shrunk=True)
             if len(failures) >= 5:
                 break
+        except KeyboardInterrupt:  # an outer time limit (SIGINT): report what ran
+            interrupted = True
+            if last.get("case") is not None:
+                record_failure(shrunk=False)
+            break
     return {"class": cls.__name__, "cases": counts["cases"], "passed": counts["passed"],
-            "refused": dict(refused), "failed": len(failures),
+            "refused": dict(refused), "failed": len(failures), "interrupted": interrupted,
             "failures": [(fc.id, d) for fc, d in failures]}
 
 
@@ -336,10 +380,18 @@ def main(argv: list[str] | None = None) -> int:
             bad += o.kind == "failed"
         return 1 if bad else 0
     print(f"fuzz({backend.name}): {len(classes)} experts classes, {args.budget:.0f} s, seed {args.seed}")
+    # A class that runs on no device here can only refuse: a few seconds show that it does, and the rest of its
+    # share goes to the classes that run.
+    idle = [c for c in classes if getattr(c, "support", None) is not None and c.support.device_reason() is not None]
+    idle_s = min(10.0, args.budget / max(len(classes), 1))
+    share = (args.budget - idle_s * len(idle)) / max(len(classes) - len(idle), 1)
     figures = []
     for cls in classes:
-        figures.append(fuzz_class(cls, args.backend, backend.device, args.budget / max(len(classes), 1), args.seed,
+        figures.append(fuzz_class(cls, args.backend, backend.device, idle_s if cls in idle else share, args.seed,
                                   Path(args.regressions) if args.regressions else None))
+        if figures[-1]["interrupted"]:
+            print("fuzz: interrupted; the figures below are of what ran")
+            break
     for f in figures:
         refused = ", ".join(f"{n} x {r}" for r, n in sorted(f["refused"].items(), key=lambda kv: -kv[1])) or "-"
         print(f"{f['class']}: {f['cases']} cases, {f['passed']} passed, {f['failed']} failed; refused: {refused}")

@@ -265,3 +265,22 @@ def test_promotion_applies_to_fp8_per_tensor_and_channel_only():
     for bad in (512, 96, 8):
         with pytest.raises(ValueError, match="PROMOTE_K"):
             C.sanitize_config({"gemm1": dict(g, PROMOTE_K=bad), "gemm2": g})
+
+
+def test_fp32_activations_shrink_a_config_to_the_shared_memory_limit():
+    """The fuzz found fp32 activations at M = 257 (E 8, K 16, I 8) compiling the bf16-sized default config into
+    245,760 bytes of shared memory on an H200 (limit 232,448): fp32 configs drop stages, then K tile, until they
+    fit; 16-bit configs are untouched."""
+    configs = C
+    cfg = configs.get_config(257, 8, 8, 16, 1, None, None, act_elt=2)
+    assert configs.shared_memory_estimate(cfg["gemm1"], 4, 2) > configs.SMEM_LIMIT_SM90  # the bf16 config at fp32
+    fitted = configs.fit_shared_memory(cfg, 4, limit=configs.SMEM_LIMIT_SM90)
+    for name, b_tiles in (("gemm1", 2), ("gemm2", 1)):
+        assert configs.shared_memory_estimate(fitted[name], 4, b_tiles) <= configs.SMEM_LIMIT_SM90
+        assert fitted[name]["num_stages"] >= 2 and fitted[name]["BLOCK_SIZE_K"] >= 16
+    assert configs.fit_shared_memory(cfg, 2) == cfg
+    tiny = configs.fit_shared_memory(cfg, 4, limit=1)  # nothing fits: the smallest legal config, no endless loop
+    assert tiny["gemm1"]["num_stages"] == 2 and tiny["gemm1"]["BLOCK_SIZE_K"] == 16
+    # a block-scaled K tile still divides its group after halving
+    blk = configs.get_config(4096, 8, 256, 256, 2, "fp8_w8a8", (128, 128), act_elt=2)
+    assert all(128 % g["BLOCK_SIZE_K"] == 0 for g in configs.fit_shared_memory(blk, 4, limit=50_000).values())

@@ -176,8 +176,9 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
 
 
 def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: str | None, block_shape=None,
-               override: dict | None = None) -> dict:
-    """The config for a batch of ``M`` tokens: ``override``, else the tuned table's nearest M, else the default."""
+               override: dict | None = None, act_elt: int = 2) -> dict:
+    """The config for a batch of ``M`` tokens: ``override``, else the tuned table's nearest M, else the default;
+    ``act_elt``: bytes per unquantized activation element (4 for fp32: see ``fit_shared_memory``)."""
     if override is not None:
         return sanitize_config(override, block_shape=block_shape)
     table = load_table(E, N, dtype, tuple(block_shape) if block_shape else None, device_name())
@@ -186,7 +187,48 @@ def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: str | None, blo
         # a tuned entry for a very different batch (e.g. a prefill entry for decode) is worse than the default
         if max(m, M) <= 8 * max(min(m, M), 1):
             try:
-                return sanitize_config(table[m], block_shape=block_shape)
+                return fit_shared_memory(sanitize_config(table[m], block_shape=block_shape), act_elt)
             except (KeyError, ValueError):
                 pass
-    return sanitize_config(default_config(M, E, N, K, topk, dtype, block_shape), block_shape=block_shape)
+    return fit_shared_memory(sanitize_config(default_config(M, E, N, K, topk, dtype, block_shape),
+                                             block_shape=block_shape), act_elt)
+
+
+#: Shared memory one block may opt into on sm_90 (H100 / H200), bytes: the fallback where the device is not asked.
+SMEM_LIMIT_SM90 = 232448
+
+
+def shared_memory_limit() -> int:
+    """Bytes of shared memory one block may use on the current device (``SMEM_LIMIT_SM90`` without a GPU)."""
+    if INTERPRET or not torch.cuda.is_available():
+        return SMEM_LIMIT_SM90
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "shared_memory_per_block_optin", SMEM_LIMIT_SM90))
+
+
+def shared_memory_estimate(g: dict, act_elt: int, b_tiles: int) -> int:
+    """Upper estimate of one GEMM config's pipelined operand buffers: ``num_stages`` copies of an A tile
+    (``BLOCK_M x BLOCK_K``) and ``b_tiles`` B tiles (``BLOCK_K x BLOCK_N``; GEMM1 fuses gate and up: 2)."""
+    return g["num_stages"] * (g["BLOCK_SIZE_M"] + b_tiles * g["BLOCK_SIZE_N"]) * g["BLOCK_SIZE_K"] * act_elt
+
+
+def fit_shared_memory(cfg: dict, act_elt: int, limit: int | None = None) -> dict:
+    """Shrink a config sized for 16-bit operands until its operand buffers fit the device's shared memory: fp32
+    activations need twice the bytes per stage, and an over-sized config does not compile (``OutOfResources``:
+    found by ``conformance.fuzz`` at fp32, M = 257). Drops pipeline stages (to 2), then halves BLOCK_SIZE_K (to 16;
+    a power of two dividing a scale group still divides it). 16-bit configs are returned as they are (the tuned
+    tables compile: their GPU runs say so)."""
+    if act_elt <= 2:
+        return cfg
+    limit = shared_memory_limit() if limit is None else limit
+    out = {"gemm1": dict(cfg["gemm1"]), "gemm2": dict(cfg["gemm2"])}
+    for name, g in out.items():
+        b_tiles = 2 if name == "gemm1" else 1
+        while shared_memory_estimate(g, act_elt, b_tiles) > limit:
+            if g["num_stages"] > 2:
+                g["num_stages"] -= 1
+            elif g["BLOCK_SIZE_K"] > 16:
+                g["BLOCK_SIZE_K"] //= 2
+            else:
+                break
+    return out

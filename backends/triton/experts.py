@@ -640,7 +640,9 @@ def _device_reason() -> str | None:
 
 
 #: The FP8 W8A8 pairs the kernels implement (``plan_quant``): per-tensor or per-channel weights x static / dynamic
-#: per-tensor or dynamic per-token activations; 128x128 blocks (fp32 or E8M0 scales) x dynamic 1x128 groups.
+#: per-tensor or dynamic per-token activations; 128x128 blocks (fp32 or E8M0 scales) x dynamic 1x128 groups; 64x64
+#: blocks (vLLM 0.33 refines a checkpoint's 128x128 blocks for a TP shard; it pairs every block shape with
+#: kFp8Dynamic128Sym, and the activations are quantized per 1 x 64 all the same: plan_quant's group_k).
 _FP8_PAIRS = frozenset({
     (K.kFp8StaticTensorSym, K.kFp8StaticTensorSym),
     (K.kFp8StaticTensorSym, K.kFp8DynamicTensorSym),
@@ -650,6 +652,7 @@ _FP8_PAIRS = frozenset({
     (K.kFp8StaticChannelSym, K.kFp8DynamicTensorSym),
     (K.kFp8Static128BlockSym, K.kFp8Dynamic128Sym),
     (K.kFp8Static128BlockE8M0Sym, K.kFp8Dynamic128Sym),
+    (K.kFp8Static64BlockSym, K.kFp8Dynamic128Sym),
 })
 #: INT8 W8A8: per-channel weights x dynamic per-token or static per-tensor activations.
 _INT8_PAIRS = frozenset({
@@ -733,7 +736,7 @@ class TritonExperts(FusedMoEExpertsModular):
 
     def config_for(self, M: int, E: int, I: int, K: int, topk: int) -> dict:
         return _configs.get_config(M, E, I, K, topk, self.plan.cfg_dtype, self.plan.block_shape,
-                                   override=self.config_override)
+                                   override=self.config_override, act_elt=self._act_elt())
 
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
                          activation):
@@ -836,7 +839,7 @@ def fused_experts(
         if plan.a1_mode == _S_TENSOR:
             a1s = a1s.reshape(1)
     cfg = _configs.get_config(M, E, w2.size(2), K, topk_ids.size(1), plan.cfg_dtype, plan.block_shape,
-                              override=config)
+                              override=config, act_elt=hidden_states.element_size() if plan.kind == "none" else 2)
     return run_experts(out=out, a1q=a1q, a1q_scale=a1s, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
                        activation=activation, expert_map=expert_map,
                        num_ids=expert_map.numel() if expert_map is not None else E, qc=qc, plan=plan, cfg=cfg,

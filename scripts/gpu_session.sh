@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call of a GPU session: the named steps, each under its own time limit, their logs and result files
+# packed into $OUT/session.tgz (the device returns at most 8 files) plus $OUT/summary.txt (every step's tail).
+#   bash scripts/gpu_session.sh STEP[:SECONDS] ...        (run from the repository root, .whl/ carried)
+# Steps:
+#   probe                  python scripts/mma_probe.py (the tensor cores' bf16 accumulation, seconds)
+#   conformance            scripts/gpu_conformance.sh over $BACKENDS (default: triton cuda deep_gemm), side by side
+#   nccl                   conformance/test_distributed.py --backend torch --world-size 1 (the NCCL smoke)
+#   fuzz                   python -m conformance.fuzz per backend of $BACKENDS, side by side, seed $SEED (default 0);
+#                          shrunk failures go to results/regressions-<backend>.toml (copied back, merged by hand)
+#   bench-BACKEND          python -m benchmarks --backend BACKEND (timing: run it alone on the GPU)
+# Example: bash scripts/gpu_session.sh probe:60 conformance:450 nccl:60
+set -u
+here=$(pwd)
+res=$here/results; mkdir -p "$res"
+out=${OUT:-$res}
+source scripts/gpu_env.sh >"$res/env.txt" 2>&1
+cat "$res/env.txt"
+backends=(${BACKENDS:-triton cuda deep_gemm})
+export PYTHONUNBUFFERED=1 OUT=$res
+for spec in "$@"; do
+  step=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=300
+  case $step in
+    probe) TAIL=60 bash scripts/gpu_step.sh probe "$limit" python3 scripts/mma_probe.py ;;
+    conformance) bash scripts/gpu_conformance.sh "$res" "$limit" "${backends[@]}" ;;
+    nccl) bash scripts/gpu_step.sh nccl "$limit" python3 -m pytest conformance/test_distributed.py --backend torch \
+            --world-size 1 -q -p no:cacheprovider ;;
+    fuzz)
+      for b in "${backends[@]}"; do
+        cp specs/regressions.toml "$res/regressions-$b.toml"
+        TAIL=25 bash scripts/gpu_step.sh "fuzz-$b" "$((limit + 40))" python3 -m conformance.fuzz --backend "$b" \
+          --budget "$limit" --seed "${SEED:-0}" --regressions "$res/regressions-$b.toml" \
+          --json "$res/fuzz-$b.json" &
+      done
+      wait ;;
+    bench-*) TAIL=80 bash scripts/gpu_step.sh "$step" "$limit" python3 -m benchmarks --backend "${step#bench-}" \
+               --json "$res/$step.json" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done 2>&1 | tee "$res/summary.txt"
+tar czf "$out/session.tgz" -C "$res" . && cp "$res/summary.txt" "$out/summary.txt" 2>/dev/null
+ls -la "$out"
