@@ -37,8 +37,11 @@ differences):
    add ``0.541 (B 2^-2p / 3 + 2^-46 / 12) m / 2`` in mean square (``mma16_rel``). Emulated (float64, bit by bit) this
    bound holds with 1.3-2.2x to spare at n = 1024..14336, as ``acc`` does for fp32. It applies to GEMMs whose operands
    are bf16 / fp16 (unquantized, and weight-only schemes dequantized to the act dtype), never to fp32 operands.
-   Its mean part (a shrink of about ``c m / 2``) has one sign in gate, up and GEMM2, but each is rounded before they
-   meet, and what survives a rounding is flips at independent elements: they combine in quadrature as the rest.
+   Its mean part is a *shrink proportional to the result*: the regression of ``-c sum_k S_k`` on ``S_m`` is
+   ``c m / 2``, 3/4 of the mean square (``Accumulation.shrink``); step 3 rounds it as a proportional difference.
+   The SM90 parameters were read off test vectors (``scripts/mma_probe.py`` on an H200, 2026-11-26): cuBLAS, Triton
+   wgmma and mma.sync all keep 25 bits below the step's largest magnitude, truncate negative terms toward zero, and
+   align the accumulator with the products.
 
 2. **A GEMM** sums many independent input differences: the relative mean square carries through
    (``m2_out = m2_in + acc^2`` for a dot product with independent weights). Differences come in two kinds, tracked
@@ -48,18 +51,22 @@ differences):
    row, so a sparse fraction ``q`` reaches a fraction ``min(1, n q)`` of the output rows (all of their elements);
    at 1 it has become dense.
 
-3. **Rounding to a grid** with spacing ``s_i`` at element ``i``: an input difference ``d_i`` (|d_i| < s_i) makes
-   the two roundings differ by one step with probability ``|d_i| / s_i``, so ``E[diff^2] = s_i |d_i|`` while the
-   mean |difference| stays ``|d_i|``. For a floating format with ``p`` mantissa bits, ``s_i = 2^-p |v_i| / mant_i``
-   (``mant_i`` in [1, 2)); with ``E[1 / mant] = 1 / (2 ln 2)`` (logarithmically distributed mantissas) and
-   ``E|v| = sqrt(2 / pi) rms`` (near-Gaussian values)::
-
-       m2_out = m2_in + min(c_flip * 2^-p * m1_in, 2^-2p / 6),   c_flip = sqrt(2 / pi) / (2 ln 2) = 0.575
-
-   capped at the variance of two independent roundings. What does not flip is *equal* after the rounding: a dense
-   input difference becomes a sparse one (``q = m1 / (c_flip s)``); a sparse one flips again with probability
-   ``d / (c_flip s)`` per differing element of mean |difference| ``d``, or stays if ``d`` exceeds a step. A uniform grid (INT8, step ``amax / 127``) uses
-   ``s = tail(n) / 127`` relative to the RMS, ``tail(n) = sqrt(2 ln n)`` the expected maximum of ``n`` Gaussians.
+3. **Rounding to a grid** with spacing ``s`` at an element: two values ``d`` apart, each rounded, differ by ``k`` or
+   ``k + 1`` steps where ``|d| / s = k + f`` (the latter with probability ``f``), so ``E[diff^2] = s^2 (k^2 +
+   (2k + 1) f)`` with variance ``s^4 f (1 - f) (2k + 1)^2`` (``_round_pair``): ``s |d|`` for a difference under a
+   step (a *flip* with probability ``|d| / s``), never less than ``d^2`` (a rounding never shrinks a difference: until
+   2026-11-26 the model let it, and was too tight by up to 1.3x where the difference neared a step). For a floating
+   format ``s = 2^-p |v| / mant``; INT8's uniform grid has ``s = tail(n) / 127`` of the RMS, ``tail(n) = sqrt(2 ln n)``.
+   The expectation is taken by quadrature (``_expect``) over the stage's values (``_stage_values``: Gaussian for GEMM
+   outputs, the activation's output on Gaussian gate and up otherwise, a heavy-tailed product), logarithmically
+   distributed mantissas and the difference, which comes in three kinds that round differently:
+   *additive* (value-independent, Gaussian: accumulation order; it flips small values most), *proportional*
+   (``d = eps v``: the tensor core's shrink of step 1b; an earlier flip, which is one step of its grid, a fixed
+   fraction of its element: its flips land at any value, and ``E[diff^2] = 2^-p E[1/mant] eps`` per element is
+   1.57x the additive form's at equal mean square), and *kept* (an additive difference beyond the step at values far
+   smaller than it: a fixed few elements that stay different). A flip's relative size and the mean square of the
+   values where flips land are carried to the next rounding. A GEMM turns the rows a flip reaches into an additive
+   difference over those rows.
 
 4. **Dynamic scales**: a scale computed from ``amax`` of a group moves with the group's maximum element, shifting
    every element of the group by the same relative amount. With an fp32 scale the shift's mean |value| is ``m1``
@@ -79,11 +86,12 @@ differences):
    side and as ``w y`` on the other: two independent roundings, ``E[1/mant^2] s^2 / 6 = 0.541 s^2 / 6``, allowed
    to a kernel whose ``SupportRecord.router_weight_rounding`` declares the vLLM form.
 
-7. **Few events**: a sparse difference is a sum over flip events, about ``q x rows x width`` of them at the rounding
-   that made them (fewer if the dense difference that drove them came from few events). When the expected count
-   ``lam`` is small (a short reduction, few routed rows) the realised mean square scatters around its expectation
-   like a Poisson count: it is bounded by its upper quantile ``(lam + z sqrt(lam) + z^2) / lam`` times the
-   expectation (``z_events`` in specs; independent parts combine their counts by their relative variances).
+7. **Few events**: a mean square made of Bernoulli flips scatters around its expectation: ``n`` elements with
+   per-element variance ``V`` give a relative variance ``V / (n T^2)``, i.e. ``lam = n T^2 / V`` *effective* events
+   (the flips' sizes go as their values, so a heavy-tailed stage has fewer effective events than flips); and a part
+   driven by an upstream difference made of few events inherits its relative variance (a flip at one large gated
+   product drives every rounding after it). The realised mean square is bounded by the upper quantile
+   ``(lam + z sqrt(lam) + z^2) / lam`` times the expectation (``z_events`` in specs).
 
 Bounds (``k_rms``, ``k_max``, ``tail`` in specs): ``rms_norm <= k_rms * sqrt(m2 * few)`` (``k_rms = 1``: the constants of
 steps 1 and 4 are worst cases, so the expectation is already a bound, and step 7 covers its scatter); ``calc_diff`` is
@@ -96,15 +104,16 @@ value) carried by one weight of ``w2`` (``~ N(0, 1/I)``): relative to ``max |y|`
 Where this model is honest about its limits: a *per-tensor* dynamic scale is one draw per call, so the expectation
 in 4 is realised all-or-nothing; the bound holds on average over cases, and the conformance suite's
 accumulation probe (``conformance/test_accumulation.py``) is the sharp instrument for accumulation precision
-(it uses inputs on which every conforming accumulation is exact). Two known gaps (docs/GPU_NOTES.md, 2026-11-26):
-step 3 treats a difference as independent of the value it perturbs, while most of step 1b's is a shrink proportional to
-it (whose rounding mean square is 1.57x larger); and step 7 counts flip events as unit-sized, while an event's square
-goes as its element's value squared (a compound Poisson sum: on one-route outputs, with a gated activation's heavy
-tail, one event can carry the whole mean square). Both show on single-token bf16 cases.
+(it uses inputs on which every conforming accumulation is exact): an in-place FP8 accumulation at K <= 2048 adds less
+than the conforming roundings scatter at the output, and only the probe rejects it. Step 7's quantile treats the
+realised mean square as nearly Gaussian; a single flip at an extreme gated product (Mixtral bf16 M = 1: one event
+at 15.6x the stage's RMS carried 99.9% of it, docs/GPU_NOTES.md 2026-11-26) lies beyond it. Step 5's condition
+numbers are taken where the activations carry the output, not at their clamps.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -227,6 +236,15 @@ class Accumulation:
         partial = acc_rel(span, 2.0**-self.mma_mantissa_bits)
         return math.sqrt(partial**2 + acc_rel(math.ceil(n / span), 2.0**-24) ** 2)
 
+    def shrink(self, n: int, fp8_mma: bool, mma16: bool = False) -> float:
+        """The part of ``relative_error`` that is a shrink proportional to the value (step 1b: the normalization
+        toward zero drops ``c sum_k S_k``, whose regression on the result ``S_m`` is ``c m / 2``, 3/4 of its mean
+        square); 0 where the accumulation rounds to nearest."""
+        if not (mma16 and not fp8_mma and self.mma16_block is not None):
+            return 0.0
+        m = math.ceil(max(n, 1) / self.mma16_block)
+        return 2.0**-24 / (2.0 * math.log(2.0)) * m / 2.0
+
 
 @dataclass(frozen=True)
 class ErrorBound:
@@ -244,8 +262,8 @@ class ErrorBound:
 
 
 def _combine(v1: float, l1: float, v2: float, l2: float) -> tuple[float, float]:
-    """Sum of two independent mean squares, each the sum of a Poisson number of events with expectation ``l``:
-    the effective event count of the sum (its relative variance is ``sum v_i^2 / l_i / (sum v_i)^2``)."""
+    """Sum of two independent mean squares, each realised from an effective number ``l`` of independent events (step
+    7): the effective event count of the sum (its relative variance is ``sum v_i^2 / l_i / (sum v_i)^2``)."""
     v = v1 + v2
     if v <= 0:
         return 0.0, math.inf
@@ -253,83 +271,259 @@ def _combine(v1: float, l1: float, v2: float, l2: float) -> tuple[float, float]:
     return v, (v * v / var if var > 0 else math.inf)
 
 
+# ---- Step 3's expectations, by quadrature over the values of a stage, their mantissas and the difference --------
+_NODES = 128  # value nodes per stage distribution (each the RMS of an equal-probability slice: tails kept)
+_MANTS = 16   # log-uniform mantissas in [1, 2)
+_ZS = 32      # |z| nodes of a Gaussian difference
+
+
+def _slices(samples: torch.Tensor, nodes: int = _NODES) -> torch.Tensor:
+    """Equal-probability nodes of |samples| (sorted, cut into ``nodes`` slices, each slice's RMS), scaled so that
+    the mean square is 1: the stage's values relative to its RMS."""
+    a = samples.abs().double().flatten().sort().values
+    v = a[: a.numel() // nodes * nodes].view(nodes, -1).pow(2).mean(1).sqrt()
+    return v / v.pow(2).mean().sqrt()
+
+
+def _half_normal_quantiles(n: int) -> torch.Tensor:
+    return torch.distributions.Normal(0.0, 1.0).icdf((torch.arange(n, dtype=torch.float64) + 0.5) / (2 * n) + 0.5)
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_values(activation_name: str | None) -> torch.Tensor:
+    """|values| of a stage relative to its RMS (``_NODES`` equal-weight nodes): Gaussian (GEMM outputs; ``None``),
+    or the activation's output on GEMM1 outputs ~ N(0, 1) (gate and up independent), which for a gated product is
+    heavy-tailed (its kurtosis sets how few events carry a stage's mean square, step 7)."""
+    g = torch.distributions.Normal(0.0, 1.0).icdf((torch.arange(4096, dtype=torch.float64) + 0.5) / 4096)
+    if activation_name is None:
+        return _slices(g)
+    from reference.activation import MoEActivation, SITU_KIMI_K3_BETA, SITU_KIMI_K3_LINEAR_BETA, apply_moe_activation
+
+    act = MoEActivation[activation_name]
+    if act.is_gated:
+        gg, uu = torch.meshgrid(g[::64], g[::64], indexing="ij")  # 64 x 64 (gate, up) pairs
+        x = torch.stack([gg.flatten(), uu.flatten()], dim=1)
+        if act is MoEActivation.SWIGLUOAI:  # interleaved: gate = even column, already so
+            pass
+    else:
+        x = g[:, None]
+    kw = dict(situ_beta=SITU_KIMI_K3_BETA, situ_linear_beta=SITU_KIMI_K3_LINEAR_BETA) if act.name == "SITU" else {}
+    y = apply_moe_activation(act, x.float(), **kw).double()
+    return _slices(y)
+
+
+_MANT = torch.exp2((torch.arange(_MANTS, dtype=torch.float64) + 0.5) / _MANTS)  # log-uniform mantissas
+_Z = _half_normal_quantiles(_ZS)
+
+
+def _round_pair(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rounding ``x`` and ``x + d`` to a grid of spacing ``s`` (``x`` uniform modulo ``s``): the mean and variance of
+    the squared difference of the two results, and the flip probability where ``|d| < s``. With ``|d| / s = k + f``
+    the difference is ``k`` or ``k + 1`` steps (the latter with probability ``f``)."""
+    # A zero value (an activation's clamp, relu) is zero on both sides: no step there, no difference.
+    live = s > 0
+    r = torch.where(live, d.abs() / torch.where(live, s, 1.0), 0.0)
+    k = torch.floor(r)
+    f = r - k
+    mean = s * s * (k * k + (2 * k + 1) * f)
+    var = s**4 * f * (1 - f) * (2 * k + 1) ** 2
+    return mean, var, torch.where(k == 0, f, torch.zeros_like(f))
+
+
+@dataclass
+class _Rounded:
+    """What a rounding made of one part of the difference: ``flip`` (mean square of the one-step flips, relative to
+    the stage's RMS^2), ``flip_var`` (its per-element variance), ``q`` (fraction of elements flipped), ``e`` (mean
+    relative step |diff / v| at a flipped element), ``w`` (mean v^2 at a flipped element: flips favour small values
+    when the difference is value-independent), ``stay`` (mean square where the difference exceeded a step and
+    survives, plus its rounding), ``stay_var``."""
+
+    flip: float = 0.0
+    flip_var: float = 0.0
+    q: float = 0.0
+    e: float = 0.0
+    w: float = 1.0
+    stay: float = 0.0
+    stay_var: float = 0.0
+    q_stay: float = 0.0
+
+
+def _expect(d: torch.Tensor, v: torch.Tensor, step, weight: torch.Tensor) -> _Rounded:
+    """Expectations of ``_round_pair`` over a grid of elements (values ``v``, differences ``d``, per-element grid
+    spacing ``step``, probability weights ``weight``, all broadcast together)."""
+    mean, var, fp = _round_pair(d, step)
+    wgt = weight.expand_as(mean)
+    flipping = (mean > 0) & (fp > 0)
+    q = float((wgt * fp).sum())
+    flip = float((wgt * torch.where(flipping, mean, 0.0)).sum())
+    flip_var = float((wgt * torch.where(flipping, var, 0.0)).sum())
+    stay = float((wgt * torch.where(flipping, 0.0, mean)).sum())
+    stay_var = float((wgt * torch.where(flipping, 0.0, var)).sum())
+    vv = v.expand_as(mean)
+    rel_step = (step / vv.clamp_min(1e-30)).expand_as(mean)
+    e = float((wgt * fp * rel_step).sum()) / q if q > 0 else 0.0
+    w = float((wgt * fp * vv * vv).sum()) / q if q > 0 else 1.0
+    q_stay = float((wgt * ((~flipping) & (mean > 0))).sum())
+    return _Rounded(flip, flip_var, q, e, w, stay, stay_var, q_stay)
+
+
+def _round_additive(sigma: float, values: torch.Tensor, grid) -> _Rounded:
+    """A value-independent Gaussian difference of RMS ``sigma`` (relative) rounded on ``grid`` (``("float", p)``: a
+    step of ``2^-p |v| / mant``; ``("uniform", s)``: a step ``s`` relative to the RMS)."""
+    if sigma <= 0:
+        return _Rounded()
+    v = values[:, None, None]
+    d = sigma * _Z[None, None, :]
+    weight = torch.full((values.numel(), 1 if grid[0] == "uniform" else _MANTS, _ZS), 1.0).double()
+    weight /= weight.sum()
+    step = _grid_step(grid, v)
+    return _expect(d, v, step, weight)
+
+
+def _round_proportional(eps: float, values: torch.Tensor, grid, value_weight: float = 1.0) -> _Rounded:
+    """A difference proportional to the value, ``d = eps v`` (a tensor core's shrink, or an earlier flip: one step of
+    a grid is a fixed fraction of its element), rounded on ``grid``; ``value_weight``: mean v^2 where it sits."""
+    if eps <= 0:
+        return _Rounded()
+    v = values[:, None]
+    weight = torch.full((values.numel(), 1 if grid[0] == "uniform" else _MANTS), 1.0 / values.numel()).double()
+    weight /= weight.sum()
+    r = _expect(eps * v, v, _grid_step(grid, v[..., None])[..., 0], weight)
+    if grid[0] == "float":  # both d and the step scale with |v|: the squares scale with the value weight
+        r.flip, r.flip_var, r.stay, r.stay_var = (r.flip * value_weight, r.flip_var * value_weight**2,
+                                                  r.stay * value_weight, r.stay_var * value_weight**2)
+        r.w = r.w * value_weight
+    return r
+
+
+def _grid_step(grid, v: torch.Tensor) -> torch.Tensor:
+    kind, x = grid
+    if kind == "uniform":
+        return torch.full_like(v, float(x))
+    return (2.0**-x) * v / _MANT[None, :, None] if v.dim() == 3 else (2.0**-x) * v / _MANT[None, :]
+
+
 @dataclass
 class _State:
-    """The difference between two conforming implementations at one stage, relative to that stage's RMS: a dense
-    part (every element differs a little: accumulation order) of mean square ``d2``, and a sparse part (a fraction
-    ``q`` of the elements differ by whole grid steps: rounding flips) of mean square ``s2`` over all elements.
-    ``ld`` / ``ls``: the expected number of independent flip events each part is made of (inf: accumulation order,
-    which every element has); with few events the realised mean square scatters around its expectation (step 7).
+    """The difference between two conforming implementations at one stage, relative to that stage's RMS:
+    - a dense additive part (every element differs a little, independently of its value: accumulation order) of
+      mean square ``d2``;
+    - a dense proportional part ``eps`` (every element shrunk by the same relative amount: the 16-bit tensor core's
+      normalization toward zero, step 1b);
+    - a sparse part: a fraction ``q`` of the elements differ by about one grid step (rounding flips), mean square
+      ``s2`` over all elements, mean relative size ``e`` at those elements (a step is proportional to its value)
+      and mean v^2 ``w`` there.
+    ``ld`` / ``ls``: the effective number of independent events each mean square is made of (inf: accumulation
+    order, which every element has); with few, the realised mean square scatters around its expectation (step 7).
     ``rows``: the GEMM rows of the call (routed tokens), for counting events."""
 
     rows: float = math.inf
     d2: float = 0.0
     ld: float = math.inf
+    eps: float = 0.0
     q: float = 0.0
     s2: float = 0.0
     ls: float = math.inf
+    e: float = 0.0
+    w: float = 1.0
+    k2: float = 0.0
+    lk: float = math.inf
+    qk: float = 0.0
+    sparse_additive: bool = False
     trace: list = field(default_factory=list)
 
     @property
     def m2(self) -> float:
-        return self.d2 + self.s2
+        return self.d2 + self.eps * self.eps + self.s2 + self.k2
 
     @property
     def events(self) -> float:
-        return _combine(self.d2, self.ld, self.s2, self.ls)[1]
+        v, l = _combine(self.d2 + self.eps * self.eps, self.ld, self.s2, self.ls)
+        return _combine(v, l, self.k2, self.lk)[1]
 
     def log(self, stage: str) -> None:
         ev = self.events
-        self.trace.append(f"{stage}: rms {math.sqrt(self.m2):.2e} (dense {math.sqrt(self.d2):.1e}, "
-                          f"{self.q:.1e} of elements flipped" + (f", ~{ev:.0f} flip events)" if ev < math.inf
-                                                                  else ")"))
+        self.trace.append(f"{stage}: rms {math.sqrt(self.m2):.2e} (dense {math.sqrt(self.d2):.1e}"
+                          + (f", shrink {self.eps:.1e}" if self.eps else "")
+                          + f", {self.q:.1e} of elements flipped"
+                          + (f", ~{ev:.0f} effective flip events)" if ev < math.inf else ")"))
 
-    def gemm(self, n: int, acc: float, stage: str) -> None:
-        # Each output row sums n inputs of one row: a flip anywhere in it reaches all of its outputs.
-        self.q = min(1.0, n * self.q)
-        if self.q >= 1.0:  # flips in every row: the difference is dense now
-            self.d2, self.ld = _combine(self.d2, self.ld, self.s2, self.ls)
-            self.q, self.s2, self.ls = 0.0, 0.0, math.inf
+    def gemm(self, n: int, acc: float, shrink: float = 0.0, *, stage: str) -> None:
+        """A GEMM over ``n`` inputs of a row, adding ``acc`` (additive) and ``shrink`` (proportional) accumulation
+        differences; a flip anywhere in a row reaches all of its outputs, a uniform shrink of the inputs shrinks the
+        outputs alike."""
+        # The rows a flip or a kept difference reaches now differ everywhere, by a value-independent amount.
+        rows_hit = min(1.0, n * (self.q + self.qk))
+        v, l = _combine(self.s2, self.ls, self.k2, self.lk)
+        self.qk, self.k2, self.lk, self.e, self.w = 0.0, 0.0, math.inf, 0.0, 1.0
+        if rows_hit >= 1.0:  # in every row: dense now
+            self.d2, self.ld = _combine(self.d2, self.ld, v, l)
+            self.q, self.s2, self.ls, self.sparse_additive = 0.0, 0.0, math.inf, False
+        else:
+            self.q, self.s2, self.ls, self.sparse_additive = rows_hit, v, l, v > 0
         self.d2, self.ld = _combine(self.d2, self.ld, acc * acc, math.inf)
-        self.log(f"{stage} (acc {acc:.1e})")
+        self.eps = math.hypot(self.eps, shrink)
+        self.log(f"{stage} (acc {math.hypot(acc, shrink):.1e}" + (f", of it shrink {shrink:.1e})" if shrink else ")"))
 
-    def scale(self, factor: float) -> None:
+    def scale(self, factor: float, spread: int, cond: float) -> None:
+        """The activation: relative mean squares times ``factor`` (step 5); ``spread`` inputs per output (2 for a
+        gated product: a flip in the gate or the up half reaches the output); a flip's relative size times
+        ``cond`` at most."""
         self.d2 *= factor
+        self.eps *= math.sqrt(factor)
         self.s2 *= factor
-        self.q = min(1.0, self.q * math.sqrt(factor))
+        self.k2 *= factor
+        self.q = min(1.0, self.q * spread)
+        self.qk = min(1.0, self.qk * spread)
+        self.e *= max(cond, 1.0)
 
-    def round(self, s: float, c_flip: float, stage: str, width: int, scale_shift: bool = False) -> None:
-        """Rounding to a grid of relative spacing ``s`` (step 3) of a stage ``width`` elements wide;
-        ``scale_shift``: a dynamic scale moves with the group's maximum (step 4)."""
+    def round(self, grid, values: torch.Tensor, stage: str, width: int, scale_shift: bool = False) -> None:
+        """Rounding to ``grid`` (step 3) of a stage ``width`` elements wide whose values are ``values``;
+        ``scale_shift``: a dynamic scale moves with the group's maximum (step 4: the rounding sees the difference
+        twice)."""
         shift = 2.0 if scale_shift else 1.0
         n = self.rows * width
-        # The dense part flips a fraction m1 / (c s) of the elements by one step each; what does not flip is equal
-        # after rounding. A dense part beyond a step stays dense, plus the variance of two independent roundings.
-        m1_d = shift * _SQRT_2_PI * math.sqrt(self.d2)
-        if m1_d < c_flip * s:
-            new_q, new_s2, d2, ld = m1_d / (c_flip * s), c_flip * s * m1_d, 0.0, math.inf
-            new_l = min(self.ld, new_q * n) if new_q > 0 else math.inf
-        else:
-            new_q, new_s2, new_l = 0.0, 0.0, math.inf
-            d2, ld = _combine(self.d2, self.ld, s * s / 6.0, math.inf)
-        # The sparse part: elements that differ by d flip again with probability d / (c s), or keep differing.
-        if self.q > 0:
-            d = shift * _SQRT_2_PI * math.sqrt(self.s2 / self.q)
-            if d < c_flip * s:  # one step with probability d / (c s): E[diff^2] = c s d per element
-                keep = d / (c_flip * s)
-                q_old, s2_old = self.q * keep, max(self.s2, self.q * c_flip * s * d)
-                l_old = self.ls * keep if keep > 0 and self.ls < math.inf else self.ls
-            else:  # already beyond a step: the difference stays, plus two independent roundings
-                q_old, s2_old, l_old = self.q, self.s2 + self.q * s * s / 6.0, self.ls
-        else:
-            q_old, s2_old, l_old = 0.0, 0.0, math.inf
-        self.d2, self.ld = d2, ld
-        self.q = min(1.0, new_q + q_old)
-        self.s2, self.ls = _combine(new_s2, new_l, s2_old, l_old)
+        a = _round_additive(shift * math.sqrt(self.d2), values, grid)
+        pr = _round_proportional(shift * self.eps, values, grid)
+        if self.q <= 0:
+            sp = _Rounded()
+        elif self.sparse_additive:  # rows a GEMM spread a difference over: value-independent there
+            sp = _round_additive(shift * math.sqrt(self.s2 / self.q), values, grid)
+        else:  # earlier flips: one step of their grid, proportional to their element
+            sp = _round_proportional(shift * self.e, values, grid, self.w)
+        # The sparse part's elements: only a fraction q of them carry a difference.
+        for f in ("flip", "flip_var", "stay", "stay_var"):
+            setattr(sp, f, getattr(sp, f) * self.q)
+        sp.q *= self.q
+        sp.q_stay *= self.q
+        # Each part's mean square scatters with the events upstream that made it (relative variance 1 / l) and with
+        # this rounding's own Bernoulli steps (per-element variance V over n elements): step 7.
+        relvar = lambda l: 0.0 if not math.isfinite(l) else 1.0 / max(l, 1e-9)  # noqa: E731
+        parts = ((a, relvar(self.ld)), (pr, 0.0), (sp, relvar(self.ls)))
+        flip = sum(r.flip for r, _ in parts)
+        flip_var = sum(r.flip**2 * rv + (r.flip_var / n if math.isfinite(n) else 0.0) for r, rv in parts)
+        # What exceeded a step keeps its difference: the additive part only at elements far smaller than their
+        # difference (a fixed, value-correlated few, never re-flipped: ``k2``), the sparse part at its elements.
+        fixed = a.stay + pr.stay
+        fixed_var = a.stay**2 * relvar(self.ld) + (a.stay_var + pr.stay_var) / n if math.isfinite(n) else 0.0
+        q_fixed = sum(r.q_stay for r in (a, pr))
+        stay = sp.stay
+        stay_var = sp.stay**2 * relvar(self.ls) + (sp.stay_var / n if math.isfinite(n) else 0.0)
+        self.k2, self.lk = _combine(self.k2, self.lk, fixed, fixed * fixed / fixed_var if fixed_var > 0 else math.inf)
+        self.qk = min(1.0, self.qk + q_fixed)
+        self.d2, self.ld, self.eps = 0.0, math.inf, 0.0
+        self.s2 = flip + stay
+        var = flip_var + stay_var
+        self.ls = self.s2 * self.s2 / var if var > 0 else math.inf
+        q_new = sum(r.q for r, _ in parts)
+        self.q = min(1.0, q_new + sp.q_stay)
+        self.sparse_additive = False
+        if q_new > 0:
+            self.e = sum(r.e * r.q for r, _ in parts) / q_new
+            self.w = sum(r.w * r.q for r, _ in parts) / q_new
         self.log(stage)
 
 
-_SQRT_2_PI = math.sqrt(2.0 / math.pi)
 # Relative condition number |x f'(x) / f(x)| of the activation's (gate) function where it matters: 1 for SiLU, GELU
 # and their clamped forms at the magnitudes that carry the output; relu(x)^2 doubles relative differences.
 _ACT_CONDITION = {"RELU2_NO_MUL": 2.0, "RELU2": 2.0}
@@ -339,7 +533,7 @@ def _tail(n: int) -> float:
     return math.sqrt(2.0 * math.log(max(n, 2)))
 
 
-def _requantize(st: _State, desc: FusedMoEQuantDesc, qc: FusedMoEQuantConfig, width: int, c: dict,
+def _requantize(st: _State, desc: FusedMoEQuantDesc, qc: FusedMoEQuantConfig, width: int, values: torch.Tensor,
                 stage: str) -> int | None:
     """Rounding of a dynamically (or statically) quantized activation; returns the grid's mantissa bits (None for
     uniform grids)."""
@@ -349,13 +543,13 @@ def _requantize(st: _State, desc: FusedMoEQuantDesc, qc: FusedMoEQuantConfig, wi
     static = desc.scale is not None
     if fmt == torch.int8:
         group = _int8_group(desc, width, st.rows)
-        st.round(_tail(group) / 127.0, c["c_flip"], stage + " (int8)", width, scale_shift=True)
+        st.round(("uniform", _tail(group) / 127.0), values, stage + " (int8)", width, scale_shift=True)
         return None
     p = format_mantissa_bits(fmt)
     if p is None:
         raise ValueError(f"error model: no grid for activation format {fmt!r}")
     pow2 = qc.use_ue8m0 or fmt in _POW2_SCALES
-    st.round(2.0**-p, c["c_flip"], f"{stage} ({fmt if isinstance(fmt, str) else str(fmt)[6:]})", width,
+    st.round(("float", p), values, f"{stage} ({fmt if isinstance(fmt, str) else str(fmt)[6:]})", width,
              scale_shift=not static and not pow2)
     return p
 
@@ -419,31 +613,39 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     N = 2 * I if gated else I
 
     def acc(n, desc):
+        """(additive, proportional) relative accumulation differences of a length-n GEMM (steps 1, 1b)."""
         fp8 = _is_fp8_mma(desc)
         # bf16/fp16 operands on the MMA: unquantized activations, or weight-only schemes dequantized to the act dtype
         mma16 = desc.dtype is None and act_dtype in (torch.bfloat16, torch.float16)
-        return math.hypot(accumulation.relative_error(n, fp8, mma16), ref_acc.relative_error(n, fp8, mma16))
+        total = math.hypot(accumulation.relative_error(n, fp8, mma16), ref_acc.relative_error(n, fp8, mma16))
+        shrink = accumulation.shrink(n, fp8, mma16)
+        return math.sqrt(max(total * total - shrink * shrink, 0.0)), shrink
 
     # a1 is quantized bit-exactly by both sides (the quantizer cases check it): no difference enters GEMM1.
-    s_act = 2.0**-p_act
-    st.gemm(K, 0.0 if gemm1_exact else acc(K, quant_config.a1), "GEMM1")
-    st.round(s_act, c["c_flip"], "h rounded", N)
+    act_grid = ("float", p_act)
+    gaussian = _stage_values(None)
     if activation is not None:
         gated = activation.is_gated
+    act_values = _stage_values(activation.name if activation is not None else "SILU" if gated else "SILU_NO_MUL")
+    if gemm1_exact:
+        st.gemm(K, 0.0, stage="GEMM1")
+    else:
+        st.gemm(K, *acc(K, quant_config.a1), stage="GEMM1")
+    st.round(act_grid, gaussian, "h rounded", N)
     cond = _ACT_CONDITION.get(getattr(activation, "name", None), 1.0)
-    st.scale(cond * cond + (1.0 if gated else 0.0))
-    st.round(s_act, c["c_flip"], "activation rounded", I)
-    p_a2 = _requantize(st, quant_config.a2, quant_config, I, c, "a2 requantized")
-    st.gemm(I, acc(I, quant_config.a2), "GEMM2")
-    st.round(s_act, c["c_flip"], "GEMM2 rounded", K)
+    st.scale(cond * cond + (1.0 if gated else 0.0), 2 if gated else 1, cond)
+    st.round(act_grid, act_values, "activation rounded", I)
+    p_a2 = _requantize(st, quant_config.a2, quant_config, I, act_values, "a2 requantized")
+    st.gemm(I, *acc(I, quant_config.a2), stage="GEMM2")
+    st.round(act_grid, gaussian, "GEMM2 rounded", K)
     # Step 6: where the router weight is applied is not fixed: the reference rounds y and weights it in fp32; vLLM's
     # fused_moe_kernel weights the fp32 accumulator before its store (MUL_ROUTED_WEIGHT) and rounds w * y, its
     # TopKWeightAndReduceContiguous rounds y and then w * y in the output dtype. Each side's rounding of a term is
     # then independent: the variance of two roundings, E[1 / mant^2] = 3 / (8 ln 2) = 0.541 of s^2 / 6.
     if router_weight_rounding != "reference":
-        st.d2, st.ld = _combine(st.d2, st.ld, 0.541 * s_act * s_act / 6.0, math.inf)
+        st.d2, st.ld = _combine(st.d2, st.ld, 0.541 * 2.0 ** (-2 * p_act) / 6.0, math.inf)
         st.log("router weight applied before or after the GEMM2 rounding")
-    st.round(s_act, c["c_flip"], "top-k sum rounded", K)
+    st.round(act_grid, gaussian, "top-k sum rounded", K)
     # Step 7: a mean square made of ~lam independent flip events is realised within its Poisson upper quantile.
     lam, z = st.events, c["z_events"]
     few = 1.0 if lam == math.inf else (lam + z * math.sqrt(lam) + z * z) / lam

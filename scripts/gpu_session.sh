@@ -9,6 +9,7 @@
 #   fuzz                   python -m conformance.fuzz per backend of $BACKENDS, side by side, seed $SEED (default 0);
 #                          shrunk failures go to results/regressions-<backend>.toml (copied back, merged by hand)
 #   bench-BACKEND          python -m benchmarks --backend BACKEND (timing: run it alone on the GPU)
+#   py-NAME                python scripts/NAME.py (a diagnosis script; started in the background, waited for at the end)
 # Example: bash scripts/gpu_session.sh probe:60 conformance:450 nccl:60
 set -u
 here=$(pwd)
@@ -18,6 +19,7 @@ source scripts/gpu_env.sh >"$res/env.txt" 2>&1
 cat "$res/env.txt"
 backends=(${BACKENDS:-triton cuda deep_gemm})
 export PYTHONUNBUFFERED=1 OUT=$res
+{
 for spec in "$@"; do
   step=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=300
   case $step in
@@ -33,10 +35,15 @@ for spec in "$@"; do
           --json "$res/fuzz-$b.json" &
       done
       wait ;;
+    py-*) TAIL=40 bash scripts/gpu_step.sh "$step" "$limit" python3 "scripts/${step#py-}.py" >"$res/$step.summary" 2>&1 &
+          ;;
     bench-*) TAIL=80 bash scripts/gpu_step.sh "$step" "$limit" python3 -m benchmarks --backend "${step#bench-}" \
                --json "$res/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
-done 2>&1 | tee "$res/summary.txt"
+done
+wait  # the py- steps
+cat "$res"/*.summary 2>/dev/null
+} 2>&1 | tee "$res/summary.txt"
 tar czf "$out/session.tgz" -C "$res" . && cp "$res/summary.txt" "$out/summary.txt" 2>/dev/null
 ls -la "$out"

@@ -157,19 +157,27 @@ def test_emulated_kernels_are_classified(E, topk, K, I, M, scheme):
         assert inside(_emulated(PromotedExperts, x, w1q, w2q, w, ids, qc))
     else:  # the SM90 bf16 tensor core (aligned, normalized toward zero every 16 products) conforms
         assert inside(_emulated(Mma16Experts, x, w1q, w2q, w, ids, qc))
-    if K >= 4096:  # at shorter K the reduced-precision accumulator is the accumulation probe's to catch
+    if K >= 7168:  # below, what a 13-bit accumulator adds is less than the conforming roundings' own scatter at the
+        # output; the accumulation probe (exact-grid inputs, K = 16384) is the instrument that catches it there
         assert not inside(_emulated(InplaceExperts, x, w1q, w2q, w, ids, qc))
-    assert not inside(_emulated(ExtraRoundingExperts, x, w1q, w2q, w, ids, qc))
+    if scheme == "bf16":  # one extra bf16 rounding per element is below an FP8 requantization's own flips
+        assert not inside(_emulated(ExtraRoundingExperts, x, w1q, w2q, w, ids, qc))
     assert not inside(_emulated(DroppedWeightExperts, x, w1q, w2q, w, ids, qc))
 
 
-# Issue 22's H200 measurements (tree 4fab0a7): (E, topk, K, I, M, scheme, max_norm, rms_norm, conforming?).
+# Issue 22's H200 measurements (tree 4fab0a7): (E, topk, K, I, M, scheme, max_norm, rms_norm, inside the bound?).
+# The first six are Triton's in-place FP8 accumulation (fast accumulation, not conforming). From the output alone the
+# model rejects it where its error outgrows what conforming roundings scatter (K >= 2880 here); at K 1024 / 2048 the
+# in-place error (5e-4 .. 1e-3 of a GEMM, docs/GPU_NOTES.md 2026-11-25) is inside that scatter, and the accumulation
+# probe (conformance/test_accumulation.py: exact-grid inputs, K = 16384) is what rejects the kernel: see
+# test_accumulation_probe_classifies. (Until 2026-11-26 the model let a rounding shrink a difference near a step, and
+# all six fell outside a bound that was too tight for conforming kernels: the H200 bf16 and fp8_tensor_static cases.)
 _H200 = [
     (1, 1, 7168, 1408, 4099, "fp8_channel_token", 0.032, 0.0196, False),
     (2, 2, 4096, 64, 100, "fp8_tensor", 0.036, 0.0155, False),
     (8, 3, 2880, 64, 1000, "fp8_tensor", 0.059, 0.0137, False),
-    (60, 9, 1024, 128, 1000, "fp8_tensor", 0.030, 0.0094, False),
-    (1, 1, 2048, 64, 257, "fp8_tensor", 0.042, 0.0113, False),
+    (60, 9, 1024, 128, 1000, "fp8_tensor", 0.030, 0.0094, True),   # the probe's to reject
+    (1, 1, 2048, 64, 257, "fp8_tensor", 0.042, 0.0113, True),      # the probe's to reject
     (64, 3, 2048, 256, 1000, "fp8_channel_token", 0.026, 0.0131, False),
     (1, 1, 256, 128, 2049, "fp8_block128_ue8m0", 0.038, 0.0044, True),  # DeepGEMM: one requantization flip
 ]
@@ -177,7 +185,7 @@ _H200 = [
 
 @pytest.mark.parametrize("row", _H200, ids=[f"{r[5]}-K{r[2]}-I{r[3]}" for r in _H200])
 def test_issue_22_measurements_are_classified(row):
-    E, topk, K, I, M, scheme, max_norm, rms_norm, conforming = row
+    E, topk, K, I, M, scheme, max_norm, rms_norm, conforming = row  # conforming: inside the bound
     qc = _qc(scheme, 256, 128)
     ep = {8: 4, 64: 2}.get(E, 1)  # the EP cases of the table: E=8 at EP 4, E=64 at EP 2
     b = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, routed_rows=M * topk / ep)
