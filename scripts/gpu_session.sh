@@ -9,7 +9,7 @@
 #   fuzz                   python -m conformance.fuzz per backend of $BACKENDS, side by side, seed $SEED (default 0);
 #                          shrunk failures go to results/regressions-<backend>.toml (copied back, merged by hand)
 #   bench-BACKEND          python -m benchmarks --backend BACKEND (timing: run it alone on the GPU)
-#   py-NAME                python scripts/NAME.py (a diagnosis script; started in the background, waited for at the end)
+#   py-NAME                python scripts/NAME.py $PY_ARGS (a diagnosis script; started in the background, waited for at the end)
 # Example: bash scripts/gpu_session.sh probe:60 conformance:450 nccl:60
 set -u
 here=$(pwd)
@@ -35,7 +35,7 @@ for spec in "$@"; do
           --json "$res/fuzz-$b.json" &
       done
       wait ;;
-    py-*) TAIL=40 bash scripts/gpu_step.sh "$step" "$limit" python3 "scripts/${step#py-}.py" >"$res/$step.summary" 2>&1 &
+    py-*) TAIL=40 bash scripts/gpu_step.sh "$step" "$limit" python3 "scripts/${step#py-}.py" ${PY_ARGS:-} >"$res/$step.summary" 2>&1 &
           ;;
     bench-*) TAIL=80 bash scripts/gpu_step.sh "$step" "$limit" python3 -m benchmarks --backend "${step#bench-}" \
                --json "$res/$step.json" ;;
