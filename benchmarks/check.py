@@ -40,7 +40,7 @@ class Check:
 def experts_bound(shape, quant_config, M: int, experts_cls=None) -> ErrorBound:
     """The error model's bound for ``shape`` (a ``benchmarks.shapes.ExpertsShape``) at ``M`` tokens."""
     return experts_error_bound(quant_config, act_dtype=shape.dtype, K=shape.K, I=shape.I,
-                               activation=shape.activation, routed_rows=M * shape.topk,
+                               activation=shape.activation, routed_rows=M * shape.topk, routes_per_row=shape.topk,
                                router_weight_rounding=getattr(getattr(experts_cls, "support", None),
                                                               "router_weight_rounding", "reference"))
 

@@ -188,7 +188,7 @@ def check_case(cls, fc: FuzzCase, device: str) -> Outcome:
         ref = fused_experts(x, w1, w2, w, ids, quant_config=qc, **kw, **situ_params(fc.act))
     local = ids.long() >= 0 if emap is None else (ids.long() >= 0) & (emap[ids.long().clamp(min=0)] >= 0)
     bound = experts_error_bound(qc, act_dtype=_DTYPES[fc.dtype], K=fc.K, I=fc.I, activation=fc.act,
-                                routed_rows=int(local.sum()),
+                                routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / max(fc.M, 1), 1.0),
                                 router_weight_rounding=getattr(rec, "router_weight_rounding", "reference"))
     s = error_stats(out, ref)
     over = [f"{k} {getattr(s, k):.3e} > {v:.1e}" for k, v in bound.as_tolerance().items()

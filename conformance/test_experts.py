@@ -69,6 +69,7 @@ def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None) -> Error
     rows = case.tokens * m.top_k * (m.num_experts // case.ep_size) / m.num_experts  # expected local routes
     return experts_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
                                activation=case.activation, routed_rows=rows,
+                               routes_per_row=max(rows / max(case.tokens, 1), 1.0),
                                router_weight_rounding=getattr(getattr(experts_cls, "support", None),
                                                               "router_weight_rounding", "reference"))
 

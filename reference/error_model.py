@@ -476,6 +476,21 @@ class _State:
         self.eps = math.hypot(self.eps, shrink)
         self.log(f"{stage} (acc {math.hypot(acc, shrink):.1e}" + (f", of it shrink {shrink:.1e})" if shrink else ")"))
 
+    def reduce(self, routes: float) -> None:
+        """The weighted top-k sum of ``routes`` expert outputs per row (step 6): relative mean squares carry over, a
+        flip in any of a row's routes reaches the sum, and what a flip in ``y_k`` moves is not proportional to the
+        sum ``sum_k w_k y_k``: with more than one route the sparse part is value-independent there."""
+        if routes <= 1.0 or self.q <= 0:
+            return
+        self.q = min(1.0, self.q * routes)
+        self.qt = min(1.0, self.qt * routes)
+        if self.q >= 1.0:
+            self.d2, self.ld = _combine(self.d2, self.ld, self.s2, self.ls)
+            self.q, self.s2, self.ls, self.e, self.w, self.sparse_additive = 0.0, 0.0, math.inf, 0.0, 1.0, False
+        else:
+            self.sparse_additive = True
+        self.log(f"top-k sum of {routes:.2g} routes per row")
+
     def scale(self, factor: float, spread: int, cond: float) -> None:
         """The activation: relative mean squares times ``factor`` (step 5); ``spread`` inputs per output (2 for a
         gated product: a flip in the gate or the up half reaches the output); a flip's relative size times
@@ -616,7 +631,7 @@ def _is_fp8_mma(desc: FusedMoEQuantDesc) -> bool:
 def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.dtype, K: int, I: int,
                         gated: bool = True, activation=None, accumulation: Accumulation | None = None,
                         gemm1_exact: bool = False, routed_rows: float | None = None,
-                        router_weight_rounding: str = "reference",
+                        router_weight_rounding: str = "reference", routes_per_row: float = 1.0,
                         constants: dict | None = None) -> ErrorBound:
     """Bounds on the experts output's metrics against the reference for one case.
 
@@ -633,6 +648,8 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
             GEMM1 is then exact, and only what follows it may differ.
         routed_rows: rows of the call's GEMMs (routes to this rank's experts, ~ M * topk * E_local / E), for the
             count of flip events (step 7); None: many (no small-count allowance).
+        routes_per_row: expected routes to this rank's experts per token (``topk x E_local / E``; every route local:
+            ``topk``), summed by the weighted top-k sum (step 6).
         router_weight_rounding: where the kernel applies the router weight relative to GEMM2's rounding (its
             ``SupportRecord.router_weight_rounding``): ``"reference"`` (round y, weight in fp32) or a vLLM form,
             ``"before_store"`` / ``"output_dtype"`` (step 6).
@@ -691,6 +708,7 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     if router_weight_rounding != "reference":
         st.d2, st.ld = _combine(st.d2, st.ld, 0.541 * 2.0 ** (-2 * p_act) / 6.0, math.inf)
         st.log("router weight applied before or after the GEMM2 rounding")
+    st.reduce(routes_per_row)
     st.round(act_grid, gaussian, "top-k sum rounded", K)
     # Step 7: a mean square made of ~lam independent flip events is realised within its Poisson upper quantile.
     lam, z = st.events, c["z_events"]

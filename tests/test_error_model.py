@@ -116,7 +116,8 @@ def test_float64_reference_sits_well_inside(model, scheme):
     local = int((inp.topk_ids >= 0).sum()) if inp.expert_map is None else \
         int((inp.expert_map[inp.topk_ids.long().clamp(min=0)] >= 0).sum())
     bound = experts_error_bound(inp.quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
-                                activation=case.activation, routed_rows=local)
+                                activation=case.activation, routed_rows=local,
+                                routes_per_row=max(local / max(case.tokens, 1), 1.0))
     s = error_stats(exact, ref)
     # The model bounds two fp32 accumulations (each order's error); float64 against fp32 is one of them, so the
     # flip-driven rms is 2^-1/4 of the model's (it grows as the square root of the accumulation difference).
@@ -147,7 +148,8 @@ def test_emulated_kernels_are_classified(E, topk, K, I, M, scheme):
     x = torch.randn(M, K, generator=g).bfloat16()
     w, ids = fused_topk(x, torch.randn(M, E, generator=g), topk, True)[:2]
     ref = fused_experts(x, w1q, w2q, w, ids, quant_config=qc)
-    bound = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, routed_rows=M * topk).as_tolerance()
+    bound = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, routed_rows=M * topk,
+                                routes_per_row=topk).as_tolerance()
 
     def inside(out):
         s = error_stats(out, ref)
@@ -190,7 +192,8 @@ def test_issue_22_measurements_are_classified(row):
     E, topk, K, I, M, scheme, max_norm, rms_norm, conforming = row  # conforming: inside the bound
     qc = _qc(scheme, 256, 128)
     ep = {8: 4, 64: 2}.get(E, 1)  # the EP cases of the table: E=8 at EP 4, E=64 at EP 2
-    b = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, routed_rows=M * topk / ep)
+    b = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, routed_rows=M * topk / ep,
+                            routes_per_row=max(topk / ep, 1.0))
     inside = rms_norm <= b.rms_norm and max_norm <= b.max_norm
     assert inside == conforming, (row, b)
 
