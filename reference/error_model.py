@@ -84,7 +84,9 @@ differences):
    ``relu(x)^2``.
 
 6. **The weighted top-k sum** of independent expert outputs keeps the relative mean square (``sum w_k^2 d_k^2`` over
-   ``sum w_k^2 y_k^2``), followed by one rounding to the output dtype. Where the router weight meets the GEMM2
+   ``sum w_k^2 y_k^2``), followed by one rounding to the output dtype. A flip in any of a row's ``routes_per_row``
+   routes reaches the sum, by an amount not proportional to it: the sparse part spreads over that many times the
+   elements and is rounded as additive (``_State.reduce``). Where the router weight meets the GEMM2
    rounding is not fixed across vLLM's kernels (before the store: ``fused_moe_kernel``'s ``MUL_ROUTED_WEIGHT``;
    after it, in the output dtype: ``TopKWeightAndReduceContiguous``), so each term may be rounded as ``y`` on one
    side and as ``w y`` on the other: two independent roundings, ``E[1/mant^2] s^2 / 6 = 0.541 s^2 / 6``, allowed
