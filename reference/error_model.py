@@ -119,6 +119,7 @@ numbers are taken where the activations carry the output, not at their clamps.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -308,9 +309,7 @@ def _stage_values(activation_name: str | None) -> torch.Tensor:
     act = MoEActivation[activation_name]
     if act.is_gated:
         gg, uu = torch.meshgrid(g[::64], g[::64], indexing="ij")  # 64 x 64 (gate, up) pairs
-        x = torch.stack([gg.flatten(), uu.flatten()], dim=1)
-        if act is MoEActivation.SWIGLUOAI:  # interleaved: gate = even column, already so
-            pass
+        x = torch.stack([gg.flatten(), uu.flatten()], dim=1)  # [gate | up] halves, also SWIGLUOAI's even / odd
     else:
         x = g[:, None]
     kw = dict(situ_beta=SITU_KIMI_K3_BETA, situ_linear_beta=SITU_KIMI_K3_LINEAR_BETA) if act.name == "SITU" else {}
@@ -355,6 +354,11 @@ class _Rounded:
     q_stay: float = 0.0
     q_top: float = 0.0  # probability that an element among the largest values (the top node) differs
 
+    def scaled(self, p: float) -> "_Rounded":
+        """The same part present at a fraction ``p`` of the elements (``q_top`` is conditional: unchanged)."""
+        return dataclasses.replace(self, flip=self.flip * p, flip_var=self.flip_var * p, stay=self.stay * p,
+                                   stay_var=self.stay_var * p, q=self.q * p, q_stay=self.q_stay * p)
+
 
 def _expect(d: torch.Tensor, v: torch.Tensor, step, weight: torch.Tensor) -> _Rounded:
     """Expectations of ``_round_pair`` over a grid of elements (values ``v``, differences ``d``, per-element grid
@@ -397,7 +401,7 @@ def _round_proportional(eps: float, values: torch.Tensor, grid, value_weight: fl
     if eps <= 0:
         return _Rounded()
     v = values[:, None]
-    weight = torch.full((values.numel(), 1 if grid[0] == "uniform" else _MANTS), 1.0 / values.numel()).double()
+    weight = torch.full((values.numel(), 1 if grid[0] == "uniform" else _MANTS), 1.0).double()
     weight /= weight.sum()
     r = _expect(eps * v, v, _grid_step(grid, v[..., None])[..., 0], weight)
     if grid[0] == "float":  # both d and the step scale with |v|: the squares scale with the value weight
@@ -408,10 +412,12 @@ def _round_proportional(eps: float, values: torch.Tensor, grid, value_weight: fl
 
 
 def _grid_step(grid, v: torch.Tensor) -> torch.Tensor:
+    """The grid's spacing at values ``v`` ``(N, 1, 1)``: ``(N, 1, 1)`` for a uniform grid, ``(N, _MANTS, 1)`` over
+    the mantissas for a floating one."""
     kind, x = grid
     if kind == "uniform":
         return torch.full_like(v, float(x))
-    return (2.0**-x) * v / _MANT[None, :, None] if v.dim() == 3 else (2.0**-x) * v / _MANT[None, :]
+    return (2.0**-x) * v / _MANT[None, :, None]
 
 
 @dataclass
@@ -531,20 +537,14 @@ class _State:
             # A flipped or kept largest element moves its group's scale by one step of it: every element of the
             # group is then rounded on a grid moved by that fraction.
             p_max = self.qt
-            if p_max > 0:
-                moved = _round_proportional(self.e if self.q > 0 else math.sqrt(self.k2 / self.qk), values, grid)
+            if p_max > 0 and self.q > 0:
+                moved = _round_proportional(self.e, values, grid)
                 if not math.isfinite(groups) or groups <= 1.0:  # one scale for the call: all or nothing
-                    prob = 1.0 if p_max >= 0.5 * math.erfc(z / math.sqrt(2.0)) else 0.0
-                    shift_parts.append((moved, 0.0)) if prob else None
+                    if p_max >= 0.5 * math.erfc(z / math.sqrt(2.0)):
+                        shift_parts.append((moved, 0.0))
                 else:
-                    for f in ("flip", "flip_var", "stay", "stay_var", "q", "q_stay"):
-                        setattr(moved, f, getattr(moved, f) * p_max)
-                    shift_parts.append((moved, 1.0 / max(groups * p_max, 1e-9)))
-        # The sparse part's elements: only a fraction q of them carry a difference.
-        for f in ("flip", "flip_var", "stay", "stay_var"):
-            setattr(sp, f, getattr(sp, f) * self.q)
-        sp.q *= self.q
-        sp.q_stay *= self.q
+                    shift_parts.append((moved.scaled(p_max), 1.0 / max(groups * p_max, 1e-9)))
+        sp = sp.scaled(self.q)  # only a fraction q of the elements carry the sparse part
         # Each part's mean square scatters with the events upstream that made it (relative variance 1 / l) and with
         # this rounding's own Bernoulli steps (per-element variance V over n elements): step 7.
         relvar = lambda l: 0.0 if not math.isfinite(l) else 1.0 / max(l, 1e-9)  # noqa: E731

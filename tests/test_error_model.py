@@ -139,6 +139,7 @@ def _emulated(cls, x, w1q, w2q, w, ids, qc):
     (2, 2, 4096, 64, 100, "fp8_tensor"),          # issue 22's second in-place example (H200: rms 0.0155)
     (1, 1, 7168, 128, 64, "fp8_channel_token"),   # long K per-channel
     (2, 2, 2048, 256, 64, "bf16"),
+    (8, 8, 1024, 256, 64, "bf16"),  # eight local routes: step 6's spread over them still rejects an extra rounding
 ])
 def test_emulated_kernels_are_classified(E, topk, K, I, M, scheme):
     g = torch.Generator().manual_seed(E * K + M)
