@@ -10,6 +10,7 @@
 #                          shrunk failures go to results/regressions-<backend>.toml (copied back, merged by hand)
 #   bench-BACKEND          python -m benchmarks --backend BACKEND (timing: run it alone on the GPU)
 #   py-NAME                python scripts/NAME.py $PY_ARGS (a diagnosis script; started in the background, waited for at the end)
+#   triton-TOOL            python -m backends.triton.tools.TOOL $TOOL_ARGS (in the foreground: timings run alone)
 # Example: bash scripts/gpu_session.sh probe:60 conformance:450 nccl:60
 set -u
 here=$(pwd)
@@ -37,6 +38,8 @@ for spec in "$@"; do
       wait ;;
     py-*) TAIL=40 bash scripts/gpu_step.sh "$step" "$limit" python3 "scripts/${step#py-}.py" ${PY_ARGS:-} >"$res/$step.summary" 2>&1 &
           ;;
+    triton-*) TAIL=60 bash scripts/gpu_step.sh "$step" "$limit" python3 -m "backends.triton.tools.${step#triton-}" \
+                ${TOOL_ARGS:-} ;;
     bench-*) TAIL=80 bash scripts/gpu_step.sh "$step" "$limit" python3 -m benchmarks --backend "${step#bench-}" \
                --json "$res/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -166,6 +166,8 @@ def _ws_args(gemm, g, sh):
 
 
 def test_warp_specialized_kernel_names_what_it_does_not_cover():
+    import torch
+
     from backends.triton import gluon_ws
     from backends.triton._jit import ACT_SILU
     from backends.triton.tools.common import shapes
@@ -199,7 +201,29 @@ def test_warp_specialized_kernel_names_what_it_does_not_cover():
     for what, (gemm, cfg, sh, reason) in refusals.items():
         why = gluon_ws.supported(**_ws_args(gemm, cfg, sh))
         assert why is not None and reason in why, f"{what}: {why!r}"
-    assert "block-FP8" in gluon_ws.supported(**dict(_ws_args("gemm2", coop8, fp8), a_mode=2, b_mode=2))
+    # FP8 per-tensor / per-channel (scales in the epilogue, each K tile promoted): covered with BLOCK_K 64 or 128;
+    # mixed block and non-block scales, FAST_ACCUM (in place: fused_moe_kernel's) and INT8 are not
+    for a_mode, b_mode in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        for bk in (64, 128):
+            args = dict(_ws_args("gemm2", dict(coop8, BLOCK_SIZE_K=bk), fp8), a_mode=a_mode, b_mode=b_mode)
+            assert gluon_ws.supported(**args) is None, (a_mode, b_mode, bk)
+    assert "FP8 e4m3" in gluon_ws.supported(**dict(_ws_args("gemm2", coop8, fp8), a_mode=2, b_mode=3))
+    assert "FAST_ACCUM" in gluon_ws.supported(**dict(_ws_args("gemm2", dict(coop8, FAST_ACCUM=1), fp8), a_mode=1,
+                                                     b_mode=1))
+    int8 = _ws_args("gemm2", coop8, fp8)
+    int8.update(a_mode=2, b_mode=2, a=torch.empty(64, int8["K"], dtype=torch.int8, device="meta"),
+                w=torch.empty(int8["w"].shape, dtype=torch.int8, device="meta"))
+    assert "FP8 e4m3" in gluon_ws.supported(**int8)
+
+
+def test_fp8_per_tensor_and_channel_tables_are_the_same_on_both_gpus():
+    """The FP8 per-tensor / per-channel tables (Mixtral TP2, Qwen3-30B; warp-specialized prefill entries) were set
+    on the H200 and are used unchanged on the H100 (not re-tuned there: tests/test_triton_sm90_compile.py compiles
+    the H200's)."""
+    for shape in ("E=8,N=7168", "E=128,N=768"):
+        h200, h100 = (json.loads((C.CONFIG_DIR / f"{shape},device_name={gpu},dtype=fp8_w8a8.json").read_text())
+                      for gpu in ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"))
+        assert h200 == h100, shape
 
 
 def _fp8_nonblock_configs():

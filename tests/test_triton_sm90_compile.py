@@ -245,39 +245,51 @@ import json, torch
 from backends.triton import configs as C
 from backends.triton.tools import sm90
 from backends.triton.tools.common import make_routing
-from backends.triton.experts import fused_experts, plan_quant, promotion_tiles
+from backends.triton.experts import fused_experts, plan_quant, promotion_tiles, strict_kernels
 from backends.triton.tools.fp8_accum import timing_shapes
 
-for sh in timing_shapes():
-    w1, w2, qc, act = sm90._weights(sh)
-    plan = plan_quant(qc)
-    for M in (64, 1024, 4096):
-        x = torch.empty(M, sh.K, dtype=torch.bfloat16)
-        w, ids = make_routing(M, sh.E, sh.topk, torch.device("cpu"), seed=M)
-        cfg = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, None)
-        with sm90.compile_only() as log:
-            fused_experts(x, w1, w2, w, ids, activation=act, quant_config=qc)
-        gemms = [k for k in log if k.name == "fused_moe_kernel"]
-        for g, k, a_mode in zip(("gemm1", "gemm2"), gemms, (plan.a1_mode, plan.a2_mode)):
-            print(json.dumps(dict(shape=sh.name, M=M, gemm=g, bm=cfg[g]["BLOCK_SIZE_M"],
-                                  promote=promotion_tiles(cfg[g], a_mode=a_mode), shared=k.shared,
-                                  **k.resources())), flush=True)
+GEMMS = ("fused_moe_kernel", "ws_moe_gemm_kernel")
+# one GPU's tables: a kernel compiled once is served from the JIT's cache, and the H100's FP8 per-tensor /
+# per-channel tables hold the H200's entries (test_triton_configs checks that they are the same)
+for gpu in ("NVIDIA_H200",):
+    for sh in timing_shapes():
+        w1, w2, qc, act = sm90._weights(sh)
+        plan = plan_quant(qc)
+        for M in (64, 1024, 4096):
+            x = torch.empty(M, sh.K, dtype=torch.bfloat16)
+            w, ids = make_routing(M, sh.E, sh.topk, torch.device("cpu"), seed=M)
+            with sm90.compile_only(gpu) as log, strict_kernels():
+                cfg = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, None)
+                fused_experts(x, w1, w2, w, ids, activation=act, quant_config=qc)
+            gemms = [k for k in log if k.name in GEMMS]
+            for g, k, a_mode in zip(("gemm1", "gemm2"), gemms, (plan.a1_mode, plan.a2_mode)):
+                print(json.dumps(dict(gpu=gpu, shape=sh.name, M=M, gemm=g, kernel=k.name, bm=cfg[g]["BLOCK_SIZE_M"],
+                                      promote=promotion_tiles(cfg[g], a_mode=a_mode), warps=k.num_warps,
+                                      shared=k.shared, **k.resources())), flush=True)
 """
 
 
 def test_fp8_per_tensor_and_channel_gemms_compile_promoted():
     """The FP8 per-tensor (Mixtral TP2) and per-channel x per-token (Qwen3-30B) experts steps, on the configurations
-    the launch picks (no tuned table: the defaults) at decode and prefill, compile for sm_90 with the accumulator
-    promoted (``PROMOTE`` > 0) without spills, within shared memory, the prefill GEMMs on wgmma (QGMMA); and where an
-    interval holds several K tiles on wgmma, the chain inside it stays asynchronous (a wait that leaves one or two
-    wgmma groups in flight), i.e. the promotion does not serialize every K tile."""
+    the launch picks on the H200 (decode: the defaults on ``fused_moe_kernel``; prefill: the committed
+    tables' warp-specialized Gluon entries, which their kernel must cover: ``strict_kernels``), compile for sm_90
+    with the accumulator promoted without spills, within shared memory, the prefill GEMMs on wgmma (QGMMA).
+    ``fused_moe_kernel``: ``PROMOTE`` > 0, and where an interval holds several K tiles on wgmma the chain inside it
+    stays asynchronous (a wait that leaves one or two groups in flight). ``ws_moe_gemm_kernel``: its three
+    partitions (12 warps), each K tile promoted while the next one's wgmma runs (a wait for <= 1 group)."""
     from backends.triton.tools.sm90 import SM90
 
     rows = _compile_script(FP8_PROMOTED)
     assert len(rows) == 2 * 3 * 2, rows
-    bad = [r for r in rows if r["promote"] < 1 or r["stack"] > 0 or r["shared"] > SM90["max_shared_mem"]
-           or (r["M"] >= 1024 and r["bm"] >= 64 and "QGMMA" not in r["ops"])]
+    bad = [r for r in rows if r["stack"] > 0 or r["shared"] > SM90["max_shared_mem"]
+           or (r["M"] >= 1024 and r["bm"] >= 64 and "QGMMA" not in r["ops"])
+           or (r["kernel"] == "fused_moe_kernel" and r["promote"] < 1)]
     assert not bad, f"FP8 GEMMs not promoted, spilling, over shared memory or off wgmma: {bad}"
-    serialized = [r for r in rows if "QGMMA" in r["ops"] and r["promote"] > 1
+    serialized = [r for r in rows if "QGMMA" in r["ops"] and r["promote"] > 1 and r["kernel"] == "fused_moe_kernel"
                   and not (r["ops"].get("DEPBAR_LE_1") or r["ops"].get("DEPBAR_LE_2"))]
     assert not serialized, f"promoted FP8 GEMMs whose wgmma chain ptxas serialized: {serialized}"
+    ws = [r for r in rows if r["kernel"] == "ws_moe_gemm_kernel"]
+    assert {(r["shape"], r["M"]) for r in ws} >= {(s, M) for s in ("qwen3_30b_fp8_channel_token",
+                                                                     "mixtral_tp2_fp8_tensor") for M in (1024, 4096)}
+    off = [r for r in ws if r["warps"] != 12 or not r["ops"].get("DEPBAR_LE_1") or "UTMALDG" not in r["ops"]]
+    assert not off, f"warp-specialized FP8 GEMMs off their partitions or with serialized promotion: {off}"

@@ -22,5 +22,12 @@ def test_fp8_accum_imports_on_cpu():
     cfg = fp8_accum.with_variant({"gemm1": dict(BLOCK_SIZE_K=256), "gemm2": dict(BLOCK_SIZE_K=128)},
                                  {"PROMOTE_K": 128})
     assert cfg["gemm1"] == {"BLOCK_SIZE_K": 128, "PROMOTE_K": 128} and cfg["gemm2"]["BLOCK_SIZE_K"] == 128
+    # a per-GEMM tile applies to prefill configs only
+    tile = {"_tile": {"gemm1": dict(BLOCK_SIZE_N=64, COOPERATIVE=1), "gemm2": dict(BLOCK_SIZE_N=128)}}
+    pre = fp8_accum.with_variant({"gemm1": dict(BLOCK_SIZE_M=128), "gemm2": dict(BLOCK_SIZE_M=128)}, tile)
+    assert pre["gemm1"] == dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=64, COOPERATIVE=1)
+    assert pre["gemm2"] == dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128)
+    dec = {"gemm1": dict(BLOCK_SIZE_M=16), "gemm2": dict(BLOCK_SIZE_M=16)}
+    assert fp8_accum.with_variant(dec, tile) == dec
     if not torch.cuda.is_available():
         assert fp8_accum.main(["--no-timing", "--json", "/dev/null"]) == 2

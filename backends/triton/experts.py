@@ -348,9 +348,13 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
             out_quant=out_quant, group_n=group_n, group_k=group_k, K=K, n_out=n_out, cfg=cfg, a=a, w=w, c=c, act=act,
             has_limit=has_limit)
         if why is None:
-            mod.launch(a=a, w=w, c=c, a_scale=a_scale if a_mode == _S_GROUP else None,
-                       w_scale=ws if b_mode == _S_GROUP else None, layout=layout, rows=rows, num_valid=num_valid,
-                       c_sorted=c_sorted, n_out=n_out, cfg=cfg, fuse=fuse)
+            if special == "gluon_ws":  # block FP8, or FP8 per-tensor / per-channel (scales in its epilogue)
+                mod.launch(a=a, w=w, c=c, a_scale=a_scale, w_scale=ws, a_mode=a_mode, b_mode=b_mode,
+                           w_strides=(sbe, sbn, sbk), layout=layout, rows=rows, num_valid=num_valid,
+                           c_sorted=c_sorted, n_out=n_out, cfg=cfg, fuse=fuse)
+            else:
+                mod.launch(a=a, w=w, c=c, a_scale=a_scale, w_scale=ws, layout=layout, rows=rows, num_valid=num_valid,
+                           c_sorted=c_sorted, n_out=n_out, cfg=cfg, fuse=fuse)
             return
         if FLAGS["strict"]:
             raise ValueError(f"table entry {cfg} is not covered by {special}: {why}")

@@ -65,7 +65,8 @@ def ws_moe_gemm_kernel(
     stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     HALF_TAIL: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr,
-    COOP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    COOP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, A_EPI: gl.constexpr = 0,
+    B_EPI: gl.constexpr = 0,
 ):
     """``C[rows, n] = epilogue(sum_k A[rows, k] W[e, n, k] (x scales))`` over the route layout's tiles (one expert
     each).
@@ -73,7 +74,10 @@ def ws_moe_gemm_kernel(
     ``a_desc``: TMA descriptor of A ``(EM, K)`` in sorted-row order, boxes ``[BLOCK_M, BLOCK_K]`` (``a_desc_h``:
     ``[BLOCK_M / 2, BLOCK_K]`` boxes, for ``HALF_TAIL``); ``b_desc``: of W viewed ``(E * NW, K)``, boxes
     ``[BLOCK_N, BLOCK_K]``. ``SCALED``: ``a_scale (EM, K / 128)`` and ``b_scale (E, NW / 128, K / 128)`` fp32 (else
-    unused). Row tiles: the layout's ``BLOCK_M`` blocks, or with ``HALF_TAIL`` the tile list (``tiles[t] =
+    unused). ``A_EPI`` / ``B_EPI`` (FP8 per-tensor / per-channel operands, not ``SCALED``): 1 = one scale (``a_scale[0]``;
+    ``b_scale[e * stride_bse]``), 2 = per row of A in sorted order (``a_scale[row * stride_asm]``) / per weight row
+    (``b_scale[e * stride_bse + n * stride_bsn]``); each K tile's wgmma promoted into the fp32 accumulator, the scales
+    applied once in the epilogue; 0 = none. Row tiles: the layout's ``BLOCK_M`` blocks, or with ``HALF_TAIL`` the tile list (``tiles[t] =
     first_block * 2 + full`` over ``BLOCK_M / 2``-row blocks, ``num_tiles`` entries: full tiles of ``BLOCK_M`` rows, an
     expert's odd last block as a ``BLOCK_M / 2``-row tile). ``C_SORTED``: C row = sorted position (GEMM1), else the
     route id from ``sorted_token_ids`` (GEMM2; padding rows are not stored). ``GATED``: gate rows ``n`` and up rows
@@ -98,11 +102,11 @@ def ws_moe_gemm_kernel(
         (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
-                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 0)),
+                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 0, A_EPI, B_EPI)),
         (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
-                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 1)),
+                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 1, A_EPI, B_EPI)),
         (_producer, (a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
                      N, K, NW, UP_OFF, a_smem, b_smem, ready, empty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HALF_TAIL,
                      GATED, STAGES)),
@@ -211,7 +215,7 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
               stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr,
               C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, COOP: gl.constexpr,
-              STAGES: gl.constexpr, C: gl.constexpr):
+              STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr):
     """Consumer ``C`` (0 or 1). Ping-pong: the program's tiles ``i`` with ``i % 2 == C``, the mainloop of tile ``i``
     after the other consumer's of tile ``i - 1`` (its ``(i - 1) // 2``-th arrival on ``order[1 - C]``).
     Cooperative: rows ``[C BLOCK_M / 2, (C + 1) BLOCK_M / 2)`` of every tile."""
@@ -230,7 +234,7 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
                 _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                       sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                       stride_ask, stride_bse, stride_bsn, stride_bsk, C * (BLOCK_M // 2), BLOCK_M // 2, BLOCK_M,
-                      BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C)
+                      BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C, A_EPI, B_EPI)
         elif i % 2 == C:
             if i > 0:
                 mbarrier.wait(order.index(1 - C), ((i - 1) // 2) & 1)
@@ -238,12 +242,12 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
                 _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                       sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                       stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M // 2, BLOCK_M, BLOCK_N, C_SORTED,
-                      GATED, SCALED, True, STAGES, C)
+                      GATED, SCALED, True, STAGES, C, A_EPI, B_EPI)
             else:
                 _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                       sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                       stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M, BLOCK_M, BLOCK_N, C_SORTED, GATED,
-                      SCALED, True, STAGES, C)
+                      SCALED, True, STAGES, C, A_EPI, B_EPI)
         tile = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
                      BLOCK_N, GROUP_M, HALF_TAIL)
         i += 1
@@ -265,16 +269,20 @@ def _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_s
           n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
           ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, ORDERED: gl.constexpr,
-          STAGES: gl.constexpr, C: gl.constexpr):
+          STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr):
     """This consumer's ``ROWS x BLOCK_N`` output rows ``[row0 + ROW_OFF, + ROWS)`` of a tile: mainloop, epilogue."""
-    if SCALED:
+    if SCALED or A_EPI > 0:
         BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
         rows_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(BN_MMA, 32))
         a_s_ptrs = a_scale_ptr + (row0 + ROW_OFF + gl.arange(0, ROWS, layout=rows_layout)).to(gl.int64) * stride_asm
         b_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + (n0 // GROUP_C) * stride_bsn
         bu_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + ((UP_OFF + n0) // GROUP_C) * stride_bsn
+        # A_EPI: the same promotion per K tile with unit factors (the scales do not vary along K)
         acc = _mainloop_scaled(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask,
-                               stride_bsk, ROW_OFF, ROWS, BLOCK_M, BLOCK_N, GATED, ORDERED, STAGES, C)
+                               stride_bsk, ROW_OFF, ROWS, BLOCK_M, BLOCK_N, GATED, ORDERED, STAGES, C, A_EPI > 0)
+        if A_EPI > 0:
+            acc = _dequantize(acc, a_scale_ptr, b_scale_ptr, row0 + ROW_OFF, n0, e, UP_OFF, stride_asm, stride_bse,
+                              stride_bsn, ROWS, BLOCK_N, GATED, A_EPI, B_EPI)
     else:
         acc = _mainloop(base, nk, a_smem, b_smem, ready, empty, order, ROW_OFF, ROWS, BLOCK_M, BLOCK_N, GATED, ORDERED,
                         STAGES, C)
@@ -326,11 +334,12 @@ def _mainloop(base, nk, a_smem, b_smem, ready, empty, order, ROW_OFF: gl.constex
 def _mainloop_scaled(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask,
                      stride_bsk, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, GATED: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                     C: gl.constexpr):
+                     C: gl.constexpr, UNIT: gl.constexpr):
     """Block FP8: the fp32 accumulator ``[ROWS, MMA columns]``, each K tile's wgmma result scaled before it is added.
     Two register sets take turns (unrolled by two so that neither changes role: a loop-carried swap makes the
     compiler copy registers between a tile's wgmmas, and ptxas then serializes them): x holds the K tile in flight,
-    y is free to be issued into (``gluon_sm90._tile_mainloop``'s schedule over this ring)."""
+    y is free to be issued into (``gluon_sm90._tile_mainloop``'s schedule over this ring). ``UNIT``: every factor 1
+    (FP8 per-tensor / per-channel: the promotion alone; the scales come in the epilogue)."""
     BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     acc_layout: gl.constexpr = _acc_layout(BN_MMA, 32)
     # GATED: which MMA columns are gate columns (scaled by the gate rows' block scale), the rest are up columns
@@ -340,17 +349,19 @@ def _mainloop_scaled(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs, b_
     mbarrier.wait(ready.index(s0), (base // STAGES) & 1)
     x = warpgroup_mma(_a_stage(a_smem, s0, ROW_OFF, ROWS, BLOCK_M), b_smem.index(s0).permute((1, 0)), acc,
                       use_acc=False, is_async=True)
-    s_x = _k_tile_scales(0, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, GATED)
+    s_x = _scales(0, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, ROWS, GATED, UNIT, acc_layout)
     y = gl.zeros([ROWS, BN_MMA], gl.float32, acc_layout)
     for k in range(1, nk - 1, 2):
         y, x, acc, s_y = _promote_step(k, base, x, y, acc, s_x, a_smem, b_smem, ready, empty, a_s_ptrs, b_s_ptr,
-                                       bu_s_ptr, stride_ask, stride_bsk, is_gate, ROW_OFF, ROWS, BLOCK_M, GATED, STAGES)
+                                       bu_s_ptr, stride_ask, stride_bsk, is_gate, ROW_OFF, ROWS, BLOCK_M, GATED, STAGES,
+                                       UNIT, acc_layout)
         x, y, acc, s_x = _promote_step(k + 1, base, y, x, acc, s_y, a_smem, b_smem, ready, empty, a_s_ptrs, b_s_ptr,
-                                       bu_s_ptr, stride_ask, stride_bsk, is_gate, ROW_OFF, ROWS, BLOCK_M, GATED, STAGES)
+                                       bu_s_ptr, stride_ask, stride_bsk, is_gate, ROW_OFF, ROWS, BLOCK_M, GATED, STAGES,
+                                       UNIT, acc_layout)
     if nk % 2 == 0:  # one K tile left: issue it into y, promote x, then it
         last, _, acc, s_last = _promote_step(nk - 1, base, x, y, acc, s_x, a_smem, b_smem, ready, empty, a_s_ptrs,
                                              b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, ROW_OFF, ROWS, BLOCK_M,
-                                             GATED, STAGES)
+                                             GATED, STAGES, UNIT, acc_layout)
         if ORDERED:
             mbarrier.arrive(order.index(C))
         done = warpgroup_mma_wait(num_outstanding=0, deps=(last, ))
@@ -368,7 +379,7 @@ def _mainloop_scaled(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs, b_
 @gluon.jit
 def _promote_step(k, base, busy, free, acc, s_busy, a_smem, b_smem, ready, empty, a_s_ptrs, b_s_ptr, bu_s_ptr,
                   stride_ask, stride_bsk, is_gate, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
-                  GATED: gl.constexpr, STAGES: gl.constexpr):
+                  GATED: gl.constexpr, STAGES: gl.constexpr, UNIT: gl.constexpr, acc_layout: gl.constexpr):
     """Issue K tile ``k``'s MMA into ``free`` (use_acc=False), wait for K tile ``k - 1``'s (``busy``), release its
     stage and promote it: ``acc += busy * s_busy``. Returns ``(k's MMA in flight, the promoted register set (now
     free), acc, k's scales)``."""
@@ -379,12 +390,50 @@ def _promote_step(k, base, busy, free, acc, s_busy, a_smem, b_smem, ready, empty
                            use_acc=False, is_async=True)
     done = warpgroup_mma_wait(num_outstanding=1, deps=(busy, ))
     mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES))
-    s_k = _k_tile_scales(k, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, GATED)
+    s_k = _scales(k, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, ROWS, GATED, UNIT, acc_layout)
     acc += done * s_busy
     # pin the promotion here: LLVM would otherwise sink it past the next step's MMA, which is issued into `done`'s
     # registers (a copy, and ptxas then serializes the wgmmas); a wait for <= 1 group is a no-op at this point
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
     return issued, done, acc, s_k
+
+
+@gluon.jit
+def _scales(k, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, ROWS: gl.constexpr, GATED: gl.constexpr,
+            UNIT: gl.constexpr, acc_layout: gl.constexpr):
+    """K tile ``k``'s promotion factors: block FP8's ``gluon_sm90._k_tile_scales``, or ones (``UNIT``: no load; the
+    FFMA with 1.0 adds the MMA result to the fp32 accumulator exactly as an add would)."""
+    if UNIT:
+        return gl.full([ROWS], 1.0, gl.float32, gl.SliceLayout(1, acc_layout))[:, None]
+    else:
+        return _k_tile_scales(k, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, GATED)
+
+
+@gluon.jit
+def _dequantize(acc, a_scale_ptr, b_scale_ptr, row0, n0, e, UP_OFF, stride_asm, stride_bse, stride_bsn,
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, GATED: gl.constexpr, A_EPI: gl.constexpr,
+                B_EPI: gl.constexpr):
+    """FP8 per-tensor / per-channel: the promoted fp32 accumulator times the activation scale, then the weight scale
+    (``fused_moe_kernel``'s ``A_SCALE`` / ``B_SCALE`` 1, 2 epilogue order; GATED: the gate rows' scales on the gate
+    columns, the up rows' on the up columns)."""
+    BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    acc_layout: gl.constexpr = _acc_layout(BN_MMA, 32)
+    if A_EPI == 1:
+        acc = acc * gl.load(a_scale_ptr)
+    else:
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        acc = acc * gl.load(a_scale_ptr + rows.to(gl.int64) * stride_asm)[:, None]
+    w_s = b_scale_ptr + e.to(gl.int64) * stride_bse
+    if B_EPI == 1:
+        acc = acc * gl.load(w_s)
+    else:
+        cols = gl.arange(0, BN_MMA, layout=gl.SliceLayout(0, acc_layout))
+        if GATED:
+            wrow = gl.where(cols < BLOCK_N, n0 + cols, UP_OFF + n0 + cols - BLOCK_N)
+        else:
+            wrow = n0 + cols
+        acc = acc * gl.load(w_s + wrow.to(gl.int64) * stride_bsn)[None, :]
+    return acc
 
 
 @gluon.jit
@@ -415,7 +464,9 @@ def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half
     key then falls back to ``fused_moe_kernel``). Arguments as ``gluon_sm90.supported``."""
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     coop = bool(cfg.get("COOPERATIVE", 0))
-    scaled = a_mode == 3
+    block = a_mode == 3
+    epi = a_mode in (1, 2) and b_mode in (1, 2)  # FP8 per-tensor / per-channel: promoted, scales in the epilogue
+    scaled = block or epi
     gated = fuse in (1, 4)
     bn_mma = 2 * BN if gated else BN
     rows = BM // 2 if coop else BM  # a consumer's rows
@@ -426,11 +477,14 @@ def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half
     a8 = a.dtype == torch.float8_e4m3fn or (scaled and a.dtype == torch.uint8)
     checks = [
         ((a_mode, b_mode) == (0, 0) and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
-         or (a_mode, b_mode) == (3, 3) and a8 and w.dtype == torch.float8_e4m3fn,
-         "bf16 / fp16 operands, or block-FP8 (1x128 activation, 128x128 weight scales)"),
+         or ((a_mode, b_mode) == (3, 3) or epi) and a8 and w.dtype == torch.float8_e4m3fn,
+         "bf16 / fp16 operands, or FP8 e4m3 with block (1x128 activation, 128x128 weight), per-tensor or per-token "
+         "activation and per-tensor or per-channel weight scales"),
+        (not (epi and cfg.get("FAST_ACCUM", 0)), "FAST_ACCUM (in-place FP8 accumulation) is fused_moe_kernel's"),
         (c.dtype in (torch.bfloat16, torch.float16), "bf16 / fp16 output"),
-        (not scaled or (group_n == GROUP and group_k == GROUP and BK == GROUP and BN <= GROUP),
+        (not block or (group_n == GROUP and group_k == GROUP and BK == GROUP and BN <= GROUP),
          "block FP8: 128x128 weight blocks, BLOCK_K = 128 and BLOCK_N <= 128 (one weight scale per K tile)"),
+        (not epi or BK in (64, 128), "FP8 per-tensor / per-channel: BLOCK_K 64 or 128 (promoted every K tile)"),
         (not a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
         (fuse == 0 or (gated and act == ACT_SILU and not has_limit),
          "plain epilogue, or gate / up halves with SiLU (no clamp) only"),
@@ -439,10 +493,10 @@ def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half
         (BM in (64, 128) and rows >= 64 and bn_mma <= 256 and BN >= 32 and BK in (32, 64, 128),
          "BLOCK_M in (64, 128) (a consumer's rows >= 64), MMA columns <= 256, BLOCK_K in (32, 64, 128)"),
         (acc_regs <= (192 if scaled else 128), f"a consumer's accumulators ({acc_regs} registers per thread) must fit "
-         "its warpgroup: at most 128 x 128 MMA columns x rows (block FP8: 64 x 128)"),
+         "its warpgroup: at most 128 x 128 MMA columns x rows (FP8 with promotion: 64 x 128)"),
         (K % BK == 0 and n_out % BN == 0 and (not gated or w.shape[1] == 2 * n_out),
          "K % BLOCK_K == 0, N % BLOCK_N == 0 (gated: w1 rows = 2 I)"),
-        (not (scaled and gated) or n_out % GROUP == 0, "block-FP8 gate / up halves need I % 128 == 0"),
+        (not (block and gated) or n_out % GROUP == 0, "block-FP8 gate / up halves need I % 128 == 0"),
         (smem <= 220 * 1024, f"shared memory {smem} B over the SM's 227 KiB: fewer stages"),
         (a.is_contiguous() and w.is_contiguous() and c.stride(1) == 1 and a.data_ptr() % 16 == 0
          and w.data_ptr() % 16 == 0, "TMA needs contiguous, 16-byte aligned A and W"),
@@ -451,12 +505,16 @@ def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half
     return next((why for ok, why in checks if not ok), None)
 
 
-def launch(*, a, w, c, a_scale=None, w_scale=None, layout, rows, num_valid, c_sorted, n_out, cfg, fuse=0):
+def launch(*, a, w, c, a_scale=None, w_scale=None, a_mode=0, b_mode=0, w_strides=(0, 0, 0), layout, rows, num_valid,
+           c_sorted, n_out, cfg, fuse=0):
     """Launch :func:`ws_moe_gemm_kernel` for one GEMM, one CTA per SM (arguments as ``experts._launch_gemm``'s;
+    ``a_mode`` / ``b_mode``: its ``A_SCALE`` / ``B_SCALE`` modes (3: block FP8; 1 / 2: per-tensor / per-row or
+    per-channel, applied in the epilogue), ``w_strides``: ``w_scale``'s ``(expert, row, K block)`` strides;
     ``layout.tiles`` set: ``HALF_TAIL``; call :func:`supported` first)."""
     E, NW, K = w.shape
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
-    scaled = a_scale is not None and a_scale.dim() == 2 and w_scale is not None
+    scaled = a_mode == 3
+    epi = a_mode in (1, 2)
     half_tail = layout.tiles is not None
     a = a.view(torch.float8_e4m3fn) if a.dtype == torch.uint8 else a
     dt = _GL_DTYPES[a.dtype]
@@ -468,17 +526,18 @@ def launch(*, a, w, c, a_scale=None, w_scale=None, layout, rows, num_valid, c_so
     # an upper bound of the tiles (the kernel reads the layout's count): programs beyond it would find no work
     row_tiles = layout.tiles.numel() if half_tail else triton.cdiv(rows, BM)
     grid = (min(row_tiles * triton.cdiv(n_out, BN), _num_sms(a.device)), )
-    sa = (a_scale.stride(0), a_scale.stride(1)) if scaled else (0, 0)
-    sw = (w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)) if scaled else (0, 0, 0)
+    sa = (a_scale.stride(0), a_scale.stride(1)) if scaled else ((a_scale.stride(0), 0) if a_mode == 2 else (0, 0))
+    sw = tuple(w_strides) if scaled or epi else (0, 0, 0)
     ws_moe_gemm_kernel[grid](
-        a_desc, a_desc_h, b_desc, c, a_scale if scaled else c, w_scale if scaled else c,
+        a_desc, a_desc_h, b_desc, c, a_scale if scaled or epi else c, w_scale if scaled or epi else c,
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
         layout.tiles if half_tail else layout.expert_ids,
         layout.num_tiles if half_tail else layout.num_tokens_post_padded,
         n_out, K, num_valid, NW, n_out if fuse in (1, 4) else 0, c.stride(0), *sa, *sw,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), HALF_TAIL=half_tail,
         C_SORTED=c_sorted, GATED=fuse in (1, 4), SCALED=scaled, COOP=bool(cfg.get("COOPERATIVE", 0)),
-        STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS,
+        STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS, A_EPI=a_mode if epi else 0,
+        B_EPI=b_mode if epi else 0,
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
         maxnreg=LAUNCH_MAXNREG,
     )

@@ -15,9 +15,9 @@ what the promotion costs (issue 22, item 5). One process on one H100 / H200, und
     mantissa bits (DeepSeek-V3 technical report 3.3.2): its error grows with K, the promoted ones stay near fp32's.
 (b) Timing: the whole experts step (``fused_experts``: input quantization, align, both GEMMs, requantization, top-k
     sum) of Qwen3-30B-A3B ``fp8_channel_token`` (E=128, topk 8, K=2048, I=768) and Mixtral-8x7B TP2 ``fp8_tensor``
-    (E=8, topk 2, K=4096, I=7168) at M in {64, 1024, 4096}, each variant on the launch configuration
-    ``configs.get_config`` picks for the shape with the variant's accumulation keys set (these schemes have no tuned
-    table: the defaults). Inputs from ``tools.common.draw_inputs`` (rotating routings), timed by ``benchmarks.timing.measure``
+    (E=8, topk 2, K=4096, I=7168) at M in {64, 1024, 4096}, each variant on the default launch configuration
+    (``configs.default_config``, what these schemes ran before they had tuned tables) with the variant's keys set;
+    ``table``: the committed table's entry (``configs.get_config``), where one applies. Inputs from ``tools.common.draw_inputs`` (rotating routings), timed by ``benchmarks.timing.measure``
     (CUDA graphs, median of rounds), variants interleaved and repeated; before a variant's time counts, its output on
     the first input set is checked against ``reference.experts.fused_experts`` with the error model's bound for its
     accumulation (``reference.error_model``: the in-place form under the opt-in ``Accumulation.fast``; a failing
@@ -48,6 +48,20 @@ VARIANTS = {
     "promote 256, BM64 4 warps": dict(PROMOTE_K=256, _tile=dict(BLOCK_SIZE_M=64, num_warps=4, num_stages=4)),
     "promote 256, BM64 BN128 4 warps": dict(PROMOTE_K=256, _tile=dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128,
                                                                       num_warps=4, num_stages=3)),
+    # the warp-specialized Gluon GEMMs (gluon_ws: one TMA warp, two consumer warpgroups with setmaxnreg's registers):
+    # each K tile's wgmma promoted while the next one runs (two register sets), the scales in the epilogue
+    "gluon_ws cooperative BM128": dict(_tile={
+        "gemm1": dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, num_warps=4, num_stages=4, USE_TMA=1,
+                      PERMUTE_A=1, COOPERATIVE=1),
+        "gemm2": dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, num_warps=4, num_stages=4, USE_TMA=1,
+                      COOPERATIVE=1)}),
+    "gluon_ws ping-pong BM64": dict(_tile={
+        "gemm1": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, num_warps=4, num_stages=5, USE_TMA=1,
+                      PERMUTE_A=1, PINGPONG=1),
+        "gemm2": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, num_warps=4, num_stages=5, USE_TMA=1,
+                      PINGPONG=1)}),
+    # the committed tuned table of this GPU (configs/), where one exists: what the backend runs
+    "table": dict(_base="table"),
 }
 OLD = "old (FAST_ACCUM, in place)"
 ACC_KS = (1024, 4096, 7168, 16384)
@@ -80,12 +94,13 @@ def timing_shapes():
 def with_variant(cfg: dict, keys: dict) -> dict:
     """A copy of a ``{"gemm1", "gemm2"}`` launch config with a variant's accumulation keys on both GEMMs (and
     ``BLOCK_SIZE_K`` lowered to ``PROMOTE_K`` where it was longer: the decode defaults' 256-wide FP8 K tiles)."""
-    keys = dict(keys)
+    keys = {k: v for k, v in keys.items() if k != "_base"}
     tile = keys.pop("_tile", None)
     out = {g: dict(cfg[g], **keys) for g in ("gemm1", "gemm2")}
-    for g in out.values():
-        if tile is not None and g["BLOCK_SIZE_M"] > 64:  # prefill tiles only
-            g.update(tile)
+    prefill = cfg["gemm1"].get("BLOCK_SIZE_M", 0) > 64
+    for name, g in out.items():
+        if tile is not None and prefill:  # prefill tiles only; a tile per GEMM or one for both
+            g.update(tile.get(name, {}) if "gemm1" in tile else tile)
         if "PROMOTE_K" in keys:
             g["BLOCK_SIZE_K"] = min(g["BLOCK_SIZE_K"], keys["PROMOTE_K"])
     return out
@@ -192,7 +207,10 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
                 continue
             R = 10 if M <= 64 else 4
             xs, routes, _ = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=1000 * M)
-            base = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, plan.block_shape)
+            # the defaults (what these schemes ran before they had a table), and the committed table if any
+            default = C.sanitize_config(C.default_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype,
+                                                         plan.block_shape))
+            table = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, plan.block_shape)
             # the reference on the GPU (its FP8 scales may differ from the CPU's in the last bit: within tolerance),
             # on the CPU if it cannot run there (slow at M = 4096)
             try:
@@ -202,7 +220,9 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
                 ref = reference_output(xs[0], w1, w2, routes[0][0], routes[0][1], qc, activation=act).to(dev)
             ok = {}
             for name, keys in VARIANTS.items():
-                cfg = with_variant(base, keys)
+                if keys.get("_base") == "table" and table == default:
+                    continue  # no table entry for this M: the same as the default
+                cfg = with_variant(table if keys.get("_base") == "table" else default, keys)
                 try:
                     out = fused_experts(xs[0], w1, w2, routes[0][0], routes[0][1], activation=act, quant_config=qc,
                                         config=cfg)
@@ -214,7 +234,7 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
                 except Exception as exc:  # noqa: BLE001 - reported in the table, the run goes on
                     ok[name] = (cfg, f"{type(exc).__name__}: {exc}", False)
                     log(f"check {sh.name} M={M} {name} FAILED: {ok[name][1]}")
-            times = {name: [] for name in VARIANTS}
+            times = {name: [] for name in ok}
             for _ in range(repeats):
                 for name, (cfg, why, ran) in ok.items():
                     if not ran:  # raised: nothing to time (a variant outside its bound is still timed)
