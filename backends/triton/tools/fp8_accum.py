@@ -180,9 +180,11 @@ def _median_call_us(call, n_sets, dev, budget_s):
     return m.us, m.method
 
 
-def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
+def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25, variants=None, shapes=None) -> list[dict]:
     """Part (b): one row per (variant, shape, M): median us of the whole experts step (best of ``repeats``
-    interleaved repeats), or the reason it was not timed."""
+    interleaved repeats), or the reason it was not timed. ``variants``: a subset of :data:`VARIANTS` in the order
+    they are timed (default: all); ``shapes``: of :func:`timing_shapes` (default: both)."""
+    variants = VARIANTS if variants is None else variants
     from backends.triton import configs as C
     from backends.triton.tools.common import draw_inputs, make_weights
     from benchmarks.check import reference_output, verdict
@@ -191,7 +193,7 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
     from reference.experts import fused_experts as ref_fused_experts
 
     rows = []
-    for sh in timing_shapes():
+    for sh in timing_shapes() if shapes is None else shapes:
         w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
         plan = plan_quant(qc)
 
@@ -219,7 +221,7 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25) -> list[dict]:
                 log(f"reference on the GPU failed ({type(exc).__name__}: {exc}); computing it on the CPU")
                 ref = reference_output(xs[0], w1, w2, routes[0][0], routes[0][1], qc, activation=act).to(dev)
             ok = {}
-            for name, keys in VARIANTS.items():
+            for name, keys in variants.items():
                 if keys.get("_base") == "table" and table == default:
                     continue  # no table entry for this M: the same as the default
                 cfg = with_variant(table if keys.get("_base") == "table" else default, keys)
@@ -269,7 +271,7 @@ def print_tables(acc_rows, time_rows):
             print(f"| {r['K']} | {r['tile']} | {r['variant']} | {r['rel_rms']:.3e} | {r['fp32_rel_rms']:.3e} | "
                   f"{r['ratio_to_fp32']:.2f} |")
     if time_rows:
-        old = {(r["shape"], r["M"]): r["us"] for r in time_rows if r["variant"] == OLD}
+        old = {(r["shape"], r["M"]): r["us"] for r in time_rows if r["variant"] == OLD}  # ratio "-" without it
         print()
         print("| variant | shape | M | us | ratio to old | check against its error-model bound |")
         print("|---|---|---|---|---|---|")
@@ -286,6 +288,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", default=",".join(map(str, TIME_MS)), help="token counts to time")
     ap.add_argument("--no-timing", action="store_true", help="accuracy only")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved timing repeats per variant (best is kept)")
+    ap.add_argument("--variants", default=None, help="semicolon-separated variant names to time, in this order "
+                                                     f"(default: all of {'; '.join(VARIANTS)})")
+    ap.add_argument("--shapes", default=None, help="comma-separated timing shape names (default: both)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fp8_accum.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -298,7 +303,16 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     acc_rows = accuracy(dev, [int(k) for k in args.ks.split(",")])
-    time_rows = [] if args.no_timing else timing(dev, [int(m) for m in args.ms.split(",")], repeats=args.repeats)
+    variants = VARIANTS
+    if args.variants:
+        names = [v.strip() for v in args.variants.split(";") if v.strip()]
+        unknown = [v for v in names if v not in VARIANTS]
+        if unknown:
+            ap.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+        variants = {v: VARIANTS[v] for v in names}
+    shapes = [s for s in timing_shapes() if not args.shapes or s.name in args.shapes.split(",")]
+    time_rows = [] if args.no_timing else timing(dev, [int(m) for m in args.ms.split(",")], repeats=args.repeats,
+                                                 variants=variants, shapes=shapes)
     try:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), accuracy=acc_rows, timing=time_rows), f, indent=1,
