@@ -139,7 +139,7 @@ def experts_cases(include_gpu_only: bool = False) -> list[ExpertsCase]:
         if extra.get("gpu_only") and not include_gpu_only:
             continue
         m = models[extra["model"]]
-        cases.append(ExpertsCase(m, extra.get("scheme", "bf16"), extra["tokens"], m.cpu_ep_size,
+        cases.append(ExpertsCase(m, extra.get("scheme", "bf16"), extra["tokens"], extra.get("ep_size", m.cpu_ep_size),
                                  extra.get("ep_rank", 0), extra.get("chunk_size")))
     return cases
 
