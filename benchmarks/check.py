@@ -37,12 +37,14 @@ class Check:
         return max(getattr(self.stats, m) / b for m, b in self.bound.items() if b > 0)
 
 
-def experts_bound(shape, quant_config, M: int, experts_cls=None) -> ErrorBound:
-    """The error model's bound for ``shape`` (a ``benchmarks.shapes.ExpertsShape``) at ``M`` tokens."""
+def experts_bound(shape, quant_config, M: int, experts_cls=None, accumulation=None) -> ErrorBound:
+    """The error model's bound for ``shape`` (a ``benchmarks.shapes.ExpertsShape``) at ``M`` tokens;
+    ``accumulation``: a ``reference.error_model.Accumulation`` other than the default (a peer's opt-in recipe)."""
     return experts_error_bound(quant_config, act_dtype=shape.dtype, K=shape.K, I=shape.I,
                                activation=shape.activation, routed_rows=M * shape.topk, routes_per_row=shape.topk,
                                router_weight_rounding=getattr(getattr(experts_cls, "support", None),
-                                                              "router_weight_rounding", "reference"))
+                                                              "router_weight_rounding", "reference"),
+                               accumulation=accumulation)
 
 
 def reference_output(hidden, w1, w2, topk_weights, topk_ids, quant_config, **kwargs) -> torch.Tensor:

@@ -5,6 +5,7 @@
     python -m benchmarks --backend cuda --shapes qwen3_30b-bf16 --ms 1,64 --json out.json
     python -m benchmarks --backend torch                     # CPU: the scaled-down shapes, wall clock
     python -m benchmarks --backend triton --list             # what the suite runs, nothing timed
+    python -m benchmarks --backend triton --peer vllm --vllm-src /tmp/vcache/vllm-0.33.0   # vLLM's kernel live
 
 What runs is data: ``benchmarks/suites.toml`` (shapes, token counts, the peer, router-gate shapes) and
 ``benchmarks/peers.toml`` (the peers' reference figures). For each experts shape and M:
@@ -22,7 +23,11 @@ What runs is data: ``benchmarks/suites.toml`` (shapes, token counts, the peer, r
 4. timing by ``benchmarks.timing.measure`` (CUDA graphs, median of rounds; wall clock on CPU); floor and roofline
    by ``benchmarks.roofline`` on the ceilings ``benchmarks.timing.measure_ceilings`` measures in the same run.
 
-The table is printed last (``benchmarks.report.render_suite``). Exit status: 0, 1 if a check failed or a variant
+``--peer vllm`` (suites that compare ``gemms``: triton, deep_gemm) replaces the stored figures with vLLM's own Triton
+``fused_moe_kernel`` and tuned configs, read from an installed vllm or its source (``--vllm-src`` / ``$MOE_VLLM_SRC``;
+``benchmarks.peer_vllm``), timed in this run on the same weights and routings (GEMM1 + GEMM2 launches, as the stored
+figures), after its output is checked against the reference like the backend's classes; ``--peer none`` shows no
+peer. The table is printed last (``benchmarks.report.render_suite``). Exit status: 0, 1 if a check failed or a variant
 raised, 2 if the backend cannot run here (the reason is printed: no CUDA GPU, missing package, capability).
 """
 
@@ -63,11 +68,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-check", action="store_true", help="time without checking outputs against the reference")
     ap.add_argument("--no-gate", action="store_true", help="skip the router-gate table")
     ap.add_argument("--list", action="store_true", help="print what the suite runs and exit (no device needed)")
+    ap.add_argument("--peer", choices=("stored", "vllm", "none"), default="stored",
+                    help="stored: the suite's figures of benchmarks/peers.toml (default); vllm: vLLM's Triton "
+                         "fused_moe_kernel timed live here (--vllm-src); none: no peer column")
+    ap.add_argument("--vllm-src", default=None, metavar="PATH",
+                    help="vLLM source for --peer vllm: an unpacked sdist, an sdist .tar.gz, a vllm package directory "
+                         "or a `python -m benchmarks.peer_vllm slice` tree (default: $MOE_VLLM_SRC, else an installed "
+                         "vllm, never imported)")
     ap.add_argument("--json", default=None, help="write the results here (default: $OUT/benchmark-<backend>.json "
                                                  "when $OUT is set)")
     args = ap.parse_args(argv)
     if args.quick and args.ms:
         ap.error("--quick and --ms are exclusive")
+    if args.vllm_src is not None and args.peer != "vllm":
+        ap.error("--vllm-src goes with --peer vllm")
     return args
 
 
@@ -108,8 +122,23 @@ def main(argv=None) -> int:
     except KeyError as exc:
         log(f"benchmarks: {exc.args[0]}")
         return NOT_HERE
+    live = None  # --peer vllm: the source root (the kernel is loaded once the backend can run)
+    if args.peer == "vllm":
+        if suite.compare != "gemms":
+            log(f"benchmarks: --peer vllm: the {args.backend} suite has no GEMM-stage variant (compare = "
+                f"{suite.compare or 'none'}) to set against vLLM's GEMM1 + GEMM2 launches; no peer column")
+        else:
+            from benchmarks import peer_vllm
+
+            try:
+                live = peer_vllm.find_source(args.vllm_src)
+            except peer_vllm.PeerUnavailable as exc:
+                log(f"benchmarks: --peer vllm: {exc}")
+                return NOT_HERE
     if args.list:
-        log(f"suite of {args.backend}: M {list(ms)}; check up to M={suite.check_max_M}; peer {suite.peer or '-'}")
+        peer_text = (f"vLLM {peer_vllm.version_of(live)} (live) from {live}" if live is not None
+                     else (suite.peer or "-") if args.peer == "stored" else "-")
+        log(f"suite of {args.backend}: M {list(ms)}; check up to M={suite.check_max_M}; peer {peer_text}")
         for s in experts:
             log(f"  {s.id}: {s.label}")
         for g in gates:
@@ -124,7 +153,19 @@ def main(argv=None) -> int:
     if status is not None:
         log(f"benchmarks: backend {args.backend!r} cannot run here: {status}")
         return NOT_HERE
-    doc = run_suite(backend, suite, experts, ms, gates, gate_ms, check=not args.no_check)
+    vllm = None
+    if live is not None:
+        from benchmarks import peer_vllm
+
+        try:
+            vllm = peer_vllm.load(live)
+        except (peer_vllm.PeerUnavailable, ImportError) as exc:
+            log(f"benchmarks: --peer vllm: cannot load vLLM's kernel from {live}: {exc}")
+            return NOT_HERE
+        log(f"peer: vLLM {vllm.version} fused_moe_kernel from {vllm.fused_moe_path} (kernel file {vllm.kernel_path})")
+    doc = run_suite(backend, suite, experts, ms, gates, gate_ms, check=not args.no_check,
+                    peer_mode="vllm" if vllm is not None else "none" if args.peer != "stored" else "stored",
+                    vllm=vllm)
     from benchmarks import report
 
     path = args.json or (os.path.join(os.environ["OUT"], f"benchmark-{args.backend}.json")
@@ -142,8 +183,11 @@ def main(argv=None) -> int:
     return 1 if doc["failures"] else 0
 
 
-def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True) -> dict:
-    """Measure ``experts`` x ``ms`` (and the gate shapes) for ``backend``; the results document."""
+def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True, peer_mode: str = "stored",
+              vllm=None) -> dict:
+    """Measure ``experts`` x ``ms`` (and the gate shapes) for ``backend``; the results document. ``peer_mode``:
+    ``stored`` (the suite's peers.toml figures), ``vllm`` (``vllm``, a ``benchmarks.peer_vllm.VllmTriton``, timed
+    live on every row) or ``none``."""
     import torch
 
     from benchmarks import harness, report, suites, timing
@@ -164,11 +208,16 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
         + ", ".join(f"{k} {report.fmt_rate(v, 'FLOP/s')}" for k, v in mm.items()))
     settings = timing.Settings.from_env(device.type == "cuda")
     hook = _hook(backend.name)
-    peer = suites.peer(suite.peer) if suite.peer else None
+    peer = suites.peer(suite.peer) if suite.peer and peer_mode == "stored" else None
     doc = {"backend": backend.name, "version": backend.version, "device": info, "ceilings": ceilings,
            "peer": None if peer is None else {k: getattr(peer, k) for k in ("name", "title", "device", "source",
                                                                              "measures", "unit")},
            "compare": suite.compare, "experts": [], "gate": [], "failures": [], "notes": []}
+    if vllm is not None:
+        doc["peer"] = {"name": "vllm_live", "title": f"vLLM {vllm.version} (live)", "device": info.get("name"),
+                       "source": f"{vllm.fused_moe_path} (fused_moe_kernel, tuned configs of its configs/; per row: "
+                                 "extra.vllm_config)", "measures": "gemms", "unit": "us", "live": True,
+                       "column": vllm.title, "version": vllm.version, "root": str(vllm.root)}
 
     def fail(what: str, exc: BaseException) -> None:
         msg = f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
@@ -217,6 +266,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                     timed += [(name, call, name, None) for name, call in hook.variants(shape, M, inp, device)]
                 except Exception as exc:  # noqa: BLE001
                     fail(f"{shape.id} M={M} variants", exc)
+            if vllm is not None and claimed:
+                timed += _vllm_peer(vllm, shape, M, inp, device, row, doc, check and M <= suite.check_max_M)
             for name, call, key, cls in timed:
                 row["times_s"][name] = None
                 try:
@@ -232,6 +283,11 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                     row["times_s"][name], row["methods"][name] = m.seconds, m.method
                 except Exception as exc:  # noqa: BLE001
                     fail(f"{shape.id} M={M} {name}", exc)
+            if vllm is not None:  # the peer's column and check last
+                row["times_s"][vllm.title] = row["times_s"].pop(vllm.title, None)
+                if vllm.title in row["checks"]:
+                    row["checks"][vllm.title] = row["checks"].pop(vllm.title)
+                row["peer_s"] = row["times_s"][vllm.title]
             doc["experts"].append(row)
             log(f"[{time.time() - t0:6.1f}s] {shape.id} M={M}: "
                 + ", ".join(f"{k} {v * 1e6:.2f} us" if v else f"{k} -" for k, v in row["times_s"].items())
@@ -249,6 +305,42 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 fail(f"gate {shape.id} M={M}", exc)
     doc["wall_s"] = round(time.time() - t0, 1)
     return doc
+
+
+def _vllm_peer(vllm, shape, M, inp, device, row, doc, check: bool) -> list:
+    """``[(column, call, graph key, None)]`` for vLLM's live GEMM1 + GEMM2, after its check (a failing or unsupported
+    peer is reported, not timed: ``[]``)."""
+    from benchmarks import peer_vllm
+
+    name = vllm.title
+    try:
+        name, call, source = peer_vllm.gemms_variant(vllm, shape, M, inp, device)
+    except NotImplementedError as exc:
+        row["extra"]["vllm_config"] = "-"
+        note = f"{name}: {shape.id} not run: {exc}"
+        if note not in doc["notes"]:
+            doc["notes"].append(note)
+        return []
+    except Exception as exc:  # noqa: BLE001 - the peer fails alone
+        msg = f"{shape.id} M={M} {name}: {type(exc).__name__}: {str(exc).strip()[:200]}"
+        doc["failures"].append(msg)
+        log(f"  FAILED {msg}")
+        traceback.print_exc()
+        return []
+    row["extra"]["vllm_config"] = source
+    if check:
+        try:
+            c = peer_vllm.check(vllm, shape, M, inp, device)
+        except Exception as exc:  # noqa: BLE001
+            doc["failures"].append(f"check {shape.id} M={M} {name}: {type(exc).__name__}: {exc}"[:300])
+            traceback.print_exc()
+            return []
+        row["checks"][name] = f"{name}: {c.text}"
+        if not c.ok:  # the peer's defect, not the backend's: reported, not timed, the run's status unchanged
+            doc["notes"].append(f"check {shape.id} M={M} {name}: {c.text} (not timed)")
+            log(f"  {shape.id} M={M} {name}: {c.text} (not timed)")
+            return []
+    return [(name, call, f"vllm{vllm.version}.gemms", None)]
 
 
 def _check(shape, M, cls, inp, out):

@@ -186,7 +186,12 @@ def render_suite(doc: dict) -> str:
     lines = [f"# {doc.get('backend')} backend on {dev.get('name', '?')}: ceilings "
              f"{fmt_rate(ceil.get('copy_bytes_per_s'), 'B/s')} copy, "
              + ", ".join(f"{k} {fmt_rate(v, 'FLOP/s')}" for k, v in mm.items()) + "."]
-    if peer:
+    live = bool(peer and peer.get("live"))
+    if live:
+        lines.append(f"{peer['title']} = {peer['source']}: timed live in this run on the same weights and routings "
+                     f"({peer['measures']}: GEMM1 + GEMM2 launches), its output checked against the reference first; "
+                     f"column `{peer.get('column', peer['title'])}`.")
+    elif peer:
         lines.append(f"{peer['title']} = {peer['source']} ({peer['measures']}): compare only on an {peer['device']}.")
     rows = doc.get("experts", [])
     if rows:
@@ -196,7 +201,7 @@ def render_suite(doc: dict) -> str:
         extra = list(dict.fromkeys(k for r in rows for k in r.get("extra", {})))
         head = ["shape", "M"] + [f"{c} us" for c in cols]
         if peer:
-            head += [f"{peer['title']} us", "speedup"]
+            head += ([] if live else [f"{peer['title']} us"]) + ["speedup"]
         head += ["floor us", "% of floor", "check"] + extra
         lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
@@ -207,7 +212,7 @@ def render_suite(doc: dict) -> str:
             t_ref = t.get(ref)
             if peer:
                 p = r.get("peer_s")
-                cells += [_us(p), f"{p / t_ref:.2f}x" if p and t_ref else "-"]
+                cells += ([] if live else [_us(p)]) + [f"{p / t_ref:.2f}x" if p and t_ref else "-"]
             floor = r.get("floor_s")
             cells += [_us(floor), f"{100 * floor / t_ref:.0f}%" if floor and t_ref else "-",
                       "; ".join(r.get("checks", {}).values()) or "-"]
@@ -215,8 +220,10 @@ def render_suite(doc: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines.append(f"floor = max(bytes of the experts touched + activations / copy bandwidth, FLOPs / matmul "
-                     f"throughput); % of floor and speedup are of `{ref}`; check = worst metric / its error-model "
-                     "bound against the reference ((e): timed eagerly, graph capture failed).")
+                     f"throughput); % of floor and speedup are of `{ref}`"
+                     + (f" (speedup = {peer['title']} time / `{ref}` time)" if peer else "")
+                     + "; check = worst metric / its error-model bound against the reference ((e): timed eagerly, "
+                       "graph capture failed).")
         pre = [r["peer_s"] / r["times_s"][ref] for r in rows if r.get("peer_s") and r.get("times_s", {}).get(ref)
                and r["M"] >= 1024]
         dec = [100 * r["floor_s"] / r["times_s"][ref] for r in rows if r.get("times_s", {}).get(ref)

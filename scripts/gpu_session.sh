@@ -8,7 +8,8 @@
 #   nccl                   conformance/test_distributed.py --backend torch --world-size 1 (the NCCL smoke)
 #   fuzz                   python -m conformance.fuzz per backend of $BACKENDS, side by side, seed $SEED (default 0);
 #                          shrunk failures go to results/regressions-<backend>.toml (copied back, merged by hand)
-#   bench-BACKEND          python -m benchmarks --backend BACKEND (timing: run it alone on the GPU)
+#   bench-BACKEND          python -m benchmarks --backend BACKEND $BENCH_ARGS (timing: run it alone on the GPU;
+#                          e.g. BENCH_ARGS="--quick --peer vllm --vllm-src .vllm-src/vllm-0.33.0", the slice carried)
 #   py-NAME                python scripts/NAME.py $PY_ARGS (a diagnosis script; started in the background, waited for at the end)
 #   triton-TOOL            python -m backends.triton.tools.TOOL $TOOL_ARGS (in the foreground: timings run alone)
 # Example: bash scripts/gpu_session.sh probe:60 conformance:450 nccl:60
@@ -41,7 +42,7 @@ for spec in "$@"; do
     triton-*) TAIL=60 bash scripts/gpu_step.sh "$step" "$limit" python3 -m "backends.triton.tools.${step#triton-}" \
                 ${TOOL_ARGS:-} ;;
     bench-*) TAIL=80 bash scripts/gpu_step.sh "$step" "$limit" python3 -m benchmarks --backend "${step#bench-}" \
-               --json "$res/$step.json" ;;
+               ${BENCH_ARGS:-} --json "$res/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
