@@ -81,6 +81,34 @@ def test_ntiles_tuner_variants():
     assert _ntiles_variants({}, dict(g2, BLOCK_SIZE_M=64)) == [] and _ntiles_variants({}, dict(g2, GLUON=1)) == []
 
 
+def test_swap_ab_tuner_variants():
+    """The tuner's swap family: block-FP8 decode entries with SWAP_AB on GEMM2, GEMM1 or both, every swapped GEMM on
+    one warpgroup (four warps) with at least 64 weight rows per MMA (wgmma's M); nothing for prefill or Gluon
+    entries. An FP8 per-tensor entry with SWAP_AB is refused with the reason."""
+    from backends.triton.tools.tune import _swap_variants
+    g1 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128, num_warps=2, FUSE_QUANT=0)
+    g2 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, num_warps=4, PDL=1)
+    v = _swap_variants(g1, g2)
+    names = {n for n, _, _ in v}
+    assert {"swap2-bn64", "swap2-bn128", "swap1-bn32-joint", "swap1-bn64", "swap12-bn32-joint-bn64"} <= names, names
+    for name, c1, c2 in v:
+        for c, swapped in ((c1, "swap1" in name or "swap12" in name), (c2, "swap2" in name or "swap12" in name)):
+            assert bool(c.get("SWAP_AB")) == swapped, name
+            if swapped:
+                rows = c["BLOCK_SIZE_N"] * (2 if c.get("JOINT_GATE_UP") else 1)
+                assert c["num_warps"] == 4 and rows >= 64, (name, c)
+    assert all(c2["PDL"] == 1 for _, _, c2 in v)
+    assert _swap_variants(dict(g1, BLOCK_SIZE_M=64), dict(g2, BLOCK_SIZE_M=64)) == []
+    assert _swap_variants(g1, dict(g2, GLUON=1)) == []
+
+
+def test_swap_ab_is_refused_outside_block_fp8():
+    cfg = {g: dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, SWAP_AB=1) for g in ("gemm1", "gemm2")}
+    assert C.sanitize_config(cfg, block_shape=(128, 128))["gemm2"]["SWAP_AB"] == 1
+    with pytest.raises(ValueError, match="SWAP_AB is implemented for block-FP8"):
+        C.get_config(16, 8, 256, 512, 2, "fp8_w8a8", None, override=cfg)
+
+
 def test_tuner_candidate_lists_are_complete():
     """Each GEMM's candidate list is deduplicated on its own (a GEMM2 candidate equal to a GEMM1 candidate is still
     timed), and prefill has the 128-row HALF_TAIL key."""

@@ -38,7 +38,7 @@ CHECKS = [
     "experts_bf16_silu", "experts_bf16_unfused", "experts_bf16_tma", "experts_fp16_ep", "experts_fp32",
     "experts_swigluoai_bias", "experts_swigluoai_uninterleave", "experts_relu2_no_mul", "experts_gelu",
     "experts_router_weight_on_input",
-    "experts_fp8_block", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
+    "experts_fp8_block", "experts_fp8_block_swap_ab", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8", "fp8_promotion_order", "experts_fp8_promotion",
     "experts_permute_a", "align_tiles", "experts_half_tail", "experts_n_tiles",
     "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "experts_stages",
@@ -370,6 +370,32 @@ def block(ue8m0=False, recipe="vllm"):
 def _():
     q1, q2, qc = block()
     return experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=CFG(bn1=128, bk1=64, bk2=128))
+
+
+@check("experts_fp8_block_swap_ab")
+def _():
+    """SWAP_AB (W_tile @ A_tile^T, the accumulator transposed back for the epilogue) on both GEMMs of block FP8:
+    separate gate / up chains with one weight scale per K tile, the joint gate / up tile, 256-column tiles (two
+    weight-scale blocks: a scale per column), the fused and the separate requantization, and an expert map."""
+    q1, q2, qc = block()
+
+    def swap(c, joint=0):
+        for g in ("gemm1", "gemm2"):
+            c[g]["SWAP_AB"] = 1
+        c["gemm1"]["JOINT_GATE_UP"] = joint
+        return c
+
+    r = [experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=swap(CFG(bn1=128, bk1=64, bk2=128))),
+         experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=swap(CFG(bn1=64, bk1=128, bk2=128), joint=1)),
+         experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=swap(CFG(bn1=256, bk1=128, bn2=256, bk2=128, fq=0))),
+         experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=swap(CFG(bm=32, bn1=128, bk1=128, bk2=128)))]
+    xe, w1e, w2e, we, idse, emap, Eg = make(21, 8, 256, 128, 2, torch.bfloat16, ep=2)
+    p1, s1 = rq.per_block_quant_fp8(w1e, (128, 128))
+    p2, s2 = rq.per_block_quant_fp8(w2e, (128, 128))
+    qe = fp8_w8a8_moe_quant_config(s1, s2, block_shape=[128, 128])
+    r.append(experts(xe, p1, p2, we, idse, emap, Eg, "fp8", qc=qe, cfg=swap(CFG(bn1=128, bk1=128, bk2=128))))
+    bad = [v for v in r if v is not True]
+    return bad or None
 
 
 @check("experts_fp8_block_unfused")

@@ -6,9 +6,10 @@ intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
                        USE_TMA, N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, FUSE_ACT, FUSE_QUANT,
-                       PROMOTE_K, FAST_ACCUM, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
+                       PROMOTE_K, FAST_ACCUM, SWAP_AB, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
-                       N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, PDL, PROMOTE_K, FAST_ACCUM}},
+                       N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, PDL, PROMOTE_K, FAST_ACCUM,
+                       SWAP_AB}},
      ...}
 
 ``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``N_TILES``
@@ -38,7 +39,9 @@ programmatic dependent launch: they start during GEMM1's last wave and wait for 
 per-channel GEMMs only) is the number of K elements accumulated in the FP8 MMA accumulator (about 14 mantissa bits
 on sm_90) before it is added to an fp32 accumulator; ``FAST_ACCUM`` (optional, default 0; an explicit opt-in that no
 committed table uses) accumulates those GEMMs in place over the whole K instead, as vLLM's ``fused_moe_kernel`` does
-(error growing with K). The entry whose ``M``
+(error growing with K). ``SWAP_AB`` (optional, default 0; block-FP8 GEMMs on ``fused_moe_kernel`` only, else a
+``ValueError``) computes each K tile as ``W_tile @ A_tile^T``, vLLM 0.33's decode form: the weight rows fill the
+wgmma's 64-row M and the tile's 16-32 token rows its N. The entry whose ``M``
 is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
 table) :func:`default_config` chooses by tokens per expert.
 """
@@ -61,7 +64,8 @@ CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_na
 
 # The keys a table entry may hold (anything else is a typo that would be ignored).
 GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
-              "N_TILES", "FLATTEN", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE", "PDL", "PROMOTE_K", "FAST_ACCUM")
+              "N_TILES", "FLATTEN", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE", "PDL", "PROMOTE_K", "FAST_ACCUM",
+              "SWAP_AB")
 # K elements an FP8 per-tensor / per-channel GEMM accumulates in the MMA accumulator before promoting it into fp32
 # (PROMOTE_K's default and its largest allowed value; DeepGEMM / CUTLASS use 128)
 DEFAULT_PROMOTE_K = 256
@@ -159,6 +163,8 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
             v = g[k]
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{k}={v} must be a power of two >= 16")
+        if g.get("SWAP_AB", 0) and block_shape is None:
+            raise ValueError("SWAP_AB is implemented for block-FP8 GEMMs only (this config has no block shape)")
         if block_shape is not None and block_shape[1] % g["BLOCK_SIZE_K"]:
             raise ValueError(f"BLOCK_SIZE_K={g['BLOCK_SIZE_K']} must divide the scale group {block_shape[1]} "
                              "(a K tile spanning two groups would use one scale: vLLM #52576)")

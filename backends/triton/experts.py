@@ -358,6 +358,10 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
             return
         if FLAGS["strict"]:
             raise ValueError(f"table entry {cfg} is not covered by {special}: {why}")
+    swap = bool(cfg.get("SWAP_AB", 0))
+    if swap and (a_mode != _S_GROUP or b_mode != _S_GROUP):
+        raise ValueError(f"table entry {cfg}: SWAP_AB is implemented for block-FP8 GEMMs only (A_SCALE / B_SCALE 3), "
+                         f"this GEMM has {a_mode} / {b_mode}")
     if a_mode == _S_GROUP:
         asm, ask = a_scale.stride(0), a_scale.stride(1)
     elif a_mode == _S_ROW:
@@ -408,7 +412,7 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         RECIP_MUL=rp["RECIP_MUL"] if rp else False,
         EVEN_K=K % BK == 0, TMA_A=tma_a, TMA_B=tma_b, EMU=INTERPRET,
         DOT_PREC="ieee" if act_dtype == torch.float32 else "tf32", N_TILES=n_tiles, FLATTEN=bool(cfg.get("FLATTEN", 0)),
-        PROMOTE=promote, PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait,
+        PROMOTE=promote, PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait, SWAP_AB=swap,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         **({"launch_pdl": True} if pdl_wait else {}),
     )

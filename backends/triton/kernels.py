@@ -64,7 +64,7 @@ def _moe_tile(
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
-    N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PROMOTE: tl.constexpr,
+    N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PROMOTE: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """``N_TILES`` ``BLOCK_M x BLOCK_N`` output tiles of expert ``e``: sorted rows ``[row0, row0 + BLOCK_M)``,
     output columns of N tiles ``pid_ng * N_TILES + j`` (see :func:`fused_moe_kernel` for the modes)."""
@@ -102,7 +102,12 @@ def _moe_tile(
         else:
             b_row0 = (e * NW + pid_n * BLOCK_N).to(tl.int32)
 
-        if FUSE == 2 or FUSE == 4:
+        if SWAP_AB:  # block FP8: the accumulator transposed (weight rows on the MMA's M, the tile's rows on its N)
+            if FUSE == 2 or FUSE == 4:
+                acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        elif FUSE == 2 or FUSE == 4:
             if INT8:
                 acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.int32)
             else:
@@ -175,7 +180,21 @@ def _moe_tile(
             if A_SCALE == 3:
                 kg = k0 // GROUP_K
                 a_s = tl.load(a_s_ptrs + kg * stride_ask, mask=token_mask, other=0.0)
-                if B_SCALAR:
+                if SWAP_AB:
+                    # W_tile @ A_tile^T: the same products and scale factors, in the same order ((dot * a_s) * b_s)
+                    if B_SCALAR:
+                        b_s = tl.load(b_s_ptrs + kg * stride_bsk)
+                        acc += tl.dot(tl.trans(b), tl.trans(a)) * (a_s * b_s)[None, :]
+                        if FUSE == 1:
+                            bu_s = tl.load(bu_s_ptrs + kg * stride_bsk)
+                            acc_u += tl.dot(tl.trans(bu), tl.trans(a)) * (a_s * bu_s)[None, :]
+                    else:
+                        b_s = tl.load(b_s_ptrs + kg * stride_bsk)
+                        acc += tl.dot(tl.trans(b), tl.trans(a)) * a_s[None, :] * b_s[:, None]
+                        if FUSE == 1:
+                            bu_s = tl.load(bu_s_ptrs + kg * stride_bsk)
+                            acc_u += tl.dot(tl.trans(bu), tl.trans(a)) * a_s[None, :] * bu_s[:, None]
+                elif B_SCALAR:
                     b_s = tl.load(b_s_ptrs + kg * stride_bsk)
                     acc += tl.dot(a, b) * (a_s * b_s)[:, None]
                     if FUSE == 1:
@@ -222,6 +241,12 @@ def _moe_tile(
             acc += part
             if FUSE == 1:
                 acc_u += part_u
+        if SWAP_AB:  # back to [rows, columns] for the epilogue
+            acc = tl.trans(acc)
+            if FUSE == 1:
+                acc_u = tl.trans(acc_u)
+            else:
+                acc_u = acc
 
         # ---- epilogue: dequantize, bias, (activation), round, (quantize), store
         accf = acc.to(tl.float32)
@@ -307,7 +332,7 @@ def fused_moe_kernel(
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
     N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PROMOTE: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
-    PDL_WAIT: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
 
@@ -338,6 +363,9 @@ def fused_moe_kernel(
     mantissa bits, DeepSeek-V3 technical report 3.3.2); 0 = every K tile accumulated in place, the fast-accumulation
     form of vLLM's ``fused_moe_kernel`` (only the ``FAST_ACCUM`` opt-in, and every non-FP8 GEMM, launch it). Block
     FP8 (``A_SCALE`` 3) is promoted per K tile with its scales, INT8 accumulates exactly in int32.
+    ``SWAP_AB`` (block FP8 only): each K tile computed as ``W_tile @ A_tile^T`` (the weight rows on the MMA's M, the
+    tile's few token rows on its N, as vLLM 0.33's ``SWAP_AB`` for ``BLOCK_M < 64``): a 16-row decode tile then runs
+    on FP8 wgmma instead of mma.sync on FP8 converted to fp16; the accumulator is transposed back for the epilogue.
     ``PDL_TRIGGER``: let the next kernel (launched with programmatic dependent launch) start once every program has
     started. ``PDL_WAIT`` (this kernel launched so): wait for the previous kernel before reading anything it wrote
     (A, A's scales; the layout was written before it).
@@ -382,7 +410,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB)
         else:
             _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
                   a_desc_h, b_desc,
@@ -396,7 +424,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB)
     else:
         ntpp = tl.load(num_tokens_post_padded_ptr)
         e = tl.load(expert_ids_ptr + pid_m)  # pid_m < cdiv(EM, BLOCK_M) = the layout's block count
@@ -419,7 +447,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB)
 
 
 @triton.jit

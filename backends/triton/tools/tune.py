@@ -229,7 +229,30 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
     log(f"wrote {fname}")
 
 
-VARIANT_FAMILIES = ("input", "joint", "half_tail", "gluon", "ws", "pdl", "ntiles")
+VARIANT_FAMILIES = ("input", "joint", "half_tail", "gluon", "ws", "pdl", "ntiles", "swap")
+
+
+def _swap_variants(entry_g1, g2):
+    """Block-FP8 decode entries (BLOCK_SIZE_M <= 32, on ``fused_moe_kernel``) with ``SWAP_AB`` (vLLM 0.33's decode
+    form: the weight rows on the wgmma's M, the tile's token rows on its N): GEMM2, GEMM1 or both, one warpgroup each
+    (wgmma needs four warps and 64 weight rows: GEMM2 tiles of at least 64 columns, GEMM1 gate / up halves of 32
+    columns as one joint 64-row tile, of 64 columns as two chains or one joint 128-row tile)."""
+    from backends.triton.experts import GLUON_KEYS
+
+    if g2["BLOCK_SIZE_M"] > 32 or any(g.get(k, 0) for g in (entry_g1, g2) for k in GLUON_KEYS):
+        return []
+    s2 = [dict(g2, SWAP_AB=1, BLOCK_SIZE_N=max(g2["BLOCK_SIZE_N"], 64), num_warps=4)]
+    if g2["BLOCK_SIZE_N"] < 128:
+        s2.append(dict(s2[0], BLOCK_SIZE_N=128, N_TILES=1, FLATTEN=0))
+    bn1 = entry_g1["BLOCK_SIZE_N"]
+    s1 = [dict(entry_g1, SWAP_AB=1, num_warps=4, JOINT_GATE_UP=1, BLOCK_SIZE_N=max(bn1, 32))]
+    if bn1 <= 64:
+        s1.append(dict(entry_g1, SWAP_AB=1, num_warps=4, JOINT_GATE_UP=0, BLOCK_SIZE_N=64, FUSE_QUANT=0))
+    out = [(f"swap2-bn{v['BLOCK_SIZE_N']}", entry_g1, v) for v in s2]
+    out += [(f"swap1-bn{v['BLOCK_SIZE_N']}" + ("-joint" if v["JOINT_GATE_UP"] else ""), v, g2) for v in s1]
+    out += [(f"swap12-bn{v1['BLOCK_SIZE_N']}" + ("-joint" if v1["JOINT_GATE_UP"] else "") + f"-bn{v2['BLOCK_SIZE_N']}",
+             v1, v2) for v1 in s1 for v2 in s2]
+    return out
 
 
 def _ntiles_variants(entry_g1, g2):
@@ -349,10 +372,11 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
     - ``pdl`` (entries on ``fused_moe_kernel``): the entry with ``PDL`` flipped on GEMM2 (programmatic dependent
       launch: GEMM2 is launched during GEMM1's last wave and waits for its output);
     - ``ntiles`` (decode GEMM2s): ``N_TILES`` 2 / 3 / 4, with and without ``FLATTEN`` (see ``_ntiles_variants``);
+    - ``swap`` (block-FP8 decode entries): ``SWAP_AB`` on GEMM2, GEMM1 or both (see ``_swap_variants``);
 
     and keep the fastest (best of ``repeats`` round-robin timings) whose output is bitwise equal to the gathering
-    one (the input path changes no arithmetic) or, for ``HALF_TAIL``, ``JOINT_GATE_UP``, ``GLUON`` and the
-    warp-specialized kernel (which may take another MMA shape or accumulation schedule), equal up to ``max_norm``
+    one (the input path changes no arithmetic) or, for ``HALF_TAIL``, ``JOINT_GATE_UP``, ``GLUON``, ``SWAP_AB`` and
+    the warp-specialized kernel (which may take another MMA shape or accumulation schedule), equal up to ``max_norm``
     1e-3 (a tenth of the experts tolerance)."""
     from backends.triton.experts import strict_kernels
 
@@ -409,6 +433,8 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             variants.append(("pdl", entry["gemm1"], dict(g2, PDL=1 - g2.get("PDL", 0))))
         if "ntiles" in families:
             variants += _ntiles_variants(entry["gemm1"], g2)
+        if "swap" in families and plan.block_shape is not None:
+            variants += _swap_variants(entry["gemm1"], g2)
         if "ws" in families and sh.activation == "silu" and not sh.bias and (
                 plan.kind == "none" or plan.block_shape is not None):
             variants += _ws_variants(entry["gemm1"], g1, g2, plan.block_shape is not None)
@@ -430,7 +456,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
                 elif not torch.equal(outs.view(torch.int16), first.view(torch.int16)):
                     d = ((outs.double() - first.double()).abs().max() / first.double().abs().max()).item()
                     # tail tiles, the joint gate / up tile and the Gluon kernel may take another MMA shape
-                    ok = any(f in name for f in ("half_tail", "joint", "gluon", "ws")) and d <= 1e-3
+                    ok = any(f in name for f in ("half_tail", "joint", "gluon", "ws", "swap")) and d <= 1e-3
                     verdict = f"differs: max_norm {d:.2e}" + ("" if ok else " (REJECTED)")
                 t = time_us(call, 4, dev, reps_s)
             except Exception as exc:  # noqa: BLE001
