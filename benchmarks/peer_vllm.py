@@ -399,26 +399,6 @@ def _exec(defs: dict, names, ns: dict, path: Path) -> None:
         exec(compile(mod, f"{path}::{n}", "exec"), ns)  # noqa: S102 - vLLM's own source, read from its files
 
 
-def _interpreter_index_fix() -> None:
-    """Under ``TRITON_INTERPRET=1`` (CPU tests): Triton 3.6's interpreter converts a scalar it holds as a 1-element
-    array with ``int(array)``, which numpy 2 refuses, so ``range(0, tl.cdiv(K, BLOCK_SIZE_K))`` in
-    ``fused_moe_kernel`` fails there; convert through the single element instead. No effect on compiled kernels."""
-    try:
-        import triton.runtime.interpreter as interp
-    except ImportError:
-        return
-    orig = getattr(interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_moe_index_fix", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._moe_index_fix = True
-    interp._patch_lang_tensor = patched
-
-
 def load(source: str | os.PathLike | None = None) -> VllmTriton:
     """Load the kernel and host functions from ``source`` (anything ``find_source`` takes; None: its defaults).
 
@@ -456,7 +436,9 @@ def load(source: str | os.PathLike | None = None) -> VllmTriton:
         tmp.write_text(body)
         tmp.replace(kpath)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        _interpreter_index_fix()
+        # Triton 3.6's interpreter cannot index with a runtime scalar under numpy 2 (``range(0, tl.cdiv(K, ...))``
+        # in vLLM's kernel): the triton backend's JIT module patches it when imported in interpreter mode
+        import backends.triton._jit  # noqa: F401
     modname = f"moe_conformance_vllm_kernel_{digest}"
     kmod = sys.modules.get(modname)
     if kmod is None:
