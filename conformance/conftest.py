@@ -175,11 +175,9 @@ def _selection(config) -> list[str]:
 
 
 def _counts(results: list[dict]) -> dict[str, int]:
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
-    for e in results:
-        key = "xfailed" if e.get("xfail") and e["outcome"] == "skipped" else e["outcome"]
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    from conformance.report import outcome_counts
+
+    return outcome_counts(results)
 
 
 def _progress(config, final: bool = False) -> None:

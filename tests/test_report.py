@@ -160,3 +160,15 @@ def test_a_planted_failure_is_reported_whole_and_its_reproduce_keeps_the_full_re
     assert {e["nodeid"] for e in payload["results"]} == set(entries)
     assert payload["runs"][-1]["selection"] == shlex.quote(case) and len(payload["runs"]) == 3
     assert "| m | 1 | pass 1/1 |" in path.with_suffix(".md").read_text()
+
+
+def test_header_counts_a_known_failure_apart_from_the_skips():
+    """An xfailed case (pytest reports it as skipped with ``wasxfail``) is counted as xfailed in the header, never
+    among the skips: a known failure is not a skipped check."""
+    entries = [_entry("e::a", component="experts", model="m", scheme="bf16", tokens=4, experts_class="X"),
+               _entry("e::b", "skipped", component="experts", model="m", scheme="bf16", tokens=1, experts_class="X",
+                      xfail="a known tail event", reason="a known tail event"),
+               _entry("e::c", "skipped", component="experts", model="m", scheme="fp8", tokens=1, experts_class="X",
+                      reason="unsupported")]
+    header = [line for line in render(_payload(entries)).splitlines() if line.startswith("- cases:")]
+    assert header == ["- cases: 1 passed, 1 skipped, 1 xfailed"]
