@@ -102,11 +102,13 @@ def test_swap_ab_tuner_variants():
     assert _swap_variants(g1, dict(g2, GLUON=1)) == []
 
 
-def test_swap_ab_is_refused_outside_block_fp8():
+def test_swap_ab_is_refused_outside_fp8():
     cfg = {g: dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, SWAP_AB=1) for g in ("gemm1", "gemm2")}
-    assert C.sanitize_config(cfg, block_shape=(128, 128))["gemm2"]["SWAP_AB"] == 1
-    with pytest.raises(ValueError, match="SWAP_AB is implemented for block-FP8"):
-        C.get_config(16, 8, 256, 512, 2, "fp8_w8a8", None, override=cfg)
+    assert C.get_config(16, 8, 256, 512, 2, "fp8_w8a8", (128, 128), override=cfg)["gemm2"]["SWAP_AB"] == 1
+    assert C.get_config(16, 8, 256, 512, 2, "fp8_w8a8", None, override=cfg)["gemm1"]["SWAP_AB"] == 1
+    for dtype in (None, "int8_w8a8"):
+        with pytest.raises(ValueError, match="SWAP_AB is implemented for FP8 GEMMs only"):
+            C.get_config(16, 8, 256, 512, 2, dtype, None, override=cfg)
 
 
 def test_tuner_candidate_lists_are_complete():

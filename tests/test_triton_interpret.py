@@ -38,7 +38,7 @@ CHECKS = [
     "experts_bf16_silu", "experts_bf16_unfused", "experts_bf16_tma", "experts_fp16_ep", "experts_fp32",
     "experts_swigluoai_bias", "experts_swigluoai_uninterleave", "experts_relu2_no_mul", "experts_gelu",
     "experts_router_weight_on_input",
-    "experts_fp8_block", "experts_fp8_block_swap_ab", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
+    "experts_fp8_block", "experts_fp8_block_swap_ab", "experts_fp8_nonblock_swap_ab", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8", "fp8_promotion_order", "experts_fp8_promotion",
     "experts_permute_a", "align_tiles", "experts_half_tail", "experts_n_tiles",
     "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "experts_stages",
@@ -425,6 +425,32 @@ def _():
     static = fp8_w8a8_moe_quant_config(s1, s2, a1_scale=torch.tensor([0.02]), a2_scale=torch.tensor([0.005]))
     r2 = experts(x, q1, q2, *rest, "fp8", qc=static, cfg=CFG(fuse=0))
     return r1 if r1 is not True else r2
+
+
+@check("experts_fp8_nonblock_swap_ab")
+def _():
+    """SWAP_AB on FP8 per-tensor and per-channel x per-token GEMMs: promoted every K tile and every two K tiles (the
+    partial chain transposed), in place (the FAST_ACCUM opt-in), the separate requantization and static scales."""
+    (q1, s1), (q2, s2) = per_expert(rq.scaled_fp8_quant, w1), per_expert(rq.scaled_fp8_quant, w2)
+    s1, s2 = s1.reshape(-1), s2.reshape(-1)
+    f = lambda w: rq.scaled_fp8_quant(w, use_per_token_if_dynamic=True)  # noqa: E731
+    (c1, t1), (c2, t2) = per_expert(f, w1), per_expert(f, w2)
+    qch = fp8_w8a8_moe_quant_config(t1, t2, per_act_token_quant=True, per_out_ch_quant=True)
+    static = fp8_w8a8_moe_quant_config(s1, s2, a1_scale=torch.tensor([0.02]), a2_scale=torch.tensor([0.005]))
+
+    def swap(c, **keys):
+        for g in ("gemm1", "gemm2"):
+            c[g].update(SWAP_AB=1, **keys)
+        return c
+
+    r = [experts(x, q1, q2, *rest, "fp8", qc=fp8_w8a8_moe_quant_config(s1, s2), cfg=swap(CFG(bn1=64, bn2=64))),
+         experts(x, q1, q2, *rest, "fp8", qc=fp8_w8a8_moe_quant_config(s1, s2),
+                 cfg=swap(CFG(bn1=64, bn2=64), PROMOTE_K=128)),
+         experts(x, c1, c2, *rest, "fp8", qc=qch, cfg=swap(CFG(bn1=64, bn2=64, bk1=128, bk2=128), PROMOTE_K=128)),
+         experts(x, c1, c2, *rest, "fp8", qc=qch, cfg=swap(CFG(bn1=64, bn2=64), FAST_ACCUM=1)),
+         experts(x, q1, q2, *rest, "fp8", qc=static, cfg=swap(CFG(fuse=0, bn1=64, bn2=64)))]
+    bad = [v for v in r if v is not True]
+    return bad or None
 
 
 @check("experts_fp8_channel_token")

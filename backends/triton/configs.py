@@ -39,7 +39,7 @@ programmatic dependent launch: they start during GEMM1's last wave and wait for 
 per-channel GEMMs only) is the number of K elements accumulated in the FP8 MMA accumulator (about 14 mantissa bits
 on sm_90) before it is added to an fp32 accumulator; ``FAST_ACCUM`` (optional, default 0; an explicit opt-in that no
 committed table uses) accumulates those GEMMs in place over the whole K instead, as vLLM's ``fused_moe_kernel`` does
-(error growing with K). ``SWAP_AB`` (optional, default 0; block-FP8 GEMMs on ``fused_moe_kernel`` only, else a
+(error growing with K). ``SWAP_AB`` (optional, default 0; FP8 GEMMs on ``fused_moe_kernel`` only, else a
 ``ValueError``) computes each K tile as ``W_tile @ A_tile^T``, vLLM 0.33's decode form: the weight rows fill the
 wgmma's 64-row M and the tile's 16-32 token rows its N. The entry whose ``M``
 is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
@@ -163,8 +163,6 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
             v = g[k]
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{k}={v} must be a power of two >= 16")
-        if g.get("SWAP_AB", 0) and block_shape is None:
-            raise ValueError("SWAP_AB is implemented for block-FP8 GEMMs only (this config has no block shape)")
         if block_shape is not None and block_shape[1] % g["BLOCK_SIZE_K"]:
             raise ValueError(f"BLOCK_SIZE_K={g['BLOCK_SIZE_K']} must divide the scale group {block_shape[1]} "
                              "(a K tile spanning two groups would use one scale: vLLM #52576)")
@@ -186,6 +184,9 @@ def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: str | None, blo
     """The config for a batch of ``M`` tokens: ``override``, else the tuned table's nearest M, else the default;
     ``act_elt``: bytes per unquantized activation element (4 for fp32: see ``fit_shared_memory``)."""
     if override is not None:
+        if dtype != "fp8_w8a8" and any(override[g].get("SWAP_AB", 0) for g in ("gemm1", "gemm2") if g in override):
+            raise ValueError("SWAP_AB is implemented for FP8 GEMMs only (dtype fp8_w8a8), not "
+                             f"{dtype or 'unquantized'}")
         return sanitize_config(override, block_shape=block_shape)
     table = load_table(E, N, dtype, tuple(block_shape) if block_shape else None, device_name())
     if table:

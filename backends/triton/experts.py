@@ -359,9 +359,10 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         if FLAGS["strict"]:
             raise ValueError(f"table entry {cfg} is not covered by {special}: {why}")
     swap = bool(cfg.get("SWAP_AB", 0))
-    if swap and (a_mode != _S_GROUP or b_mode != _S_GROUP):
-        raise ValueError(f"table entry {cfg}: SWAP_AB is implemented for block-FP8 GEMMs only (A_SCALE / B_SCALE 3), "
-                         f"this GEMM has {a_mode} / {b_mode}")
+    if swap and (int8 or a_mode == _S_NONE or b_mode == _S_NONE):
+        raise ValueError(f"table entry {cfg}: SWAP_AB is implemented for FP8 GEMMs only (block, per-tensor or "
+                         f"per-channel scales), this GEMM has A_SCALE {a_mode} / B_SCALE {b_mode}"
+                         + (" and INT8 operands" if int8 else ""))
     if a_mode == _S_GROUP:
         asm, ask = a_scale.stride(0), a_scale.stride(1)
     elif a_mode == _S_ROW:

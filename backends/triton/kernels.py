@@ -47,6 +47,16 @@ QMODE_FP8_TENSOR_QUANT = 7  # pass 2: quantize with amax / 448
 
 
 @triton.jit
+def _mma(a, b, acc, SWAP_AB: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``acc + a @ b`` on the tensor cores; ``SWAP_AB``: ``acc + b^T @ a^T`` (``acc`` transposed: the weight tile's
+    rows on the MMA's M)."""
+    if SWAP_AB:
+        return tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=DOT_PREC)
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _moe_tile(
     a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     a_desc, b_desc,
@@ -102,7 +112,7 @@ def _moe_tile(
         else:
             b_row0 = (e * NW + pid_n * BLOCK_N).to(tl.int32)
 
-        if SWAP_AB:  # block FP8: the accumulator transposed (weight rows on the MMA's M, the tile's rows on its N)
+        if SWAP_AB:  # FP8: the accumulator transposed (weight rows on the MMA's M, the tile's rows on its N)
             if FUSE == 2 or FUSE == 4:
                 acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
             else:
@@ -212,21 +222,21 @@ def _moe_tile(
                     if FUSE == 1:
                         acc_u = tl.dot(a, bu, acc_u, out_dtype=tl.int32)
                 elif PROMOTE == 0:  # in place (bf16 / fp16 / fp32; FP8 only as the FAST_ACCUM opt-in)
-                    acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+                    acc = _mma(a, b, acc, SWAP_AB, DOT_PREC)
                     if FUSE == 1:
-                        acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
+                        acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PREC)
                 elif PROMOTE == 1:  # FP8, one K tile per promotion interval
-                    acc += tl.dot(a, b, input_precision=DOT_PREC)
+                    acc += _mma(a, b, tl.zeros_like(acc), SWAP_AB, DOT_PREC)
                     if FUSE == 1:
-                        acc_u += tl.dot(a, bu, input_precision=DOT_PREC)
+                        acc_u += _mma(a, bu, tl.zeros_like(acc_u), SWAP_AB, DOT_PREC)
                 else:
                     # FP8: the sm_90 wgmma accumulator keeps ~14 mantissa bits, so PROMOTE K tiles are chained in a
                     # partial accumulator (one asynchronous wgmma chain: its only reader is the next dot or the
                     # `if`, which Triton's wgmma pipeliner allows) and added to the fp32 accumulator at the
                     # interval's end (the wait for the chain happens there, once per interval)
-                    part = tl.dot(a, b, part, input_precision=DOT_PREC)
+                    part = _mma(a, b, part, SWAP_AB, DOT_PREC)
                     if FUSE == 1:
-                        part_u = tl.dot(a, bu, part_u, input_precision=DOT_PREC)
+                        part_u = _mma(a, bu, part_u, SWAP_AB, DOT_PREC)
                     if kk % PROMOTE == PROMOTE - 1:
                         acc += part
                         part = tl.zeros_like(part)
@@ -363,7 +373,7 @@ def fused_moe_kernel(
     mantissa bits, DeepSeek-V3 technical report 3.3.2); 0 = every K tile accumulated in place, the fast-accumulation
     form of vLLM's ``fused_moe_kernel`` (only the ``FAST_ACCUM`` opt-in, and every non-FP8 GEMM, launch it). Block
     FP8 (``A_SCALE`` 3) is promoted per K tile with its scales, INT8 accumulates exactly in int32.
-    ``SWAP_AB`` (block FP8 only): each K tile computed as ``W_tile @ A_tile^T`` (the weight rows on the MMA's M, the
+    ``SWAP_AB`` (FP8 only, not ``INT8``): each K tile computed as ``W_tile @ A_tile^T`` (the weight rows on the MMA's M, the
     tile's few token rows on its N, as vLLM 0.33's ``SWAP_AB`` for ``BLOCK_M < 64``): a 16-row decode tile then runs
     on FP8 wgmma instead of mma.sync on FP8 converted to fp16; the accumulator is transposed back for the epilogue.
     ``PDL_TRIGGER``: let the next kernel (launched with programmatic dependent launch) start once every program has

@@ -233,7 +233,7 @@ VARIANT_FAMILIES = ("input", "joint", "half_tail", "gluon", "ws", "pdl", "ntiles
 
 
 def _swap_variants(entry_g1, g2):
-    """Block-FP8 decode entries (BLOCK_SIZE_M <= 32, on ``fused_moe_kernel``) with ``SWAP_AB`` (vLLM 0.33's decode
+    """FP8 (block, per-tensor or per-channel) decode entries (BLOCK_SIZE_M <= 32, on ``fused_moe_kernel``) with ``SWAP_AB`` (vLLM 0.33's decode
     form: the weight rows on the wgmma's M, the tile's token rows on its N): GEMM2, GEMM1 or both, one warpgroup each
     (wgmma needs four warps and 64 weight rows: GEMM2 tiles of at least 64 columns, GEMM1 gate / up halves of 32
     columns as one joint 64-row tile, of 64 columns as two chains or one joint 128-row tile)."""
@@ -372,7 +372,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
     - ``pdl`` (entries on ``fused_moe_kernel``): the entry with ``PDL`` flipped on GEMM2 (programmatic dependent
       launch: GEMM2 is launched during GEMM1's last wave and waits for its output);
     - ``ntiles`` (decode GEMM2s): ``N_TILES`` 2 / 3 / 4, with and without ``FLATTEN`` (see ``_ntiles_variants``);
-    - ``swap`` (block-FP8 decode entries): ``SWAP_AB`` on GEMM2, GEMM1 or both (see ``_swap_variants``);
+    - ``swap`` (FP8 decode entries): ``SWAP_AB`` on GEMM2, GEMM1 or both (see ``_swap_variants``);
 
     and keep the fastest (best of ``repeats`` round-robin timings) whose output is bitwise equal to the gathering
     one (the input path changes no arithmetic) or, for ``HALF_TAIL``, ``JOINT_GATE_UP``, ``GLUON``, ``SWAP_AB`` and
@@ -433,7 +433,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             variants.append(("pdl", entry["gemm1"], dict(g2, PDL=1 - g2.get("PDL", 0))))
         if "ntiles" in families:
             variants += _ntiles_variants(entry["gemm1"], g2)
-        if "swap" in families and plan.block_shape is not None:
+        if "swap" in families and plan.kind == "fp8":
             variants += _swap_variants(entry["gemm1"], g2)
         if "ws" in families and sh.activation == "silu" and not sh.bias and (
                 plan.kind == "none" or plan.block_shape is not None):
