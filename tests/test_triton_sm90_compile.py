@@ -54,8 +54,7 @@ def _table_entries(gpu):
 
     entries = set()
     for sh in SHAPES:
-        dtype, block = ("fp8_w8a8", (128, 128)) if sh.scheme == "fp8_block128" else (None, None)
-        table = C.load_table(sh.E, sh.I, dtype, block, gpu)
+        table = C.load_table(sh.E, sh.I, *sh.table_key, gpu)
         entries |= {(sh.name, M) for M in (table or {})}
     return entries
 

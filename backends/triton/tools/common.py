@@ -30,6 +30,19 @@ class Shape:
     activation: str = "silu"
     bias: bool = False
 
+    @property
+    def table_key(self) -> tuple[str | None, tuple[int, int] | None]:
+        """``(dtype tag, block shape)`` of the tuned table the launch reads for this scheme (``configs.load_table``;
+        ``experts.plan_quant``'s ``cfg_dtype`` / ``block_shape``): block FP8 ``("fp8_w8a8", (128, 128))``, other FP8
+        ``("fp8_w8a8", None)``, INT8 ``("int8_w8a8", None)``, unquantized ``(None, None)``."""
+        if self.scheme.startswith("fp8_block128"):
+            return "fp8_w8a8", (128, 128)
+        if self.scheme.startswith("fp8"):
+            return "fp8_w8a8", None
+        if self.scheme.startswith("int8"):
+            return "int8_w8a8", None
+        return None, None
+
 
 @cache
 def shapes() -> tuple[Shape, ...]:
