@@ -18,6 +18,9 @@ def test_fp8_accum_imports_on_cpu():
 
     assert set(fp8_accum.VARIANTS) >= {fp8_accum.OLD} and len(fp8_accum.VARIANTS) >= 2
     assert fp8_accum.VARIANTS[fp8_accum.OLD] == {"FAST_ACCUM": 1}
+    # the single-GEMM accuracy part runs the accumulation forms only (tile / table variants are the step's)
+    assert fp8_accum.OLD in fp8_accum.ACC_VARIANTS and "table" not in fp8_accum.ACC_VARIANTS
+    assert not any("_tile" in k for k in fp8_accum.ACC_VARIANTS.values())
     assert [s.scheme for s in fp8_accum.timing_shapes()] == ["fp8_channel_token", "fp8_tensor"]
     cfg = fp8_accum.with_variant({"gemm1": dict(BLOCK_SIZE_K=256), "gemm2": dict(BLOCK_SIZE_K=128)},
                                  {"PROMOTE_K": 128})

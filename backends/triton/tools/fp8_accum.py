@@ -8,7 +8,7 @@ what the promotion costs (issue 22, item 5). One process on one H100 / H200, und
 (a) Accuracy: one FP8 per-tensor GEMM ``C = (A * s_a) @ (W * s_w)^T`` (``M = N = 1024``, ``K`` in {1024, 4096, 7168,
     16384}, ``A, W ~ N(0, 1)`` quantized per tensor with ``reference.quant.scaled_fp8_quant``) through the kernel's
     own launch path (``experts._launch_gemm`` on a single expert with every token routed to it, fp32 output, so
-    nothing is rounded after the accumulator), for each variant of :data:`VARIANTS` on each tile of :data:`ACC_CFGS`
+    nothing is rounded after the accumulator), for each variant of :data:`ACC_VARIANTS` on each tile of :data:`ACC_CFGS`
     (a 64-row tile on wgmma, a 16-row one on mma.sync): relative RMS error against the
     float64 product of the dequantized operands, and its ratio to the error of plain fp32 accumulation (``torch``
     float32 matmul of the dequantized operands, TF32 off). On sm_90 the in-place FP8 wgmma accumulator keeps about 14
@@ -17,7 +17,8 @@ what the promotion costs (issue 22, item 5). One process on one H100 / H200, und
     sum) of Qwen3-30B-A3B ``fp8_channel_token`` (E=128, topk 8, K=2048, I=768) and Mixtral-8x7B TP2 ``fp8_tensor``
     (E=8, topk 2, K=4096, I=7168) at M in {64, 1024, 4096}, each variant on the default launch configuration
     (``configs.default_config``, what these schemes ran before they had tuned tables) with the variant's keys set;
-    ``table``: the committed table's entry (``configs.get_config``), where one applies. Inputs from ``tools.common.draw_inputs`` (rotating routings), timed by ``benchmarks.timing.measure``
+    ``table``: the committed table's entry (``configs.get_config``), where one applies. Inputs from
+    ``tools.common.draw_inputs`` (rotating routings), timed by ``benchmarks.timing.measure``
     (CUDA graphs, median of rounds), variants interleaved and repeated; before a variant's time counts, its output on
     the first input set is checked against ``reference.experts.fused_experts`` with the error model's bound for its
     accumulation (``reference.error_model``: the in-place form under the opt-in ``Accumulation.fast``; a failing
@@ -64,6 +65,9 @@ VARIANTS = {
     "table": dict(_base="table"),
 }
 OLD = "old (FAST_ACCUM, in place)"
+# the accuracy GEMM's variants: the accumulation forms alone. The others only change the whole step's prefill tiles
+# or kernel (a gathered single-expert GEMM on ACC_CFGS' tiles would run one of these forms under their names)
+ACC_VARIANTS = {n: k for n, k in VARIANTS.items() if "_tile" not in k and "_base" not in k}
 ACC_KS = (1024, 4096, 7168, 16384)
 TIME_MS = (64, 1024, 4096)
 # the accuracy GEMM's launch configurations (BLOCK_K 128 so that both intervals apply): a prefill tile on wgmma
@@ -159,7 +163,7 @@ def accuracy(dev, Ks=ACC_KS, M=1024, N=1024, seed=0) -> list[dict]:
             exact = ad @ wd.T
             e32 = rel_rms(ad.float() @ wd.float().T, exact)
             for tile, g in ACC_CFGS.items():
-                for name, keys in VARIANTS.items():
+                for name, keys in ACC_VARIANTS.items():
                     out = single_expert_gemm(aq, sa, wq, sw, dict(g, **keys))
                     e = rel_rms(out, exact)
                     rows.append(dict(K=K, tile=tile, variant=name, rel_rms=e, fp32_rel_rms=e32, ratio_to_fp32=e / e32))
