@@ -266,6 +266,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                     timed += [(name, call, name, None) for name, call in hook.variants(shape, M, inp, device)]
                 except Exception as exc:  # noqa: BLE001
                     fail(f"{shape.id} M={M} variants", exc)
+            for other in suite.beside if claimed else ():
+                timed += _beside(other, shape, M, inp, row, fail)
             if vllm is not None and claimed:
                 timed += _vllm_peer(vllm, shape, M, inp, device, row, doc, check and M <= suite.check_max_M)
             for name, call, key, cls in timed:
@@ -305,6 +307,36 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 fail(f"gate {shape.id} M={M}", exc)
     doc["wall_s"] = round(time.time() - t0, 1)
     return doc
+
+
+def _beside(name: str, shape, M: int, inp, row: dict, fail) -> list:
+    """``[(column, call, graph key, class)]`` for the step of backend ``name`` (a suite's ``beside``) on the same
+    inputs: its first standard-format experts class that claims the configuration; none (with a note) when the
+    backend cannot run here or claims nothing."""
+    from backends import BackendNotFound, load_backend
+    from benchmarks import harness
+    from benchmarks.harness import ExpertsParam
+
+    try:
+        other = load_backend(name)
+    except BackendNotFound as exc:
+        row.setdefault("notes", []).append(f"beside {name}: {exc}")
+        return []
+    status = other.availability_status()
+    if status is not None:
+        row.setdefault("notes", []).append(f"beside {name}: cannot run here: {status}")
+        return []
+    for cls in other.experts:
+        p = ExpertsParam(shape, M, other.name, cls)
+        if harness.standard_modular(cls) and harness.supported(p)[0]:
+            try:
+                call, _ = harness.make_experts_call(p, inp)
+            except Exception as exc:  # noqa: BLE001
+                fail(f"{shape.id} M={M} {name} step", exc)
+                return []
+            return [(f"{name} step", call, f"{name}.{cls.__name__}", cls)]
+    row.setdefault("notes", []).append(f"beside {name}: no experts class claims this configuration")
+    return []
 
 
 def _vllm_peer(vllm, shape, M, inp, device, row, doc, check: bool) -> list:

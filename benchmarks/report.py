@@ -199,10 +199,16 @@ def render_suite(doc: dict) -> str:
         ref = compare if compare in cols else next((c for c in cols if c.startswith("step")), cols[0] if cols
                                                    else None)
         extra = list(dict.fromkeys(k for r in rows for k in r.get("extra", {})))
+        # ratios of the step: to the GEMMs alone (what the step adds around them) and of the steps of the backends
+        # timed beside it (a suite's `beside`) to this one (above 1: this backend's step is faster)
+        ratios = []
+        if compare == "gemms" and "step" in cols and "gemms" in cols:
+            ratios.append(("step / gemms", "step", "gemms"))
+        ratios += [(f"{c} / step", c, "step") for c in cols if c.endswith(" step") and "step" in cols]
         head = ["shape", "M"] + [f"{c} us" for c in cols]
         if peer:
             head += ([] if live else [f"{peer['title']} us"]) + ["speedup"]
-        head += ["floor us", "% of floor", "check"] + extra
+        head += [r[0] for r in ratios] + ["floor us", "% of floor", "check"] + extra
         lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
             t = r.get("times_s", {})
@@ -213,6 +219,7 @@ def render_suite(doc: dict) -> str:
             if peer:
                 p = r.get("peer_s")
                 cells += ([] if live else [_us(p)]) + [f"{p / t_ref:.2f}x" if p and t_ref else "-"]
+            cells += [f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "-" for _, a, b in ratios]
             floor = r.get("floor_s")
             cells += [_us(floor), f"{100 * floor / t_ref:.0f}%" if floor and t_ref else "-",
                       "; ".join(r.get("checks", {}).values()) or "-"]

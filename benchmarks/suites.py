@@ -60,6 +60,7 @@ class Suite:
     gate_M: tuple[int, ...] = ()
     aliases: dict = field(default_factory=dict, compare=False, hash=False)
     budget_s: float = 450.0
+    beside: tuple[str, ...] = ()
 
     def experts_shapes(self) -> list[S.ExpertsShape]:
         return [S.experts_shape(i) for i in self.experts]
@@ -99,7 +100,7 @@ def suites() -> dict[str, Suite]:
             quick_M=tuple(d.get("quick_M", d.get("M", ()))), check_max_M=int(d.get("check_max_M", 0)),
             peer=d.get("peer"), compare=d.get("compare"), gate=tuple(d.get("gate", ())),
             gate_M=tuple(d.get("gate_M", ())), aliases=dict(d.get("aliases", {})),
-            budget_s=float(d.get("budget_s", 450.0)))
+            budget_s=float(d.get("budget_s", 450.0)), beside=tuple(d.get("beside", ())))
     return out
 
 

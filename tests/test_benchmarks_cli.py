@@ -111,8 +111,8 @@ def _doc():
     row = dict(case="qwen3_30b-bf16", label="Qwen3", M=64, E=128, topk=8, K=2048, I=768, scheme="bf16",
                times_s={"step": 400e-6, "gemms": 250e-6}, methods={"step": "cuda-graph", "gemms": "cuda-events"},
                checks={"step": "ok 0.31"}, floor_s=200e-6, bound="memory", peer_s=283.92e-6, extra={"tuned": "y"})
-    pre = dict(row, M=4096, times_s={"step": 1e-3, "gemms": 0.5e-3}, methods={}, checks={}, floor_s=0.25e-3,
-               peer_s=1e-3, extra={})
+    pre = dict(row, M=4096, times_s={"step": 1e-3, "gemms": 0.5e-3, "triton step": 1.5e-3}, methods={}, checks={},
+               floor_s=0.25e-3, peer_s=1e-3, extra={})
     return {"backend": "triton", "device": {"name": "NVIDIA H200"},
             "ceilings": {"copy_bytes_per_s": 4.28e12, "matmul_flops_per_s": {"bf16": 7.9e14, "fp8": 1.26e15}},
             "peer": {"title": "vLLM H200", "device": "NVIDIA H200", "source": "perf-anchors", "measures": "gemms"},
@@ -127,12 +127,13 @@ def test_table_on_synthetic_figures():
     lines = text.splitlines()
     assert lines[0].startswith("# triton backend on NVIDIA H200: ceilings 4.28 TB/s copy, bf16 790 TFLOP/s")
     head = next(ln for ln in lines if ln.startswith("| shape"))
-    assert head == ("| shape | M | step us | gemms us | vLLM H200 us | speedup | floor us | % of floor | check | "
-                    "tuned |")
-    assert "| qwen3_30b-bf16 (128,8,2048,768) | 64 | 400.00 | 250.00 (e) | 283.92 | 1.14x | 200.00 | 80% | ok 0.31 "\
-           "| y |" in lines
-    assert "| qwen3_30b-bf16 (128,8,2048,768) | 4096 | 1000.00 | 500.00 | 1000.00 | 2.00x | 250.00 | 50% | - |  |" \
-        in lines
+    # step / gemms: what the step adds around its GEMMs; "triton step / step": a backend timed beside (`beside`)
+    assert head == ("| shape | M | step us | gemms us | triton step us | vLLM H200 us | speedup | step / gemms | "
+                    "triton step / step | floor us | % of floor | check | tuned |")
+    assert "| qwen3_30b-bf16 (128,8,2048,768) | 64 | 400.00 | 250.00 (e) | - | 283.92 | 1.14x | 1.60 | - | 200.00 | "\
+           "80% | ok 0.31 | y |" in lines
+    assert "| qwen3_30b-bf16 (128,8,2048,768) | 4096 | 1000.00 | 500.00 | 1500.00 | 1000.00 | 2.00x | 2.00 | 1.50 | "\
+           "250.00 | 50% | - |  |" in lines
     assert "prefill (M >= 1024) geometric-mean speedup of gemms vs vLLM H200: 2.000x over 1 points" in lines
     assert "decode (M 8..64) % of floor of gemms: min 80%, mean 80%" in lines
     assert "| dsv3_gate | 1 | 1.00 | 4.00 | - |" in lines

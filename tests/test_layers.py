@@ -89,7 +89,8 @@ def _violation(path: Path, module: str) -> str | None:
     if layer == "backends" and top == "backends":
         own = parts[1] if len(parts) > 2 else None  # backends/__init__.py (the registry) is no backend
         mod = module.split(".")
-        if own is not None and len(mod) > 1 and mod[1] != own:
+        # backends/_*.py are shared helpers of the backends (no backend: nothing registers them)
+        if own is not None and len(mod) > 1 and mod[1] != own and not mod[1].startswith("_"):
             return f"a backend never imports another backend (backends/{own} imports {module})"
     return None
 

@@ -177,11 +177,13 @@ def act_mul_quant(
     use_ue8m0: bool = True,
     recipe="vllm",
     out_q: torch.Tensor | None = None,
+    out_s: torch.Tensor | None = None,
     rows_per_chunk: int = 8192,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM1 output ``(R, 2I)`` -> ``(a2q (R, I) fp8, a2_scale (R, I // group_size) fp32 MN-major TMA-aligned)``:
     :func:`gated_activation` (rounded to ``x.dtype``) then :func:`per_token_group_quant_fp8_mn_major`, chunked over
-    rows so the fp32 temporaries stay bounded. ``out_q`` is an optional ``(R, I)`` fp8 workspace view."""
+    rows so the fp32 temporaries stay bounded. ``out_q`` is an optional ``(R, I)`` fp8 workspace view; ``out_s`` an
+    optional scales tensor from ``layout.sf_empty`` (the masked layout's 3-D scales), returned instead."""
     from backends.deep_gemm.layout import mn_major_tma_aligned_empty
 
     R, N = x.shape
@@ -195,4 +197,7 @@ def act_mul_quant(
         act = gated_activation(x[r0:r1], activation, alpha=alpha, beta=beta, limit=limit)
         per_token_group_quant_fp8_mn_major(act, group_size, use_ue8m0=use_ue8m0, recipe=recipe,
                                            out_q=q[r0:r1], out_s=s[r0:r1], rows_per_chunk=rows_per_chunk)
+    if out_s is not None:
+        out_s.copy_(s.reshape(out_s.shape))
+        return q, out_s
     return q, s

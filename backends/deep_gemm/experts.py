@@ -3,21 +3,30 @@ deep_gemm_moe.py``) as ``reference.modular.FusedMoEExpertsModular`` subclasses.
 
 ``DeepGemmExperts.apply`` runs, for one chunk of tokens (seed 001's order):
 
-1. ``M_sum, alignment = compute_aligned_M_and_alignment(M, topk, E_local, block_m=128, expert_tokens_meta)``;
-2. build the contiguous layout (Triton on CUDA, torch ops elsewhere: :mod:`backends.deep_gemm.layout`), check
-   the routes (one small device->host copy), permute the FP8 activations into it and their fp32 1x128 scales into
-   MN-major TMA-aligned SFA;
-3. ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a1q, sfa), (w1, w1_scale), mm1_out bf16, m_indices)``;
-4. gated activation + 1x128 requantization, FLOAT32_CEIL_UE8M0 scales when ``quant_config.use_ue8m0``
-   (:mod:`backends.deep_gemm.act_quant`);
-5. ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a2q, sfa2), (w2, w2_scale), mm2_out bf16, m_indices)``;
-6. unpermute + top-k weighted fp32 reduction into the ``(M, K)`` output (``TopKWeightAndReduceNoOP`` follows).
+1. the layout plan (:func:`plan_layout`): for ``M >= masked_below_m`` (128) DeepGEMM's contiguous layout,
+   ``M_sum, alignment = compute_aligned_M_and_alignment(M, topk, E_local, block_m=128, expert_tokens_meta)``; below it
+   the masked layout (slots of 128 rows per local expert, ``m_grouped_fp8_gemm_nt_masked``: vLLM's
+   ``BatchedDeepGemmExperts`` GEMMs inside the standard activation format, so a decode batch pays 64-row blocks
+   for the experts it touches instead of 128-row blocks);
+2. build the layout (Triton on CUDA, torch ops elsewhere: :mod:`backends.deep_gemm.layout`); the routes are
+   checked on the host only when ``validate_routes`` (the conformance suite turns it on: ``MOE_VALIDATE_ROUTES=1``)
+   - otherwise a bad id poisons its token's output with NaN on the device, and nothing in ``apply`` synchronises;
+3. the input quantization (the experts take unquantized inputs, ``expects_unquantized_inputs``): each token's
+   1x128 groups are quantized once (``per_token_group_quant_fp8``, the prepare step's rule) and written straight to
+   the rows of its routes with MN-major TMA-aligned fp32 scales (:func:`~backends.deep_gemm.layout.quantize_scatter`;
+   FP8 inputs with ``a1q_scale``, from a prepare step that quantized them, are gathered instead);
+4. ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a1q, sfa), (w1, w1_scale), mm1_out bf16, m_indices)`` (or
+   ``_masked(..., masked_m, expected_m)``);
+5. gated activation + 1x128 requantization of the rows that belong to an expert, FLOAT32_CEIL_UE8M0 scales when
+   ``quant_config.use_ue8m0`` (:mod:`backends.deep_gemm.act_quant`);
+6. GEMM2 the same way into bf16;
+7. unpermute + top-k weighted fp32 reduction into the ``(M, K)`` output (``TopKWeightAndReduceNoOP`` follows).
 
 Buffers: ``workspace13`` (act dtype) holds the permuted FP8 activations, then the FP8 requantized activations;
 ``workspace2`` the bf16 GEMM1 output, then the bf16 GEMM2 output (seed 001). Scales and index tensors are
 allocated per call (small).
 
-Steps 2, 4 and 6 have two implementations with the same results: torch ops (:mod:`~backends.deep_gemm.layout`,
+Steps 2, 3, 5 and 7 have two implementations with the same results: torch ops (:mod:`~backends.deep_gemm.layout`,
 :mod:`~backends.deep_gemm.act_quant`; the definition, and the CPU path) and Triton kernels
 (:mod:`~backends.deep_gemm.triton_kernels`, used on CUDA when ``use_triton``; checked equal - codes, scales, layout
 and reduction bit for bit - on an H200 by ``tools/probe.py``'s "kernels" section).
@@ -28,14 +37,15 @@ emulated GEMM; the platform probes live in :mod:`backends.deep_gemm.platform` fo
 
 from __future__ import annotations
 
+import os
 from math import prod
 
 import torch
 
 from backends.deep_gemm import platform, triton_kernels
 from backends.deep_gemm.act_quant import SUPPORTED_ACTIVATIONS, act_mul_quant
-from backends.deep_gemm.layout import build_contiguous_layout, gather_rows, gather_scales_mn_major, \
-    unpermute_and_reduce
+from backends.deep_gemm.layout import POISON_ROW, build_contiguous_layout, gather_rows, gather_scales_mn_major, \
+    quantize_scatter, sf_empty, unpermute_and_reduce
 from reference.activation import MoEActivation
 from reference.align import DEEP_GEMM_M_ALIGNMENT, compute_aligned_M_and_alignment
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
@@ -53,6 +63,8 @@ __all__ = [
     "DeepGemmExperts",
     "DeepGemmFP4Experts",
     "deep_gemm_m_grouped_fp8_gemm_nt_contiguous",
+    "deep_gemm_m_grouped_fp8_gemm_nt_masked",
+    "plan_layout",
     "get_mk_alignment_for_contiguous_layout",
     "valid_deep_gemm",
     "scale_fmt_for",
@@ -60,6 +72,11 @@ __all__ = [
 ]
 
 BLOCK = 128
+#: Rows of each local expert's slot in the masked layout: DeepGEMM's SM90 masked kernels use BLOCK_M 64 or 128
+#: (``csrc/jit_kernels/heuristics/sm90.hpp``), and a block must not run into the next slot.
+MASKED_SLOT_ROWS = 128
+#: Environment switch of the host-side route validation (``DeepGemmExperts.validate_routes = None``).
+VALIDATE_ENV = "MOE_VALIDATE_ROUTES"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -96,6 +113,45 @@ def deep_gemm_m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, sfa: torch.Tenso
     """
     dg = platform.import_deep_gemm()
     dg.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, m_indices, disable_ue8m0_cast=disable_ue8m0_cast)
+
+
+def deep_gemm_m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
+                                            d: torch.Tensor, masked_m: torch.Tensor, expected_m: int, *,
+                                            disable_ue8m0_cast: bool = False) -> None:
+    """``d[g, r] = (a[g, r] * sfa[g, r]) @ (b[g] * sfb[g]).T`` for ``r < masked_m[g]`` (other rows not written).
+
+    ``a`` fp8 e4m3 ``(G, max_m, K)`` contiguous; ``sfa`` fp32 ``(G, max_m, K/128)`` with strides
+    ``(K/128 * max_m, 1, max_m)`` (``layout.sf_empty(..., slot_rows=max_m)``: used as is); ``b`` fp8 ``(G, N, K)``
+    contiguous; ``sfb`` fp32 ``(G, ceil(N/128), ceil(K/128))``; ``d`` bf16 ``(G, max_m, N)``; ``masked_m`` int32
+    ``(G,)`` contiguous; ``expected_m`` > 0, the rows per group DeepGEMM's heuristics plan for
+    (``csrc/apis/gemm.hpp::m_grouped_fp8_fp4_gemm_nt_masked``).
+
+    Raises:
+        RuntimeError: deep_gemm missing / unusable, or DeepGEMM's own assertion (its message is kept).
+    """
+    dg = platform.import_deep_gemm()
+    dg.m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), d, masked_m, int(expected_m),
+                                    disable_ue8m0_cast=disable_ue8m0_cast)
+
+
+def plan_layout(M: int, topk: int, local_num_experts: int, expert_tokens_meta=None,
+                masked_below_m: int = 128) -> tuple[int, int, int | None]:
+    """``(rows, alignment, slot_rows)`` of the layout :class:`DeepGemmExperts` uses for ``M`` tokens.
+
+    ``M < masked_below_m``: the masked layout, ``(E_local * 128, 128, 128)``; otherwise the contiguous layout,
+    ``(*compute_aligned_M_and_alignment(M, topk, E_local, 128, expert_tokens_meta), None)``.
+    """
+    if 0 < M < masked_below_m:
+        return local_num_experts * MASKED_SLOT_ROWS, MASKED_SLOT_ROWS, MASKED_SLOT_ROWS
+    M_sum, align_used = compute_aligned_M_and_alignment(
+        M, topk, local_num_experts, get_mk_alignment_for_contiguous_layout(), expert_tokens_meta)
+    return M_sum, align_used, None
+
+
+def expected_m_for(M: int, topk: int, local_num_experts: int) -> int:
+    """DeepGEMM's ``expected_m`` hint for the masked GEMMs: the mean routes per local expert if every route is
+    local, at least 1 and at most ``MASKED_SLOT_ROWS``."""
+    return max(1, min(MASKED_SLOT_ROWS, -(-M * topk // local_num_experts)))
 
 
 def valid_deep_gemm(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[bool, str | None]:
@@ -140,9 +196,17 @@ def _resize(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return x.flatten()[:n].view(*shape)
 
 
+def _workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
+    """Seed 001's ``workspace_shapes`` with the rows of the layout :func:`plan_layout` picks (the masked layout's
+    ``E_local * 128`` rows below ``masked_below_m``)."""
+    rows, _, _ = plan_layout(M, topk, local_num_experts, expert_tokens_meta, self.masked_below_m)
+    activation_out_dim = self.adjust_N_for_activation(N, activation)
+    return (rows, max(activation_out_dim, K)), (rows, max(N, K)), (M, K)
+
+
 def _seed_workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
                            activation):
-    """Seed 001's ``workspace_shapes`` (identical for both classes)."""
+    """Seed 001's ``workspace_shapes`` (the FP4 class, declared only)."""
     block_m = get_mk_alignment_for_contiguous_layout()
     M_sum, align_used = compute_aligned_M_and_alignment(M, topk, local_num_experts, block_m, expert_tokens_meta)
     assert M_sum % align_used == 0
@@ -177,8 +241,9 @@ class DeepGemmExperts(FusedMoEExpertsModular):
     (``kFp8Static128BlockSym``), activations quantized dynamically per 1x128 group (``kFp8Dynamic128Sym``), two
     ``m_grouped_fp8_gemm_nt_contiguous`` calls on the contiguous layout, SM90.
 
-    Inputs of ``apply`` (from ``MoEPrepareAndFinalizeNoEP`` with the quant config below): ``hidden_states`` fp8
-    ``(M, K)``, ``a1q_scale`` fp32 ``(M, K/128)``; ``w1`` fp8 ``(E_local, N=2I, K)``, ``w2`` fp8 ``(E_local, K, I)``,
+    Inputs of ``apply`` (from ``MoEPrepareAndFinalizeNoEP``, which defers the input quantization to the experts:
+    ``expects_unquantized_inputs``): ``hidden_states`` bf16 ``(M, K)`` and ``a1q_scale`` None (or fp8 ``(M, K)``
+    with fp32 ``(M, K/128)`` scales from a prepare step that quantized them); ``w1`` fp8 ``(E_local, N=2I, K)``, ``w2`` fp8 ``(E_local, K, I)``,
     ``quant_config.w1_scale`` / ``w2_scale`` fp32 ``(E_local, N/128, K/128)`` / ``(E_local, K/128, I/128)``;
     ``topk_ids`` ``(M, topk)`` int (global ids with ``expert_map``), ``topk_weights`` ``(M, topk)`` fp32.
     Output: ``(M, K)`` in the activation dtype, weighted and reduced.
@@ -199,13 +264,19 @@ class DeepGemmExperts(FusedMoEExpertsModular):
     activations (seed 001's asserts); NotImplementedError for the MXFP8 [1, 32] variant.
     """
 
-    #: The grouped GEMM (replaceable for CPU tests of the pipeline).
+    #: The grouped GEMMs (replaceable for CPU tests of the pipeline).
     grouped_gemm = staticmethod(deep_gemm_m_grouped_fp8_gemm_nt_contiguous)
-    #: Check ids / counts with one small device->host copy per call (out-of-range ids, stale expert_tokens_meta);
-    #: skipped during CUDA-graph capture, where nothing else in ``apply`` synchronises.
-    validate_routes: bool = True
+    grouped_gemm_masked = staticmethod(deep_gemm_m_grouped_fp8_gemm_nt_masked)
+    #: Check ids / counts on the host (one small device->host copy per call: out-of-range ids, stale
+    #: expert_tokens_meta, an expert overflowing its masked slot) and raise a ValueError that names the problem.
+    #: None (default): on when the environment sets ``MOE_VALIDATE_ROUTES=1`` (the conformance suite does), else off:
+    #: the hot path then never synchronises, and a bad route poisons its token's output with NaN instead. Skipped
+    #: during CUDA-graph capture.
+    validate_routes: bool | None = None
     #: Use the Triton kernels of :mod:`backends.deep_gemm.triton_kernels` on CUDA (else the torch-op paths).
     use_triton: bool = True
+    #: Chunks of fewer tokens run the masked layout (:func:`plan_layout`); 0 turns it off.
+    masked_below_m: int = 128
 
     def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
         super().__init__(moe_config=moe_config, quant_config=quant_config)
@@ -250,8 +321,9 @@ class DeepGemmExperts(FusedMoEExpertsModular):
         # K multiple of 128 (1x128 / 128x128 scale blocks; apply checks K, N and I): a backend addition.
         hidden_dim_multiple=BLOCK,
         finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
-        notes="m_grouped_fp8_gemm_nt_contiguous on the contiguous layout (SM90); N, I multiples of 128; a2 quantized "
-              "dynamically (no static a2_scale); no expert biases; any M (vLLM only picks DeepGEMM for M >= 128)",
+        notes="m_grouped_fp8_gemm_nt_contiguous on the contiguous layout, _masked on 128-row slots below M = 128 "
+              "(SM90); N, I multiples of 128; a2 quantized dynamically (no static a2_scale); no expert biases; any M "
+              "(vLLM only picks DeepGEMM for M >= 128)",
     )
 
     @classmethod
@@ -267,7 +339,13 @@ class DeepGemmExperts(FusedMoEExpertsModular):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOP()
 
-    workspace_shapes = _seed_workspace_shapes
+    workspace_shapes = _workspace_shapes
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        """True: ``apply`` quantizes the hidden states itself, fused with the permutation (step 3 of the module
+        docstring; same codes and scales as the prepare step's ``per_token_group_quant_fp8``)."""
+        return True
 
     # --- compute ---------------------------------------------------------------------------------------------
     def scale_fmt(self) -> DeepGemmQuantScaleFMT:
@@ -276,13 +354,16 @@ class DeepGemmExperts(FusedMoEExpertsModular):
 
     def _check_operands(self, hidden_states, a1q_scale, a2_scale, w1, w2) -> None:
         fp8 = torch.float8_e4m3fn
-        if a1q_scale is None:
-            raise ValueError("DeepGemmExperts.apply needs a1q_scale (the prepare step quantizes a1 per 1x128 group)")
         if a2_scale is not None:
             raise ValueError("DeepGemmExperts quantizes a2 dynamically; a static a2_scale is not supported")
-        if hidden_states.dtype != fp8 or w1.dtype != fp8 or w2.dtype != fp8:
-            raise ValueError(f"hidden_states, w1, w2 must be float8_e4m3fn, got {hidden_states.dtype}, {w1.dtype}, "
-                             f"{w2.dtype}")
+        if w1.dtype != fp8 or w2.dtype != fp8:
+            raise ValueError(f"w1, w2 must be float8_e4m3fn, got {w1.dtype}, {w2.dtype}")
+        if hidden_states.dtype == fp8:
+            if a1q_scale is None:
+                raise ValueError("FP8 hidden_states need a1q_scale (their 1x128 group scales)")
+        elif hidden_states.dtype != torch.bfloat16 or a1q_scale is not None:
+            raise ValueError(f"hidden_states must be bfloat16 (quantized here) or float8_e4m3fn with a1q_scale, got "
+                             f"{hidden_states.dtype} with a1q_scale {'given' if a1q_scale is not None else 'None'}")
         E, N, K = w1.shape
         I = self.adjust_N_for_activation(N, MoEActivation.SILU)
         if w2.shape != (E, K, I):
@@ -290,9 +371,11 @@ class DeepGemmExperts(FusedMoEExpertsModular):
         if K % BLOCK or N % BLOCK or I % BLOCK:
             raise ValueError(f"DeepGEMM needs K, N=2I and I multiples of 128 (1x128 / 128x128 scale blocks), got "
                              f"K={K}, N={N}, I={I}")
-        if hidden_states.size(1) != K or tuple(a1q_scale.shape) != (hidden_states.size(0), K // BLOCK):
+        if hidden_states.dim() != 2 or hidden_states.size(1) != K or (
+                a1q_scale is not None and tuple(a1q_scale.shape) != (hidden_states.size(0), K // BLOCK)):
             raise ValueError(f"hidden_states / a1q_scale must be (M, {K}) / (M, {K // BLOCK}), got "
-                             f"{tuple(hidden_states.shape)} / {tuple(a1q_scale.shape)}")
+                             f"{tuple(hidden_states.shape)} / "
+                             f"{None if a1q_scale is None else tuple(a1q_scale.shape)}")
         for name, s, want in (("w1_scale", self.w1_scale, (E, N // BLOCK, K // BLOCK)),
                               ("w2_scale", self.w2_scale, (E, K // BLOCK, I // BLOCK))):
             if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
@@ -321,58 +404,92 @@ class DeepGemmExperts(FusedMoEExpertsModular):
         if M == 0:
             return
 
-        M_sum, align_used = compute_aligned_M_and_alignment(
-            M, topk, E_local, get_mk_alignment_for_contiguous_layout(), expert_tokens_meta)
-        if self.use_triton and triton_kernels.available(topk_ids):
-            layout, counts_all = triton_kernels.build_contiguous_layout(topk_ids, E_local, M_sum, align_used,
-                                                                        expert_map)
+        rows, align_used, slot = plan_layout(M, topk, E_local, expert_tokens_meta, self.masked_below_m)
+        triton_ok = self.use_triton and triton_kernels.available(topk_ids)
+        if triton_ok:
+            layout, counts_all = triton_kernels.build_contiguous_layout(topk_ids, E_local, rows, align_used,
+                                                                        expert_map, slot_rows=slot)
             n_out_of_range = counts_all[E_local]
         else:
-            layout, out_of_range = build_contiguous_layout(topk_ids, E_local, M_sum, align_used, expert_map)
+            layout, out_of_range = build_contiguous_layout(topk_ids, E_local, rows, align_used, expert_map,
+                                                           slot_rows=slot)
             n_out_of_range = out_of_range.sum()
-        if self.validate_routes and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # (skipped while a CUDA graph is captured: a device->host copy cannot be recorded)
+        if self._validating(topk_ids):
             self._validate(layout, n_out_of_range, topk_ids, expert_map, expert_tokens_meta)
-
-        # GEMM1: permuted FP8 activations (workspace13) x w1 -> bf16 (workspace2).
-        a1q_perm = gather_rows(hidden_states, layout.row_token,
-                               out=_resize(workspace13.view(torch.float8_e4m3fn), (M_sum, K)))
-        sfa1 = gather_scales_mn_major(a1q_scale.to(torch.float32), layout.row_token)
+        expected_m = expected_m_for(M, topk, E_local)
         disable_cast = not self.quant_config.use_ue8m0
-        mm1_out = _resize(workspace2, (M_sum, N))
-        self.grouped_gemm(a1q_perm, sfa1, w1, self.w1_scale.contiguous(), mm1_out, layout.m_indices,
-                          disable_ue8m0_cast=disable_cast)
+        device = hidden_states.device
 
-        # Activation + requantization -> FP8 (workspace13) + MN-major TMA-aligned fp32 scales.
+        # Input: FP8 codes of each route's token (workspace13) + fp32 1x128 scales in DeepGEMM's layout.
+        a1q = _resize(workspace13.view(torch.float8_e4m3fn), (rows, K))
+        if hidden_states.dtype == torch.float8_e4m3fn:
+            gather_rows(hidden_states, layout.row_token, out=a1q)
+            sfa1 = gather_scales_mn_major(a1q_scale, layout.row_token, slot)
+        else:
+            sfa1 = sf_empty(rows, K // BLOCK, device, slot)
+            qkw = dict(group_size=BLOCK, use_ue8m0=self.quant_config.use_ue8m0, recipe=self.quant_config.recipe)
+            done = False
+            if triton_ok:
+                try:
+                    triton_kernels.quantize_scatter(hidden_states, layout.inv_perm, a1q, sfa1, **qkw)
+                    done = True
+                except NotImplementedError:
+                    pass
+            if not done:
+                quantize_scatter(hidden_states, layout.inv_perm, a1q, sfa1, **qkw)
+
+        # GEMM1 -> bf16 (workspace2).
+        mm1_out = _resize(workspace2, (rows, N))
+        self._gemm(layout, a1q, sfa1, w1, self.w1_scale, mm1_out, expected_m, disable_cast)
+
+        # Activation + requantization -> FP8 (workspace13) + fp32 scales, rows of an expert only.
         I = self.adjust_N_for_activation(N, activation)
-        quant_out = _resize(workspace13.view(torch.float8_e4m3fn), (M_sum, I))
+        quant_out = _resize(workspace13.view(torch.float8_e4m3fn), (rows, I))
+        sfa2 = sf_empty(rows, I // BLOCK, device, slot)
         qkw = dict(alpha=self.quant_config.gemm1_alpha, beta=self.quant_config.gemm1_beta,
                    limit=self.gemm1_clamp_limit, group_size=BLOCK, use_ue8m0=self.quant_config.use_ue8m0,
-                   recipe=self.quant_config.recipe, out_q=quant_out)
-        a2q = sfa2 = None
+                   recipe=self.quant_config.recipe, out_q=quant_out, out_s=sfa2)
+        a2q = None
         if self.use_triton and triton_kernels.available(mm1_out):
             try:
-                a2q, sfa2 = triton_kernels.act_mul_quant(mm1_out, activation, **qkw)
+                a2q, sfa2 = triton_kernels.act_mul_quant(mm1_out, activation, m_indices=layout.m_indices, **qkw)
             except NotImplementedError:
                 a2q = None
         if a2q is None:
             a2q, sfa2 = act_mul_quant(mm1_out, activation, **qkw)
 
         # GEMM2 -> bf16 (workspace2), then unpermute + weighted top-k reduction into the output.
-        mm2_out = _resize(workspace2, (M_sum, K))
-        self.grouped_gemm(a2q, sfa2, w2, self.w2_scale.contiguous(), mm2_out, layout.m_indices,
-                          disable_ue8m0_cast=disable_cast)
+        mm2_out = _resize(workspace2, (rows, K))
+        self._gemm(layout, a2q, sfa2, w2, self.w2_scale, mm2_out, expected_m, disable_cast)
         weights = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
         if self.use_triton and triton_kernels.available(mm2_out):
             triton_kernels.unpermute_and_reduce(mm2_out, layout.inv_perm, weights, output)
         else:
             unpermute_and_reduce(mm2_out, layout.inv_perm, weights, output)
 
+    def _gemm(self, layout, a, sfa, w, w_scale, out, expected_m: int, disable_cast: bool) -> None:
+        """One grouped GEMM on the layout: contiguous (``m_indices``) or masked (``masked_m``, 3-D views)."""
+        w_scale = w_scale.contiguous()
+        if layout.masked:
+            E, slot = w.size(0), layout.slot_rows
+            self.grouped_gemm_masked(a.view(E, slot, a.size(1)), sfa, w, w_scale, out.view(E, slot, out.size(1)),
+                                     layout.masked_m, expected_m, disable_ue8m0_cast=disable_cast)
+        else:
+            self.grouped_gemm(a, sfa, w, w_scale, out, layout.m_indices, disable_ue8m0_cast=disable_cast)
+
+    def _validating(self, topk_ids: torch.Tensor) -> bool:
+        on = self.validate_routes
+        if on is None:
+            on = os.environ.get(VALIDATE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+        # (never while a CUDA graph is captured: a device->host copy cannot be recorded)
+        return bool(on) and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing())
+
     def _validate(self, layout, n_out_of_range, topk_ids, expert_map, expert_tokens_meta) -> None:
-        """One device->host copy: out-of-range ids, rows overflowing M_sum, stale expert_tokens_meta counts."""
+        """One device->host copy: out-of-range ids, routes left without a row (M_sum or a masked slot too small),
+        stale expert_tokens_meta counts."""
         E = layout.counts.numel()
-        aligned_rows = ((layout.counts + layout.alignment - 1) // layout.alignment * layout.alignment).sum()
-        parts = [n_out_of_range.reshape(1).to(torch.int64), aligned_rows.reshape(1).to(torch.int64)]
+        n_poisoned = (layout.inv_perm == POISON_ROW).sum()
+        parts = [n_out_of_range.reshape(1).to(torch.int64), n_poisoned.reshape(1).to(torch.int64)]
         given = None
         if expert_tokens_meta is not None:
             given = expert_tokens_meta.expert_num_tokens_cpu
@@ -387,8 +504,11 @@ class DeepGemmExperts(FusedMoEExpertsModular):
             bad = flat[((flat < -1) | (flat >= n_ids)).nonzero()[0]].item()
             raise ValueError(f"topk_ids holds {bad}, outside the expert id space [0, {n_ids}) and not the -1 sentinel "
                              "(NaN router logits? vLLM #39391); DeepGemmExperts refuses it")
-        if host[1] > layout.M_sum:
-            raise ValueError(f"the routes need {host[1]} rows but M_sum={layout.M_sum} (expert_tokens_meta counts "
+        if host[1] > host[0]:
+            if layout.masked:
+                raise ValueError(f"a local expert receives more than {layout.slot_rows} routes in the masked layout "
+                                 f"(max {int(layout.counts.max())}; duplicate expert ids within a token?)")
+            raise ValueError(f"{host[1]} routes found no row in M_sum={layout.M_sum} (expert_tokens_meta counts "
                              "smaller than the real ones: vLLM #20392)")
         if given is not None:
             counts = host[2:2 + E]

@@ -20,7 +20,21 @@ Algorithm (every step a torch op, O(M * topk) work, same results on CPU and CUDA
 
 Rows the layout does not use get ``row_token = 0`` instead of being left uninitialised, so the gathered activation
 buffer holds finite copies of token 0 there (vLLM leaves them uninitialised; the reference zeroes them): DeepGEMM
-computes padding rows that share a block with real rows, and finite inputs keep those throw-away rows finite.
+computes padding rows that share a block with real rows, and finite inputs keep those throw-away rows finite. (The
+fused input quantization of :func:`quantize_scatter` / ``triton_kernels.quantize_scatter`` writes the routed rows
+only: padding rows then hold whatever the workspace held. No output depends on them: a padding row's GEMM result is
+its own row, and the reduction reads routed rows only.)
+
+The *masked* layout (DeepGEMM's ``m_grouped_fp8_gemm_nt_masked``, vLLM's ``BatchedDeepGemmExperts``) is the same
+construction with fixed slots: expert ``e`` owns rows ``[e * slot_rows, e * slot_rows + count_e)`` of an
+``(E_local * slot_rows, K)`` buffer, viewed ``(E_local, slot_rows, K)``; ``masked_m = counts``. A route that does not
+fit its slot (more than ``slot_rows`` routes on one expert: duplicate ids in a token) is dropped and poisoned.
+
+Poisoned routes: ``inv_perm = -2`` (:data:`POISON_ROW`) marks a route whose id is outside the id space or that found
+no row (``M_sum`` / ``slot_rows`` too small). The reduction writes NaN into its token's output row, so a bad input
+that is not validated (validation needs a device->host copy; ``DeepGemmExperts.validate_routes``) gives a loud NaN,
+never a plausible wrong number. ``inv_perm = -1`` is a route legitimately dropped (id -1, or non-local under
+``expert_map``).
 """
 
 from __future__ import annotations
@@ -30,15 +44,23 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "POISON_ROW",
     "ContiguousLayout",
     "build_contiguous_layout",
     "gather_rows",
     "gather_scales_mn_major",
     "mn_major_tma_aligned_empty",
+    "quantize_scatter",
+    "sf_addressing",
+    "sf_empty",
     "tma_aligned_size",
     "unpermute_and_reduce",
     "round_up",
 ]
+
+
+#: ``inv_perm`` value of a poisoned route (out-of-range id, or no row left for it): its token's output is NaN.
+POISON_ROW = -2
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -60,9 +82,12 @@ class ContiguousLayout:
         row_token: int64 ``(M_sum,)``: the token whose activation row goes to each row (0 on unused rows).
         m_indices: int32 ``(M_sum,)``: local expert of each row, -1 on padding / unused rows (DeepGEMM
             ``grouped_layout`` for ``use_psum_layout=False``).
-        inv_perm: int64 ``(M, topk)``: the row of each route, -1 for dropped (non-local / -1) routes.
+        inv_perm: int64 ``(M, topk)``: the row of each route, -1 for dropped (non-local / -1) routes,
+            :data:`POISON_ROW` for poisoned ones (module docstring).
         counts: int64 ``(E_local,)``: routes per local expert.
         M_sum: rows of the layout; alignment: per-expert row alignment used.
+        slot_rows: None for the contiguous layout; for the masked layout the rows of each expert's slot
+            (``M_sum = E_local * slot_rows``).
     """
 
     row_token: torch.Tensor
@@ -71,6 +96,16 @@ class ContiguousLayout:
     counts: torch.Tensor
     M_sum: int
     alignment: int
+    slot_rows: int | None = None
+
+    @property
+    def masked(self) -> bool:
+        return self.slot_rows is not None
+
+    @property
+    def masked_m(self) -> torch.Tensor:
+        """int32 ``(E_local,)`` rows used in each slot (DeepGEMM's ``masked_m``; counts capped at the slot)."""
+        return self.counts.clamp(max=self.slot_rows if self.masked else self.M_sum).to(torch.int32)
 
 
 def local_expert_ids(topk_ids: torch.Tensor, local_num_experts: int,
@@ -100,8 +135,11 @@ def build_contiguous_layout(
     M_sum: int,
     alignment: int,
     expert_map: torch.Tensor | None = None,
+    *,
+    slot_rows: int | None = None,
 ) -> tuple[ContiguousLayout, torch.Tensor]:
-    """Place every local route of ``topk_ids`` in DeepGEMM's contiguous layout of ``M_sum`` rows.
+    """Place every local route of ``topk_ids`` in DeepGEMM's contiguous layout of ``M_sum`` rows (or, with
+    ``slot_rows``, the masked layout: ``M_sum = local_num_experts * slot_rows`` and ``alignment = slot_rows``).
 
     Args:
         topk_ids: ``(M, topk)`` signed integer expert ids (global ids when ``expert_map`` is given).
@@ -117,7 +155,7 @@ def build_contiguous_layout(
 
     Raises:
         ValueError: ``topk_ids`` not 2-D integer, non-positive ``local_num_experts`` / ``alignment``, negative
-            ``M_sum``.
+            ``M_sum``, a masked ``M_sum`` other than ``local_num_experts * slot_rows``.
     """
     if topk_ids.dim() != 2 or topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
         raise ValueError(f"topk_ids must be a 2-D integer (M, topk) tensor, got {tuple(topk_ids.shape)} "
@@ -128,6 +166,9 @@ def build_contiguous_layout(
     device = topk_ids.device
     M, topk = topk_ids.shape
     E = local_num_experts
+    if slot_rows is not None and (slot_rows <= 0 or M_sum != E * slot_rows or alignment != slot_rows):
+        raise ValueError(f"the masked layout needs M_sum = local_num_experts * slot_rows and alignment = slot_rows, "
+                         f"got M_sum={M_sum}, E={E}, slot_rows={slot_rows}, alignment={alignment}")
     local, out_of_range = local_expert_ids(topk_ids, E, expert_map)
     n_routes = local.numel()
 
@@ -136,17 +177,23 @@ def build_contiguous_layout(
     # scatter_add instead of bincount: CUDA bincount reads the max id back to the host (a synchronisation)
     counts_all = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
     counts = counts_all[:E]
-    aligned = (counts + alignment - 1) // alignment * alignment
-    starts = torch.cumsum(aligned, 0) - aligned
+    if slot_rows is None:
+        aligned = (counts + alignment - 1) // alignment * alignment
+        starts = torch.cumsum(aligned, 0) - aligned
+        cap = M_sum
+    else:
+        starts = torch.arange(E, device=device, dtype=torch.int64) * slot_rows
+        cap = slot_rows
     first_pos = torch.cumsum(counts, 0) - counts
     e_sorted = sorted_key.clamp(max=E - 1)
     pos = torch.arange(n_routes, device=device, dtype=torch.int64)
-    row_sorted = torch.where(sorted_key < E, starts[e_sorted] + pos - first_pos[e_sorted],
+    within = pos - first_pos[e_sorted]
+    row_sorted = torch.where((sorted_key < E) & (within < cap), starts[e_sorted] + within,
                              torch.full_like(pos, M_sum))
     row_of_route = torch.empty_like(row_sorted)
     row_of_route[order] = row_sorted
-    # A route whose row would fall outside M_sum (M_sum too small) goes to the trash row too; the caller's
-    # validation reports it (counts vs M_sum).
+    # A route whose row would fall outside M_sum (M_sum too small) or its slot goes to the trash row too, and is
+    # poisoned below; the caller's validation reports it.
     row_of_route = torch.where(row_of_route < M_sum, row_of_route, torch.full_like(row_of_route, M_sum))
 
     token_of_route = torch.arange(n_routes, device=device, dtype=torch.int64) // max(topk, 1)
@@ -154,7 +201,10 @@ def build_contiguous_layout(
     row_token.scatter_(0, row_of_route, token_of_route)
     m_indices = torch.full((M_sum + 1,), -1, dtype=torch.int32, device=device)
     m_indices.scatter_(0, row_of_route, local.to(torch.int32))
-    inv_perm = torch.where((local >= 0) & (row_of_route < M_sum), row_of_route, torch.full_like(row_of_route, -1))
+    placed = (local >= 0) & (row_of_route < M_sum)
+    poisoned = out_of_range | ((local >= 0) & ~placed)
+    inv_perm = torch.where(placed, row_of_route, torch.where(poisoned, torch.full_like(row_of_route, POISON_ROW),
+                                                             torch.full_like(row_of_route, -1)))
     layout = ContiguousLayout(
         row_token=row_token[:M_sum],
         m_indices=m_indices[:M_sum],
@@ -162,6 +212,7 @@ def build_contiguous_layout(
         counts=counts,
         M_sum=M_sum,
         alignment=alignment,
+        slot_rows=slot_rows,
     )
     return layout, out_of_range
 
@@ -191,15 +242,78 @@ def mn_major_tma_aligned_empty(mn: int, groups: int, device, dtype=torch.float32
     return storage[:, :mn].t()
 
 
-def gather_scales_mn_major(scales: torch.Tensor, row_token: torch.Tensor) -> torch.Tensor:
-    """Per-token-group scales ``(M, G)`` (any strides) gathered to the layout's rows, returned MN-major
-    TMA-aligned ``(M_sum, G)`` fp32 (the SFA layout DeepGEMM's SM90 kernel reads; it then skips its own
-    transposition)."""
+def sf_empty(rows: int, groups: int, device, slot_rows: int | None = None) -> torch.Tensor:
+    """Uninitialised fp32 scales in the layout DeepGEMM's SM90 kernels read without transposing them.
+
+    Contiguous layout (``slot_rows`` None): ``(rows, groups)``, MN-major TMA-aligned (see
+    :func:`mn_major_tma_aligned_empty`). Masked layout: ``(rows // slot_rows, slot_rows, groups)`` with strides
+    ``(groups * slot_rows, 1, slot_rows)`` (``check_sf_layout`` of ``csrc/utils/layout.hpp``: MN-major within each
+    group; ``slot_rows`` a multiple of 4 keeps it TMA-aligned).
+
+    The scale of layout row ``r`` and group ``g`` lives at storage offset ``(r // R0) * S0 + g * S1 + r % R0``
+    with ``(R0, S0, S1) =`` :func:`sf_addressing` of the tensor (the Triton kernels write through it).
+    """
+    if slot_rows is None:
+        return mn_major_tma_aligned_empty(rows, groups, device)
+    if slot_rows % 4 or rows % slot_rows:
+        raise ValueError(f"slot_rows must be a multiple of 4 dividing rows, got {slot_rows} / {rows}")
+    return torch.empty((rows // slot_rows, groups, slot_rows), dtype=torch.float32, device=device).transpose(1, 2)
+
+
+def sf_addressing(sf: torch.Tensor) -> tuple[int, int, int]:
+    """``(R0, S0, S1)`` of a tensor from :func:`sf_empty`: row ``r``, group ``g`` at ``(r // R0) * S0 + g * S1 +
+    r % R0``."""
+    if sf.dim() == 2:
+        if sf.stride(0) != 1:
+            raise ValueError(f"scales must be MN-major, got strides {sf.stride()}")
+        return max(sf.size(0), 1), 0, sf.stride(1)
+    E, slot, _ = sf.shape
+    if sf.stride(1) != 1:
+        raise ValueError(f"scales must be MN-major within each group, got strides {sf.stride()}")
+    return slot, sf.stride(0), sf.stride(2)
+
+
+def gather_scales_mn_major(scales: torch.Tensor, row_token: torch.Tensor,
+                           slot_rows: int | None = None) -> torch.Tensor:
+    """Per-token-group scales ``(M, G)`` (any strides) gathered to the layout's rows, returned in the layout of
+    :func:`sf_empty` (the SFA layout DeepGEMM's SM90 kernel reads; it then skips its own transposition)."""
     if scales.dim() != 2:
         raise ValueError(f"scales must be (M, K // 128), got {tuple(scales.shape)}")
-    out = mn_major_tma_aligned_empty(row_token.numel(), scales.size(1), scales.device, scales.dtype)
-    out.copy_(scales.index_select(0, row_token))
+    out = sf_empty(row_token.numel(), scales.size(1), scales.device, slot_rows)
+    gathered = scales.to(torch.float32).index_select(0, row_token)
+    out.copy_(gathered.view(out.shape))  # (the masked layout's rows are not a strided 2-D view: copy by shape)
     return out
+
+
+def quantize_scatter(x: torch.Tensor, inv_perm: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, *,
+                     group_size: int = 128, use_ue8m0: bool = True, recipe="vllm") -> None:
+    """Quantize the hidden states per 1 x ``group_size`` group and write each token's codes and scales to the rows
+    of its routes: ``out_q[inv_perm[t, k]] = q[t]``, ``out_s[inv_perm[t, k]] = s[t]`` for ``inv_perm >= 0``.
+
+    The prepare step's ``per_token_group_quant_fp8`` and the permutation in one (the torch definition of
+    ``triton_kernels.quantize_scatter``): the codes and scales are those of
+    ``reference.quant.per_token_group_quant_fp8(x, group_size, use_ue8m0, recipe)``. Rows no route points to are
+    not written.
+
+    Args:
+        x: ``(M, K)`` bf16 / fp16 / fp32 hidden states.
+        inv_perm: ``(M, topk)`` integer rows of the layout (negative: no row).
+        out_q: ``(rows, K)`` float8_e4m3fn; out_s: scales from :func:`sf_empty` for ``rows``.
+    """
+    from backends.deep_gemm.act_quant import per_token_group_quant_fp8_mn_major
+
+    M, topk = inv_perm.shape
+    q, s = per_token_group_quant_fp8_mn_major(x, group_size, use_ue8m0=use_ue8m0, recipe=recipe)
+    routes = inv_perm.reshape(-1).to(torch.int64)
+    valid = routes >= 0
+    rows = routes[valid]
+    tokens = (torch.arange(M * topk, device=x.device) // max(topk, 1))[valid]
+    out_q.view(torch.uint8)[rows] = q.view(torch.uint8)[tokens]
+    copy_back = out_s.dim() == 3
+    s_rows = out_s.contiguous().view(-1, out_s.size(-1)) if copy_back else out_s
+    s_rows[rows] = s[tokens]
+    if copy_back:
+        out_s.copy_(s_rows.view(out_s.shape))
 
 
 def unpermute_and_reduce(
@@ -212,8 +326,8 @@ def unpermute_and_reduce(
 
     Numerics (those of ``reference.align.deepgemm_unpermute_and_reduce``): fp32 accumulator, ``k`` ascending, each
     term ``a[row].float() * w.float()`` rounded to fp32, one cast to ``output.dtype``; tokens without a local route
-    get 0. Rows of ``a`` that no route points to are never read (they may hold NaN). Every row of ``output`` is
-    written.
+    get 0; a token with a poisoned route (``inv_perm == POISON_ROW``) gets NaN. Rows of ``a`` that no route points
+    to are never read (they may hold NaN). Every row of ``output`` is written.
 
     Args:
         a: ``(M_sum, K)`` floating GEMM2 output in layout order.
@@ -233,5 +347,7 @@ def unpermute_and_reduce(
         valid = rows >= 0
         term = a.index_select(0, rows.clamp(min=0)).float() * w[:, k : k + 1]
         acc += torch.where(valid[:, None], term, torch.zeros((), dtype=torch.float32, device=a.device))
+    poisoned = (inv_perm == POISON_ROW).any(dim=1)
+    acc = torch.where(poisoned[:, None], torch.full((), float("nan"), device=a.device), acc)
     output.copy_(acc)
     return output

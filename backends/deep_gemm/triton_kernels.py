@@ -5,7 +5,10 @@ paths in :mod:`act_quant` / :mod:`layout` stay the definition and the CPU implem
   fp32, rounds it to the activation dtype, computes the group's amax / scale / FP8 codes with the recipe's choices,
   stores the codes and the fp32 scale into MN-major TMA-aligned storage. One read of the GEMM1 output, one write of
   the codes (the torch path makes ~15 passes).
-- :func:`build_contiguous_layout`: the contiguous layout in two kernels (count per expert, then place routes in
+- :func:`quantize_scatter`: the prepare step's 1x128 input quantization fused with the permutation: each token's
+  group is read once, quantized, and written to the row of each of its routes (replacing a quantization pass, a row
+  gather and a scale gather).
+- :func:`build_contiguous_layout`: the contiguous (or masked) layout in two kernels (count per expert, then place routes in
   increasing flat index with a block cumsum), replacing ~20 small torch ops and a sort (host-bound at decode).
 - :func:`unpermute_and_reduce`: one program per (token, 1024 columns): ``sum_k w[t, k] * a[inv_perm[t, k]]`` in
   fp32, k ascending, one cast.
@@ -32,11 +35,14 @@ try:  # triton is optional: the torch paths are used without it
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    import backends._triton_interpreter  # noqa: F401  (runtime loop bounds under TRITON_INTERPRET=1)
+
     HAVE_TRITON = True
 except Exception:  # pragma: no cover - depends on the machine
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "available", "act_mul_quant", "unpermute_and_reduce", "build_contiguous_layout"]
+__all__ = ["HAVE_TRITON", "available", "act_mul_quant", "quantize_scatter", "unpermute_and_reduce",
+           "build_contiguous_layout"]
 
 _ACT_CODE = {MoEActivation.SILU: 0, MoEActivation.SWIGLUOAI_UNINTERLEAVE: 1, MoEActivation.SWIGLUSTEP: 2}
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -57,31 +63,10 @@ if HAVE_TRITON:
             return tl.exp(x)
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, R, I, stride_xr, stride_qr, s_col_stride,
-                          alpha, beta, limit, amax_floor, ue8m0_floor,
-                          ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DTYPE: tl.constexpr,
-                          USE_UE8M0: tl.constexpr, DIVIDE: tl.constexpr, AMAX_OVER_MAX: tl.constexpr,
-                          EXACT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        rmask = rows < R
-        grp = tl.program_id(1)
-        cols = grp * GROUP + tl.arange(0, GROUP)
-        xp = x_ptr + rows[:, None] * stride_xr + cols[None, :]
-        g = tl.load(xp, mask=rmask[:, None], other=0.0).to(tl.float32)
-        u = tl.load(xp + I, mask=rmask[:, None], other=0.0).to(tl.float32)
-        if ACT == 2:  # SWIGLUSTEP: min(silu(g), L) * clamp(u, -L, L)
-            silu = tl.math.div_rn(g, 1.0 + _exp(-g, EXACT))
-            y = tl.minimum(silu, limit) * tl.minimum(tl.maximum(u, -limit), limit)
-        else:
-            if HAS_LIMIT:
-                g = tl.minimum(g, limit)
-                u = tl.minimum(tl.maximum(u, -limit), limit)
-            if ACT == 0:  # SILU: silu(g) * u
-                y = tl.math.div_rn(g, 1.0 + _exp(-g, EXACT)) * u
-            else:  # SWIGLUOAI_UNINTERLEAVE: g * sigmoid(alpha * g) * (u + beta)
-                sig = tl.math.div_rn(1.0, 1.0 + _exp(-(alpha * g), EXACT))
-                y = g * sig * (u + beta)
-        act = y.to(ACT_DTYPE).to(tl.float32)  # the reference's rounding point
+    def _group_quant(act, amax_floor, ue8m0_floor, USE_UE8M0: tl.constexpr, DIVIDE: tl.constexpr,
+                     AMAX_OVER_MAX: tl.constexpr):
+        """``(codes fp8 (ROWS, GROUP), scales fp32 (ROWS,))`` of one 1 x GROUP group per row: the recipe's amax
+        floor, scale rule, UE8M0 rounding and divide / reciprocal-multiply; a NaN / inf in a group poisons it."""
         # amax with NaN -> inf so that a NaN poisons its group (tl.max may drop NaN)
         mag = tl.where(act != act, float("inf"), tl.abs(act))
         amax = tl.max(mag, axis=1)
@@ -104,8 +89,62 @@ if HAVE_TRITON:
             qf = act * tl.math.div_rn(1.0, s)[:, None]
         qf = tl.where(poisoned[:, None], float("nan"), qf)
         qf = tl.minimum(tl.maximum(qf, -448.0), 448.0)
-        tl.store(q_ptr + rows[:, None] * stride_qr + cols[None, :], qf.to(tl.float8e4nv), mask=rmask[:, None])
-        tl.store(s_ptr + grp.to(tl.int64) * s_col_stride + rows, s, mask=rmask)
+        return qf.to(tl.float8e4nv), s
+
+    @triton.jit
+    def _sf_offset(rows, grp, s_R0, s_S0, s_S1):
+        # layout.sf_empty's addressing: contiguous (R0 >= rows, S0 = 0) or masked (R0 = slot rows)
+        return (rows // s_R0) * s_S0 + grp.to(tl.int64) * s_S1 + rows % s_R0
+
+    @triton.jit
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, mind_ptr, R, I, stride_xr, stride_qr, s_R0, s_S0, s_S1,
+                          alpha, beta, limit, amax_floor, ue8m0_floor,
+                          ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DTYPE: tl.constexpr,
+                          USE_UE8M0: tl.constexpr, DIVIDE: tl.constexpr, AMAX_OVER_MAX: tl.constexpr,
+                          EXACT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, ROW_MASK: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < R
+        if ROW_MASK:  # rows of no expert (m_indices -1: padding past a block / slot) are neither read nor written
+            rmask = rmask & (tl.load(mind_ptr + rows, mask=rmask, other=-1) >= 0)
+        grp = tl.program_id(1)
+        cols = grp * GROUP + tl.arange(0, GROUP)
+        xp = x_ptr + rows[:, None] * stride_xr + cols[None, :]
+        g = tl.load(xp, mask=rmask[:, None], other=0.0).to(tl.float32)
+        u = tl.load(xp + I, mask=rmask[:, None], other=0.0).to(tl.float32)
+        if ACT == 2:  # SWIGLUSTEP: min(silu(g), L) * clamp(u, -L, L)
+            silu = tl.math.div_rn(g, 1.0 + _exp(-g, EXACT))
+            y = tl.minimum(silu, limit) * tl.minimum(tl.maximum(u, -limit), limit)
+        else:
+            if HAS_LIMIT:
+                g = tl.minimum(g, limit)
+                u = tl.minimum(tl.maximum(u, -limit), limit)
+            if ACT == 0:  # SILU: silu(g) * u
+                y = tl.math.div_rn(g, 1.0 + _exp(-g, EXACT)) * u
+            else:  # SWIGLUOAI_UNINTERLEAVE: g * sigmoid(alpha * g) * (u + beta)
+                sig = tl.math.div_rn(1.0, 1.0 + _exp(-(alpha * g), EXACT))
+                y = g * sig * (u + beta)
+        act = y.to(ACT_DTYPE).to(tl.float32)  # the reference's rounding point
+        q, s = _group_quant(act, amax_floor, ue8m0_floor, USE_UE8M0, DIVIDE, AMAX_OVER_MAX)
+        tl.store(q_ptr + rows[:, None] * stride_qr + cols[None, :], q, mask=rmask[:, None])
+        tl.store(s_ptr + _sf_offset(rows, grp, s_R0, s_S0, s_S1), s, mask=rmask)
+
+    @triton.jit
+    def _quant_scatter_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, M, stride_xm, stride_qr, s_R0, s_S0, s_S1,
+                              amax_floor, ue8m0_floor, TOPK: tl.constexpr, USE_UE8M0: tl.constexpr,
+                              DIVIDE: tl.constexpr, AMAX_OVER_MAX: tl.constexpr, GROUP: tl.constexpr,
+                              ROWS: tl.constexpr):
+        # one read of each token's group, quantized once, written to the row of each of its routes
+        toks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        tmask = toks < M
+        grp = tl.program_id(1)
+        cols = grp * GROUP + tl.arange(0, GROUP)
+        x = tl.load(x_ptr + toks[:, None] * stride_xm + cols[None, :], mask=tmask[:, None], other=0.0)
+        q, s = _group_quant(x.to(tl.float32), amax_floor, ue8m0_floor, USE_UE8M0, DIVIDE, AMAX_OVER_MAX)
+        for k in tl.static_range(TOPK):
+            r = tl.load(inv_ptr + toks * TOPK + k, mask=tmask, other=-1)
+            ok = tmask & (r >= 0)
+            tl.store(q_ptr + r[:, None] * stride_qr + cols[None, :], q, mask=ok[:, None])
+            tl.store(s_ptr + _sf_offset(r, grp, s_R0, s_S0, s_S1), s, mask=ok)
 
     @triton.jit
     def _mul_rn(a, b, EXACT: tl.constexpr):
@@ -123,12 +162,15 @@ if HAVE_TRITON:
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = cols < K
         acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        poison = 0
         for k in tl.static_range(TOPK):
             r = tl.load(inv_ptr + t * TOPK + k)
             w = tl.load(w_ptr + t * TOPK + k).to(tl.float32)
+            poison += (r == -2).to(tl.int32)  # layout.POISON_ROW: a bad id / no row: the token's output is NaN
             if r >= 0:
                 v = tl.load(a_ptr + r.to(tl.int64) * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
                 acc = acc + _mul_rn(v, w, EXACT)
+        acc = tl.where(poison > 0, float("nan"), acc)
         tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -161,8 +203,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _layout_place_kernel(ids_ptr, map_ptr, starts_ptr, inv_ptr, mind_ptr, tok_ptr, n, n_ids, E, topk, M_sum,
-                             HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
-        # program e writes the rows of expert e in increasing flat route index
+                             cap, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+        # program e writes the rows of expert e in increasing flat route index (at most cap of them: the masked
+        # layout's slot); routes without a row, and (program 0) out-of-range ids, are poisoned (-2)
         e = tl.program_id(0)
         base = tl.load(starts_ptr + e)
         running = tl.zeros([1], dtype=tl.int64)
@@ -171,9 +214,10 @@ if HAVE_TRITON:
             key, oor = _route_keys(ids_ptr, map_ptr, offs, n, n_ids, E, HAS_MAP)
             hit = (key == e) & (offs < n)
             c = tl.cumsum(hit.to(tl.int64), axis=0)
-            rows = base + running + c - 1
-            ok = hit & (rows < M_sum)
-            tl.store(inv_ptr + offs, rows, mask=ok)
+            within = running + c - 1
+            rows = base + within
+            ok = hit & (rows < M_sum) & (within < cap)
+            tl.store(inv_ptr + offs, tl.where(ok, rows, -2), mask=(hit | (oor & (e == 0))))
             tl.store(mind_ptr + rows, e.to(tl.int32), mask=ok)
             tl.store(tok_ptr + rows, offs // topk, mask=ok)
             running += tl.sum(hit.to(tl.int64), axis=0)
@@ -183,11 +227,12 @@ _TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int, M_sum: int, alignment: int,
-                            expert_map: torch.Tensor | None = None):
-    """Triton version of :func:`backends.deep_gemm.layout.build_contiguous_layout` (same arguments; the same
-    layout). Returns ``(layout, counts_all)`` where ``counts_all`` is int64 ``(E_local + 1,)``: the routes per local
-    expert, then the number of ids outside the id space (instead of a per-route mask). Two kernels of E_local + 1
-    programs each (count, then place) and four small torch ops; no host synchronisation."""
+                            expert_map: torch.Tensor | None = None, *, slot_rows: int | None = None):
+    """Triton version of :func:`backends.deep_gemm.layout.build_contiguous_layout` (same arguments, the masked
+    layout with ``slot_rows`` included; the same layout). Returns ``(layout, counts_all)`` where ``counts_all`` is
+    int64 ``(E_local + 1,)``: the routes per local expert, then the number of ids outside the id space (instead of a
+    per-route mask). Two kernels of E_local + 1 programs each (count, then place) and four small torch ops; no host
+    synchronisation."""
     from backends.deep_gemm.layout import ContiguousLayout
 
     if topk_ids.dim() != 2 or topk_ids.is_floating_point():
@@ -204,28 +249,41 @@ def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int, M_su
     _layout_count_kernel[(E + 1,)](ids, emap, counts_all, n, n_ids, E, HAS_MAP=expert_map is not None,
                                    BLOCK=BLOCK, num_warps=4)
     counts = counts_all[:E]
-    aligned = (counts + alignment - 1) // alignment * alignment
-    starts = torch.cumsum(aligned, 0) - aligned
+    if slot_rows is None:
+        aligned = (counts + alignment - 1) // alignment * alignment
+        starts = torch.cumsum(aligned, 0) - aligned
+        cap = M_sum
+    else:
+        if slot_rows <= 0 or M_sum != E * slot_rows or alignment != slot_rows:
+            raise ValueError(f"the masked layout needs M_sum = local_num_experts * slot_rows and alignment = "
+                             f"slot_rows, got M_sum={M_sum}, E={E}, slot_rows={slot_rows}, alignment={alignment}")
+        starts = torch.arange(E, device=device, dtype=torch.int64) * slot_rows
+        cap = slot_rows
     inv = torch.full((n,), -1, dtype=torch.int64, device=device)
     m_indices = torch.full((M_sum,), -1, dtype=torch.int32, device=device)
     row_token = torch.zeros(M_sum, dtype=torch.int64, device=device)
     if n:
         _layout_place_kernel[(E,)](ids, emap, starts, inv, m_indices, row_token, n, n_ids, E, max(topk, 1), M_sum,
-                                   HAS_MAP=expert_map is not None, BLOCK=BLOCK, num_warps=4)
+                                   cap, HAS_MAP=expert_map is not None, BLOCK=BLOCK, num_warps=4)
     layout = ContiguousLayout(row_token=row_token, m_indices=m_indices, inv_perm=inv.reshape(M, topk),
-                              counts=counts, M_sum=M_sum, alignment=alignment)
+                              counts=counts, M_sum=M_sum, alignment=alignment, slot_rows=slot_rows)
     return layout, counts_all
 
 
 def act_mul_quant(x: torch.Tensor, activation: MoEActivation, *, alpha, beta, limit, group_size: int,
-                  use_ue8m0: bool, recipe, out_q: torch.Tensor | None = None):
+                  use_ue8m0: bool, recipe, out_q: torch.Tensor | None = None, out_s: torch.Tensor | None = None,
+                  m_indices: torch.Tensor | None = None):
     """Triton version of :func:`backends.deep_gemm.act_quant.act_mul_quant` (same arguments and results).
+
+    With ``m_indices`` (the layout's ``(R,)`` int32 expert of each row) rows of no expert (-1) are skipped: neither
+    read nor written (their codes / scales keep what the buffers held; the step never reads their results).
+    ``out_s``: scales from ``layout.sf_empty`` (2-D, or the masked layout's 3-D ones).
 
     Raises NotImplementedError when a configuration is outside the kernel (fp32 activations with the
     ``exp2_ceil_log2`` rule, other recipes, group sizes other than a power of two): the caller falls back to torch.
     """
     from backends.deep_gemm.act_quant import _recipe_fields
-    from backends.deep_gemm.layout import mn_major_tma_aligned_empty
+    from backends.deep_gemm.layout import mn_major_tma_aligned_empty, sf_addressing
 
     if activation not in _ACT_CODE:
         raise NotImplementedError(f"no Triton act+quant for {activation}")
@@ -241,9 +299,10 @@ def act_mul_quant(x: torch.Tensor, activation: MoEActivation, *, alpha, beta, li
     q = torch.empty((R, I), dtype=torch.float8_e4m3fn, device=x.device) if out_q is None else out_q
     if q.stride(1) != 1:
         raise NotImplementedError("out_q must be row-major")
-    s = mn_major_tma_aligned_empty(R, I // group_size, x.device)
+    s = mn_major_tma_aligned_empty(R, I // group_size, x.device) if out_s is None else out_s
     if R == 0:
         return q, s
+    s_R0, s_S0, s_S1 = sf_addressing(s)
     if activation is MoEActivation.SWIGLUSTEP:
         lim, has_lim = (7.0 if limit is None else float(limit)), True
     else:
@@ -251,13 +310,46 @@ def act_mul_quant(x: torch.Tensor, activation: MoEActivation, *, alpha, beta, li
     act_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
     ROWS = 16
     _act_quant_kernel[(triton.cdiv(R, ROWS), I // group_size)](
-        x, q, s, R, I, x.stride(0), q.stride(0), s.stride(1),
+        x, q, s, m_indices if m_indices is not None else q, R, I, x.stride(0), q.stride(0), s_R0, s_S0, s_S1,
         1.0 if alpha is None else float(alpha), 0.0 if beta is None else float(beta), lim,
         float(r.amax_floor), float(r.ue8m0_scale_floor),
         ACT=_ACT_CODE[activation], HAS_LIMIT=has_lim, ACT_DTYPE=act_dtype, USE_UE8M0=use_ue8m0,
         DIVIDE=r.quant_op == "divide", AMAX_OVER_MAX=r.scale_computation == "amax/max", EXACT=not _INTERPRET,
-        GROUP=group_size, ROWS=ROWS, num_warps=4)
+        GROUP=group_size, ROWS=ROWS, ROW_MASK=m_indices is not None, num_warps=4)
     return q, s
+
+
+def quantize_scatter(x: torch.Tensor, inv_perm: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, *,
+                     group_size: int = 128, use_ue8m0: bool = True, recipe="vllm") -> None:
+    """Triton version of :func:`backends.deep_gemm.layout.quantize_scatter` (same arguments and results): one
+    program per (16 tokens, group) reads the group once, quantizes it and writes it to the row of each route.
+
+    Raises NotImplementedError outside the kernel (fp32 input, a non-power-of-two group, strided rows): the caller
+    falls back to the torch path.
+    """
+    from backends.deep_gemm.act_quant import _recipe_fields
+    from backends.deep_gemm.layout import sf_addressing
+
+    if x.dtype not in _TL_DTYPE or x.dim() != 2 or x.stride(1) != 1 or group_size & (group_size - 1):
+        raise NotImplementedError("the Triton quantize_scatter needs row-major bf16/fp16 (M, K) and a power-of-two "
+                                  "group")
+    if out_q.stride(1) != 1:
+        raise NotImplementedError("out_q must be row-major")
+    r = _recipe_fields(recipe)
+    M, K = x.shape
+    topk = inv_perm.size(1)
+    if K % group_size:
+        raise ValueError(f"K={K} must be a multiple of the quantization group {group_size}")
+    if M == 0 or topk == 0:
+        return
+    s_R0, s_S0, s_S1 = sf_addressing(out_s)
+    inv = inv_perm.to(torch.int64).contiguous()
+    ROWS = 16
+    _quant_scatter_kernel[(triton.cdiv(M, ROWS), K // group_size)](
+        x, inv, out_q, out_s, M, x.stride(0), out_q.stride(0), s_R0, s_S0, s_S1,
+        float(r.amax_floor), float(r.ue8m0_scale_floor), TOPK=topk, USE_UE8M0=use_ue8m0,
+        DIVIDE=r.quant_op == "divide", AMAX_OVER_MAX=r.scale_computation == "amax/max", GROUP=group_size,
+        ROWS=ROWS, num_warps=4)
 
 
 def unpermute_and_reduce(a: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor,

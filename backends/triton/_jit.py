@@ -26,28 +26,8 @@ from triton.language.extra import libdevice
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter implements ``tensor.__index__`` as ``int(array)`` on a 1-element array, which
-    numpy >= 2.3 refuses ("only 0-dimensional arrays can be converted"), so every ``for i in range(n)`` with a
-    runtime bound fails. Re-register ``__index__`` through ``.item()`` (interpreter mode only; no effect on GPU)."""
-    try:
-        from triton.runtime import interpreter as _interp
-    except ImportError:  # pragma: no cover - other triton layouts
-        return
-    orig = getattr(_interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_moe_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._moe_patched = True
-    _interp._patch_lang_tensor = patched
-
-
-if INTERPRET:
-    _patch_interpreter_index()
+# Triton 3.6's interpreter cannot index with a runtime loop bound under numpy >= 2.3: patched in one shared place.
+import backends._triton_interpreter  # noqa: E402,F401  (applies the patch under TRITON_INTERPRET=1)
 
 # Activation codes shared by the kernels (constexpr ``ACT``); ``activation_code`` maps MoEActivation to them.
 ACT_NONE = 0  # identity (no activation: plain GEMM output)

@@ -243,6 +243,43 @@ def section_kernels() -> None:
         t2 = cuda_time_us(lambda: layout.build_contiguous_layout(ids, El, M_sum, al, emap))
         row("kernels", f"layout M={Ml} topk={tk_} E={El}/{Eg}", "EXACT" if same and int(ca[El]) == int(oor.sum())
             else "DIFF", f"{t1:.0f} us triton, {t2:.0f} us torch ops")
+    # the masked layout (slots of 128 rows) and the fused input quantization + permutation, both scale layouts
+    for (Ml, tk_, El, slot) in ((64, 8, 32, 128), (1, 8, 32, 128), (127, 8, 128, 128), (4096, 8, 32, None)):
+        ids = torch.rand(Ml, El, device="cuda", generator=gen).topk(tk_, -1).indices.to(torch.int32)
+        rows, al = (El * slot, slot) if slot else compute_aligned_M_and_alignment(Ml, tk_, El, 128)
+        l1, _ = triton_kernels.build_contiguous_layout(ids, El, rows, al, slot_rows=slot)
+        l2, _ = layout.build_contiguous_layout(ids, El, rows, al, slot_rows=slot)
+        same = all(torch.equal(getattr(l1, f), getattr(l2, f)) for f in ("m_indices", "inv_perm", "counts"))
+        K = 7168
+        xin = (torch.randn(Ml, K, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+        q1 = torch.zeros(rows, K, dtype=torch.float8_e4m3fn, device="cuda")
+        q2 = q1.clone()
+        s1 = layout.sf_empty(rows, K // 128, "cuda", slot).fill_(0)
+        s2 = layout.sf_empty(rows, K // 128, "cuda", slot).fill_(0)
+        for recipe, ue in (("vllm", True), ("vllm", False), ("deepgemm", True)):
+            kw = dict(use_ue8m0=ue, recipe=recipe)
+            triton_kernels.quantize_scatter(xin, l1.inv_perm, q1, s1, **kw)
+            layout.quantize_scatter(xin, l1.inv_perm, q2, s2, **kw)
+            dq = int((q1.view(torch.uint8) != q2.view(torch.uint8)).sum())
+            ds = int((s1 != s2).sum())
+            row("kernels", f"quantize_scatter M={Ml} E={El} {'masked' if slot else 'contiguous'} {recipe} "
+                f"ue8m0={ue}", "EXACT" if same and dq == ds == 0 else "DIFF",
+                f"layout equal: {same}; {dq} codes, {ds} scales differ")
+        t_q = cuda_time_us(lambda: triton_kernels.quantize_scatter(xin, l1.inv_perm, q1, s1, use_ue8m0=True,
+                                                                   recipe="vllm"))
+        h = (torch.randn(rows, 4096, device="cuda", generator=gen)).to(torch.bfloat16)
+        akw = dict(alpha=None, beta=None, limit=None, group_size=128, use_ue8m0=True, recipe="vllm")
+        sa = layout.sf_empty(rows, 16, "cuda", slot)
+        qa, sa = triton_kernels.act_mul_quant(h, A.SILU, out_s=sa, m_indices=l1.m_indices, **akw)
+        qb, sb = act_quant.act_mul_quant(h, A.SILU, out_s=layout.sf_empty(rows, 16, "cuda", slot), **akw)
+        used = l1.m_indices >= 0
+        flat = (lambda t: t.contiguous().view(-1, 16)) if slot else (lambda t: t)
+        dq = int((qa.view(torch.uint8)[used] != qb.view(torch.uint8)[used]).sum())
+        ds = int((flat(sa)[used] != flat(sb)[used]).sum())
+        t_a = cuda_time_us(lambda: triton_kernels.act_mul_quant(h, A.SILU, out_s=sa, m_indices=l1.m_indices, **akw))
+        row("kernels", f"act+quant expert rows M={Ml} E={El} {'masked' if slot else 'contiguous'}",
+            "EXACT" if dq == ds == 0 else "DIFF", f"{dq} codes, {ds} scales differ; {t_q:.0f} us quantize_scatter, "
+            f"{t_a:.0f} us act+quant ({int(used.sum())} of {rows} rows)")
     M, topk, K = 4096, 8, 7168
     a = torch.randn(M * topk + 1000, K, device="cuda", generator=gen).to(torch.bfloat16)
     inv = torch.randperm(a.size(0), device="cuda", generator=gen)[: M * topk].reshape(M, topk)
