@@ -17,7 +17,7 @@ deep_gemm_moe.py``) as ``reference.modular.FusedMoEExpertsModular`` subclasses.
    FP8 inputs with ``a1q_scale``, from a prepare step that quantized them, are gathered instead);
 4. ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a1q, sfa), (w1, w1_scale), mm1_out bf16, m_indices)`` (or
    ``_masked(..., masked_m, expected_m)``);
-5. gated activation + 1x128 requantization of the rows that belong to an expert, FLOAT32_CEIL_UE8M0 scales when
+5. gated activation + 1x128 requantization of the routes' rows (no padding row), FLOAT32_CEIL_UE8M0 scales when
    ``quant_config.use_ue8m0`` (:mod:`backends.deep_gemm.act_quant`);
 6. GEMM2 the same way into bf16;
 7. unpermute + top-k weighted fp32 reduction into the ``(M, K)`` output (``TopKWeightAndReduceNoOP`` follows).
@@ -407,8 +407,9 @@ class DeepGemmExperts(FusedMoEExpertsModular):
         rows, align_used, slot = plan_layout(M, topk, E_local, expert_tokens_meta, self.masked_below_m)
         triton_ok = self.use_triton and triton_kernels.available(topk_ids)
         if triton_ok:
-            layout, counts_all = triton_kernels.build_contiguous_layout(topk_ids, E_local, rows, align_used,
-                                                                        expert_map, slot_rows=slot)
+            layout, counts_all = triton_kernels.build_contiguous_layout(
+                topk_ids, E_local, rows, align_used, expert_map, slot_rows=slot,
+                with_row_token=hidden_states.dtype == torch.float8_e4m3fn)
             n_out_of_range = counts_all[E_local]
         else:
             layout, out_of_range = build_contiguous_layout(topk_ids, E_local, rows, align_used, expert_map,
@@ -442,7 +443,7 @@ class DeepGemmExperts(FusedMoEExpertsModular):
         mm1_out = _resize(workspace2, (rows, N))
         self._gemm(layout, a1q, sfa1, w1, self.w1_scale, mm1_out, expected_m, disable_cast)
 
-        # Activation + requantization -> FP8 (workspace13) + fp32 scales, rows of an expert only.
+        # Activation + requantization -> FP8 (workspace13) + fp32 scales, the routes' rows only.
         I = self.adjust_N_for_activation(N, activation)
         quant_out = _resize(workspace13.view(torch.float8_e4m3fn), (rows, I))
         sfa2 = sf_empty(rows, I // BLOCK, device, slot)
@@ -452,7 +453,7 @@ class DeepGemmExperts(FusedMoEExpertsModular):
         a2q = None
         if self.use_triton and triton_kernels.available(mm1_out):
             try:
-                a2q, sfa2 = triton_kernels.act_mul_quant(mm1_out, activation, m_indices=layout.m_indices, **qkw)
+                a2q, sfa2 = triton_kernels.act_mul_quant(mm1_out, activation, routes=layout.inv_perm, **qkw)
             except NotImplementedError:
                 a2q = None
         if a2q is None:

@@ -79,15 +79,18 @@ class ContiguousLayout:
     """Result of :func:`build_contiguous_layout` (all tensors on the device of ``topk_ids``).
 
     Attributes:
-        row_token: int64 ``(M_sum,)``: the token whose activation row goes to each row (0 on unused rows).
+        row_token: int64 ``(M_sum,)``: the token whose activation row goes to each row (0 on unused rows); None when
+            the builder was asked not to build it (``triton_kernels``' ``with_row_token=False``).
         m_indices: int32 ``(M_sum,)``: local expert of each row, -1 on padding / unused rows (DeepGEMM
-            ``grouped_layout`` for ``use_psum_layout=False``).
+            ``grouped_layout`` for ``use_psum_layout=False``); None for the Triton-built masked layout (the masked
+            GEMM reads ``masked_m``).
         inv_perm: int64 ``(M, topk)``: the row of each route, -1 for dropped (non-local / -1) routes,
             :data:`POISON_ROW` for poisoned ones (module docstring).
         counts: int64 ``(E_local,)``: routes per local expert.
         M_sum: rows of the layout; alignment: per-expert row alignment used.
         slot_rows: None for the contiguous layout; for the masked layout the rows of each expert's slot
             (``M_sum = E_local * slot_rows``).
+        masked_m_buf: the masked layout's ``masked_m`` when the builder wrote it (else derived from ``counts``).
     """
 
     row_token: torch.Tensor
@@ -97,6 +100,7 @@ class ContiguousLayout:
     M_sum: int
     alignment: int
     slot_rows: int | None = None
+    masked_m_buf: torch.Tensor | None = None
 
     @property
     def masked(self) -> bool:
@@ -105,6 +109,8 @@ class ContiguousLayout:
     @property
     def masked_m(self) -> torch.Tensor:
         """int32 ``(E_local,)`` rows used in each slot (DeepGEMM's ``masked_m``; counts capped at the slot)."""
+        if self.masked_m_buf is not None:
+            return self.masked_m_buf
         return self.counts.clamp(max=self.slot_rows if self.masked else self.M_sum).to(torch.int32)
 
 

@@ -97,15 +97,18 @@ if HAVE_TRITON:
         return (rows // s_R0) * s_S0 + grp.to(tl.int64) * s_S1 + rows % s_R0
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, mind_ptr, R, I, stride_xr, stride_qr, s_R0, s_S0, s_S1,
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, route_ptr, R, I, stride_xr, stride_qr, s_R0, s_S0, s_S1,
                           alpha, beta, limit, amax_floor, ue8m0_floor,
                           ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DTYPE: tl.constexpr,
                           USE_UE8M0: tl.constexpr, DIVIDE: tl.constexpr, AMAX_OVER_MAX: tl.constexpr,
-                          EXACT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, ROW_MASK: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        rmask = rows < R
-        if ROW_MASK:  # rows of no expert (m_indices -1: padding past a block / slot) are neither read nor written
-            rmask = rmask & (tl.load(mind_ptr + rows, mask=rmask, other=-1) >= 0)
+                          EXACT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, ROUTES: tl.constexpr):
+        if ROUTES:  # R routes: the rows are the layout rows of the routes (negative: none), nothing else is touched
+            idx = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            rows = tl.load(route_ptr + idx, mask=idx < R, other=-1)
+            rmask = rows >= 0
+        else:
+            rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            rmask = rows < R
         grp = tl.program_id(1)
         cols = grp * GROUP + tl.arange(0, GROUP)
         xp = x_ptr + rows[:, None] * stride_xr + cols[None, :]
@@ -202,37 +205,67 @@ if HAVE_TRITON:
         tl.store(counts_ptr + e, tl.sum(acc, axis=0))
 
     @triton.jit
-    def _layout_place_kernel(ids_ptr, map_ptr, starts_ptr, inv_ptr, mind_ptr, tok_ptr, n, n_ids, E, topk, M_sum,
-                             cap, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
-        # program e writes the rows of expert e in increasing flat route index (at most cap of them: the masked
-        # layout's slot); routes without a row, and (program 0) out-of-range ids, are poisoned (-2)
+    def _layout_place_kernel(ids_ptr, map_ptr, counts_ptr, masked_m_ptr, inv_ptr, mind_ptr, tok_ptr, n, n_ids, E,
+                             topk, M_sum, alignment, cap, HAS_MAP: tl.constexpr, MASKED: tl.constexpr,
+                             WRITE_TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+        # Program e < E writes the rows of expert e in increasing flat route index (at most cap of them: the masked
+        # layout's slot; a route without a row is poisoned, -2). Program E writes the dropped routes (-1) and the
+        # out-of-range ids (-2). Contiguous: expert e starts after the aligned counts of the experts before it
+        # (counts from _layout_count_kernel); masked: at e * cap, and this kernel writes the counts, masked_m and the
+        # out-of-range count itself (the whole layout in one launch).
         e = tl.program_id(0)
-        base = tl.load(starts_ptr + e)
+        if MASKED:
+            base = e.to(tl.int64) * cap
+        else:
+            ie = tl.arange(0, BLOCK_E)
+            cnt = tl.load(counts_ptr + ie, mask=ie < E, other=0)
+            aligned = (cnt + alignment - 1) // alignment * alignment
+            base = tl.sum(tl.where(ie < e, aligned, 0), axis=0)
         running = tl.zeros([1], dtype=tl.int64)
+        n_oor = tl.zeros([1], dtype=tl.int64)
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             key, oor = _route_keys(ids_ptr, map_ptr, offs, n, n_ids, E, HAS_MAP)
-            hit = (key == e) & (offs < n)
-            c = tl.cumsum(hit.to(tl.int64), axis=0)
-            within = running + c - 1
-            rows = base + within
-            ok = hit & (rows < M_sum) & (within < cap)
-            tl.store(inv_ptr + offs, tl.where(ok, rows, -2), mask=(hit | (oor & (e == 0))))
-            tl.store(mind_ptr + rows, e.to(tl.int32), mask=ok)
-            tl.store(tok_ptr + rows, offs // topk, mask=ok)
-            running += tl.sum(hit.to(tl.int64), axis=0)
+            if e < E:
+                hit = (key == e) & (offs < n)
+                pos = tl.cumsum(hit.to(tl.int64), axis=0)
+                within = running + pos - 1
+                rows = base + within
+                ok = hit & (rows < M_sum) & (within < cap)
+                tl.store(inv_ptr + offs, tl.where(ok, rows, -2), mask=hit)
+                if not MASKED:
+                    tl.store(mind_ptr + rows, e.to(tl.int32), mask=ok)
+                if WRITE_TOK:
+                    tl.store(tok_ptr + rows, offs // topk, mask=ok)
+                running += tl.sum(hit.to(tl.int64), axis=0)
+            else:
+                dropped = (key == E) & (offs < n)
+                tl.store(inv_ptr + offs, tl.where(oor, -2, -1).to(tl.int64), mask=dropped)
+                n_oor += tl.sum(oor.to(tl.int64), axis=0)
+        if MASKED:
+            one = tl.arange(0, 1)
+            if e < E:
+                tl.store(counts_ptr + e + one, running)
+                tl.store(masked_m_ptr + e + one, tl.minimum(running, cap).to(tl.int32))
+            else:
+                tl.store(counts_ptr + E + one, n_oor)
 
 
 _TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int, M_sum: int, alignment: int,
-                            expert_map: torch.Tensor | None = None, *, slot_rows: int | None = None):
+                            expert_map: torch.Tensor | None = None, *, slot_rows: int | None = None,
+                            with_row_token: bool = True):
     """Triton version of :func:`backends.deep_gemm.layout.build_contiguous_layout` (same arguments, the masked
     layout with ``slot_rows`` included; the same layout). Returns ``(layout, counts_all)`` where ``counts_all`` is
     int64 ``(E_local + 1,)``: the routes per local expert, then the number of ids outside the id space (instead of a
-    per-route mask). Two kernels of E_local + 1 programs each (count, then place) and four small torch ops; no host
-    synchronisation."""
+    per-route mask). No host synchronisation.
+
+    Contiguous: two kernels (count, then place) and the ``m_indices`` fill. Masked: one kernel, which also writes
+    ``masked_m``; ``m_indices`` is not built (None: the masked GEMM reads ``masked_m``). ``with_row_token=False``
+    leaves ``row_token`` None (only the gather of pre-quantized FP8 inputs reads it).
+    """
     from backends.deep_gemm.layout import ContiguousLayout
 
     if topk_ids.dim() != 2 or topk_ids.is_floating_point():
@@ -241,42 +274,44 @@ def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int, M_su
     M, topk = topk_ids.shape
     E = local_num_experts
     n = M * topk
+    masked = slot_rows is not None
+    if masked and (slot_rows <= 0 or M_sum != E * slot_rows or alignment != slot_rows):
+        raise ValueError(f"the masked layout needs M_sum = local_num_experts * slot_rows and alignment = "
+                         f"slot_rows, got M_sum={M_sum}, E={E}, slot_rows={slot_rows}, alignment={alignment}")
     ids = topk_ids.contiguous()
     emap = expert_map.to(device=device).contiguous() if expert_map is not None else ids
     n_ids = expert_map.numel() if expert_map is not None else E
-    counts_all = torch.empty(E + 1, dtype=torch.int64, device=device)
+    counts_all = torch.zeros(E + 1, dtype=torch.int64, device=device) if not n else \
+        torch.empty(E + 1, dtype=torch.int64, device=device)
     BLOCK = 1024
-    _layout_count_kernel[(E + 1,)](ids, emap, counts_all, n, n_ids, E, HAS_MAP=expert_map is not None,
-                                   BLOCK=BLOCK, num_warps=4)
-    counts = counts_all[:E]
-    if slot_rows is None:
-        aligned = (counts + alignment - 1) // alignment * alignment
-        starts = torch.cumsum(aligned, 0) - aligned
-        cap = M_sum
-    else:
-        if slot_rows <= 0 or M_sum != E * slot_rows or alignment != slot_rows:
-            raise ValueError(f"the masked layout needs M_sum = local_num_experts * slot_rows and alignment = "
-                             f"slot_rows, got M_sum={M_sum}, E={E}, slot_rows={slot_rows}, alignment={alignment}")
-        starts = torch.arange(E, device=device, dtype=torch.int64) * slot_rows
-        cap = slot_rows
-    inv = torch.full((n,), -1, dtype=torch.int64, device=device)
-    m_indices = torch.full((M_sum,), -1, dtype=torch.int32, device=device)
-    row_token = torch.zeros(M_sum, dtype=torch.int64, device=device)
+    if not masked:
+        _layout_count_kernel[(E + 1,)](ids, emap, counts_all, n, n_ids, E, HAS_MAP=expert_map is not None,
+                                       BLOCK=BLOCK, num_warps=4)
+    inv = torch.empty((n,), dtype=torch.int64, device=device)
+    m_indices = None if masked else torch.full((M_sum,), -1, dtype=torch.int32, device=device)
+    row_token = torch.zeros(M_sum, dtype=torch.int64, device=device) if with_row_token else None
+    masked_m = torch.zeros(E, dtype=torch.int32, device=device) if masked else None
     if n:
-        _layout_place_kernel[(E,)](ids, emap, starts, inv, m_indices, row_token, n, n_ids, E, max(topk, 1), M_sum,
-                                   cap, HAS_MAP=expert_map is not None, BLOCK=BLOCK, num_warps=4)
+        _layout_place_kernel[(E + 1,)](
+            ids, emap, counts_all, masked_m if masked else counts_all, inv, m_indices if not masked else counts_all,
+            row_token if with_row_token else counts_all, n, n_ids, E, max(topk, 1), M_sum, alignment,
+            slot_rows if masked else M_sum, HAS_MAP=expert_map is not None, MASKED=masked,
+            WRITE_TOK=with_row_token, BLOCK=BLOCK, BLOCK_E=triton.next_power_of_2(E + 1), num_warps=4)
     layout = ContiguousLayout(row_token=row_token, m_indices=m_indices, inv_perm=inv.reshape(M, topk),
-                              counts=counts, M_sum=M_sum, alignment=alignment, slot_rows=slot_rows)
+                              counts=counts_all[:E], M_sum=M_sum, alignment=alignment, slot_rows=slot_rows,
+                              masked_m_buf=masked_m)
     return layout, counts_all
 
 
 def act_mul_quant(x: torch.Tensor, activation: MoEActivation, *, alpha, beta, limit, group_size: int,
                   use_ue8m0: bool, recipe, out_q: torch.Tensor | None = None, out_s: torch.Tensor | None = None,
-                  m_indices: torch.Tensor | None = None):
+                  routes: torch.Tensor | None = None):
     """Triton version of :func:`backends.deep_gemm.act_quant.act_mul_quant` (same arguments and results).
 
-    With ``m_indices`` (the layout's ``(R,)`` int32 expert of each row) rows of no expert (-1) are skipped: neither
-    read nor written (their codes / scales keep what the buffers held; the step never reads their results).
+    With ``routes`` (the layout's ``inv_perm``: the row of each route, negative for none) only the routes' rows are
+    computed, one program per 16 routes: the work follows the routes, not the layout's rows (a decode batch in the
+    masked layout uses a few of ``E_local * 128`` rows; the contiguous layout's worst-case ``M_sum`` holds padding).
+    Other rows are neither read nor written (they keep what the buffers held; the step never reads their results).
     ``out_s``: scales from ``layout.sf_empty`` (2-D, or the masked layout's 3-D ones).
 
     Raises NotImplementedError when a configuration is outside the kernel (fp32 activations with the
@@ -309,13 +344,17 @@ def act_mul_quant(x: torch.Tensor, activation: MoEActivation, *, alpha, beta, li
         lim, has_lim = (0.0 if limit is None else float(limit)), limit is not None
     act_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
     ROWS = 16
-    _act_quant_kernel[(triton.cdiv(R, ROWS), I // group_size)](
-        x, q, s, m_indices if m_indices is not None else q, R, I, x.stride(0), q.stride(0), s_R0, s_S0, s_S1,
+    n_work = routes.numel() if routes is not None else R
+    if n_work == 0:
+        return q, s
+    route_rows = routes.reshape(-1).to(torch.int64) if routes is not None else q
+    _act_quant_kernel[(triton.cdiv(n_work, ROWS), I // group_size)](
+        x, q, s, route_rows, n_work, I, x.stride(0), q.stride(0), s_R0, s_S0, s_S1,
         1.0 if alpha is None else float(alpha), 0.0 if beta is None else float(beta), lim,
         float(r.amax_floor), float(r.ue8m0_scale_floor),
         ACT=_ACT_CODE[activation], HAS_LIMIT=has_lim, ACT_DTYPE=act_dtype, USE_UE8M0=use_ue8m0,
         DIVIDE=r.quant_op == "divide", AMAX_OVER_MAX=r.scale_computation == "amax/max", EXACT=not _INTERPRET,
-        GROUP=group_size, ROWS=ROWS, ROW_MASK=m_indices is not None, num_warps=4)
+        GROUP=group_size, ROWS=ROWS, ROUTES=routes is not None, num_warps=4)
     return q, s
 
 

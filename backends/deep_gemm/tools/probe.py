@@ -249,7 +249,8 @@ def section_kernels() -> None:
         rows, al = (El * slot, slot) if slot else compute_aligned_M_and_alignment(Ml, tk_, El, 128)
         l1, _ = triton_kernels.build_contiguous_layout(ids, El, rows, al, slot_rows=slot)
         l2, _ = layout.build_contiguous_layout(ids, El, rows, al, slot_rows=slot)
-        same = all(torch.equal(getattr(l1, f), getattr(l2, f)) for f in ("m_indices", "inv_perm", "counts"))
+        same = all(torch.equal(getattr(l1, f), getattr(l2, f)) for f in ("inv_perm", "counts", "masked_m")) and (
+            slot is not None or torch.equal(l1.m_indices, l2.m_indices))
         K = 7168
         xin = (torch.randn(Ml, K, device="cuda", generator=gen) * 4).to(torch.bfloat16)
         q1 = torch.zeros(rows, K, dtype=torch.float8_e4m3fn, device="cuda")
@@ -270,13 +271,14 @@ def section_kernels() -> None:
         h = (torch.randn(rows, 4096, device="cuda", generator=gen)).to(torch.bfloat16)
         akw = dict(alpha=None, beta=None, limit=None, group_size=128, use_ue8m0=True, recipe="vllm")
         sa = layout.sf_empty(rows, 16, "cuda", slot)
-        qa, sa = triton_kernels.act_mul_quant(h, A.SILU, out_s=sa, m_indices=l1.m_indices, **akw)
+        qa, sa = triton_kernels.act_mul_quant(h, A.SILU, out_s=sa, routes=l1.inv_perm, **akw)
         qb, sb = act_quant.act_mul_quant(h, A.SILU, out_s=layout.sf_empty(rows, 16, "cuda", slot), **akw)
-        used = l1.m_indices >= 0
+        used = torch.zeros(rows, dtype=torch.bool, device="cuda")
+        used[l1.inv_perm[l1.inv_perm >= 0]] = True
         flat = (lambda t: t.contiguous().view(-1, 16)) if slot else (lambda t: t)
         dq = int((qa.view(torch.uint8)[used] != qb.view(torch.uint8)[used]).sum())
         ds = int((flat(sa)[used] != flat(sb)[used]).sum())
-        t_a = cuda_time_us(lambda: triton_kernels.act_mul_quant(h, A.SILU, out_s=sa, m_indices=l1.m_indices, **akw))
+        t_a = cuda_time_us(lambda: triton_kernels.act_mul_quant(h, A.SILU, out_s=sa, routes=l1.inv_perm, **akw))
         row("kernels", f"act+quant expert rows M={Ml} E={El} {'masked' if slot else 'contiguous'}",
             "EXACT" if dq == ds == 0 else "DIFF", f"{dq} codes, {ds} scales differ; {t_q:.0f} us quantize_scatter, "
             f"{t_a:.0f} us act+quant ({int(used.sum())} of {rows} rows)")
