@@ -522,14 +522,19 @@ o2 = layout.unpermute_and_reduce(a, inv, w, torch.empty(17, 200))
 torch.testing.assert_close(o1, o2, equal_nan=True)
 assert torch.isnan(o1[3]).all() and torch.isfinite(o1[4:]).all()
 # layouts (contiguous and masked, out-of-range ids, overflowing slots): the Triton build equals the torch one
-for M, topk, E, slot in [(37, 4, 8, None), (37, 4, 8, 128), (100, 2, 3, 128)]:
+# (700 x 3 routes: three blocks of the contiguous builder, through an expert map of 9 global ids)
+for M, topk, E, slot in [(37, 4, 8, None), (37, 4, 8, 128), (100, 2, 3, 128), (700, 3, 5, None)]:
+    emap = None
     ids = torch.randint(-1, E, (M, topk), generator=g, dtype=torch.int32)
     if M == 100:
         ids[:, 0] = 1  # 100 + ~33 routes on expert 1: its slot overflows
-    ids[5, 0] = E + 3
+    if M == 700:
+        emap = torch.tensor([3, -1, 0, 4, -1, 1, -1, 2, -1], dtype=torch.int32)
+        ids = torch.randint(-1, 9, (M, topk), generator=g, dtype=torch.int32)
+    ids[5, 0] = 40
     rows = E * slot if slot else 4096
-    l1, ca = tk.build_contiguous_layout(ids, E, rows, slot or 128, slot_rows=slot)
-    l2, oor = layout.build_contiguous_layout(ids, E, rows, slot or 128, slot_rows=slot)
+    l1, ca = tk.build_contiguous_layout(ids, E, rows, slot or 128, emap, slot_rows=slot)
+    l2, oor = layout.build_contiguous_layout(ids, E, rows, slot or 128, emap, slot_rows=slot)
     for f in ("m_indices", "inv_perm", "row_token", "counts", "masked_m"):
         if f != "masked_m" or slot:  # (the Triton-built masked layout has no m_indices: the GEMM reads masked_m)
             assert (getattr(l1, f) is None and slot and f == "m_indices") or torch.equal(getattr(l1, f),

@@ -167,12 +167,14 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_K], dtype=tl.float32)
         poison = 0
         for k in tl.static_range(TOPK):
+            # branch-free, so the TOPK row loads are independent and overlap (a decode step is latency-bound here)
             r = tl.load(inv_ptr + t * TOPK + k)
             w = tl.load(w_ptr + t * TOPK + k).to(tl.float32)
             poison += (r == -2).to(tl.int32)  # layout.POISON_ROW: a bad id / no row: the token's output is NaN
-            if r >= 0:
-                v = tl.load(a_ptr + r.to(tl.int64) * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
-                acc = acc + _mul_rn(v, w, EXACT)
+            valid = r >= 0
+            v = tl.load(a_ptr + tl.maximum(r, 0).to(tl.int64) * stride_a + cols, mask=mask & valid,
+                        other=0.0).to(tl.float32)
+            acc = tl.where(valid, acc + _mul_rn(v, w, EXACT), acc)
         acc = tl.where(poison > 0, float("nan"), acc)
         tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -192,35 +194,80 @@ if HAVE_TRITON:
         return key, oor
 
     @triton.jit
-    def _layout_count_kernel(ids_ptr, map_ptr, counts_ptr, n, n_ids, E, HAS_MAP: tl.constexpr,
-                             BLOCK: tl.constexpr):
-        # program e < E counts the routes of local expert e; program E counts the out-of-range ids
-        e = tl.program_id(0)
-        acc = tl.zeros([BLOCK], dtype=tl.int64)
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            key, oor = _route_keys(ids_ptr, map_ptr, offs, n, n_ids, E, HAS_MAP)
-            hit = tl.where(e < E, (key == e) & (offs < n), oor)
-            acc += hit.to(tl.int64)
-        tl.store(counts_ptr + e, tl.sum(acc, axis=0))
+    def _block_keys(ids_ptr, map_ptr, b, n, n_ids, E, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+        """Keys of route block ``b``: the local expert, E for a dropped route (and past n), E + 1 out of range."""
+        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        key, oor = _route_keys(ids_ptr, map_ptr, offs, n, n_ids, E, HAS_MAP)
+        return tl.where(oor, E + 1, key).to(tl.int32), offs
 
     @triton.jit
-    def _layout_place_kernel(ids_ptr, map_ptr, counts_ptr, masked_m_ptr, inv_ptr, mind_ptr, tok_ptr, n, n_ids, E,
-                             topk, M_sum, alignment, cap, HAS_MAP: tl.constexpr, MASKED: tl.constexpr,
-                             WRITE_TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
-        # Program e < E writes the rows of expert e in increasing flat route index (at most cap of them: the masked
-        # layout's slot; a route without a row is poisoned, -2). Program E writes the dropped routes (-1) and the
-        # out-of-range ids (-2). Contiguous: expert e starts after the aligned counts of the experts before it
-        # (counts from _layout_count_kernel); masked: at e * cap, and this kernel writes the counts, masked_m and the
-        # out-of-range count itself (the whole layout in one launch).
+    def _layout_hist_kernel(ids_ptr, map_ptr, cnt_ptr, n, n_ids, E, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr,
+                            BINS: tl.constexpr):
+        # the contiguous layout, 1/3: program b writes the histogram of route block b's keys: cnt[b, 0 .. E + 1]
+        b = tl.program_id(0)
+        key, _ = _block_keys(ids_ptr, map_ptr, b, n, n_ids, E, HAS_MAP, BLOCK)
+        h = tl.histogram(key, BINS)
+        bins = tl.arange(0, BINS)
+        tl.store(cnt_ptr + b.to(tl.int64) * (E + 2) + bins, h.to(tl.int64), mask=bins < E + 2)
+
+    @triton.jit
+    def _layout_starts_kernel(cnt_ptr, counts_ptr, starts_ptr, NB, E, alignment, BE: tl.constexpr,
+                              BB: tl.constexpr):
+        # 2/3, one program: per-expert totals (counts_all: E experts + the out-of-range count), aligned starts, and
+        # cnt[b, e] rewritten as the exclusive prefix over the blocks (where block b's routes of e begin)
+        carry = tl.zeros([1], dtype=tl.int64).sum(axis=0)
+        for e0 in range(0, E + 2, BE):
+            e = e0 + tl.arange(0, BE)
+            em = e < E + 2
+            run = tl.zeros([BE], dtype=tl.int64)
+            for b0 in range(0, NB, BB):
+                bb = b0 + tl.arange(0, BB)
+                m2 = (bb < NB)[:, None] & em[None, :]
+                ptr = cnt_ptr + bb[:, None].to(tl.int64) * (E + 2) + e[None, :]
+                c = tl.load(ptr, mask=m2, other=0)
+                tl.store(ptr, run[None, :] + tl.cumsum(c, axis=0) - c, mask=m2)
+                run += tl.sum(c, axis=0)
+            tl.store(counts_ptr + e, run, mask=e < E)
+            tl.store(counts_ptr + E + (e - E - 1), run, mask=e == E + 1)  # the out-of-range ids
+            aligned = tl.where(e < E, (run + alignment - 1) // alignment * alignment, 0)
+            tl.store(starts_ptr + e, carry + tl.cumsum(aligned, axis=0) - aligned, mask=e < E)
+            carry += tl.sum(aligned, axis=0)
+
+    @triton.jit
+    def _layout_scatter_kernel(ids_ptr, map_ptr, cnt_ptr, starts_ptr, inv_ptr, mind_ptr, tok_ptr, n, n_ids, E,
+                               topk, M_sum, HAS_MAP: tl.constexpr, WRITE_TOK: tl.constexpr, BLOCK: tl.constexpr,
+                               BINS: tl.constexpr):
+        # 3/3: program b places route block b. Its routes sorted by (key, flat index); a route's rank among the
+        # block's routes of its expert = sorted position - routes of smaller keys in the block (histogram prefix);
+        # its row = start of the expert + routes of the expert in earlier blocks + rank (increasing flat index).
+        b = tl.program_id(0)
+        key, _ = _block_keys(ids_ptr, map_ptr, b, n, n_ids, E, HAS_MAP, BLOCK)
+        p = tl.arange(0, BLOCK)
+        h = tl.histogram(key, BINS)
+        before = tl.cumsum(h, axis=0) - h
+        srt = tl.sort(key * BLOCK + p)
+        ks = srt // BLOCK
+        route = b.to(tl.int64) * BLOCK + srt % BLOCK
+        rank = p - tl.gather(before, ks, 0)
+        local = ks < E
+        base = tl.load(starts_ptr + ks, mask=local, other=0) + tl.load(cnt_ptr + b.to(tl.int64) * (E + 2) + ks)
+        rows = base + rank
+        ok = local & (rows < M_sum)
+        live = route < n
+        tl.store(inv_ptr + route, tl.where(ok, rows, tl.where(ks == E, -1, -2)).to(tl.int64), mask=live)
+        tl.store(mind_ptr + rows, ks, mask=ok & live)
+        if WRITE_TOK:
+            tl.store(tok_ptr + rows, route // topk, mask=ok & live)
+
+    @triton.jit
+    def _layout_masked_kernel(ids_ptr, map_ptr, counts_ptr, masked_m_ptr, inv_ptr, tok_ptr, n, n_ids, E, topk, slot,
+                              HAS_MAP: tl.constexpr, WRITE_TOK: tl.constexpr, BLOCK: tl.constexpr):
+        # The masked layout in one launch (a decode batch: a few blocks of routes). Program e < E writes the rows of
+        # expert e, e * slot + (its routes before, in flat index order), at most slot of them (a route without a row
+        # is poisoned, -2), then its count and masked_m; program E writes the dropped routes (-1), the out-of-range
+        # ids (-2) and their count.
         e = tl.program_id(0)
-        if MASKED:
-            base = e.to(tl.int64) * cap
-        else:
-            ie = tl.arange(0, BLOCK_E)
-            cnt = tl.load(counts_ptr + ie, mask=ie < E, other=0)
-            aligned = (cnt + alignment - 1) // alignment * alignment
-            base = tl.sum(tl.where(ie < e, aligned, 0), axis=0)
+        base = e.to(tl.int64) * slot
         running = tl.zeros([1], dtype=tl.int64)
         n_oor = tl.zeros([1], dtype=tl.int64)
         for start in range(0, n, BLOCK):
@@ -228,13 +275,10 @@ if HAVE_TRITON:
             key, oor = _route_keys(ids_ptr, map_ptr, offs, n, n_ids, E, HAS_MAP)
             if e < E:
                 hit = (key == e) & (offs < n)
-                pos = tl.cumsum(hit.to(tl.int64), axis=0)
-                within = running + pos - 1
+                within = running + tl.cumsum(hit.to(tl.int64), axis=0) - 1
                 rows = base + within
-                ok = hit & (rows < M_sum) & (within < cap)
+                ok = hit & (within < slot)
                 tl.store(inv_ptr + offs, tl.where(ok, rows, -2), mask=hit)
-                if not MASKED:
-                    tl.store(mind_ptr + rows, e.to(tl.int32), mask=ok)
                 if WRITE_TOK:
                     tl.store(tok_ptr + rows, offs // topk, mask=ok)
                 running += tl.sum(hit.to(tl.int64), axis=0)
@@ -242,13 +286,12 @@ if HAVE_TRITON:
                 dropped = (key == E) & (offs < n)
                 tl.store(inv_ptr + offs, tl.where(oor, -2, -1).to(tl.int64), mask=dropped)
                 n_oor += tl.sum(oor.to(tl.int64), axis=0)
-        if MASKED:
-            one = tl.arange(0, 1)
-            if e < E:
-                tl.store(counts_ptr + e + one, running)
-                tl.store(masked_m_ptr + e + one, tl.minimum(running, cap).to(tl.int32))
-            else:
-                tl.store(counts_ptr + E + one, n_oor)
+        one = tl.arange(0, 1)
+        if e < E:
+            tl.store(counts_ptr + e + one, running)
+            tl.store(masked_m_ptr + e + one, tl.minimum(running, slot).to(tl.int32))
+        else:
+            tl.store(counts_ptr + E + one, n_oor)
 
 
 _TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -262,8 +305,9 @@ def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int, M_su
     int64 ``(E_local + 1,)``: the routes per local expert, then the number of ids outside the id space (instead of a
     per-route mask). No host synchronisation.
 
-    Contiguous: two kernels (count, then place) and the ``m_indices`` fill. Masked: one kernel, which also writes
-    ``masked_m``; ``m_indices`` is not built (None: the masked GEMM reads ``masked_m``). ``with_row_token=False``
+    Contiguous: three kernels over blocks of 1024 routes (histograms; totals, aligned starts and per-block offsets;
+    placement by a sort within each block) and the ``m_indices`` fill. Masked (a decode batch): one kernel, a program
+    per expert, which also writes ``masked_m``; ``m_indices`` is not built (None: the masked GEMM reads ``masked_m``). ``with_row_token=False``
     leaves ``row_token`` None (only the gather of pre-quantized FP8 inputs reads it).
     """
     from backends.deep_gemm.layout import ContiguousLayout
@@ -284,19 +328,28 @@ def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int, M_su
     counts_all = torch.zeros(E + 1, dtype=torch.int64, device=device) if not n else \
         torch.empty(E + 1, dtype=torch.int64, device=device)
     BLOCK = 1024
-    if not masked:
-        _layout_count_kernel[(E + 1,)](ids, emap, counts_all, n, n_ids, E, HAS_MAP=expert_map is not None,
-                                       BLOCK=BLOCK, num_warps=4)
     inv = torch.empty((n,), dtype=torch.int64, device=device)
     m_indices = None if masked else torch.full((M_sum,), -1, dtype=torch.int32, device=device)
     row_token = torch.zeros(M_sum, dtype=torch.int64, device=device) if with_row_token else None
-    masked_m = torch.zeros(E, dtype=torch.int32, device=device) if masked else None
-    if n:
-        _layout_place_kernel[(E + 1,)](
-            ids, emap, counts_all, masked_m if masked else counts_all, inv, m_indices if not masked else counts_all,
-            row_token if with_row_token else counts_all, n, n_ids, E, max(topk, 1), M_sum, alignment,
-            slot_rows if masked else M_sum, HAS_MAP=expert_map is not None, MASKED=masked,
-            WRITE_TOK=with_row_token, BLOCK=BLOCK, BLOCK_E=triton.next_power_of_2(E + 1), num_warps=4)
+    masked_m = (torch.empty if n else torch.zeros)(E, dtype=torch.int32, device=device) if masked else None
+    if n and not masked:
+        # route blocks in parallel: histograms, then totals / starts / per-block offsets, then the placement
+        NB = triton.cdiv(n, BLOCK)
+        bins = triton.next_power_of_2(E + 2)
+        cnt = torch.empty((NB, E + 2), dtype=torch.int64, device=device)
+        starts = torch.empty(E, dtype=torch.int64, device=device)
+        _layout_hist_kernel[(NB,)](ids, emap, cnt, n, n_ids, E, HAS_MAP=expert_map is not None, BLOCK=BLOCK,
+                                   BINS=bins, num_warps=4)
+        _layout_starts_kernel[(1,)](cnt, counts_all, starts, NB, E, alignment, BE=min(bins, 128), BB=16,
+                                    num_warps=8)
+        _layout_scatter_kernel[(NB,)](ids, emap, cnt, starts, inv, m_indices,
+                                      row_token if with_row_token else inv, n, n_ids, E, max(topk, 1), M_sum,
+                                      HAS_MAP=expert_map is not None, WRITE_TOK=with_row_token, BLOCK=BLOCK,
+                                      BINS=bins, num_warps=8)
+    elif n:
+        _layout_masked_kernel[(E + 1,)](ids, emap, counts_all, masked_m, inv, row_token if with_row_token else inv,
+                                        n, n_ids, E, max(topk, 1), slot_rows, HAS_MAP=expert_map is not None,
+                                        WRITE_TOK=with_row_token, BLOCK=BLOCK, num_warps=4)
     layout = ContiguousLayout(row_token=row_token, m_indices=m_indices, inv_perm=inv.reshape(M, topk),
                               counts=counts_all[:E], M_sum=M_sum, alignment=alignment, slot_rows=slot_rows,
                               masked_m_buf=masked_m)
