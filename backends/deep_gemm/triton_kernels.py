@@ -101,7 +101,9 @@ if HAVE_TRITON:
                           alpha, beta, limit, amax_floor, ue8m0_floor,
                           ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DTYPE: tl.constexpr,
                           USE_UE8M0: tl.constexpr, DIVIDE: tl.constexpr, AMAX_OVER_MAX: tl.constexpr,
-                          EXACT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, ROUTES: tl.constexpr):
+                          EXACT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, ROUTES: tl.constexpr,
+                          GPP: tl.constexpr):
+        # one program: ROWS rows x GPP consecutive 1 x GROUP groups (the row indices loaded once)
         if ROUTES:  # R routes: the rows are the layout rows of the routes (negative: none), nothing else is touched
             idx = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
             rows = tl.load(route_ptr + idx, mask=idx < R, other=-1)
@@ -109,45 +111,50 @@ if HAVE_TRITON:
         else:
             rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
             rmask = rows < R
-        grp = tl.program_id(1)
-        cols = grp * GROUP + tl.arange(0, GROUP)
-        xp = x_ptr + rows[:, None] * stride_xr + cols[None, :]
-        g = tl.load(xp, mask=rmask[:, None], other=0.0).to(tl.float32)
-        u = tl.load(xp + I, mask=rmask[:, None], other=0.0).to(tl.float32)
-        if ACT == 2:  # SWIGLUSTEP: min(silu(g), L) * clamp(u, -L, L)
-            silu = tl.math.div_rn(g, 1.0 + _exp(-g, EXACT))
-            y = tl.minimum(silu, limit) * tl.minimum(tl.maximum(u, -limit), limit)
-        else:
-            if HAS_LIMIT:
-                g = tl.minimum(g, limit)
-                u = tl.minimum(tl.maximum(u, -limit), limit)
-            if ACT == 0:  # SILU: silu(g) * u
-                y = tl.math.div_rn(g, 1.0 + _exp(-g, EXACT)) * u
-            else:  # SWIGLUOAI_UNINTERLEAVE: g * sigmoid(alpha * g) * (u + beta)
-                sig = tl.math.div_rn(1.0, 1.0 + _exp(-(alpha * g), EXACT))
-                y = g * sig * (u + beta)
-        act = y.to(ACT_DTYPE).to(tl.float32)  # the reference's rounding point
-        q, s = _group_quant(act, amax_floor, ue8m0_floor, USE_UE8M0, DIVIDE, AMAX_OVER_MAX)
-        tl.store(q_ptr + rows[:, None] * stride_qr + cols[None, :], q, mask=rmask[:, None])
-        tl.store(s_ptr + _sf_offset(rows, grp, s_R0, s_S0, s_S1), s, mask=rmask)
+        for gi in range(GPP):
+            grp = tl.program_id(1) * GPP + gi
+            gmask = rmask & (grp * GROUP < I)
+            cols = grp * GROUP + tl.arange(0, GROUP)
+            xp = x_ptr + rows[:, None] * stride_xr + cols[None, :]
+            g = tl.load(xp, mask=gmask[:, None], other=0.0).to(tl.float32)
+            u = tl.load(xp + I, mask=gmask[:, None], other=0.0).to(tl.float32)
+            if ACT == 2:  # SWIGLUSTEP: min(silu(g), L) * clamp(u, -L, L)
+                silu = tl.math.div_rn(g, 1.0 + _exp(-g, EXACT))
+                y = tl.minimum(silu, limit) * tl.minimum(tl.maximum(u, -limit), limit)
+            else:
+                if HAS_LIMIT:
+                    g = tl.minimum(g, limit)
+                    u = tl.minimum(tl.maximum(u, -limit), limit)
+                if ACT == 0:  # SILU: silu(g) * u
+                    y = tl.math.div_rn(g, 1.0 + _exp(-g, EXACT)) * u
+                else:  # SWIGLUOAI_UNINTERLEAVE: g * sigmoid(alpha * g) * (u + beta)
+                    sig = tl.math.div_rn(1.0, 1.0 + _exp(-(alpha * g), EXACT))
+                    y = g * sig * (u + beta)
+            act = y.to(ACT_DTYPE).to(tl.float32)  # the reference's rounding point
+            q, s = _group_quant(act, amax_floor, ue8m0_floor, USE_UE8M0, DIVIDE, AMAX_OVER_MAX)
+            tl.store(q_ptr + rows[:, None] * stride_qr + cols[None, :], q, mask=gmask[:, None])
+            tl.store(s_ptr + _sf_offset(rows, grp, s_R0, s_S0, s_S1), s, mask=gmask)
 
     @triton.jit
-    def _quant_scatter_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, M, stride_xm, stride_qr, s_R0, s_S0, s_S1,
+    def _quant_scatter_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qr, s_R0, s_S0, s_S1,
                               amax_floor, ue8m0_floor, TOPK: tl.constexpr, USE_UE8M0: tl.constexpr,
                               DIVIDE: tl.constexpr, AMAX_OVER_MAX: tl.constexpr, GROUP: tl.constexpr,
-                              ROWS: tl.constexpr):
-        # one read of each token's group, quantized once, written to the row of each of its routes
+                              ROWS: tl.constexpr, GPP: tl.constexpr):
+        # one read of each token's group, quantized once, written to the row of each of its routes; a program
+        # covers ROWS tokens x GPP consecutive groups
         toks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         tmask = toks < M
-        grp = tl.program_id(1)
-        cols = grp * GROUP + tl.arange(0, GROUP)
-        x = tl.load(x_ptr + toks[:, None] * stride_xm + cols[None, :], mask=tmask[:, None], other=0.0)
-        q, s = _group_quant(x.to(tl.float32), amax_floor, ue8m0_floor, USE_UE8M0, DIVIDE, AMAX_OVER_MAX)
-        for k in tl.static_range(TOPK):
-            r = tl.load(inv_ptr + toks * TOPK + k, mask=tmask, other=-1)
-            ok = tmask & (r >= 0)
-            tl.store(q_ptr + r[:, None] * stride_qr + cols[None, :], q, mask=ok[:, None])
-            tl.store(s_ptr + _sf_offset(r, grp, s_R0, s_S0, s_S1), s, mask=ok)
+        for gi in range(GPP):
+            grp = tl.program_id(1) * GPP + gi
+            gmask = tmask & (grp * GROUP < K)
+            cols = grp * GROUP + tl.arange(0, GROUP)
+            x = tl.load(x_ptr + toks[:, None] * stride_xm + cols[None, :], mask=gmask[:, None], other=0.0)
+            q, s = _group_quant(x.to(tl.float32), amax_floor, ue8m0_floor, USE_UE8M0, DIVIDE, AMAX_OVER_MAX)
+            for k in tl.static_range(TOPK):
+                r = tl.load(inv_ptr + toks * TOPK + k, mask=gmask, other=-1)
+                ok = gmask & (r >= 0)
+                tl.store(q_ptr + r[:, None] * stride_qr + cols[None, :], q, mask=ok[:, None])
+                tl.store(s_ptr + _sf_offset(r, grp, s_R0, s_S0, s_S1), s, mask=ok)
 
     @triton.jit
     def _mul_rn(a, b, EXACT: tl.constexpr):
@@ -296,6 +303,12 @@ if HAVE_TRITON:
 
 _TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
+#: Launch shape of the act+quant kernel: rows (routes) per program, 1x128 groups per program, warps. ``config=`` of
+#: :func:`act_mul_quant` overrides it (``tools/probe.py --sections tune`` times the candidates).
+ACT_QUANT_CONFIG = {"rows": 16, "groups": 1, "num_warps": 4}
+#: The same for the fused input quantization + permutation (tokens per program).
+QUANT_SCATTER_CONFIG = {"rows": 16, "groups": 1, "num_warps": 4}
+
 
 def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int, M_sum: int, alignment: int,
                             expert_map: torch.Tensor | None = None, *, slot_rows: int | None = None,
@@ -358,7 +371,7 @@ def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int, M_su
 
 def act_mul_quant(x: torch.Tensor, activation: MoEActivation, *, alpha, beta, limit, group_size: int,
                   use_ue8m0: bool, recipe, out_q: torch.Tensor | None = None, out_s: torch.Tensor | None = None,
-                  routes: torch.Tensor | None = None):
+                  routes: torch.Tensor | None = None, config: dict | None = None):
     """Triton version of :func:`backends.deep_gemm.act_quant.act_mul_quant` (same arguments and results).
 
     With ``routes`` (the layout's ``inv_perm``: the row of each route, negative for none) only the routes' rows are
@@ -396,23 +409,24 @@ def act_mul_quant(x: torch.Tensor, activation: MoEActivation, *, alpha, beta, li
     else:
         lim, has_lim = (0.0 if limit is None else float(limit)), limit is not None
     act_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
-    ROWS = 16
     n_work = routes.numel() if routes is not None else R
     if n_work == 0:
         return q, s
     route_rows = routes.reshape(-1).to(torch.int64) if routes is not None else q
-    _act_quant_kernel[(triton.cdiv(n_work, ROWS), I // group_size)](
+    cfg = dict(ACT_QUANT_CONFIG, **(config or {}))
+    ROWS, GPP = cfg["rows"], min(cfg["groups"], I // group_size)
+    _act_quant_kernel[(triton.cdiv(n_work, ROWS), triton.cdiv(I // group_size, GPP))](
         x, q, s, route_rows, n_work, I, x.stride(0), q.stride(0), s_R0, s_S0, s_S1,
         1.0 if alpha is None else float(alpha), 0.0 if beta is None else float(beta), lim,
         float(r.amax_floor), float(r.ue8m0_scale_floor),
         ACT=_ACT_CODE[activation], HAS_LIMIT=has_lim, ACT_DTYPE=act_dtype, USE_UE8M0=use_ue8m0,
         DIVIDE=r.quant_op == "divide", AMAX_OVER_MAX=r.scale_computation == "amax/max", EXACT=not _INTERPRET,
-        GROUP=group_size, ROWS=ROWS, ROUTES=routes is not None, num_warps=4)
+        GROUP=group_size, ROWS=ROWS, ROUTES=routes is not None, GPP=GPP, num_warps=cfg["num_warps"])
     return q, s
 
 
 def quantize_scatter(x: torch.Tensor, inv_perm: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, *,
-                     group_size: int = 128, use_ue8m0: bool = True, recipe="vllm") -> None:
+                     group_size: int = 128, use_ue8m0: bool = True, recipe="vllm", config: dict | None = None) -> None:
     """Triton version of :func:`backends.deep_gemm.layout.quantize_scatter` (same arguments and results): one
     program per (16 tokens, group) reads the group once, quantizes it and writes it to the row of each route.
 
@@ -436,12 +450,13 @@ def quantize_scatter(x: torch.Tensor, inv_perm: torch.Tensor, out_q: torch.Tenso
         return
     s_R0, s_S0, s_S1 = sf_addressing(out_s)
     inv = inv_perm.to(torch.int64).contiguous()
-    ROWS = 16
-    _quant_scatter_kernel[(triton.cdiv(M, ROWS), K // group_size)](
-        x, inv, out_q, out_s, M, x.stride(0), out_q.stride(0), s_R0, s_S0, s_S1,
+    cfg = dict(QUANT_SCATTER_CONFIG, **(config or {}))
+    ROWS, GPP = cfg["rows"], min(cfg["groups"], K // group_size)
+    _quant_scatter_kernel[(triton.cdiv(M, ROWS), triton.cdiv(K // group_size, GPP))](
+        x, inv, out_q, out_s, M, K, x.stride(0), out_q.stride(0), s_R0, s_S0, s_S1,
         float(r.amax_floor), float(r.ue8m0_scale_floor), TOPK=topk, USE_UE8M0=use_ue8m0,
         DIVIDE=r.quant_op == "divide", AMAX_OVER_MAX=r.scale_computation == "amax/max", GROUP=group_size,
-        ROWS=ROWS, num_warps=4)
+        ROWS=ROWS, GPP=GPP, num_warps=cfg["num_warps"])
 
 
 def unpermute_and_reduce(a: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor,

@@ -330,7 +330,51 @@ def section_gemm() -> None:
 
 
 
-SECTIONS = {"env": section_env, "probe": section_probe, "kernels": section_kernels, "gemm": section_gemm}
+def section_tune() -> None:
+    """Launch shapes of the act+quant and quantize_scatter kernels at DeepSeek-V3 EP8 / Qwen3-30B M = 4096 (the
+    rows, groups per program and warps of ``triton_kernels.ACT_QUANT_CONFIG`` / ``QUANT_SCATTER_CONFIG``),
+    timed in CUDA graphs by ``benchmarks.timing``; each candidate's output is checked equal to the default's."""
+    from backends.deep_gemm import layout, triton_kernels
+    from benchmarks import timing
+    from reference.activation import MoEActivation as A
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cands = [dict(rows=r, groups=g, num_warps=w) for r in (16, 32, 64) for g in (1, 4) for w in (4, 8)]
+    for (M, topk, E, K, I) in ((4096, 8, 32, 7168, 2048), (4096, 8, 128, 2048, 768)):
+        ids = torch.rand(M, E, device="cuda", generator=gen).topk(topk, -1).indices.to(torch.int32)
+        rows = M * topk + E * 128
+        lay, _ = triton_kernels.build_contiguous_layout(ids, E, rows, 128)
+        h = torch.randn(rows, 2 * I, device="cuda", generator=gen).to(torch.bfloat16)
+        x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
+        q = torch.empty(rows, max(I, K), dtype=torch.float8_e4m3fn, device="cuda")
+        akw = dict(alpha=None, beta=None, limit=None, group_size=128, use_ue8m0=True, recipe="vllm")
+        for kind in ("act+quant", "quantize_scatter"):
+            outs, cells = None, []
+            for c in cands:
+                sf = layout.sf_empty(rows, (I if kind == "act+quant" else K) // 128, "cuda")
+                if kind == "act+quant":
+                    qq = q[:, :I]
+                    fn = lambda i, c=c, sf=sf, qq=qq: triton_kernels.act_mul_quant(  # noqa: E731
+                        h, A.SILU, out_q=qq, out_s=sf, routes=lay.inv_perm, config=c, **akw)
+                else:
+                    qq = q[:, :K]
+                    fn = lambda i, c=c, sf=sf, qq=qq: triton_kernels.quantize_scatter(  # noqa: E731
+                        x, lay.inv_perm, qq, sf, use_ue8m0=True, recipe="vllm", config=c)
+                try:
+                    us = timing.measure(fn, 1, torch.device("cuda")).seconds * 1e6
+                    fn(0)
+                    used = lay.inv_perm[lay.inv_perm >= 0]
+                    got = (qq[used].view(torch.uint8).clone(), sf[used].clone())
+                    same = outs is None or (torch.equal(got[0], outs[0]) and torch.equal(got[1], outs[1]))
+                    outs = outs or got
+                    cells.append(f"r{c['rows']}g{c['groups']}w{c['num_warps']} {us:.1f}{'' if same else ' DIFF'}")
+                except Exception as exc:  # noqa: BLE001
+                    cells.append(f"r{c['rows']}g{c['groups']}w{c['num_warps']} {type(exc).__name__}")
+            row("tune", f"{kind} M={M} E={E} K={K} I={I}", "us", "; ".join(cells))
+
+
+SECTIONS = {"env": section_env, "probe": section_probe, "kernels": section_kernels, "gemm": section_gemm,
+            "tune": section_tune}
 
 
 def main() -> int:
