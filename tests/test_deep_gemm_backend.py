@@ -14,7 +14,7 @@ import torch
 import backends.deep_gemm as dgb
 from backends import load_backend
 from backends.deep_gemm import act_quant, experts, layout, platform
-from backends.deep_gemm.experts import DeepGemmExperts, DeepGemmFP4Experts
+from backends.deep_gemm.experts import BatchedDeepGemmExperts, DeepGemmExperts, DeepGemmFP4Experts
 from reference import align as ref_align
 from reference import quant as rq
 from reference.activation import MoEActivation, apply_moe_activation
@@ -47,7 +47,7 @@ def sm90(monkeypatch):
 def test_registered_and_cuda_device():
     b = load_backend("deep_gemm")
     assert b.name == "deep_gemm" and b.device == "cuda"
-    assert list(b.experts) == [DeepGemmExperts, DeepGemmFP4Experts]
+    assert list(b.experts) == [DeepGemmExperts, BatchedDeepGemmExperts, DeepGemmFP4Experts]
     assert b.recipe("per_token_group_quant_fp8") == "vllm"
 
 
@@ -417,6 +417,56 @@ def test_pipeline_matches_reference(act, params, M, topk, chunk, use_map, ue8m0,
     assert max_norm <= tol["max_norm"] and rms <= tol["rms_norm"], (max_norm, rms)
 
 
+class EmulatedBatchedDeepGemmExperts(BatchedDeepGemmExperts):
+    grouped_gemm_masked = staticmethod(emulated_grouped_gemm_masked)
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True
+
+
+@pytest.mark.parametrize("M, topk, use_map, ue8m0", [(37, 3, True, True), (130, 2, False, False), (5, 1, False, True)])
+def test_batched_pipeline_matches_batched_reference(M, topk, use_map, ue8m0):
+    # The batched format (BatchedPrepareAndFinalize: slots of capacity M, quantized per slot), against the
+    # batched reference; T = M is not a multiple of 128, so the GEMMs run on padded slots.
+    from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
+
+    g = torch.Generator().manual_seed(M)
+    E, E_local, K, I = 8, 4 if use_map else 8, 256, 256
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    w1q, w1s = rq.per_block_quant_fp8(torch.randn(E_local, 2 * I, K, generator=g) / 16, (128, 128))
+    w2q, w2s = rq.per_block_quant_fp8(torch.randn(E_local, K, I, generator=g) / 16, (128, 128))
+    ids = torch.stack([torch.randperm(E if use_map else E_local, generator=g)[:topk] for _ in range(M)])
+    ids = ids.to(torch.int32)
+    w = torch.rand(M, topk, generator=g)
+    emap = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32) if use_map else None
+    qc = fp8_w8a8_moe_quant_config(w1s, w2s, block_shape=[128, 128], use_ue8m0=ue8m0)
+    cfg = FusedMoEConfig(E, topk, K, I, E_local)
+    kw = dict(activation=MoEActivation.SILU, global_num_experts=E if use_map else E_local, expert_map=emap)
+
+    def run(cls):
+        return FusedMoEKernel(BatchedPrepareAndFinalize(M, E_local), cls(cfg, qc, max_num_tokens=M, num_dispatchers=1),
+                              poison=float("nan")).apply(x, w1q, w2q, w, ids, **kw)
+
+    out, ref = run(EmulatedBatchedDeepGemmExperts), run(BatchedReferenceExperts)
+    assert torch.isfinite(out).all()
+    max_norm, rms = _metrics(out, ref)
+    tol = experts_tolerance("bfloat16")
+    assert max_norm <= tol["max_norm"] and rms <= tol["rms_norm"], (max_norm, rms)
+
+
+def test_batched_claims_and_refusals(sm90):
+    cfg = moe_cfg()
+    fmt = FusedMoEActivationFormat
+    ok, _ = BatchedDeepGemmExperts.is_supported_config(BatchedDeepGemmExperts, cfg, *FP8_KEYS,
+                                                       fmt.BatchedExperts)
+    assert ok
+    ok, why = BatchedDeepGemmExperts.is_supported_config(BatchedDeepGemmExperts, cfg, *FP8_KEYS,
+                                                         fmt.Standard)
+    assert not ok and why
+    assert not BatchedDeepGemmExperts.support.chunking
+
+
 def test_pipeline_refuses_bad_ids_and_stale_meta():
     g = torch.Generator().manual_seed(0)
     K, I, E = 128, 128, 2
@@ -579,6 +629,17 @@ for masked in (True, False):
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     # (interpreter fp8 truncation: ~0.11; a row, slot or scale mix-up is ~1)
     assert torch.isfinite(out).all() and rel < 0.3, (masked, rel)
+# the batched class on the Triton path (its act+quant over the slots' counted rows)
+from tests.test_deep_gemm_backend import EmulatedBatchedDeepGemmExperts
+from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
+x, w1q, w2q, qc, cfg = _small_problem(40, 2, 4, seed=2)
+ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(40)]).to(torch.int32)
+w = torch.rand(40, 2, generator=g)
+run = lambda cls: FusedMoEKernel(BatchedPrepareAndFinalize(40, 4), cls(cfg, qc, max_num_tokens=40, num_dispatchers=1)
+                                 ).apply(x, w1q, w2q, w, ids, global_num_experts=4)
+out, ref = run(EmulatedBatchedDeepGemmExperts), run(BatchedReferenceExperts)
+rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+assert torch.isfinite(out).all() and rel < 0.3, ("batched", rel)
 print("OK")
 """
 

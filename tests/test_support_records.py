@@ -162,6 +162,20 @@ def _emulated_classes() -> list[tuple[str, type]]:
                   if isinstance(v, type) and issubclass(v, FusedMoEExperts) and v.__module__ == emulated.__name__)
 
 
+def _old_batched_deep_gemm() -> type:
+    from reference.modular import FusedMoEActivationFormat
+
+    class OldBatchedDeepGemm(_old("deep_gemm").DeepGemmExperts):
+        @staticmethod
+        def activation_format():
+            return FusedMoEActivationFormat.BatchedExperts
+
+        def supports_chunking(self):
+            return False
+
+    return OldBatchedDeepGemm
+
+
 #: (id, new class, old class factory)
 PAIRS_OF_CLASSES = [
     ("torch.TorchExperts", torch_experts.TorchExperts, lambda: _old("torch").TorchExperts),
@@ -171,6 +185,9 @@ PAIRS_OF_CLASSES = [
       for n in ("CutlassExpertsBf16", "CutlassExpertsFp8", "CutlassExpertsFp4", "CutlassExpertsMxfp4")],
     ("deep_gemm.DeepGemmExperts", dg_experts.DeepGemmExperts, lambda: _old("deep_gemm").DeepGemmExperts),
     ("deep_gemm.DeepGemmFP4Experts", dg_experts.DeepGemmFP4Experts, lambda: _old("deep_gemm").DeepGemmFP4Experts),
+    # new since the baseline: vLLM's BatchedDeepGemmExperts claims what DeepGemmExperts claimed, in the batched
+    # format and without chunking
+    ("deep_gemm.BatchedDeepGemmExperts", dg_experts.BatchedDeepGemmExperts, lambda: _old_batched_deep_gemm()),
     *[(f"broken.{n}", getattr(broken, n), (lambda n=n: _old_broken(n))) for n in _broken_classes()],
     ("reference.ReferenceExperts", ReferenceExperts, lambda: _old("reference").ReferenceExperts),
     ("reference.BatchedReferenceExperts", BatchedReferenceExperts, lambda: _old("batched").BatchedReferenceExperts),

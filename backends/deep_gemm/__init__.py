@@ -3,8 +3,10 @@
 Contents
 --------
 - :class:`~backends.deep_gemm.experts.DeepGemmExperts`: FP8 block-128 experts (permute -> grouped GEMM1 ->
-  activation + 1x128 requantization -> grouped GEMM2 -> unpermute/reduce); :class:`DeepGemmFP4Experts` declared
-  with the seed's SM100/SM120-only rules (unsupported here).
+  activation + 1x128 requantization -> grouped GEMM2 -> unpermute/reduce; the masked GEMMs below M = 128);
+  :class:`~backends.deep_gemm.experts.BatchedDeepGemmExperts`: the same experts in the batched activation format
+  (``m_grouped_fp8_gemm_nt_masked`` on ``(E_local, T, K)`` slots); :class:`DeepGemmFP4Experts` declared with the
+  seed's SM100/SM120-only rules (unsupported here).
 - :mod:`~backends.deep_gemm.layout`: the contiguous layout built on the device with torch ops.
 - :mod:`~backends.deep_gemm.act_quant`: the activation + requantization (torch ops).
 - :mod:`~backends.deep_gemm.triton_kernels`: the same three steps as Triton kernels (used on CUDA; bit-identical
@@ -93,9 +95,10 @@ from __future__ import annotations
 
 from backends import Backend
 from backends.deep_gemm import platform
-from backends.deep_gemm.experts import DeepGemmExperts, DeepGemmFP4Experts, device_unsupported_reason
+from backends.deep_gemm.experts import BatchedDeepGemmExperts, DeepGemmExperts, DeepGemmFP4Experts, \
+    device_unsupported_reason
 
-__all__ = ["backend", "DeepGemmExperts", "DeepGemmFP4Experts"]
+__all__ = ["backend", "BatchedDeepGemmExperts", "DeepGemmExperts", "DeepGemmFP4Experts"]
 
 
 def _availability() -> str | None:
@@ -112,7 +115,7 @@ def _version() -> str:
 backend = Backend(
     name="deep_gemm",
     version=_version(),
-    experts=[DeepGemmExperts, DeepGemmFP4Experts],
+    experts=[DeepGemmExperts, BatchedDeepGemmExperts, DeepGemmFP4Experts],
     # The a2 requantization follows quant_config.recipe (vllm or deepgemm, bit-exact with the reference for
     # either); the seed's SM90 kernels (silu_mul_per_token_group_quant_fp8_colmajor) use vLLM's rule.
     recipes={"per_token_group_quant_fp8": "vllm"},

@@ -37,6 +37,7 @@ emulated GEMM; the platform probes live in :mod:`backends.deep_gemm.platform` fo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from math import prod
 
@@ -49,7 +50,8 @@ from backends.deep_gemm.layout import POISON_ROW, build_contiguous_layout, gathe
 from reference.activation import MoEActivation
 from reference.align import DEEP_GEMM_M_ALIGNMENT, compute_aligned_M_and_alignment
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
-from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, TopKWeightAndReduceNoOP
+from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
+    TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOP
 from reference.quant import (
     DeepGemmQuantScaleFMT,
     kFp8Dynamic128Sym,
@@ -60,6 +62,7 @@ from reference.quant import (
 )
 
 __all__ = [
+    "BatchedDeepGemmExperts",
     "DeepGemmExperts",
     "DeepGemmFP4Experts",
     "deep_gemm_m_grouped_fp8_gemm_nt_contiguous",
@@ -278,8 +281,10 @@ class DeepGemmExperts(FusedMoEExpertsModular):
     #: Chunks of fewer tokens run the masked layout (:func:`plan_layout`); 0 turns it off.
     masked_below_m: int = 128
 
-    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
-        super().__init__(moe_config=moe_config, quant_config=quant_config)
+    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig, max_num_tokens=None,
+                 num_dispatchers=None):
+        super().__init__(moe_config=moe_config, quant_config=quant_config, max_num_tokens=max_num_tokens,
+                         num_dispatchers=num_dispatchers)
         self.mxfp8 = quant_config.block_shape == [1, 32]
         if self.mxfp8:
             raise NotImplementedError(
@@ -517,6 +522,128 @@ class DeepGemmExperts(FusedMoEExpertsModular):
             if given_list != counts:
                 raise ValueError(f"expert_tokens_meta counts {given_list} disagree with topk_ids {counts}; "
                                  "recompute them for this chunk (vLLM #20392)")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# BatchedDeepGemmExperts
+# ------------------------------------------------------------------------------------------------------------
+
+
+class BatchedDeepGemmExperts(DeepGemmExperts):
+    """vLLM's ``BatchedDeepGemmExperts`` (``fused_moe/batched_deep_gemm_moe.py``; the batched activation format of
+    seed 002): the experts of :class:`DeepGemmExperts` on ``(E_local, T, K)`` slots, two
+    ``m_grouped_fp8_gemm_nt_masked`` calls with ``masked_m = expert_num_tokens``.
+
+    Inputs of ``apply`` (from ``reference.batched.BatchedPrepareAndFinalize`` or a DeepEP low-latency dispatch):
+    ``hidden_states`` fp8 ``(E_local, T, K)`` with ``a1q_scale`` fp32 ``(E_local, T, K/128)`` (or bf16 slots,
+    quantized here per 1x128 group), ``expert_tokens_meta.expert_num_tokens`` ``(E_local,)``; rows past an expert's
+    count are ignored. Output: ``(E_local, T, K)`` in the activation dtype, unweighted, padding rows zero (the
+    prepare/finalize weights and reduces: ``TopKWeightAndReduceDelegate``). Slots are padded to a multiple of 128
+    rows for the GEMMs when ``T`` is not one (a 64- or 128-row GEMM block must not run into the next slot).
+
+    Same support as :class:`DeepGemmExperts` (quant schemes, activations, device, parallel configs, K % 128) in the
+    batched format, without chunking (the format has no token dimension to chunk).
+
+    Raises (``apply``): ValueError without ``expert_tokens_meta``, for operands of the wrong dtype / shape, or (when
+    validating, ``validate_routes``) counts above ``T``.
+    """
+
+    support = dataclasses.replace(
+        DeepGemmExperts.support, activation_format=FusedMoEActivationFormat.BatchedExperts, chunking=False,
+        finalize="(E_local, T, K) unweighted: TopKWeightAndReduceDelegate",
+        notes="m_grouped_fp8_gemm_nt_masked on (E_local, T, K) slots (SM90), masked_m = expert_num_tokens; N, I "
+              "multiples of 128; a2 quantized dynamically; no expert biases")
+
+    @staticmethod
+    def activation_format() -> FusedMoEActivationFormat:
+        return FusedMoEActivationFormat.BatchedExperts
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        return False  # the batched prepare quantizes each slot's rows (per 1x128 group: row-local, the same codes)
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceDelegate()
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
+        # Each slot receives up to max_num_tokens rows from every dispatcher (seed 002 BatchedExperts); the GEMM
+        # buffers (padded slots) are allocated in apply.
+        E, T = local_num_experts, self.max_num_tokens * self.num_dispatchers
+        return (E, T, max(N, K)), (E, T, self.adjust_N_for_activation(N, activation)), (E, T, K)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise NotImplementedError(f"BatchedDeepGemmExperts does not support {activation}")
+        if expert_tokens_meta is None:
+            raise ValueError("BatchedDeepGemmExperts needs expert_tokens_meta (expert_num_tokens) from the prepare step")
+        if hidden_states.dim() != 3:
+            raise ValueError(f"hidden_states must be (E_local, T, K) slots, got {tuple(hidden_states.shape)}")
+        E, T, K = hidden_states.shape
+        self._check_operands(hidden_states.reshape(E * T, K),
+                             None if a1q_scale is None else a1q_scale.reshape(E * T, -1), a2_scale, w1, w2)
+        if w1.size(0) != E:
+            raise ValueError(f"hidden_states has {E} expert slots but w1 holds {w1.size(0)} experts")
+        if tuple(output.shape) != (E, T, K):
+            raise ValueError(f"output must be ({E}, {T}, {K}), got {tuple(output.shape)}")
+        N = w1.size(1)
+        I = self.adjust_N_for_activation(N, activation)
+        device = hidden_states.device
+        counts = expert_tokens_meta.expert_num_tokens.to(device=device)
+        if self._validating(counts):
+            bad = [int(c) for c in counts.tolist() if int(c) > T or int(c) < 0]
+            if bad:
+                raise ValueError(f"expert_num_tokens {counts.tolist()} exceed the {T} rows of a slot")
+        masked_m = counts.to(torch.int32).clamp(0, T).contiguous()
+        if T == 0:
+            return
+        slot = -(-T // MASKED_SLOT_ROWS) * MASKED_SLOT_ROWS
+        rows = E * slot
+        row_ids = torch.arange(rows, device=device)
+        # the rows the GEMMs compute (row t < masked_m[e] of slot e), as "routes" for the act+quant kernel
+        routes = torch.where(row_ids % slot < masked_m.repeat_interleave(slot), row_ids, torch.full_like(row_ids, -1))
+
+        # input codes and scales in padded slots
+        qkw = dict(group_size=BLOCK, use_ue8m0=self.quant_config.use_ue8m0, recipe=self.quant_config.recipe)
+        if hidden_states.dtype != torch.float8_e4m3fn:
+            from backends.deep_gemm.act_quant import per_token_group_quant_fp8_mn_major
+
+            xq, xs = per_token_group_quant_fp8_mn_major(hidden_states.reshape(E * T, K), BLOCK, **qkw)
+            x3, s3 = xq.view(E, T, K), xs.reshape(E, T, K // BLOCK)
+        else:
+            x3, s3 = hidden_states, a1q_scale.reshape(E, T, K // BLOCK)
+        if slot == T and x3.is_contiguous():
+            a1 = x3
+        else:
+            a1 = torch.empty((E, slot, K), dtype=torch.float8_e4m3fn, device=device)
+            a1.view(torch.uint8)[:, :T].copy_(x3.view(torch.uint8))
+        sfa1 = sf_empty(rows, K // BLOCK, device, slot)
+        sfa1[:, :T].copy_(s3)
+        expected_m = max(1, min(T, MASKED_SLOT_ROWS))
+        disable_cast = not self.quant_config.use_ue8m0
+        mm1 = torch.empty((E, slot, N), dtype=torch.bfloat16, device=device)
+        self.grouped_gemm_masked(a1, sfa1, w1, self.w1_scale.contiguous(), mm1, masked_m, expected_m,
+                                 disable_ue8m0_cast=disable_cast)
+
+        a2q = torch.empty((rows, I), dtype=torch.float8_e4m3fn, device=device)
+        sfa2 = sf_empty(rows, I // BLOCK, device, slot)
+        akw = dict(alpha=self.quant_config.gemm1_alpha, beta=self.quant_config.gemm1_beta,
+                   limit=self.gemm1_clamp_limit, out_q=a2q, out_s=sfa2, **qkw)
+        done = False
+        if self.use_triton and triton_kernels.available(mm1):
+            try:
+                triton_kernels.act_mul_quant(mm1.view(rows, N), activation, routes=routes, **akw)
+                done = True
+            except NotImplementedError:
+                pass
+        if not done:
+            act_mul_quant(mm1.view(rows, N), activation, **akw)
+        y = torch.empty((E, slot, K), dtype=torch.bfloat16, device=device)
+        self.grouped_gemm_masked(a2q.view(E, slot, I), sfa2, w2, self.w2_scale.contiguous(), y, masked_m,
+                                 expected_m, disable_ue8m0_cast=disable_cast)
+        valid = (torch.arange(T, device=device)[None, :] < masked_m[:, None].long())[:, :, None]
+        output.copy_(torch.where(valid, y[:, :T], torch.zeros((), dtype=y.dtype, device=device)))
 
 
 # ------------------------------------------------------------------------------------------------------------
