@@ -97,22 +97,36 @@ def test_repeated_runs_are_bitwise_equal(backend, experts_cls, scheme, repro, re
         assert_exact(_apply(kernel, inputs, case), first, case=case.id, what="repeated run", repro=repro)
 
 
+def _batched_experts_call(experts_cls, case, inputs):
+    """``(call() -> output, meta, E)``: the batched prepare run once, eagerly (the reference's
+    BatchedPrepareAndFinalize scatters with host loops: it stands for a dispatch, not for the code under test), and
+    a call of the experts' ``apply`` alone on its slots, into a NaN-filled output."""
+    moe_config, qc = moe_config_for(case), inputs.quant_config
+    prepare = BatchedPrepareAndFinalize(case.tokens, moe_config.num_local_experts)
+    experts = experts_cls(moe_config, qc, max_num_tokens=case.tokens, num_dispatchers=1)
+    a1q, a1q_scale, meta, _, _ = prepare.prepare(inputs.hidden_states, inputs.topk_weights, inputs.topk_ids,
+                                                 inputs.global_num_experts, inputs.expert_map, False, qc,
+                                                 defer_input_quant=experts.expects_unquantized_inputs)
+    E, T = a1q.shape[:2]
+    shapes = experts.workspace_shapes(T, inputs.w1.shape[1], inputs.hidden_states.shape[1], inputs.topk_ids.shape[1],
+                                      inputs.global_num_experts, E, meta, case.activation)
+    ws13, ws2, out = (torch.full(s, float("nan"), dtype=inputs.hidden_states.dtype, device=a1q.device) for s in shapes)
+
+    def call():
+        experts.apply(out, a1q, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids, case.activation,
+                      inputs.global_num_experts, inputs.expert_map, a1q_scale, None, ws13, ws2, meta, False)
+        return out
+
+    return call, meta, E
+
+
 def test_batched_padding_rows_stay_zero(backend, experts_cls, scheme, repro, record):
     if experts_cls is None or experts_cls.activation_format() != FusedMoEActivationFormat.BatchedExperts:
         pytest.skip("not a batched-format experts class")
     case, inputs = _inputs(backend, experts_cls, scheme)
     record(component="hygiene", scheme=f"batched-padding-{scheme}")
-    moe_config, qc = moe_config_for(case), inputs.quant_config
-    prepare = BatchedPrepareAndFinalize(case.tokens, moe_config.num_local_experts)
-    a1q, a1q_scale, meta, _, _ = prepare.prepare(inputs.hidden_states, inputs.topk_weights, inputs.topk_ids,
-                                                 inputs.global_num_experts, inputs.expert_map, False, qc)
-    experts = experts_cls(moe_config, qc, max_num_tokens=case.tokens, num_dispatchers=1)
-    E, T = a1q.shape[:2]
-    shapes = experts.workspace_shapes(T, inputs.w1.shape[1], inputs.hidden_states.shape[1], inputs.topk_ids.shape[1],
-                                      inputs.global_num_experts, E, meta, case.activation)
-    ws13, ws2, out = (torch.full(s, float("nan"), dtype=inputs.hidden_states.dtype, device=a1q.device) for s in shapes)
-    experts.apply(out, a1q, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids, case.activation,
-                  inputs.global_num_experts, inputs.expert_map, a1q_scale, None, ws13, ws2, meta, False)
+    call, meta, E = _batched_experts_call(experts_cls, case, inputs)
+    out = call()
     counts = meta.expert_num_tokens.cpu()
     for e in range(E):
         pad = out[e, int(counts[e]):]
@@ -126,17 +140,23 @@ def test_cuda_graph_replay_equals_eager(backend, experts_cls, scheme, repro, rec
         pytest.skip("CUDA graphs need a CUDA backend")
     case, inputs = _inputs(backend, experts_cls, scheme)
     record(component="hygiene", scheme=f"cuda-graph-{scheme}")
-    kernel = _kernel(experts_cls, moe_config_for(case), inputs.quant_config, case.tokens)
-    eager = _apply(kernel, inputs, case)
+    if experts_cls.activation_format() == FusedMoEActivationFormat.BatchedExperts:
+        # the experts alone: the reference's batched prepare syncs with the host (it stands for a dispatch)
+        experts_call, _, _ = _batched_experts_call(experts_cls, case, inputs)
+        run = lambda: experts_call().clone()  # noqa: E731
+    else:
+        kernel = _kernel(experts_cls, moe_config_for(case), inputs.quant_config, case.tokens)
+        run = lambda: _apply(kernel, inputs, case)  # noqa: E731
+    eager = run()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        _apply(kernel, inputs, case)  # warm-up on the capture stream (JIT, autotuning, allocations)
+        run()  # warm-up on the capture stream (JIT, autotuning, allocations)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            captured = _apply(kernel, inputs, case)
+            captured = run()
     except Exception as exc:
         raise ConformanceFailure(f"{experts_cls.__name__} cannot be captured in a CUDA graph: {type(exc).__name__}: "
                                  f"{exc}\n  reproduce: {repro}") from exc
