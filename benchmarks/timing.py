@@ -300,6 +300,33 @@ _SLEEP_CYCLES_PER_S: dict[int, float] = {}
 _GRAPH_FAILED: dict[str, str] = {}  # implementation -> why its capture failed (not retried for other cases)
 
 
+def kernel_breakdown(runner: "Runner", replays: int = 3) -> list[tuple[str, float]]:
+    """``[(position:kernel name, us per call)]`` of a prepared :class:`Runner`'s CUDA graph (``measure(...,
+    keep_runner=True)``): ``torch.profiler`` records ``replays`` replays; each kernel's device time is averaged over
+    the calls, in launch order.
+
+    Raises:
+        RuntimeError: the call was not captured in a graph, or the profiler missed kernels.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    g = runner.graph
+    if g is None:
+        raise RuntimeError(f"not captured in a CUDA graph: {runner.graph_error}")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
+                key=lambda e: e.time_range.start)
+    calls = replays * runner.calls_per_round
+    if not ev or len(ev) % calls:
+        raise RuntimeError(f"{len(ev)} kernel records for {calls} calls: the profiler did not see every kernel")
+    per = len(ev) // calls
+    return [(f"{j}:{ev[j].name}", sum(ev[c * per + j].device_time for c in range(calls)) / calls)
+            for j in range(per)]
+
+
 def _cycles_per_s(device: torch.device) -> float:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SLEEP_CYCLES_PER_S:

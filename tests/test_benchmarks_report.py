@@ -140,3 +140,16 @@ def test_storage_is_chosen_per_device():
     text = out.stdout + out.stderr
     assert f"baselines: {REPO / 'benchmarks' / 'baselines' / 'cpu'}" in text, text[-2000:]
     assert timing.device_info()["slug"] == ("cpu" if not torch.cuda.is_available() else timing.device_info()["slug"])
+
+
+def test_kernel_breakdown_needs_a_cuda_graph():
+    # The per-kernel breakdown (backends' profile / breakdown tools) reads a captured graph; a CPU (or eager) run has
+    # none and must say so rather than return an empty breakdown.
+    from benchmarks import timing
+
+    _, runner = timing.measure(lambda i: None, 1, "cpu", timing.Settings(budget_s=0.01), keep_runner=True)
+    try:
+        with pytest.raises(RuntimeError, match="not captured in a CUDA graph"):
+            timing.kernel_breakdown(runner)
+    finally:
+        runner.close()

@@ -33,28 +33,14 @@ def _step(shape_id: str, M: int):
 
 def breakdown(shape_id: str, M: int, replays: int = 3) -> dict:
     """``{"graph_us", "kernels": [(position:name, us per call)], "sum_us"}`` of the step at ``M`` tokens."""
-    from torch.profiler import ProfilerActivity, profile
-
     from benchmarks import timing
 
     call, n, dev = _step(shape_id, M)
     m, runner = timing.measure(call, n, dev, keep_runner=True)
-    g = runner.graph
-    if g is None:
-        raise RuntimeError(f"the step was not captured in a CUDA graph: {runner.graph_error}")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            g.replay()
-        torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
-                key=lambda e: e.time_range.start)
-    calls = replays * runner.calls_per_round
-    if not ev or len(ev) % calls:
-        raise RuntimeError(f"{len(ev)} kernel records for {calls} calls: the profiler did not see every kernel")
-    per = len(ev) // calls
-    kernels = [(f"{j}:{ev[j].name[:90]}", sum(ev[c * per + j].device_time for c in range(calls)) / calls)
-               for j in range(per)]
-    runner.close()
+    try:
+        kernels = [(name[:90], us) for name, us in timing.kernel_breakdown(runner, replays)]
+    finally:
+        runner.close()
     return dict(graph_us=m.seconds * 1e6, kernels=kernels, sum_us=sum(t for _, t in kernels))
 
 

@@ -32,8 +32,6 @@ def _shape(name):
 def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
     """Per-kernel device time (us per call) of the GEMM stage of bench shape ``name`` at ``M`` tokens:
     ``{"graph_us", "kernels": [(position:name, us)], "sum_us"}``."""
-    from torch.profiler import ProfilerActivity, profile
-
     from backends.triton import configs as C
     from backends.triton.tools.common import draw_inputs, make_weights, time_us
     from backends.triton.experts import plan_quant, route_layout, run_experts
@@ -53,24 +51,13 @@ def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
                     topk_ids=routes[r][1], activation=act, expert_map=None, num_ids=sh.E, qc=qc, plan=plan,
                     cfg=cfg, layout=lays[r], stages="gemms")
 
+    from benchmarks.timing import kernel_breakdown
+
     graph_us, runner = time_us(call, R, dev, keep_runner=True)  # benchmarks.timing: a graph of >= R calls
-    g = runner.graph
-    if g is None:
-        raise RuntimeError(f"the GEMM stage was not captured in a CUDA graph: {runner.graph_error}")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            g.replay()
-        torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
-                key=lambda e: e.time_range.start)
-    calls = replays * runner.calls_per_round
-    if not ev or len(ev) % calls:
-        raise RuntimeError(f"{len(ev)} kernel records for {calls} calls: the profiler did not see every kernel")
-    per = len(ev) // calls
-    kernels = [(f"{j}:{ev[j].name}", sum(ev[c * per + j].device_time for c in range(calls)) / calls)
-               for j in range(per)]
-    del g
-    runner.close()
+    try:
+        kernels = kernel_breakdown(runner, replays)
+    finally:
+        runner.close()
     return dict(graph_us=graph_us, kernels=kernels, sum_us=sum(t for _, t in kernels))
 
 
