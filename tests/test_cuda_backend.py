@@ -454,6 +454,27 @@ def test_bf16_pipeline_topk1_weight_on_input_and_no_local_routes(sm90):
     assert (out == 0).all() and (ref == 0).all()
 
 
+def test_bad_ids_raise_when_validated_else_poison_their_tokens(monkeypatch, sm90):
+    # Host validation (a device->host copy) only on request (MOE_VALIDATE_ROUTES=1, set by the conformance suite);
+    # otherwise a token with an id outside [-1, E) gets a NaN row and every other token its normal result.
+    x, w1, w2, weights, ids, emap = _problem()
+    bad = ids.clone()
+    bad[3, 1], bad[10, 0] = 12, -5
+    monkeypatch.setenv("MOE_VALIDATE_ROUTES", "1")
+    with pytest.raises(ValueError, match="must lie in"):
+        _run(CutlassExpertsBf16, FUSED_MOE_UNQUANTIZED_CONFIG, x, w1, w2, weights, bad, emap, MoEActivation.SILU)
+    monkeypatch.delenv("MOE_VALIDATE_ROUTES")
+    cfg = _cfg(num_experts=12, experts_per_token=3, hidden_dim=256, intermediate_size_per_partition=128,
+               num_local_experts=6)
+    kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), CutlassExpertsBf16(cfg, FUSED_MOE_UNQUANTIZED_CONFIG))
+    kw = dict(activation=MoEActivation.SILU, global_num_experts=12, expert_map=emap)
+    out, good = kernel.apply(x, w1, w2, weights, bad, **kw), kernel.apply(x, w1, w2, weights, ids, **kw)
+    poisoned = torch.zeros(x.shape[0], dtype=torch.bool)
+    poisoned[[3, 10]] = True
+    assert torch.isnan(out[poisoned]).all()
+    assert torch.equal(out[~poisoned], good[~poisoned])
+
+
 def test_bf16_pipeline_is_deterministic(sm90):
     x, w1, w2, weights, ids, emap = _problem()
     a, _ = _run(CutlassExpertsBf16, FUSED_MOE_UNQUANTIZED_CONFIG, x, w1, w2, weights, ids, emap, MoEActivation.SILU)

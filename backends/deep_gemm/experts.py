@@ -38,11 +38,11 @@ emulated GEMM; the platform probes live in :mod:`backends.deep_gemm.platform` fo
 from __future__ import annotations
 
 import dataclasses
-import os
 from math import prod
 
 import torch
 
+from backends._validation import validate_routes_requested
 from backends.deep_gemm import platform, triton_kernels
 from backends.deep_gemm.act_quant import SUPPORTED_ACTIVATIONS, act_mul_quant
 from backends.deep_gemm.layout import POISON_ROW, build_contiguous_layout, gather_rows, gather_scales_mn_major, \
@@ -78,8 +78,6 @@ BLOCK = 128
 #: Rows of each local expert's slot in the masked layout: DeepGEMM's SM90 masked kernels use BLOCK_M 64 or 128
 #: (``csrc/jit_kernels/heuristics/sm90.hpp``), and a block must not run into the next slot.
 MASKED_SLOT_ROWS = 128
-#: Environment switch of the host-side route validation (``DeepGemmExperts.validate_routes = None``).
-VALIDATE_ENV = "MOE_VALIDATE_ROUTES"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -484,11 +482,7 @@ class DeepGemmExperts(FusedMoEExpertsModular):
             self.grouped_gemm(a, sfa, w, w_scale, out, layout.m_indices, disable_ue8m0_cast=disable_cast)
 
     def _validating(self, topk_ids: torch.Tensor) -> bool:
-        on = self.validate_routes
-        if on is None:
-            on = os.environ.get(VALIDATE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
-        # (never while a CUDA graph is captured: a device->host copy cannot be recorded)
-        return bool(on) and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing())
+        return validate_routes_requested(self.validate_routes, topk_ids)
 
     def _validate(self, layout, n_out_of_range, topk_ids, expert_map, expert_tokens_meta) -> None:
         """One device->host copy: out-of-range ids, routes left without a row (M_sum or a masked slot too small),
