@@ -1,0 +1,103 @@
+"""Per-kernel breakdown of a backend's whole experts step, on a GPU: where the step spends its time around its GEMMs.
+
+    python -m benchmarks.breakdown --backend deep_gemm --shapes dsv3_ep8-fp8_block128 --ms 8,64,4096
+    python -m benchmarks.breakdown --backend cuda --shapes qwen3_30b-bf16 --ms 1,1024
+    python -m benchmarks.breakdown --backend deep_gemm --ms 8 --expected-m 1,4,16,64
+
+The step is the benchmark's (``benchmarks.harness``: the same weights, rotating inputs, ``FusedMoEKernel`` and
+``MOE_BENCH_PREPARE``) for each standard-format experts class of the backend that claims the shape, timed by
+``benchmarks.timing`` in a CUDA graph; then ``torch.profiler`` records 3 graph replays and each kernel's device time
+per call is listed in launch order, with the sum and the idle time between kernels (graph time - sum).
+``--expected-m`` (deep_gemm) times the step once per ``expected_m`` hint of the masked GEMMs (M < 128) instead of
+``backends.deep_gemm.experts.expected_m_for``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _steps(backend: str, shape_id: str, M: int):
+    """``[(class name, call(i), n_sets, device)]`` of the backend's standard-format classes claiming the shape."""
+    from backends import load_backend
+    from benchmarks import harness, shapes, timing
+    from benchmarks.harness import ExpertsParam
+
+    b = load_backend(backend)
+    shape = shapes.experts_shape(shape_id)
+    dev = torch.device("cuda")
+    inp = harness.experts_inputs(shape, M, dev, timing.device_info()["l2_bytes"])
+    out = []
+    for cls in b.experts:
+        p = ExpertsParam(shape, M, b.name, cls)
+        if harness.standard_modular(cls) and harness.supported(p)[0]:
+            call, _ = harness.make_experts_call(p, inp)
+            out.append((cls.__name__, call, len(inp.sets), dev))
+    return out
+
+
+def breakdown(call, n: int, dev, replays: int = 3) -> dict:
+    """``{"graph_us", "kernels": [(position:name, us per call)], "sum_us"}`` of ``call(i)`` (i < n)."""
+    from benchmarks import timing
+
+    m, runner = timing.measure(call, n, dev, keep_runner=True)
+    try:
+        kernels = [(name[:90], us) for name, us in timing.kernel_breakdown(runner, replays)]
+    finally:
+        runner.close()
+    return dict(graph_us=m.seconds * 1e6, kernels=kernels, sum_us=sum(t for _, t in kernels))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", required=True, help="registered backend name")
+    ap.add_argument("--shapes", default="", help="comma-separated shape ids (default: the backend's suite)")
+    ap.add_argument("--ms", default="1,8,64,1024,4096")
+    ap.add_argument("--expected-m", default="", help="deep_gemm: expected_m hints to time (M < 128 only)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("breakdown: needs a CUDA GPU")
+        return 2
+    from benchmarks import suites, timing
+
+    shape_ids = [s for s in args.shapes.split(",") if s] or list(suites.suite(args.backend).experts)
+    ms = [int(t) for t in args.ms.split(",") if t]
+    for sid in shape_ids:
+        for M in ms:
+            if args.expected_m:
+                from backends.deep_gemm import experts as X
+
+                default = X.expected_m_for
+                cells = []
+                try:
+                    for em in [int(t) for t in args.expected_m.split(",") if t]:
+                        X.expected_m_for = lambda M, topk, E, em=em: em
+                        for name, call, n, dev in _steps(args.backend, sid, M):
+                            cells.append(f"{name} {em}: {timing.measure(call, n, dev).seconds * 1e6:.1f}")
+                finally:
+                    X.expected_m_for = default
+                print(f"{sid} M={M} step us by expected_m: " + ", ".join(cells), flush=True)
+                continue
+            try:
+                steps = _steps(args.backend, sid, M)
+            except Exception as exc:  # noqa: BLE001 - one failing case does not stop the others
+                print(f"{sid} M={M}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            for name, call, n, dev in steps:
+                try:
+                    b = breakdown(call, n, dev)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{sid} M={M} {name}: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                print(f"\n{sid} M={M} {name}: graph {b['graph_us']:.1f} us per step, kernels {b['sum_us']:.1f} us, "
+                      f"idle {b['graph_us'] - b['sum_us']:.1f} us", flush=True)
+                for kname, us in b["kernels"]:
+                    print(f"  {us:8.1f} us  {kname}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
