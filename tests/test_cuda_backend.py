@@ -475,6 +475,18 @@ def test_bad_ids_raise_when_validated_else_poison_their_tokens(monkeypatch, sm90
     assert torch.equal(out[~poisoned], good[~poisoned])
 
 
+def test_reduction_chunks_give_the_same_bits(monkeypatch, sm90):
+    # the weighted reduction runs over chunks of tokens (bounded temporaries): any chunking, the same output
+    from backends.cuda import experts as ce
+
+    x, w1, w2, weights, ids, emap = _problem()
+    whole, _ = _run(CutlassExpertsBf16, FUSED_MOE_UNQUANTIZED_CONFIG, x, w1, w2, weights, ids, emap, MoEActivation.SILU)
+    monkeypatch.setattr(ce, "REDUCE_CHUNK_BYTES", 3 * ids.shape[1] * x.shape[1] * 4)  # 3 tokens per chunk
+    chunked, _ = _run(CutlassExpertsBf16, FUSED_MOE_UNQUANTIZED_CONFIG, x, w1, w2, weights, ids, emap,
+                      MoEActivation.SILU)
+    assert torch.equal(whole.view(torch.int16), chunked.view(torch.int16))
+
+
 def test_bf16_pipeline_is_deterministic(sm90):
     x, w1, w2, weights, ids, emap = _problem()
     a, _ = _run(CutlassExpertsBf16, FUSED_MOE_UNQUANTIZED_CONFIG, x, w1, w2, weights, ids, emap, MoEActivation.SILU)
