@@ -64,6 +64,10 @@ _CONFIG = None
 def pytest_configure(config):
     global _CONFIG
     _CONFIG = config
+    # Backends that validate routes on the host only on request (a device->host copy their hot path avoids, e.g.
+    # DeepGemmExperts, the cuda experts: backends/_validation.py) validate them under the suite, so a bad input
+    # raises a clear error here.
+    os.environ.setdefault("MOE_VALIDATE_ROUTES", "1")
     share_cores_between_workers()
     chosen = config.getoption("--vllm-semantics", default=None)
     if chosen:

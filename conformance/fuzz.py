@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -355,6 +356,8 @@ def fuzz_class(cls, backend_name: str, device: str, budget_s: float, seed: int, 
 
 def main(argv: list[str] | None = None) -> int:
     from backends import load_backend
+
+    os.environ.setdefault("MOE_VALIDATE_ROUTES", "1")  # as the conformance suite (conformance/conftest.py)
 
     p = argparse.ArgumentParser(prog="python -m conformance.fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="torch")

@@ -455,6 +455,43 @@ def test_batched_pipeline_matches_batched_reference(M, topk, use_map, ue8m0):
     assert max_norm <= tol["max_norm"] and rms <= tol["rms_norm"], (max_norm, rms)
 
 
+def test_batched_quantizes_bf16_slots_itself():
+    # A dispatch that hands over bf16 slots (no a1q_scale): the class quantizes them per 1x128 group, the same codes
+    # as the batched prepare's, so the output is the same bits as from the prepared FP8 slots.
+    from reference.batched import BatchedPrepareAndFinalize
+
+    x, w1q, w2q, qc, cfg = _small_problem(20, 2, 4, seed=5)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(20)]).to(torch.int32)
+    w = torch.rand(20, 2)
+    ex = EmulatedBatchedDeepGemmExperts(cfg, qc, max_num_tokens=20, num_dispatchers=1)
+    prep = BatchedPrepareAndFinalize(20, 4)
+    outs = []
+    for defer in (False, True):
+        a1, s1, meta, _, _ = prep.prepare(x, w, ids, 4, None, False, qc, defer_input_quant=defer)
+        assert (a1.dtype == torch.bfloat16) == defer
+        ws13, ws2, oshape = ex.workspace_shapes(20, w1q.size(1), 128, 2, 4, 4, meta, MoEActivation.SILU)
+        out = torch.full(oshape, float("nan"), dtype=torch.bfloat16)
+        ex.apply(out, a1, w1q, w2q, w, ids, MoEActivation.SILU, 4, None, s1, None, torch.empty(ws13),
+                 torch.empty(ws2), meta, False)
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
+def test_short_tail_chunk_falls_back_to_the_contiguous_layout():
+    # 0.17's chunking sizes the workspaces for a 128-token chunk (contiguous: 16384 rows at topk 1, E 256); a 5-token
+    # tail chunk would need 256 masked slots (32768 rows): it runs the contiguous layout instead of failing.
+    x, w1q, w2q, qc, cfg = _small_problem(133, 1, 256, seed=6)
+    ids = torch.randint(0, 256, (133, 1), dtype=torch.int32)
+    w = torch.rand(133, 1)
+    kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), EmulatedDeepGemmExperts(cfg, qc), chunk_size=128,
+                            semantics="0.17")
+    out = kernel.apply(x, w1q, w2q, w, ids, global_num_experts=256)
+    ref = fused_experts(x, w1q, w2q, w, ids, quant_config=qc, global_num_experts=256)
+    max_norm, rms = _metrics(out, ref)
+    tol = experts_tolerance("bfloat16")
+    assert max_norm <= tol["max_norm"] and rms <= tol["rms_norm"], (max_norm, rms)
+
+
 def test_batched_claims_and_refusals(sm90):
     cfg = moe_cfg()
     fmt = FusedMoEActivationFormat

@@ -338,7 +338,8 @@ REDUCE_CHUNK_BYTES = 128 << 20
 
 def _weight_and_reduce(y: torch.Tensor, plan: RoutePlan, topk_weights: torch.Tensor, unit_weights: bool,
                        output: torch.Tensor) -> None:
-    """``output[t] = sum_k w[t, k] * y[inv[t, k]]`` in fp32 (a batched fp32 product over k: cuBLAS, no TF32);
+    """``output[t] = sum_k w[t, k] * y[inv[t, k]]`` in fp32 (a batched fp32 product over k: cuBLAS, unless the
+    process allows TF32 matmuls, when a product and a sum are used instead);
     non-local routes add 0; one rounding to ``output.dtype``. ``y`` is consumed: the rows of non-local routes (past
     every group, never written by the GEMM, possibly NaN) are zeroed in place.
 
@@ -352,10 +353,15 @@ def _weight_and_reduce(y: torch.Tensor, plan: RoutePlan, topk_weights: torch.Ten
     w = torch.where(plan.valid_route, w, torch.zeros_like(w)).unsqueeze(1)  # (M, 1, topk)
     y.masked_fill_(~plan.valid_sorted.unsqueeze(-1), 0)
     chunk = max(1, REDUCE_CHUNK_BYTES // max(1, topk * K * 4))
+    fp32_products = not (y.is_cuda and (torch.backends.cuda.matmul.allow_tf32
+                                        or torch.get_float32_matmul_precision() != "highest"))
     for t0 in range(0, M, chunk):
         t1 = min(M, t0 + chunk)
         rows = y.index_select(0, plan.inv[t0:t1].reshape(-1)).view(t1 - t0, topk, K).float()
-        acc = torch.bmm(w[t0:t1], rows).squeeze(1)
+        if fp32_products:
+            acc = torch.bmm(w[t0:t1], rows).squeeze(1)
+        else:  # the process allows TF32 matmuls: a plain fp32 product and sum instead
+            acc = (rows * w[t0:t1].transpose(1, 2)).sum(dim=1)
         output[t0:t1].copy_(_poison(acc, plan.poisoned[t0:t1]))
 
 

@@ -44,7 +44,7 @@ import torch
 
 from backends._validation import validate_routes_requested
 from backends.deep_gemm import platform, triton_kernels
-from backends.deep_gemm.act_quant import SUPPORTED_ACTIVATIONS, act_mul_quant
+from backends.deep_gemm.act_quant import SUPPORTED_ACTIVATIONS, act_mul_quant, per_token_group_quant_fp8_mn_major
 from backends.deep_gemm.layout import POISON_ROW, build_contiguous_layout, gather_rows, gather_scales_mn_major, \
     quantize_scatter, sf_empty, unpermute_and_reduce
 from reference.activation import MoEActivation
@@ -240,7 +240,8 @@ def _fp4_device_reason() -> str:
 class DeepGemmExperts(FusedMoEExpertsModular):
     """DeepGEMM-based fused MoE experts (seed 001): FP8 e4m3 weights with 128x128 block scales
     (``kFp8Static128BlockSym``), activations quantized dynamically per 1x128 group (``kFp8Dynamic128Sym``), two
-    ``m_grouped_fp8_gemm_nt_contiguous`` calls on the contiguous layout, SM90.
+    ``m_grouped_fp8_gemm_nt_contiguous`` calls on the contiguous layout (from M = 128; below it two
+    ``m_grouped_fp8_gemm_nt_masked`` calls on 128-row slots: :func:`plan_layout`), SM90.
 
     Inputs of ``apply`` (from ``MoEPrepareAndFinalizeNoEP``, which defers the input quantization to the experts:
     ``expects_unquantized_inputs``): ``hidden_states`` bf16 ``(M, K)`` and ``a1q_scale`` None (or fp8 ``(M, K)``
@@ -408,6 +409,11 @@ class DeepGemmExperts(FusedMoEExpertsModular):
             return
 
         rows, align_used, slot = plan_layout(M, topk, E_local, expert_tokens_meta, self.masked_below_m)
+        if slot is not None and (rows * max(K, N // 2) > workspace13.numel() * workspace13.element_size()
+                                 or rows * max(N, K) > workspace2.numel()):
+            # workspaces sized for a larger chunk's contiguous layout (0.17's chunking: a short tail chunk) cannot hold
+            # E_local slots: the contiguous layout for this chunk fits them (its rows grow with M)
+            rows, align_used, slot = plan_layout(M, topk, E_local, expert_tokens_meta, 0)
         triton_ok = self.use_triton and triton_kernels.available(topk_ids)
         if triton_ok:
             layout, counts_all = triton_kernels.build_contiguous_layout(
@@ -439,7 +445,12 @@ class DeepGemmExperts(FusedMoEExpertsModular):
                     done = True
                 except NotImplementedError:
                     pass
-            if not done:
+            if not done and layout.row_token is not None:
+                # torch ops without a host sync: quantize every token, then gather the rows (and scales) of the layout
+                xq, xs = per_token_group_quant_fp8_mn_major(hidden_states, **qkw)
+                gather_rows(xq, layout.row_token, out=a1q)
+                sfa1 = gather_scales_mn_major(xs, layout.row_token, slot)
+            elif not done:
                 quantize_scatter(hidden_states, layout.inv_perm, a1q, sfa1, **qkw)
 
         # GEMM1 -> bf16 (workspace2).
@@ -539,7 +550,8 @@ class BatchedDeepGemmExperts(DeepGemmExperts):
     batched format, without chunking (the format has no token dimension to chunk).
 
     Raises (``apply``): ValueError without ``expert_tokens_meta``, for operands of the wrong dtype / shape, or (when
-    validating, ``validate_routes``) counts above ``T``.
+    validating, ``validate_routes``) counts above ``T``. Without validation a count above ``T`` is capped at ``T``
+    (a slot holds no more rows: the prepare step that produced it is at fault, and raises where it validates).
     """
 
     support = dataclasses.replace(
@@ -601,9 +613,7 @@ class BatchedDeepGemmExperts(DeepGemmExperts):
         # input codes and scales in padded slots
         qkw = dict(group_size=BLOCK, use_ue8m0=self.quant_config.use_ue8m0, recipe=self.quant_config.recipe)
         if hidden_states.dtype != torch.float8_e4m3fn:
-            from backends.deep_gemm.act_quant import per_token_group_quant_fp8_mn_major
-
-            xq, xs = per_token_group_quant_fp8_mn_major(hidden_states.reshape(E * T, K), BLOCK, **qkw)
+            xq, xs = per_token_group_quant_fp8_mn_major(hidden_states.reshape(E * T, K), **qkw)
             x3, s3 = xq.view(E, T, K), xs.reshape(E, T, K // BLOCK)
         else:
             x3, s3 = hidden_states, a1q_scale.reshape(E, T, K // BLOCK)

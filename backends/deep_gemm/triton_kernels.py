@@ -1,15 +1,17 @@
-"""Two small Triton kernels that replace the torch-op paths of the experts step on CUDA (same results; the torch
-paths in :mod:`act_quant` / :mod:`layout` stay the definition and the CPU implementation).
+"""The Triton kernels that replace the torch-op paths of the experts step on CUDA (same results; the torch paths in
+:mod:`act_quant` / :mod:`layout` stay the definition and the CPU implementation).
 
-- :func:`act_mul_quant`: one program per (16 rows, 128-column group): loads gate and up, computes the activation in
+- :func:`act_mul_quant`: one program per (rows, 1x128 groups) tile (``ACT_QUANT_CONFIG``; with ``routes``, the
+  rows of the routes only): loads gate and up, computes the activation in
   fp32, rounds it to the activation dtype, computes the group's amax / scale / FP8 codes with the recipe's choices,
   stores the codes and the fp32 scale into MN-major TMA-aligned storage. One read of the GEMM1 output, one write of
   the codes (the torch path makes ~15 passes).
 - :func:`quantize_scatter`: the prepare step's 1x128 input quantization fused with the permutation: each token's
   group is read once, quantized, and written to the row of each of its routes (replacing a quantization pass, a row
   gather and a scale gather).
-- :func:`build_contiguous_layout`: the contiguous (or masked) layout in two kernels (count per expert, then place routes in
-  increasing flat index with a block cumsum), replacing ~20 small torch ops and a sort (host-bound at decode).
+- :func:`build_contiguous_layout`: the contiguous layout in three kernels over blocks of 1024 routes (histograms,
+  a one-program prefix, placement by a sort within each block), or the masked layout in one (a program per expert),
+  replacing ~20 small torch ops and a global sort (host-bound at decode).
 - :func:`unpermute_and_reduce`: one program per (token, 1024 columns): ``sum_k w[t, k] * a[inv_perm[t, k]]`` in
   fp32, k ascending, one cast.
 
@@ -197,7 +199,7 @@ if HAVE_TRITON:
             loc = tl.load(map_ptr + tl.where(valid, ids, 0), mask=valid, other=-1).to(tl.int64)
         else:
             loc = ids
-        key = tl.where(valid & (loc >= 0), loc, E)
+        key = tl.where(valid & (loc >= 0) & (loc < E), loc, E)  # a map entry past E_local: not here
         return key, oor
 
     @triton.jit
@@ -375,7 +377,7 @@ def act_mul_quant(x: torch.Tensor, activation: MoEActivation, *, alpha, beta, li
     """Triton version of :func:`backends.deep_gemm.act_quant.act_mul_quant` (same arguments and results).
 
     With ``routes`` (the layout's ``inv_perm``: the row of each route, negative for none) only the routes' rows are
-    computed, one program per 16 routes: the work follows the routes, not the layout's rows (a decode batch in the
+    computed (programs of ``ACT_QUANT_CONFIG["rows"]`` routes): the work follows the routes, not the layout's rows (a decode batch in the
     masked layout uses a few of ``E_local * 128`` rows; the contiguous layout's worst-case ``M_sum`` holds padding).
     Other rows are neither read nor written (they keep what the buffers held; the step never reads their results).
     ``out_s``: scales from ``layout.sf_empty`` (2-D, or the masked layout's 3-D ones).
