@@ -73,8 +73,6 @@ def pytest_configure(config):
     if chosen:
         # The whole run (case generation, every kernel the tests build, xdist workers) reads the version from the
         # environment (reference.semantics.current_semantics), so one option selects it everywhere.
-        import os
-
         from reference.semantics import ENV_VAR
 
         os.environ[ENV_VAR] = chosen
