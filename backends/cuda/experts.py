@@ -25,8 +25,9 @@ The pipeline of ``apply`` (no host synchronization, so it can be captured in a C
    dynamic, over this call's routed rows, as vLLM's ``scaled_fp8_quant`` on the whole intermediate).
 5. GEMM2 ``(R, I) x (E, I, K) -> (R, K)`` bf16.
 6. Weight and reduce in fp32: for each token, ``sum_k w[t, k] * y[t, k]`` (a gather through the inverse
-   permutation and a batched fp32 product over k, no atomics: bitwise deterministic), non-local routes contribute 0;
-   one rounding to the output dtype. With ``apply_router_weight_on_input`` the weights were applied to the input and are 1 here.
+   permutation and a batched fp32 product over k, no atomics: bitwise deterministic), non-local routes contribute 0; one
+   rounding to the output dtype. With ``apply_router_weight_on_input`` the weights were applied to the input and are 1
+   here.
 
 Alignment rules of the torch CUTLASS ops (checked with clear errors): row strides multiple of 16 bytes, so
 K and N multiples of 8 (bf16) or 16 (fp8: ``_scaled_grouped_mm`` checks K % 16 and N % 16); group sizes (rows per

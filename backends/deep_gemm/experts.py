@@ -13,8 +13,9 @@ deep_gemm_moe.py``) as ``reference.modular.FusedMoEExpertsModular`` subclasses.
    - otherwise a bad id poisons its token's output with NaN on the device, and nothing in ``apply`` synchronises;
 3. the input quantization (the experts take unquantized inputs, ``expects_unquantized_inputs``): each token's
    1x128 groups are quantized once (``per_token_group_quant_fp8``, the prepare step's rule) and written straight to
-   the rows of its routes with MN-major TMA-aligned fp32 scales (:func:`~backends.deep_gemm.layout.quantize_scatter`;
-   FP8 inputs with ``a1q_scale``, from a prepare step that quantized them, are gathered instead);
+   the rows of its routes with MN-major TMA-aligned fp32 scales (``triton_kernels.quantize_scatter``; the torch path
+   quantizes every token, then gathers the layout's rows; FP8 inputs with ``a1q_scale``, from a prepare step that
+   quantized them, are gathered instead);
 4. ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a1q, sfa), (w1, w1_scale), mm1_out bf16, m_indices)`` (or
    ``_masked(..., masked_m, expected_m)``);
 5. gated activation + 1x128 requantization of the routes' rows (no padding row), FLOAT32_CEIL_UE8M0 scales when
@@ -46,7 +47,7 @@ from backends._validation import validate_routes_requested
 from backends.deep_gemm import platform, triton_kernels
 from backends.deep_gemm.act_quant import SUPPORTED_ACTIVATIONS, act_mul_quant, per_token_group_quant_fp8_mn_major
 from backends.deep_gemm.layout import POISON_ROW, build_contiguous_layout, gather_rows, gather_scales_mn_major, \
-    quantize_scatter, sf_empty, unpermute_and_reduce
+    sf_empty, unpermute_and_reduce
 from reference.activation import MoEActivation
 from reference.align import DEEP_GEMM_M_ALIGNMENT, compute_aligned_M_and_alignment
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
@@ -244,10 +245,10 @@ class DeepGemmExperts(FusedMoEExpertsModular):
     ``m_grouped_fp8_gemm_nt_masked`` calls on 128-row slots: :func:`plan_layout`), SM90.
 
     Inputs of ``apply`` (from ``MoEPrepareAndFinalizeNoEP``, which defers the input quantization to the experts:
-    ``expects_unquantized_inputs``): ``hidden_states`` bf16 ``(M, K)`` and ``a1q_scale`` None (or fp8 ``(M, K)``
-    with fp32 ``(M, K/128)`` scales from a prepare step that quantized them); ``w1`` fp8 ``(E_local, N=2I, K)``, ``w2`` fp8 ``(E_local, K, I)``,
-    ``quant_config.w1_scale`` / ``w2_scale`` fp32 ``(E_local, N/128, K/128)`` / ``(E_local, K/128, I/128)``;
-    ``topk_ids`` ``(M, topk)`` int (global ids with ``expert_map``), ``topk_weights`` ``(M, topk)`` fp32.
+    ``expects_unquantized_inputs``): ``hidden_states`` bf16 ``(M, K)`` and ``a1q_scale`` None (or fp8 ``(M, K)`` with
+    fp32 ``(M, K/128)`` scales from a prepare step that quantized them); ``w1`` fp8 ``(E_local, N=2I, K)``, ``w2`` fp8
+    ``(E_local, K, I)``, ``quant_config.w1_scale`` / ``w2_scale`` fp32 ``(E_local, N/128, K/128)`` / ``(E_local, K/128,
+    I/128)``; ``topk_ids`` ``(M, topk)`` int (global ids with ``expert_map``), ``topk_weights`` ``(M, topk)`` fp32.
     Output: ``(M, K)`` in the activation dtype, weighted and reduced.
 
     Quant config: ``fp8_w8a8_moe_quant_config(w1_scale, w2_scale, block_shape=[128, 128], use_ue8m0=True,
@@ -436,22 +437,14 @@ class DeepGemmExperts(FusedMoEExpertsModular):
             gather_rows(hidden_states, layout.row_token, out=a1q)
             sfa1 = gather_scales_mn_major(a1q_scale, layout.row_token, slot)
         else:
-            sfa1 = sf_empty(rows, K // BLOCK, device, slot)
             qkw = dict(group_size=BLOCK, use_ue8m0=self.quant_config.use_ue8m0, recipe=self.quant_config.recipe)
-            done = False
-            if triton_ok:
-                try:
-                    triton_kernels.quantize_scatter(hidden_states, layout.inv_perm, a1q, sfa1, **qkw)
-                    done = True
-                except NotImplementedError:
-                    pass
-            if not done and layout.row_token is not None:
-                # torch ops without a host sync: quantize every token, then gather the rows (and scales) of the layout
+            if triton_ok:  # (bf16 rows, checked above; contiguous rows are all the kernel asks for)
+                sfa1 = sf_empty(rows, K // BLOCK, device, slot)
+                triton_kernels.quantize_scatter(hidden_states.contiguous(), layout.inv_perm, a1q, sfa1, **qkw)
+            else:  # torch ops without a host sync: quantize every token, then gather the layout's rows and scales
                 xq, xs = per_token_group_quant_fp8_mn_major(hidden_states, **qkw)
                 gather_rows(xq, layout.row_token, out=a1q)
                 sfa1 = gather_scales_mn_major(xs, layout.row_token, slot)
-            elif not done:
-                quantize_scatter(hidden_states, layout.inv_perm, a1q, sfa1, **qkw)
 
         # GEMM1 -> bf16 (workspace2).
         mm1_out = _resize(workspace2, (rows, N))
@@ -583,7 +576,8 @@ class BatchedDeepGemmExperts(DeepGemmExperts):
         if activation not in SUPPORTED_ACTIVATIONS:
             raise NotImplementedError(f"BatchedDeepGemmExperts does not support {activation}")
         if expert_tokens_meta is None:
-            raise ValueError("BatchedDeepGemmExperts needs expert_tokens_meta (expert_num_tokens) from the prepare step")
+            raise ValueError("BatchedDeepGemmExperts needs expert_tokens_meta (expert_num_tokens) from the prepare "
+                             "step")
         if hidden_states.dim() != 3:
             raise ValueError(f"hidden_states must be (E_local, T, K) slots, got {tuple(hidden_states.shape)}")
         E, T, K = hidden_states.shape

@@ -26,8 +26,8 @@ only: padding rows then hold whatever the workspace held. No output depends on t
 its own row, and the reduction reads routed rows only.)
 
 The *masked* layout (DeepGEMM's ``m_grouped_fp8_gemm_nt_masked``, vLLM's ``BatchedDeepGemmExperts``) is the same
-construction with fixed slots: expert ``e`` owns rows ``[e * slot_rows, e * slot_rows + count_e)`` of an
-``(E_local * slot_rows, K)`` buffer, viewed ``(E_local, slot_rows, K)``; ``masked_m = min(counts, slot_rows)``. A route that does not
+construction with fixed slots: expert ``e`` owns rows ``[e * slot_rows, e * slot_rows + count_e)`` of an ``(E_local *
+slot_rows, K)`` buffer, viewed ``(E_local, slot_rows, K)``; ``masked_m = min(counts, slot_rows)``. A route that does not
 fit its slot (more than ``slot_rows`` routes on one expert: duplicate ids in a token) is dropped and poisoned.
 
 Poisoned routes: ``inv_perm = -2`` (:data:`POISON_ROW`) marks a route whose id is outside the id space or that found

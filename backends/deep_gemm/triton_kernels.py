@@ -322,8 +322,8 @@ def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int, M_su
 
     Contiguous: three kernels over blocks of 1024 routes (histograms; totals, aligned starts and per-block offsets;
     placement by a sort within each block) and the ``m_indices`` fill. Masked (a decode batch): one kernel, a program
-    per expert, which also writes ``masked_m``; ``m_indices`` is not built (None: the masked GEMM reads ``masked_m``). ``with_row_token=False``
-    leaves ``row_token`` None (only the gather of pre-quantized FP8 inputs reads it).
+    per expert, which also writes ``masked_m``; ``m_indices`` is not built (None: the masked GEMM reads ``masked_m``).
+    ``with_row_token=False`` leaves ``row_token`` None (only the gather of pre-quantized FP8 inputs reads it).
     """
     from backends.deep_gemm.layout import ContiguousLayout
 
@@ -377,10 +377,10 @@ def act_mul_quant(x: torch.Tensor, activation: MoEActivation, *, alpha, beta, li
     """Triton version of :func:`backends.deep_gemm.act_quant.act_mul_quant` (same arguments and results).
 
     With ``routes`` (the layout's ``inv_perm``: the row of each route, negative for none) only the routes' rows are
-    computed (programs of ``ACT_QUANT_CONFIG["rows"]`` routes): the work follows the routes, not the layout's rows (a decode batch in the
-    masked layout uses a few of ``E_local * 128`` rows; the contiguous layout's worst-case ``M_sum`` holds padding).
-    Other rows are neither read nor written (they keep what the buffers held; the step never reads their results).
-    ``out_s``: scales from ``layout.sf_empty`` (2-D, or the masked layout's 3-D ones).
+    computed (programs of ``ACT_QUANT_CONFIG["rows"]`` routes): the work follows the routes, not the layout's rows (a
+    decode batch in the masked layout uses a few of ``E_local * 128`` rows; the contiguous layout's worst-case ``M_sum``
+    holds padding). Other rows are neither read nor written (they keep what the buffers held; the step never reads their
+    results). ``out_s``: scales from ``layout.sf_empty`` (2-D, or the masked layout's 3-D ones).
 
     Raises NotImplementedError when a configuration is outside the kernel (fp32 activations with the
     ``exp2_ceil_log2`` rule, other recipes, group sizes other than a power of two): the caller falls back to torch.
