@@ -180,7 +180,8 @@ def standard_modular(cls) -> bool:
         return False
 
 
-TORCH_GATE_OPS = {"dsv3_gate": ("F.linear", "mm_out_fp32"), "minimax_m2_gate": ("F.linear_fp32",)}
+TORCH_GATE_OPS = {"dsv3_gate": ("F.linear", "mm_out_fp32"), "kimi_k2_gate": ("F.linear", "mm_out_fp32"),
+                  "minimax_m2_gate": ("F.linear_fp32",)}
 
 
 def gate_params() -> list:

@@ -179,11 +179,14 @@ def cpu_experts_shapes() -> tuple[ExpertsShape, ...]:
 
 @cache
 def gate_shapes() -> tuple[GateShape, ...]:
-    """The two specialized gate tiers' shapes: DeepSeek-V3 (bf16 weight, fp32 logits) and MiniMax-M2 (fp32 weight)."""
+    """The two specialized gate tiers' shapes: DeepSeek-V3 and Kimi-K2 (bf16 weight, fp32 logits; tier 1 at E = 256
+    and 384) and MiniMax-M2 (fp32 weight)."""
     m = _models()
-    ds, mm = m["deepseek_v3"], m["minimax_m2"]
+    ds, kimi, mm = m["deepseek_v3"], m["kimi_k2"], m["minimax_m2"]
     return (
         GateShape("dsv3_gate", ds.display, ds.hidden_size, ds.num_experts, torch.bfloat16, torch.bfloat16,
+                  torch.float32, ops=("dsv3_router_gemm", "router_gemm_cublas", "gate_linear")),
+        GateShape("kimi_k2_gate", kimi.display, kimi.hidden_size, kimi.num_experts, torch.bfloat16, torch.bfloat16,
                   torch.float32, ops=("dsv3_router_gemm", "router_gemm_cublas", "gate_linear")),
         GateShape("minimax_m2_gate", mm.display, mm.hidden_size, mm.num_experts, torch.bfloat16, torch.float32,
                   torch.float32, ops=("fp32_router_gemm", "gate_linear")),

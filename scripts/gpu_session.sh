@@ -12,6 +12,9 @@
 #                          e.g. BENCH_ARGS="--quick --peer vllm --vllm-src .vllm-src/vllm-0.33.0", the slice carried)
 #   py-NAME                python scripts/NAME.py $PY_ARGS (a diagnosis script; started in the background, waited for at the end)
 #   triton-TOOL            python -m backends.triton.tools.TOOL $TOOL_ARGS (in the foreground: timings run alone)
+#   cuda-TOOL              python -m backends.cuda.tools.TOOL $TOOL_ARGS (e.g. cuda-glue_check)
+#   breakdown-BACKEND      python -m benchmarks.breakdown --backend BACKEND $BREAKDOWN_ARGS (per-kernel times)
+#   tests-NAME             python -m pytest tests/test_NAME.py (the project's tests of one module, on the GPU)
 # Example: bash scripts/gpu_session.sh probe:60 conformance:450 nccl:60
 set -u
 here=$(pwd)
@@ -41,6 +44,12 @@ for spec in "$@"; do
           ;;
     triton-*) TAIL=60 bash scripts/gpu_step.sh "$step" "$limit" python3 -m "backends.triton.tools.${step#triton-}" \
                 ${TOOL_ARGS:-} ;;
+    cuda-*) TAIL=60 bash scripts/gpu_step.sh "$step" "$limit" python3 -m "backends.cuda.tools.${step#cuda-}" \
+              ${TOOL_ARGS:-} ;;
+    breakdown-*) TAIL=80 bash scripts/gpu_step.sh "$step" "$limit" python3 -m benchmarks.breakdown \
+                   --backend "${step#breakdown-}" ${BREAKDOWN_ARGS:-} ;;
+    tests-*) TAIL=15 bash scripts/gpu_step.sh "$step" "$limit" python3 -m pytest "tests/test_${step#tests-}.py" -q \
+               -p no:cacheprovider ;;
     bench-*) TAIL=80 bash scripts/gpu_step.sh "$step" "$limit" python3 -m benchmarks --backend "${step#bench-}" \
                ${BENCH_ARGS:-} --json "$res/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -34,9 +34,9 @@ def test_plan_resolves_aliases_and_quick():
     _, ms, _, _ = cli._plan(cli.parse_args(["--backend", "triton", "--quick"]), s)
     assert ms == (1, 64, 4096)
     experts, _, gates, gate_ms = cli._plan(cli.parse_args(["--backend", "cuda"]), suites.suite("cuda"))
-    assert "dsv3_ep8-fp8_channel_token" in [e.id for e in experts] and [g.id for g in gates] == ["dsv3_gate",
-                                                                                                 "minimax_m2_gate"]
-    assert gate_ms == (1, 4, 8, 16, 32)
+    assert "dsv3_ep8-fp8_channel_token" in [e.id for e in experts]
+    assert [g.id for g in gates] == ["dsv3_gate", "kimi_k2_gate", "minimax_m2_gate"]
+    assert gate_ms == (1, 4, 8, 12, 16, 32)
 
 
 def test_unknown_shape_and_backend_are_refused(capsys):

@@ -615,3 +615,68 @@ def test_nvcc_compiles_router_gemm_for_sm90a(nvcc_job):
     assert len(entries) == 4 * 5 + 4 * 6 * 2, len(entries)
     spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", log)]
     assert max(spills) <= 64, "a router GEMM kernel spills registers heavily"
+
+
+@pytest.mark.slow  # an nvcc compilation
+@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc is not installed on this machine")
+def test_nvcc_compiles_moe_glue_for_sm90a(tmp_path):
+    cmd = build.standalone_nvcc_command(build.find_nvcc(), tmp_path / "moe_glue.o", extra=("-Xptxas", "-v"),
+                                        source="moe_glue.cu")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", proc.stdout)
+    # route plan: 2 id dtypes; scatter: 4 modes; act_quant: 9 activations x 3 outputs; weight_reduce: 1.
+    assert len(entries) == 2 + 4 + 9 * 3 + 1, len(entries)
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", proc.stdout)]
+    assert max(spills) == 0, "a glue kernel spills registers"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the glue kernels (moe_glue.cu): selection here, bits on the GPU
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_glue_covers_every_claimed_activation_with_the_torch_defaults():
+    from backends.cuda.experts import _GATED, _NO_MUL, GLUE_ACT, glue_act_params
+
+    assert set(GLUE_ACT) == set(_GATED + _NO_MUL) and len(set(GLUE_ACT.values())) == len(GLUE_ACT)
+    A = MoEActivation
+    assert glue_act_params(A.SILU, None, None, None)[1:] == (1.0, 0.0, -1.0)  # no clamp
+    assert glue_act_params(A.SWIGLUOAI, None, None, None)[1:] == (1.702, 0.0, 7.0)
+    assert glue_act_params(A.SWIGLUOAI_UNINTERLEAVE, None, None, 5.0)[1:] == (1.0, 0.0, 5.0)
+    assert glue_act_params(A.SWIGLUSTEP, None, None, None)[3] == 7.0
+    assert glue_act_params(A.SILU, None, None, -1.0) is None  # a negative clamp limit: the torch ops
+    assert glue_act_params(A.RELU2, None, None, None) is None
+
+
+def test_glue_is_not_used_off_the_gpu_or_when_disabled(monkeypatch):
+    from backends.cuda.experts import GLUE_ENV, glue_kernels
+
+    assert glue_kernels(torch.zeros(2, 16), 8, 64) is None  # CPU tensors: the torch-op glue
+    monkeypatch.setenv(GLUE_ENV, "torch")
+    assert glue_kernels(torch.zeros(2, 16), 8, 64) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="the glue kernels run on an SM90 GPU")
+def test_glue_kernels_match_the_torch_glue_bit_for_bit():
+    from backends.cuda.tools.glue_check import run_checks
+
+    failed = {name: why for name, why in run_checks().items() if why is not None}
+    assert not failed, failed
+
+
+def test_tier1_runs_cublas_where_the_table_says_it_is_faster(monkeypatch):
+    calls = []
+
+    def fake_cublas(x, w):
+        calls.append(x.shape[0])
+        return x.float() @ w.float().T
+
+    monkeypatch.setattr(gate, "_check_cuda", lambda *a: None)
+    monkeypatch.setattr(gate, "router_gemm_cublas", fake_cublas)
+    x, w = torch.randn(16, 7168).to(BF16), torch.randn(384, 7168).to(BF16)
+    m = gate.DSV3_CUBLAS_FROM_M[384]
+    out = gate.dsv3_router_gemm(x[:m], w, BF16)
+    assert calls == [m] and out.dtype == BF16 and torch.equal(out, (x[:m].float() @ w.float().T).to(BF16))
+    assert 256 not in gate.DSV3_CUBLAS_FROM_M  # DeepSeek-V3's kernel beats cuBLAS at every M <= 16

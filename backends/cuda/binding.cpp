@@ -1,6 +1,7 @@
-// Thin torch binding of the router GEMM launchers (router_gemm.cu). Built by backends/cuda/tools/build.py with
-// torch.utils.cpp_extension.load; the Python wrappers in backends/cuda/gate.py validate arguments first and raise
-// ValueError with the tier's limits, so the TORCH_CHECKs here are a second line of defence.
+// Thin torch binding of the router GEMM launchers (router_gemm.cu) and of the experts step's glue kernels
+// (moe_glue.cu). Built by backends/cuda/tools/build.py with torch.utils.cpp_extension.load; the Python wrappers in
+// backends/cuda/gate.py and backends/cuda/experts.py validate arguments first and raise ValueError with the limits,
+// so the TORCH_CHECKs here are a second line of defence.
 
 #include <torch/extension.h>
 
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "moe_glue.h"
 #include "router_gemm.h"
 
 namespace {
@@ -84,8 +86,117 @@ std::vector<std::string> fp32_variants() {
   return names;
 }
 
+// ---- experts glue (moe_glue.h) ----------------------------------------------------------------------------------
+
+namespace {
+
+void check_cuda_contig(const torch::Tensor& t, const char* name, const torch::Tensor& like) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", expected ", like.device());
+}
+
+const float* opt_f32(const c10::optional<torch::Tensor>& t, const char* name, const torch::Tensor& like) {
+  if (!t.has_value()) return nullptr;
+  check_cuda_contig(*t, name, like);
+  TORCH_CHECK(t->scalar_type() == at::kFloat, name, " must be fp32");
+  return t->data_ptr<float>();
+}
+
+}  // namespace
+
+// (offs (E_local,), inv (M * topk,), sorted_token (M * topk,)), all int32.
+std::vector<torch::Tensor> moe_route_plan(const torch::Tensor& topk_ids, const c10::optional<torch::Tensor>& expert_map,
+                                          int64_t num_local_experts) {
+  check_cuda_contig(topk_ids, "topk_ids", topk_ids);
+  TORCH_CHECK(topk_ids.dim() == 2, "topk_ids must be (M, topk)");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
+              "topk_ids must be int32 or int64");
+  const int32_t* map = nullptr;
+  int64_t n_ids = num_local_experts;
+  if (expert_map.has_value()) {
+    check_cuda_contig(*expert_map, "expert_map", topk_ids);
+    TORCH_CHECK(expert_map->scalar_type() == at::kInt && expert_map->dim() == 1, "expert_map must be (E,) int32");
+    map = expert_map->data_ptr<int32_t>();
+    n_ids = expert_map->numel();
+  }
+  const c10::cuda::CUDAGuard guard(topk_ids.device());
+  const int64_t M = topk_ids.size(0), topk = topk_ids.size(1);
+  auto opts = topk_ids.options().dtype(at::kInt);
+  auto offs = torch::empty({num_local_experts}, opts);
+  auto inv = torch::empty({M * topk}, opts);
+  auto token = torch::empty({M * topk}, opts);
+  check_launch(moe_glue::launch_route_plan(topk_ids.data_ptr(), topk_ids.scalar_type() == at::kLong,
+                                           static_cast<int>(M), static_cast<int>(topk), map, static_cast<int>(n_ids),
+                                           static_cast<int>(num_local_experts), offs.data_ptr<int32_t>(),
+                                           inv.data_ptr<int32_t>(), token.data_ptr<int32_t>(),
+                                           c10::cuda::getCurrentCUDAStream().stream()),
+               "moe_route_plan");
+  return {offs, inv, token};
+}
+
+void moe_scatter_rows(const torch::Tensor& x, const torch::Tensor& inv, int64_t topk, int64_t mode,
+                      const c10::optional<torch::Tensor>& scale_in, bool scale_per_token, torch::Tensor& out,
+                      const c10::optional<torch::Tensor>& scale_out) {
+  check_cuda_contig(x, "x", x);
+  check_cuda_contig(inv, "inv", x);
+  check_cuda_contig(out, "out", x);
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(1) == x.size(1), "x (M, K) and out (R, K) disagree");
+  TORCH_CHECK(inv.scalar_type() == at::kInt && inv.numel() == x.size(0) * topk, "inv must be (M * topk,) int32");
+  const bool x_fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(x_fp8 || x.scalar_type() == at::kBFloat16, "x must be bf16 or float8_e4m3fn");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(moe_glue::launch_scatter_rows(x.data_ptr(), x_fp8, static_cast<int>(x.size(0)),
+                                             static_cast<int>(x.size(1)), static_cast<int>(topk),
+                                             inv.data_ptr<int32_t>(), static_cast<int>(mode),
+                                             opt_f32(scale_in, "scale_in", x), scale_per_token, out.data_ptr(),
+                                             const_cast<float*>(opt_f32(scale_out, "scale_out", x)),
+                                             c10::cuda::getCurrentCUDAStream().stream()),
+               "moe_scatter_rows");
+}
+
+void moe_act_quant(const torch::Tensor& h, int64_t act, double alpha, double beta, double limit,
+                   const torch::Tensor& offs, int64_t out_kind, torch::Tensor& out,
+                   const c10::optional<torch::Tensor>& scale_out, const c10::optional<torch::Tensor>& static_scale,
+                   const c10::optional<torch::Tensor>& amax_out) {
+  check_cuda_contig(h, "h", h);
+  check_cuda_contig(offs, "offs", h);
+  check_cuda_contig(out, "out", h);
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16, "h must be (R, N) bf16");
+  TORCH_CHECK(offs.scalar_type() == at::kInt && offs.numel() >= 1, "offs must be (E_local,) int32");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == h.size(0), "out must be (R, I)");
+  const c10::cuda::CUDAGuard guard(h.device());
+  int sms = 0;
+  check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, h.get_device()), "moe_act_quant (SM count)");
+  check_launch(moe_glue::launch_act_quant(h.data_ptr(), static_cast<int>(h.size(0)), static_cast<int>(h.size(1)),
+                                          static_cast<int>(act), static_cast<float>(alpha), static_cast<float>(beta),
+                                          static_cast<float>(limit), offs.data_ptr<int32_t>(),
+                                          static_cast<int>(offs.numel()), static_cast<int>(out_kind), out.data_ptr(),
+                                          const_cast<float*>(opt_f32(scale_out, "scale_out", h)),
+                                          opt_f32(static_scale, "static_scale", h),
+                                          const_cast<float*>(opt_f32(amax_out, "amax_out", h)), sms,
+                                          c10::cuda::getCurrentCUDAStream().stream()),
+               "moe_act_quant");
+}
+
+void moe_weight_reduce(const torch::Tensor& y, const torch::Tensor& inv, int64_t topk,
+                       const c10::optional<torch::Tensor>& weights, torch::Tensor& out) {
+  check_cuda_contig(y, "y", y);
+  check_cuda_contig(inv, "inv", y);
+  check_cuda_contig(out, "out", y);
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "y and out must be bf16");
+  TORCH_CHECK(out.dim() == 2 && y.dim() == 2 && out.size(1) == y.size(1), "y (R, K) and out (M, K) disagree");
+  TORCH_CHECK(inv.scalar_type() == at::kInt && inv.numel() == out.size(0) * topk, "inv must be (M * topk,) int32");
+  const c10::cuda::CUDAGuard guard(y.device());
+  check_launch(moe_glue::launch_weight_reduce(y.data_ptr(), static_cast<int>(y.size(1)),
+                                              static_cast<int>(out.size(0)), static_cast<int>(topk),
+                                              inv.data_ptr<int32_t>(), opt_f32(weights, "weights", y), out.data_ptr(),
+                                              c10::cuda::getCurrentCUDAStream().stream()),
+               "moe_weight_reduce");
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "moe-conformance cuda backend: DSV3 and fp32 router GEMMs (SM90)";
+  m.doc() = "moe-conformance cuda backend: DSV3 and fp32 router GEMMs, experts glue kernels (SM90)";
   m.def("dsv3_router_gemm", &dsv3_router_gemm, "DSV3 router GEMM", py::arg("x"), py::arg("w"),
         py::arg("out_bf16"), py::arg("variant") = -1);
   m.def("fp32_router_gemm", &fp32_router_gemm, "fp32 router GEMM", py::arg("x"), py::arg("w"),
@@ -96,4 +207,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("M"), py::arg("E"));
   m.def("fp32_auto_variant", &moe_router::fp32_auto_variant, "variant picked for M when none is requested",
         py::arg("M"));
+  m.def("moe_route_plan", &moe_route_plan, "routes sorted by local expert: (offs, inv, sorted_token)",
+        py::arg("topk_ids"), py::arg("expert_map"), py::arg("num_local_experts"));
+  m.def("moe_scatter_rows", &moe_scatter_rows, "token rows (quantized) to their routes' rows", py::arg("x"),
+        py::arg("inv"), py::arg("topk"), py::arg("mode"), py::arg("scale_in"), py::arg("scale_per_token"),
+        py::arg("out"), py::arg("scale_out"));
+  m.def("moe_act_quant", &moe_act_quant, "activation (+ FP8 requantization) of the expert rows", py::arg("h"),
+        py::arg("act"), py::arg("alpha"), py::arg("beta"), py::arg("limit"), py::arg("offs"), py::arg("out_kind"),
+        py::arg("out"), py::arg("scale_out"), py::arg("static_scale"), py::arg("amax_out"));
+  m.def("moe_weight_reduce", &moe_weight_reduce, "weighted top-k sum", py::arg("y"), py::arg("inv"),
+        py::arg("topk"), py::arg("weights"), py::arg("out"));
 }

@@ -12,22 +12,24 @@ reduced, so finalize is ``TopKWeightAndReduceNoOP``):
 - ``CutlassExpertsFp4`` (NVFP4) and ``CutlassExpertsMxfp4``: declared, never supported here: CUTLASS FP4 grouped
   GEMMs are SM100-only (block-scaled tcgen05 MMA) and this backend does not implement them (see ``unsupported_reason``).
 
-The pipeline of ``apply`` (no host synchronization, so it can be captured in a CUDA graph):
+The pipeline of ``apply`` (no host synchronization, so it can be captured in a CUDA graph). On CUDA tensors the
+glue around the two grouped GEMMs is four kernels of ``moe_glue.cu`` (set ``MOE_CUDA_GLUE=torch`` to run the torch
+ops instead); elsewhere (the CPU tests) it is the torch ops below, which define what those kernels compute:
 
-1. Routing plan: global ids -> local ids (``expert_map``; -1, out-of-range ids and experts not held map to "not
-   here"), stable sort of the ``M * topk`` routes by local expert (non-local routes last), per-expert counts by
-   ``scatter_add_``, ``offs`` = their cumulative sum (int32, one entry per local expert, as ``_grouped_mm`` wants).
-2. Gather the routed token rows (and their per-token scales) in that order.
+1. Routing plan (``route_plan`` / ``moe_route_plan``): global ids -> local ids (``expert_map``; -1, out-of-range ids
+   and experts not held map to "not here"), a stable sort of the ``M * topk`` routes by local expert, per-expert
+   counts, ``offs`` = their cumulative sum (int32, one entry per local expert, as ``_grouped_mm`` wants).
+2. Gather the routed token rows in that order (``moe_scatter_rows``: each token row is read once, quantized to FP8
+   per token or with a static per-tensor scale where the scheme says so, and written to its routes' rows).
 3. GEMM1 ``(R, K) x (E, K, N) -> (R, N)`` bf16 (fp32 accumulation, one rounding). The weight ``w1 (E, N, K)`` is
    passed as its transposed view ``(E, K, N)``: column-major, which CUTLASS reads as "B transposed".
-4. Activation (``cuda_moe_activation``: fp32 math, one rounding to bf16); rows of non-local routes (outside every
-   group, never written by the GEMM) are zeroed here. FP8: requantize per token (dynamic) or per tensor (static /
-   dynamic, over this call's routed rows, as vLLM's ``scaled_fp8_quant`` on the whole intermediate).
+4. Activation (fp32 math, one rounding to bf16) and, for FP8, the requantization per token (dynamic) or per tensor
+   (static / dynamic, over this call's routed rows, as vLLM's ``scaled_fp8_quant`` on the whole intermediate):
+   ``moe_act_quant``, one pass over the rows that belong to an expert.
 5. GEMM2 ``(R, I) x (E, I, K) -> (R, K)`` bf16.
-6. Weight and reduce in fp32: for each token, ``sum_k w[t, k] * y[t, k]`` (a gather through the inverse
-   permutation and a batched fp32 product over k, no atomics: bitwise deterministic), non-local routes contribute 0; one
-   rounding to the output dtype. With ``apply_router_weight_on_input`` the weights were applied to the input and are 1
-   here.
+6. Weight and reduce in fp32: for each token, ``sum_k w[t, k] * y[t, k]`` (no atomics: bitwise deterministic),
+   non-local routes contribute 0; one rounding to the output dtype (``moe_weight_reduce``). With
+   ``apply_router_weight_on_input`` the weights were applied to the input and are 1 here.
 
 Alignment rules of the torch CUTLASS ops (checked with clear errors): row strides multiple of 16 bytes, so
 K and N multiples of 8 (bf16) or 16 (fp8: ``_scaled_grouped_mm`` checks K % 16 and N % 16); group sizes (rows per
@@ -38,6 +40,7 @@ expert) need no padding for 2-D x 3-D products; fewer than 1024 groups (local ex
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -207,13 +210,18 @@ def _to_fp8(y: torch.Tensor) -> torch.Tensor:
 
 
 def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token FP8: ``s = max(amax_row / 448, 1 / (448 * 512))``, ``q = sat(x / s)``.
+    """Dynamic per-token FP8: ``s = max(amax_row / 448, 1 / (448 * 512))``, ``q = sat(x / s)``; a row with a
+    non-finite value gets a NaN scale and NaN codes.
 
     x ``(R, C)`` -> codes ``(R, C)`` float8_e4m3fn, scales ``(R,)`` fp32. vLLM's
-    ``scaled_fp8_quant(use_per_token_if_dynamic=True)`` recipe (``csrc/quantization/w8a8/fp8/common.cu``).
+    ``scaled_fp8_quant(use_per_token_if_dynamic=True)`` recipe (``csrc/quantization/w8a8/fp8/common.cu``). Both
+    divisions are IEEE divisions by tensors (torch turns a division by a Python number into a multiplication by
+    its reciprocal on CUDA, one ulp off).
     """
     xf = x.float()
-    s = torch.clamp(xf.abs().amax(dim=-1) / FP8_MAX, min=_MIN_TOKEN_SCALE.item())
+    amax = xf.abs().amax(dim=-1)
+    s = torch.clamp(amax / torch.full_like(amax, FP8_MAX), min=_MIN_TOKEN_SCALE.item())
+    s = torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
     return _to_fp8(xf / s.unsqueeze(-1)), s
 
 
@@ -222,7 +230,8 @@ def quant_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[t
     all-zero tensor, codes 0). Returns codes and a ``(1,)`` fp32 scale. vLLM's ``scaled_fp8_quant`` recipe."""
     xf = x.float()
     if scale is None:
-        s = (xf.abs().amax() / FP8_MAX).reshape(1)
+        amax = xf.abs().amax()
+        s = (amax / torch.full_like(amax, FP8_MAX)).reshape(1)  # an IEEE division (see quant_fp8_per_token)
     else:
         s = scale.float().reshape(-1)
         if s.numel() != 1:
@@ -372,6 +381,81 @@ def _poison(acc: torch.Tensor, poisoned: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# The glue kernels of moe_glue.cu (CUDA tensors); the torch ops above and below define what they compute
+# --------------------------------------------------------------------------------------------------------------
+
+#: ``MOE_CUDA_GLUE=torch`` runs the torch-op glue on the GPU too (A/B timing, ``tools/glue_check.py``).
+GLUE_ENV = "MOE_CUDA_GLUE"
+#: moe_glue.h's ``Act`` codes.
+GLUE_ACT = {
+    MoEActivation.SILU: 0, MoEActivation.GELU: 1, MoEActivation.GELU_TANH: 2, MoEActivation.SWIGLUOAI: 3,
+    MoEActivation.SWIGLUOAI_UNINTERLEAVE: 4, MoEActivation.SWIGLUSTEP: 5, MoEActivation.SILU_NO_MUL: 6,
+    MoEActivation.GELU_NO_MUL: 7, MoEActivation.RELU2_NO_MUL: 8,
+}
+#: moe_glue.h's ``ScatterMode`` and ``ActOut`` codes.
+SCATTER_COPY, SCATTER_QUANT_PER_TOKEN, SCATTER_QUANT_STATIC_TENSOR = 0, 1, 2
+ACT_OUT_BF16, ACT_OUT_FP8_PER_TOKEN, ACT_OUT_FP8_STATIC_TENSOR = 0, 1, 2
+#: moe_glue.h's limits: topk (scatter_rows) and the activated width I (act_quant stages a row in shared memory).
+GLUE_MAX_TOPK, GLUE_MAX_ACT_WIDTH = 64, 16384
+
+
+def glue_act_params(activation: MoEActivation, alpha: float | None, beta: float | None,
+                    limit: float | None) -> tuple[int, float, float, float] | None:
+    """``(code, alpha, beta, limit)`` of ``moe_act_quant`` for ``cuda_moe_activation``'s defaults (limit -1: no
+    clamp), or None where the kernel has no such case (a negative clamp limit)."""
+    A = MoEActivation
+    if activation not in GLUE_ACT or (limit is not None and limit < 0):
+        return None
+    a, b, lim = alpha, beta, limit
+    if activation is A.SWIGLUOAI:
+        a, lim = (1.702 if a is None else a), (7.0 if lim is None else lim)
+    elif activation is A.SWIGLUOAI_UNINTERLEAVE:
+        a, b = (1.0 if a is None else a), (0.0 if b is None else b)
+    elif activation is A.SWIGLUSTEP:
+        lim = 7.0 if lim is None else lim
+    return GLUE_ACT[activation], float(1.0 if a is None else a), float(0.0 if b is None else b), \
+        float(-1.0 if lim is None else lim)
+
+
+def glue_kernels(hidden_states: torch.Tensor, topk: int, I: int):
+    """The extension module whose glue kernels run this step, or None for the torch-op glue: tensors off the GPU,
+    ``MOE_CUDA_GLUE=torch``, or a shape past the kernels' limits (topk > 64, I > 16384).
+
+    Raises:
+        RuntimeError: the extension failed to build (the compiler output's tail; ``tools/build.py``).
+    """
+    if not hidden_states.is_cuda or os.environ.get(GLUE_ENV, "cuda") == "torch":
+        return None
+    if topk > GLUE_MAX_TOPK or I > GLUE_MAX_ACT_WIDTH:
+        return None
+    from backends.cuda.tools.build import load_router_gemm_ext
+
+    return load_router_gemm_ext()
+
+
+def glue_route_plan(ext, topk_ids: torch.Tensor, num_local_experts: int,
+                    expert_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_route_plan``: ``(offs (E_local,), inv (M * topk,), sorted_token (M * topk,))`` int32. ``offs`` and
+    ``sorted_token[:offs[-1]]`` equal ``route_plan``'s; ``inv`` equals its sorted row for a local route, and is -1
+    for a route to no local expert, -2 for an id outside the id space."""
+    ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.long()
+    emap = None if expert_map is None else expert_map.to(torch.int32).contiguous()
+    return ext.moe_route_plan(ids.contiguous(), emap, num_local_experts)
+
+
+def glue_weight_and_reduce(ext, y: torch.Tensor, inv: torch.Tensor, topk_weights: torch.Tensor, unit_weights: bool,
+                           output: torch.Tensor) -> None:
+    """``moe_weight_reduce`` into ``output`` (M, K) bf16: ``_weight_and_reduce``'s result, products rounded and
+    summed in k order."""
+    topk = topk_weights.shape[1]
+    w = None if unit_weights else topk_weights.to(torch.float32).contiguous()
+    out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+    ext.moe_weight_reduce(y.contiguous(), inv, topk, w, out)
+    if out is not output:
+        output.copy_(out)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Experts
 # --------------------------------------------------------------------------------------------------------------
 
@@ -474,6 +558,26 @@ class _CutlassExpertsBase(FusedMoEExpertsModular):
             raise ValueError(f"{name}: topk_ids must be integers, got {topk_ids.dtype}")
         return E, N, K
 
+    def _glue(self, hidden_states: torch.Tensor, topk: int, activation: MoEActivation, I: int):
+        """``(extension, moe_act_quant parameters)`` when the CUDA glue kernels run this step, else ``(None, None)``."""
+        qc = self.quant_config
+        params = glue_act_params(activation, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
+        ext = glue_kernels(hidden_states, topk, I) if params is not None else None
+        return (ext, params) if ext is not None else (None, None)
+
+    @staticmethod
+    def _glue_activation(ext, params, h: torch.Tensor, I: int, offs: torch.Tensor, out_kind: int, *,
+                         static_scale: torch.Tensor | None = None, want_amax: bool = False):
+        """``moe_act_quant`` over the expert rows of ``h`` (R, N): ``(out (R, I), per-row scales or None, amax or
+        None)``; rows past ``offs[-1]`` are left unwritten (no expert reads them)."""
+        code, alpha, beta, limit = params
+        R = h.shape[0]
+        out = torch.empty((R, I), dtype=BF16 if out_kind == ACT_OUT_BF16 else FP8, device=h.device)
+        scale = torch.empty(R, dtype=torch.float32, device=h.device) if out_kind == ACT_OUT_FP8_PER_TOKEN else None
+        amax = torch.zeros(1, dtype=torch.float32, device=h.device) if want_amax else None
+        ext.moe_act_quant(h.contiguous(), code, alpha, beta, limit, offs, out_kind, out, scale, static_scale, amax)
+        return out, scale, amax
+
     def _activation(self, activation: MoEActivation, h: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
         qc = self.quant_config
         g = cuda_moe_activation(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta, limit=qc.gemm1_clamp_limit)
@@ -522,12 +626,23 @@ class CutlassExpertsBf16(_CutlassExpertsBase):
             return
         if validate_routes_requested(None, topk_ids):
             check_ids(topk_ids, expert_map, E)
-        plan = route_plan(topk_ids, E, expert_map)
-        a = hidden_states.index_select(0, plan.token)
-        h = grouped_mm_bf16(a, w1, plan.offs)
-        g = self._activation(activation, h, plan)
-        y = grouped_mm_bf16(g, w2, plan.offs)
-        _weight_and_reduce(y, plan, topk_weights, apply_router_weight_on_input, output)
+        I = w2.shape[2]
+        ext, params = self._glue(hidden_states, topk_ids.shape[1], activation, I)
+        if ext is None:  # the torch-op glue
+            plan = route_plan(topk_ids, E, expert_map)
+            a = hidden_states.index_select(0, plan.token)
+            h = grouped_mm_bf16(a, w1, plan.offs)
+            g = self._activation(activation, h, plan)
+            y = grouped_mm_bf16(g, w2, plan.offs)
+            _weight_and_reduce(y, plan, topk_weights, apply_router_weight_on_input, output)
+            return
+        offs, inv, _ = glue_route_plan(ext, topk_ids, E, expert_map)
+        a = torch.empty((inv.numel(), K), dtype=BF16, device=hidden_states.device)
+        ext.moe_scatter_rows(hidden_states.contiguous(), inv, topk_ids.shape[1], SCATTER_COPY, None, False, a, None)
+        h = grouped_mm_bf16(a, w1, offs)
+        g, _, _ = self._glue_activation(ext, params, h, I, offs, ACT_OUT_BF16)
+        y = grouped_mm_bf16(g, w2, offs)
+        glue_weight_and_reduce(ext, y, inv, topk_weights, apply_router_weight_on_input, output)
 
 
 def _per_column_scales(scale: torch.Tensor | None, E: int, N: int, per_channel: bool, what: str) -> torch.Tensor:
@@ -580,6 +695,13 @@ class CutlassExpertsFp8(_CutlassExpertsBase):
               "N, I multiples of 16; a1 codes from prepare or bf16 quantized here",
     )
 
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        """True: prepare hands over bf16 rows and the step quantizes them itself with the scheme's recipe, fused
+        with the gather on the GPU (``moe_scatter_rows``: each token row read once); FP8 codes from a prepare that
+        quantized anyway are taken as they are."""
+        return True
+
     def _validate_quant_config(self) -> None:
         self._scheme()
         if self.quant_config.w1_bias is not None or self.quant_config.w2_bias is not None:
@@ -613,34 +735,84 @@ class CutlassExpertsFp8(_CutlassExpertsBase):
         if M == 0:
             return
         qc = self.quant_config
-        # 1. a1 codes and their scales (prepare normally quantized already).
-        if hidden_states.dtype == FP8:
-            a1q, s1 = hidden_states, a1q_scale
-            if s1 is None:
-                raise ValueError("CutlassExpertsFp8: FP8 hidden_states need a1q_scale")
-        elif hidden_states.dtype == BF16:
-            a1q, s1 = (quant_fp8_per_token(hidden_states) if per_token
-                       else quant_fp8_per_tensor(hidden_states, qc.a1_scale))
-        else:
+        if hidden_states.dtype not in (FP8, BF16):
             raise ValueError(f"CutlassExpertsFp8: hidden_states must be float8_e4m3fn codes or bf16, got "
                              f"{hidden_states.dtype}")
+        if hidden_states.dtype == FP8 and a1q_scale is None:
+            raise ValueError("CutlassExpertsFp8: FP8 hidden_states need a1q_scale")
         if validate_routes_requested(None, topk_ids):
             check_ids(topk_ids, expert_map, E)
+        scale_b1 = _per_column_scales(qc.w1_scale, E, N, per_channel, "w1")
+        scale_b2 = _per_column_scales(qc.w2_scale, E, K, per_channel, "w2")
+        ext, params = self._glue(hidden_states, topk_ids.shape[1], activation, I)
+        if ext is None:
+            self._apply_torch_glue(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map,
+                                   a1q_scale, a2_scale, apply_router_weight_on_input, scale_b1, scale_b2, per_token)
+            return
+        # 1. The plan, then every token row read once, quantized if it is bf16, and written to its routes' rows.
+        offs, inv, _ = glue_route_plan(ext, topk_ids, E, expert_map)
+        R, topk, dev = inv.numel(), topk_ids.shape[1], hidden_states.device
+        a = torch.empty((R, K), dtype=FP8, device=dev)
+        sa1 = torch.empty(R, dtype=torch.float32, device=dev)
+        x = hidden_states.contiguous()
+        if x.dtype == FP8:
+            s1 = self._a1_scales(a1q_scale, M, per_token)
+            ext.moe_scatter_rows(x, inv, topk, SCATTER_COPY, s1, per_token, a, sa1)
+        elif per_token:
+            ext.moe_scatter_rows(x, inv, topk, SCATTER_QUANT_PER_TOKEN, None, False, a, sa1)
+        elif qc.a1_scale is not None:
+            s1 = _one_scale(qc.a1_scale, "a1")
+            ext.moe_scatter_rows(x, inv, topk, SCATTER_QUANT_STATIC_TENSOR, s1, False, a, sa1)
+        else:  # dynamic per-tensor: the amax of the whole input first
+            q, s1 = quant_fp8_per_tensor(x, None)
+            ext.moe_scatter_rows(q, inv, topk, SCATTER_COPY, s1, False, a, sa1)
+        # 2. GEMM1, activation + requantization, GEMM2, weight and reduce.
+        h = scaled_grouped_mm_fp8(a, w1, sa1, scale_b1, offs)
+        if per_token:
+            g8, sa2, _ = self._glue_activation(ext, params, h, I, offs, ACT_OUT_FP8_PER_TOKEN)
+        elif a2_scale is not None:
+            s2 = _one_scale(a2_scale, "a2")
+            g8, _, _ = self._glue_activation(ext, params, h, I, offs, ACT_OUT_FP8_STATIC_TENSOR, static_scale=s2)
+            sa2 = s2.expand(R).contiguous()
+        else:  # dynamic per-tensor over the expert rows: their amax comes from the activation kernel
+            g, _, amax = self._glue_activation(ext, params, h, I, offs, ACT_OUT_BF16, want_amax=True)
+            s2 = amax / torch.full_like(amax, FP8_MAX)
+            g8 = _to_fp8(g.float() * torch.where(s2 == 0, torch.zeros_like(s2), 1.0 / s2))
+            sa2 = s2.expand(R).contiguous()
+        y = scaled_grouped_mm_fp8(g8, w2, sa2, scale_b2, offs)
+        glue_weight_and_reduce(ext, y, inv, topk_weights, apply_router_weight_on_input, output)
+
+    @staticmethod
+    def _a1_scales(a1q_scale: torch.Tensor, M: int, per_token: bool) -> torch.Tensor:
+        """The scales of FP8 hidden_states from prepare: ``(M,)`` per token or ``(1,)`` per tensor, fp32."""
+        s1 = a1q_scale.float().reshape(-1).contiguous()
+        want = M if per_token else 1
+        if s1.numel() != want:
+            raise ValueError(f"CutlassExpertsFp8: {'per-token' if per_token else 'per-tensor'} a1 scales must have "
+                             f"{'M = ' if per_token else ''}{want} element{'s' if want != 1 else ''}, got "
+                             f"{s1.numel()}")
+        return s1
+
+    def _apply_torch_glue(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map,
+                          a1q_scale, a2_scale, apply_router_weight_on_input, scale_b1, scale_b2, per_token):
+        """The step with the torch-op glue (the definition of the kernels of moe_glue.cu; the CPU tests run it)."""
+        qc = self.quant_config
+        E, _, K = w1.shape
+        I = w2.shape[2]
+        M = hidden_states.shape[0]
+        # 1. a1 codes and their scales (prepare normally quantized already).
+        if hidden_states.dtype == FP8:
+            a1q, s1 = hidden_states, self._a1_scales(a1q_scale, M, per_token)
+        else:
+            a1q, s1 = (quant_fp8_per_token(hidden_states) if per_token
+                       else quant_fp8_per_tensor(hidden_states, qc.a1_scale))
         plan = route_plan(topk_ids, E, expert_map)
         R = plan.token.numel()
         a = a1q.contiguous().view(torch.uint8).index_select(0, plan.token).view(FP8)
         s1 = s1.float().reshape(-1)
-        if per_token:
-            if s1.numel() != M:
-                raise ValueError(f"CutlassExpertsFp8: per-token a1 scales must have M = {M} elements, got "
-                                 f"{s1.numel()}")
-            sa1 = s1.index_select(0, plan.token).contiguous()
-        else:
-            if s1.numel() != 1:
-                raise ValueError(f"CutlassExpertsFp8: per-tensor a1 scale must have 1 element, got {s1.numel()}")
-            sa1 = s1.expand(R).contiguous()
+        sa1 = s1.index_select(0, plan.token).contiguous() if per_token else s1.expand(R).contiguous()
         # 2. GEMM1 with scale_a per row, scale_b per output column.
-        h = scaled_grouped_mm_fp8(a, w1, sa1, _per_column_scales(qc.w1_scale, E, N, per_channel, "w1"), plan.offs)
+        h = scaled_grouped_mm_fp8(a, w1, sa1, scale_b1, plan.offs)
         # 3. Activation, requantization.
         g = self._activation(activation, h, plan)
         if per_token:
@@ -649,10 +821,17 @@ class CutlassExpertsFp8(_CutlassExpertsBase):
             g8, s2 = quant_fp8_per_tensor(g, a2_scale)
             sa2 = s2.expand(R).contiguous()
         # 4. GEMM2, weight and reduce.
-        y = scaled_grouped_mm_fp8(g8, w2, sa2.contiguous(), _per_column_scales(qc.w2_scale, E, K, per_channel, "w2"),
-                                  plan.offs)
+        y = scaled_grouped_mm_fp8(g8, w2, sa2.contiguous(), scale_b2, plan.offs)
         assert y.shape == (R, K) and g8.shape == (R, I)
         _weight_and_reduce(y, plan, topk_weights, apply_router_weight_on_input, output)
+
+
+def _one_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
+    """A static per-tensor scale as a ``(1,)`` fp32 tensor (ValueError for more than one element)."""
+    s = scale.float().reshape(-1)
+    if s.numel() != 1:
+        raise ValueError(f"a static per-tensor FP8 {what} scale must have one element, got shape {tuple(scale.shape)}")
+    return s.contiguous()
 
 
 class _UnsupportedOnSm90(_CutlassExpertsBase):

@@ -124,6 +124,13 @@ def kernel_variants() -> dict[str, list[str]]:
     return {"dsv3_router_gemm": list(ext.dsv3_variants()), "fp32_router_gemm": list(ext.fp32_variants())}
 
 
+#: Token counts from which tier 1 runs cuBLAS (``router_gemm_cublas``, then one RNE rounding for a bf16 output)
+#: instead of the hand-written kernel, per expert count: the kernel is latency-bound and loses to cuBLAS at Kimi-K2's
+#: E = 384 past M = 8 (H200, backends/cuda/RESULTS.md: 10.2 vs 7.6 us at M = 16). Same contract: the fp32
+#: accumulation of the bf16 products (docs/gate_tiers.md). An explicit ``variant`` always runs the kernel.
+DSV3_CUBLAS_FROM_M = {384: 12}
+
+
 def dsv3_router_gemm(
     hidden_states: torch.Tensor,
     router_weight: torch.Tensor,
@@ -139,7 +146,8 @@ def dsv3_router_gemm(
         output_dtype: fp32 or bf16; None means ``torch.get_default_dtype()`` (as vLLM's ``torch.empty(...,
             dtype=None)``).
         variant: kernel tiling variant (index into ``kernel_variants()["dsv3_router_gemm"]``); None = the one
-            ``dsv3_auto_variant(M, E)`` picks (fastest measured for that token count).
+            ``dsv3_auto_variant(M, E)`` picks (fastest measured for that token count), or cuBLAS where
+            ``DSV3_CUBLAS_FROM_M`` says it is faster.
 
     Returns:
         ``(M, E)`` in ``output_dtype``: the fp32 accumulation (bf16: rounded once, RNE).
@@ -166,6 +174,9 @@ def dsv3_router_gemm(
     if H not in DSV3_SUPPORTED_HIDDEN_SIZES or E not in DSV3_SUPPORTED_NUM_EXPERTS:
         raise GateContractError(f"{limits}; got weight shape {tuple(router_weight.shape)}")
     _check_cuda(hidden_states, "dsv3_router_gemm")
+    if variant is None and M >= DSV3_CUBLAS_FROM_M.get(E, DSV3_MAX_TOKENS + 1):
+        logits = router_gemm_cublas(hidden_states, router_weight)
+        return logits if out == FP32 else logits.to(out)
     from backends.cuda.tools.build import load_router_gemm_ext
 
     ext = load_router_gemm_ext()

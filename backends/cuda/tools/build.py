@@ -1,4 +1,5 @@
-"""Just-in-time build of the ``cuda`` backend's router GEMM extension (``router_gemm.cu`` + ``binding.cpp``).
+"""Just-in-time build of the ``cuda`` backend's extension: the router GEMMs (``router_gemm.cu``), the experts step's
+glue kernels (``moe_glue.cu``) and their torch binding (``binding.cpp``).
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (ninja + nvcc) for SM90:
 ``-O3 -gencode=arch=compute_90a,code=sm_90a`` plus ``compute_90`` PTX so newer GPUs can JIT it. Builds are cached
@@ -39,8 +40,8 @@ __all__ = [
 ]
 
 SRC_DIR = Path(__file__).resolve().parent.parent  # backends/cuda: the sources beside the backend
-SOURCES = (SRC_DIR / "binding.cpp", SRC_DIR / "router_gemm.cu")
-HEADERS = (SRC_DIR / "router_gemm.h",)
+SOURCES = (SRC_DIR / "binding.cpp", SRC_DIR / "router_gemm.cu", SRC_DIR / "moe_glue.cu")
+HEADERS = (SRC_DIR / "router_gemm.h", SRC_DIR / "moe_glue.h")
 
 #: nvcc flags of the build. Naming an arch here stops torch from adding its own -gencode flags.
 NVCC_FLAGS = (
@@ -112,7 +113,7 @@ def toolchain_unavailable_reason() -> str | None:
     except Exception as exc:  # pragma: no cover
         return f"torch.utils.cpp_extension is unavailable: {exc}"
     if torch.version.cuda is None:
-        return f"torch {torch.__version__} is not a CUDA build: the router GEMM extension cannot be built"
+        return f"torch {torch.__version__} is not a CUDA build: the extension (router GEMMs, experts glue) cannot be built"
     if cpp_extension.CUDA_HOME is None:
         return ("CUDA toolkit not found (torch.utils.cpp_extension.CUDA_HOME is None): set CUDA_HOME to the "
                 "directory holding bin/nvcc to build the router GEMM kernels")
@@ -121,7 +122,7 @@ def toolchain_unavailable_reason() -> str | None:
     if not cpp_extension.is_ninja_available():
         return "ninja is not installed (pip install ninja): torch.utils.cpp_extension.load needs it"
     if _failure is not None:
-        return f"building the router GEMM extension failed earlier in this process: {_failure.splitlines()[0]}"
+        return f"building the extension (router GEMMs, experts glue) failed earlier in this process: {_failure.splitlines()[0]}"
     return None
 
 
@@ -156,7 +157,7 @@ def load_router_gemm_ext(verbose: bool = False):
             raise RuntimeError(_failure)
         reason = toolchain_unavailable_reason()
         if reason is not None:
-            raise RuntimeError(f"cannot build the cuda backend's router GEMM extension: {reason}")
+            raise RuntimeError(f"cannot build the cuda backend's extension (router GEMMs, experts glue): {reason}")
         from torch.utils.cpp_extension import load
 
         name = extension_name()
@@ -174,16 +175,18 @@ def load_router_gemm_ext(verbose: bool = False):
             )
         except Exception as exc:  # ninja/nvcc errors arrive as RuntimeError with the compiler output appended
             _failure = (
-                f"building the router GEMM extension {name} failed ({type(exc).__name__}); build directory "
+                f"building the extension {name} (router GEMMs, experts glue) failed ({type(exc).__name__}); build directory "
                 f"{build_dir}; nvcc flags {' '.join(NVCC_FLAGS)}. Compiler output (tail):\n{_tail(str(exc))}"
             )
             raise RuntimeError(_failure) from exc
         return _module
 
 
-def standalone_nvcc_command(nvcc: str, output: str | os.PathLike, *, extra: tuple[str, ...] = ()) -> list[str]:
-    """The nvcc command that compiles ``router_gemm.cu`` alone (no torch headers) to an object file, with the
-    flags of the real build plus torch's common CUDA defines (used by the CPU tests as a compile-only check)."""
+def standalone_nvcc_command(nvcc: str, output: str | os.PathLike, *, extra: tuple[str, ...] = (),
+                            source: str = "router_gemm.cu") -> list[str]:
+    """The nvcc command that compiles one kernel source (``router_gemm.cu`` or ``moe_glue.cu``; neither includes torch
+    headers) alone to an object file, with the flags of the real build plus torch's common CUDA defines (used by the
+    CPU tests as a compile-only check)."""
     return [
         nvcc,
         "-std=c++17",
@@ -197,7 +200,7 @@ def standalone_nvcc_command(nvcc: str, output: str | os.PathLike, *, extra: tupl
         "-fPIC",
         *extra,
         "-c",
-        str(SRC_DIR / "router_gemm.cu"),
+        str(SRC_DIR / source),
         "-o",
         str(output),
     ]
