@@ -135,6 +135,46 @@ std::vector<torch::Tensor> moe_route_plan(const torch::Tensor& topk_ids, const c
   return {offs, inv, token};
 }
 
+// moe_route_plan, then moe_scatter_rows of x into out with that plan; one launch at decode (moe_glue.h).
+std::vector<torch::Tensor> moe_route_plan_scatter(const torch::Tensor& topk_ids,
+                                                  const c10::optional<torch::Tensor>& expert_map,
+                                                  int64_t num_local_experts, const torch::Tensor& x, int64_t mode,
+                                                  const c10::optional<torch::Tensor>& scale_in, bool scale_per_token,
+                                                  torch::Tensor& out, const c10::optional<torch::Tensor>& scale_out) {
+  check_cuda_contig(topk_ids, "topk_ids", topk_ids);
+  check_cuda_contig(x, "x", topk_ids);
+  check_cuda_contig(out, "out", topk_ids);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0), "topk_ids must be (M, topk) for x (M, K)");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
+              "topk_ids must be int32 or int64");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(1) == x.size(1), "x (M, K) and out (R, K) disagree");
+  const bool x_fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(x_fp8 || x.scalar_type() == at::kBFloat16, "x must be bf16 or float8_e4m3fn");
+  const int32_t* map = nullptr;
+  int64_t n_ids = num_local_experts;
+  if (expert_map.has_value()) {
+    check_cuda_contig(*expert_map, "expert_map", topk_ids);
+    TORCH_CHECK(expert_map->scalar_type() == at::kInt && expert_map->dim() == 1, "expert_map must be (E,) int32");
+    map = expert_map->data_ptr<int32_t>();
+    n_ids = expert_map->numel();
+  }
+  const c10::cuda::CUDAGuard guard(topk_ids.device());
+  const int64_t M = topk_ids.size(0), topk = topk_ids.size(1);
+  auto opts = topk_ids.options().dtype(at::kInt);
+  auto offs = torch::empty({num_local_experts}, opts);
+  auto inv = torch::empty({M * topk}, opts);
+  auto token = torch::empty({M * topk}, opts);
+  check_launch(moe_glue::launch_route_plan_scatter(
+                   topk_ids.data_ptr(), topk_ids.scalar_type() == at::kLong, static_cast<int>(M),
+                   static_cast<int>(topk), map, static_cast<int>(n_ids), static_cast<int>(num_local_experts),
+                   offs.data_ptr<int32_t>(), inv.data_ptr<int32_t>(), token.data_ptr<int32_t>(), x.data_ptr(), x_fp8,
+                   static_cast<int>(x.size(1)), static_cast<int>(mode), opt_f32(scale_in, "scale_in", x),
+                   scale_per_token, out.data_ptr(), const_cast<float*>(opt_f32(scale_out, "scale_out", x)),
+                   c10::cuda::getCurrentCUDAStream().stream()),
+               "moe_route_plan_scatter");
+  return {offs, inv, token};
+}
+
 void moe_scatter_rows(const torch::Tensor& x, const torch::Tensor& inv, int64_t topk, int64_t mode,
                       const c10::optional<torch::Tensor>& scale_in, bool scale_per_token, torch::Tensor& out,
                       const c10::optional<torch::Tensor>& scale_out) {
@@ -209,6 +249,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("M"));
   m.def("moe_route_plan", &moe_route_plan, "routes sorted by local expert: (offs, inv, sorted_token)",
         py::arg("topk_ids"), py::arg("expert_map"), py::arg("num_local_experts"));
+  m.def("moe_route_plan_scatter", &moe_route_plan_scatter,
+        "moe_route_plan then moe_scatter_rows (one launch at decode): (offs, inv, sorted_token)", py::arg("topk_ids"),
+        py::arg("expert_map"), py::arg("num_local_experts"), py::arg("x"), py::arg("mode"), py::arg("scale_in"),
+        py::arg("scale_per_token"), py::arg("out"), py::arg("scale_out"));
   m.def("moe_scatter_rows", &moe_scatter_rows, "token rows (quantized) to their routes' rows", py::arg("x"),
         py::arg("inv"), py::arg("topk"), py::arg("mode"), py::arg("scale_in"), py::arg("scale_per_token"),
         py::arg("out"), py::arg("scale_out"));

@@ -443,6 +443,18 @@ def glue_route_plan(ext, topk_ids: torch.Tensor, num_local_experts: int,
     return ext.moe_route_plan(ids.contiguous(), emap, num_local_experts)
 
 
+def glue_route_plan_scatter(ext, topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None,
+                            x: torch.Tensor, mode: int, scale_in: torch.Tensor | None, scale_per_token: bool,
+                            out: torch.Tensor, scale_out: torch.Tensor | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``glue_route_plan`` then ``moe_scatter_rows`` of ``x`` (M, K) into ``out`` (M * topk, K) (and the rows' scales
+    into ``scale_out``), in one launch at decode (``moe_route_plan_scatter``). Returns the plan."""
+    ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.long()
+    emap = None if expert_map is None else expert_map.to(torch.int32).contiguous()
+    return ext.moe_route_plan_scatter(ids.contiguous(), emap, num_local_experts, x, mode, scale_in, scale_per_token,
+                                      out, scale_out)
+
+
 def glue_weight_and_reduce(ext, y: torch.Tensor, inv: torch.Tensor, topk_weights: torch.Tensor, unit_weights: bool,
                            output: torch.Tensor) -> None:
     """``moe_weight_reduce`` into ``output`` (M, K) bf16: ``_weight_and_reduce``'s result, products rounded and
@@ -636,9 +648,9 @@ class CutlassExpertsBf16(_CutlassExpertsBase):
             y = grouped_mm_bf16(g, w2, plan.offs)
             _weight_and_reduce(y, plan, topk_weights, apply_router_weight_on_input, output)
             return
-        offs, inv, _ = glue_route_plan(ext, topk_ids, E, expert_map)
-        a = torch.empty((inv.numel(), K), dtype=BF16, device=hidden_states.device)
-        ext.moe_scatter_rows(hidden_states.contiguous(), inv, topk_ids.shape[1], SCATTER_COPY, None, False, a, None)
+        a = torch.empty((topk_ids.numel(), K), dtype=BF16, device=hidden_states.device)
+        offs, inv, _ = glue_route_plan_scatter(ext, topk_ids, E, expert_map, hidden_states.contiguous(), SCATTER_COPY,
+                                               None, False, a, None)
         h = grouped_mm_bf16(a, w1, offs)
         g, _, _ = self._glue_activation(ext, params, h, I, offs, ACT_OUT_BF16)
         y = grouped_mm_bf16(g, w2, offs)
@@ -749,23 +761,21 @@ class CutlassExpertsFp8(_CutlassExpertsBase):
             self._apply_torch_glue(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map,
                                    a1q_scale, a2_scale, apply_router_weight_on_input, scale_b1, scale_b2, per_token)
             return
-        # 1. The plan, then every token row read once, quantized if it is bf16, and written to its routes' rows.
-        offs, inv, _ = glue_route_plan(ext, topk_ids, E, expert_map)
-        R, topk, dev = inv.numel(), topk_ids.shape[1], hidden_states.device
+        # 1. The plan, and every token row read once, quantized if it is bf16, and written to its routes' rows.
+        R, topk, dev = topk_ids.numel(), topk_ids.shape[1], hidden_states.device
         a = torch.empty((R, K), dtype=FP8, device=dev)
         sa1 = torch.empty(R, dtype=torch.float32, device=dev)
         x = hidden_states.contiguous()
         if x.dtype == FP8:
-            s1 = self._a1_scales(a1q_scale, M, per_token)
-            ext.moe_scatter_rows(x, inv, topk, SCATTER_COPY, s1, per_token, a, sa1)
+            mode, s1 = SCATTER_COPY, self._a1_scales(a1q_scale, M, per_token)
         elif per_token:
-            ext.moe_scatter_rows(x, inv, topk, SCATTER_QUANT_PER_TOKEN, None, False, a, sa1)
+            mode, s1 = SCATTER_QUANT_PER_TOKEN, None
         elif qc.a1_scale is not None:
-            s1 = _one_scale(qc.a1_scale, "a1")
-            ext.moe_scatter_rows(x, inv, topk, SCATTER_QUANT_STATIC_TENSOR, s1, False, a, sa1)
+            mode, s1 = SCATTER_QUANT_STATIC_TENSOR, _one_scale(qc.a1_scale, "a1")
         else:  # dynamic per-tensor: the amax of the whole input first
-            q, s1 = quant_fp8_per_tensor(x, None)
-            ext.moe_scatter_rows(q, inv, topk, SCATTER_COPY, s1, False, a, sa1)
+            x, s1 = quant_fp8_per_tensor(x, None)
+            mode = SCATTER_COPY
+        offs, inv, _ = glue_route_plan_scatter(ext, topk_ids, E, expert_map, x, mode, s1, per_token, a, sa1)
         # 2. GEMM1, activation + requantization, GEMM2, weight and reduce.
         h = scaled_grouped_mm_fp8(a, w1, sa1, scale_b1, offs)
         if per_token:

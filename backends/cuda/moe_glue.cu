@@ -101,9 +101,10 @@ __device__ __forceinline__ int local_expert(IdT id, const int32_t* __restrict__ 
 }
 
 template <typename IdT>
-__global__ void __launch_bounds__(kPlanWarps * 32)
-    route_plan_kernel(const IdT* __restrict__ ids, int R, int topk, const int32_t* __restrict__ map, int n_ids,
-                      int E, int32_t* __restrict__ offs, int32_t* __restrict__ inv, int32_t* __restrict__ token) {
+__device__ __forceinline__ void plan_body(const IdT* __restrict__ ids, int R, int topk,
+                                          const int32_t* __restrict__ map, int n_ids, int E,
+                                          int32_t* __restrict__ offs, int32_t* __restrict__ inv,
+                                          int32_t* __restrict__ token) {
   extern __shared__ int32_t smem[];  // [kPlanWarps][E] counts, then bases; [32] warp sums
   int32_t* warp_sums = smem + kPlanWarps * E;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -174,6 +175,13 @@ __global__ void __launch_bounds__(kPlanWarps * 32)
   }
 }
 
+template <typename IdT>
+__global__ void __launch_bounds__(kPlanWarps * 32)
+    route_plan_kernel(const IdT* __restrict__ ids, int R, int topk, const int32_t* __restrict__ map, int n_ids,
+                      int E, int32_t* __restrict__ offs, int32_t* __restrict__ inv, int32_t* __restrict__ token) {
+  plan_body(ids, R, topk, map, n_ids, E, offs, inv, token);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Scatter rows: one block per token; its row is read (and quantized) once and written to each local route's row.
 // ---------------------------------------------------------------------------------------------------------------
@@ -237,6 +245,76 @@ __global__ void __launch_bounds__(kScatterThreads)
     }
     if (threadIdx.x < n_dst) scale_out[dst[threadIdx.x]] = s;
   }
+}
+
+// The same for a few tokens in the plan's own block (one launch instead of two at decode): a warp per token, its
+// routes' rows read back from ``inv`` (written by this block before the barrier).
+template <bool X_FP8, int MODE>
+__device__ void scatter_token_warp(int t, int lane, const uint8_t* __restrict__ x, int K, int topk,
+                                   const int32_t* __restrict__ inv, const float* __restrict__ scale_in,
+                                   bool per_token, uint8_t* __restrict__ out, float* __restrict__ scale_out) {
+  const int32_t* dst = inv + static_cast<int64_t>(t) * topk;
+  if constexpr (MODE == kCopy) {
+    const int elem = X_FP8 ? 1 : 2;
+    const int nvec = K * elem / 16;
+    const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * K * elem);
+    for (int v = lane; v < nvec; v += 32) {
+      const uint4 val = src[v];
+      for (int k = 0; k < topk; ++k) {
+        const int pos = dst[k];
+        if (pos >= 0) reinterpret_cast<uint4*>(out + static_cast<int64_t>(pos) * K * elem)[v] = val;
+      }
+    }
+    if (X_FP8) {
+      for (int k = lane; k < topk; k += 32)
+        if (dst[k] >= 0) scale_out[dst[k]] = scale_in[per_token ? t : 0];
+    }
+  } else {
+    const int nvec = K / 8;
+    const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * K * 2);
+    float s, mult = 0.0f;
+    if constexpr (MODE == kQuantPerToken) {
+      float amax = 0.0f;
+      for (int v = lane; v < nvec; v += 32) {
+        float f[8];
+        unpack_bf16x8(src[v], f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = nanmax(amax, fabsf(f[i]));
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) amax = nanmax(amax, __shfl_xor_sync(kFull, amax, o));
+      s = token_scale(amax);
+    } else {
+      s = scale_in[0];
+      mult = s == 0.0f ? 0.0f : 1.0f / s;
+    }
+    for (int v = lane; v < nvec; v += 32) {
+      float f[8];
+      unpack_bf16x8(src[v], f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] = MODE == kQuantPerToken ? f[i] / s : f[i] * mult;
+      const uint2 q = pack_e4m3x8(f);
+      for (int k = 0; k < topk; ++k) {
+        const int pos = dst[k];
+        if (pos >= 0) reinterpret_cast<uint2*>(out + static_cast<int64_t>(pos) * K)[v] = q;
+      }
+    }
+    for (int k = lane; k < topk; k += 32)
+      if (dst[k] >= 0) scale_out[dst[k]] = s;
+  }
+}
+
+template <typename IdT, bool X_FP8, int MODE>
+__global__ void __launch_bounds__(kPlanWarps * 32)
+    route_plan_scatter_kernel(const IdT* __restrict__ ids, int M, int topk, const int32_t* __restrict__ map,
+                              int n_ids, int E, int32_t* __restrict__ offs, int32_t* __restrict__ inv,
+                              int32_t* __restrict__ token, const uint8_t* __restrict__ x, int K,
+                              const float* __restrict__ scale_in, bool per_token, uint8_t* __restrict__ out,
+                              float* __restrict__ scale_out) {
+  plan_body(ids, M * topk, topk, map, n_ids, E, offs, inv, token);
+  __syncthreads();  // inv, written above by this block, is read back below
+  for (int t = threadIdx.x >> 5; t < M; t += kPlanWarps)
+    scatter_token_warp<X_FP8, MODE>(t, threadIdx.x & 31, x, K, topk, inv, scale_in, per_token, out, scale_out);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -381,6 +459,7 @@ __global__ void __launch_bounds__(256)
 // ---------------------------------------------------------------------------------------------------------------
 
 constexpr int kReduceThreads = 128;
+constexpr int kReduceChunk = 8;  // routes whose rows are loaded together
 
 __global__ void __launch_bounds__(kReduceThreads)
     weight_reduce_kernel(const __nv_bfloat16* __restrict__ y, int K, int topk, const int32_t* __restrict__ inv,
@@ -390,16 +469,26 @@ __global__ void __launch_bounds__(kReduceThreads)
   if (col >= K) return;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   bool poisoned = false;
-  for (int k = 0; k < topk; ++k) {
-    const int64_t r = static_cast<int64_t>(t) * topk + k;
-    const int pos = inv[r];
-    poisoned |= pos == -2;
-    if (pos < 0) continue;
-    const float wk = w ? w[r] : 1.0f;
-    float f[8];
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(y + static_cast<int64_t>(pos) * K + col), f);
+  const int32_t* rows = inv + static_cast<int64_t>(t) * topk;
+  for (int k0 = 0; k0 < topk; k0 += kReduceChunk) {
+    // all loads of the chunk first (independent), then the sums in k order
+    uint4 v[kReduceChunk];
+    int pos[kReduceChunk];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk, f[i]));
+    for (int j = 0; j < kReduceChunk; ++j) {
+      pos[j] = k0 + j < topk ? rows[k0 + j] : -1;
+      if (pos[j] >= 0) v[j] = *reinterpret_cast<const uint4*>(y + static_cast<int64_t>(pos[j]) * K + col);
+    }
+#pragma unroll
+    for (int j = 0; j < kReduceChunk; ++j) {
+      poisoned |= pos[j] == -2;
+      if (pos[j] < 0) continue;
+      const float wk = w ? w[static_cast<int64_t>(t) * topk + k0 + j] : 1.0f;
+      float f[8];
+      unpack_bf16x8(v[j], f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk, f[i]));
+    }
   }
   if (poisoned) {
 #pragma unroll
@@ -489,6 +578,70 @@ cudaError_t launch_scatter_rows(const void* x, bool x_fp8, int M, int K, int top
     return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
+}
+
+namespace {
+
+template <typename IdT, bool X_FP8, int MODE>
+cudaError_t launch_fused(const void* ids, int M, int topk, const int32_t* map, int n_ids, int E, int32_t* offs,
+                         int32_t* inv, int32_t* token, const void* x, int K, const float* scale_in, bool per_token,
+                         void* out, float* scale_out, size_t smem, cudaStream_t stream) {
+  auto* kernel = route_plan_scatter_kernel<IdT, X_FP8, MODE>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<1, kPlanWarps * 32, smem, stream>>>(static_cast<const IdT*>(ids), M, topk, map, n_ids, E, offs, inv, token,
+                                               static_cast<const uint8_t*>(x), K, scale_in, per_token,
+                                               static_cast<uint8_t*>(out), scale_out);
+  return cudaGetLastError();
+}
+
+template <typename IdT>
+cudaError_t launch_fused_modes(bool x_fp8, int mode, const void* ids, int M, int topk, const int32_t* map, int n_ids,
+                               int E, int32_t* offs, int32_t* inv, int32_t* token, const void* x, int K,
+                               const float* scale_in, bool per_token, void* out, float* scale_out, size_t smem,
+                               cudaStream_t stream) {
+  if (x_fp8)
+    return launch_fused<IdT, true, kCopy>(ids, M, topk, map, n_ids, E, offs, inv, token, x, K, scale_in, per_token,
+                                          out, scale_out, smem, stream);
+  if (mode == kCopy)
+    return launch_fused<IdT, false, kCopy>(ids, M, topk, map, n_ids, E, offs, inv, token, x, K, scale_in, false, out,
+                                           scale_out, smem, stream);
+  if (mode == kQuantPerToken)
+    return launch_fused<IdT, false, kQuantPerToken>(ids, M, topk, map, n_ids, E, offs, inv, token, x, K, scale_in,
+                                                    false, out, scale_out, smem, stream);
+  return launch_fused<IdT, false, kQuantStaticTensor>(ids, M, topk, map, n_ids, E, offs, inv, token, x, K, scale_in,
+                                                      false, out, scale_out, smem, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_route_plan_scatter(const void* topk_ids, bool ids_int64, int M, int topk, const int32_t* expert_map,
+                                      int n_ids, int E_local, int32_t* offs, int32_t* inv, int32_t* sorted_token,
+                                      const void* x, bool x_fp8, int K, int mode, const float* scale_in,
+                                      bool scale_per_token, void* out, float* scale_out, cudaStream_t stream) {
+  const int64_t out_bytes = static_cast<int64_t>(M) * topk * K * ((x_fp8 || mode != kCopy) ? 1 : 2);
+  if (out_bytes > kFusedScatterMaxBytes) {
+    const cudaError_t err = launch_route_plan(topk_ids, ids_int64, M, topk, expert_map, n_ids, E_local, offs, inv,
+                                              sorted_token, stream);
+    if (err != cudaSuccess) return err;
+    return launch_scatter_rows(x, x_fp8, M, K, topk, inv, mode, scale_in, scale_per_token, out, scale_out, stream);
+  }
+  // the two launchers' checks, for the one fused launch
+  if (M < 1 || topk < 1 || E_local < 1 || E_local > kMaxLocalExperts || n_ids < 1 || !topk_ids || !offs || !inv ||
+      !sorted_token || K < 8 || K % (x_fp8 ? 16 : 8) || !x || !out || !aligned16(x) || !aligned16(out) ||
+      mode < kCopy || mode > kQuantStaticTensor || (x_fp8 && mode != kCopy))
+    return cudaErrorInvalidValue;
+  if ((x_fp8 || mode != kCopy) && !scale_out) return cudaErrorInvalidValue;
+  if ((x_fp8 || mode == kQuantStaticTensor) && !scale_in) return cudaErrorInvalidValue;
+  const size_t smem = (static_cast<size_t>(kPlanWarps) * E_local + 32) * sizeof(int32_t);
+  return ids_int64 ? launch_fused_modes<int64_t>(x_fp8, mode, topk_ids, M, topk, expert_map, n_ids, E_local, offs,
+                                                 inv, sorted_token, x, K, scale_in, scale_per_token, out, scale_out,
+                                                 smem, stream)
+                   : launch_fused_modes<int32_t>(x_fp8, mode, topk_ids, M, topk, expert_map, n_ids, E_local, offs,
+                                                 inv, sorted_token, x, K, scale_in, scale_per_token, out, scale_out,
+                                                 smem, stream);
 }
 
 cudaError_t launch_act_quant(const void* h, int R, int N, int act, float alpha, float beta, float limit,

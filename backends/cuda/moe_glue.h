@@ -29,6 +29,8 @@ namespace moe_glue {
 constexpr int kMaxLocalExperts = 1023;  // torch's CUTLASS grouped GEMMs take fewer than 1024 groups
 constexpr int kMaxActWidth = 16384;     // I: the activated row is staged in shared memory as bf16
 constexpr float kFp8Max = 448.0f;
+// launch_route_plan_scatter runs one fused launch (the plan's block scatters too) when it writes at most this much
+constexpr long long kFusedScatterMaxBytes = 256 << 10;
 
 // Activations, in the order of reference.activation.MoEActivation's gated / no-mul members that the backend claims.
 enum Act : int {
@@ -66,6 +68,13 @@ cudaError_t launch_route_plan(const void* topk_ids, bool ids_int64, int M, int t
 cudaError_t launch_scatter_rows(const void* x, bool x_fp8, int M, int K, int topk, const int32_t* inv, int mode,
                                 const float* scale_in, bool scale_per_token, void* out, float* scale_out,
                                 cudaStream_t stream);
+
+// launch_route_plan, then launch_scatter_rows with that inv; one launch (the plan's block, a warp per token) when
+// the rows written total at most kFusedScatterMaxBytes (decode: M * topk * K bytes).
+cudaError_t launch_route_plan_scatter(const void* topk_ids, bool ids_int64, int M, int topk, const int32_t* expert_map,
+                                      int n_ids, int E_local, int32_t* offs, int32_t* inv, int32_t* sorted_token,
+                                      const void* x, bool x_fp8, int K, int mode, const float* scale_in,
+                                      bool scale_per_token, void* out, float* scale_out, cudaStream_t stream);
 
 // h (R, N) bf16 -> out (R, I) bf16 or e4m3 over the rows r < offs[E_local - 1]; scale_out (R,) for
 // kActFp8PerToken; static_scale (1,) for kActFp8StaticTensor; amax_out (1,) fp32 (zeroed by the caller), or null,

@@ -78,37 +78,54 @@ def check_route_plan(dev) -> str | None:
 
 
 def check_scatter(dev) -> str | None:
+    """moe_route_plan_scatter at M = 67 (plan, then a block per token) and M = 1, 3 (one fused launch)."""
     ext = load_router_gemm_ext()
     gen = torch.Generator().manual_seed(2)
-    M, topk, E, K = 67, 8, 16, 2048
+    for M in (67, 1, 3):
+        if why := _check_scatter_at(ext, dev, gen, M):
+            return f"M={M}: {why}"
+    return None
+
+
+def _check_scatter_at(ext, dev, gen, M: int) -> str | None:
+    topk, E, K = 8, 16, 2048
     ids, _ = _routes(M, topk, E, dev, gen=gen)
-    offs, inv, _ = ce.glue_route_plan(ext, ids, E, None)
     plan = ce.route_plan(ids, E, None)
-    n, R = int(offs[-1]), M * topk
-    rows = plan.token[:n]
+    R = M * topk
     x = (torch.randn(M, K, generator=gen) * 3).to(BF16).to(dev)
-    x[3] = 0
-    x[5, 7] = float("inf")
-    x[6, 9] = float("nan")
-    # per-token quantization
+    if M > 6:
+        x[3] = 0
+        x[5, 7] = float("inf")
+        x[6, 9] = float("nan")
     a, sa = torch.empty(R, K, dtype=FP8, device=dev), torch.empty(R, device=dev)
-    ext.moe_scatter_rows(x, inv, topk, ce.SCATTER_QUANT_PER_TOKEN, None, False, a, sa)
+
+    def scatter(x, mode, scale_in, per_token, out, scale_out):
+        offs, inv, token = ce.glue_route_plan_scatter(ext, ids, E, None, x, mode, scale_in, per_token, out, scale_out)
+        n = int(plan.offs[-1])
+        ok = torch.equal(offs, plan.offs) and torch.equal(token[:n].long(), plan.token[:n])
+        return n, ok
+
+    # per-token quantization
+    n, ok = scatter(x, ce.SCATTER_QUANT_PER_TOKEN, None, False, a, sa)
+    rows = plan.token[:n]
     q, s = ce.quant_fp8_per_token(x)
+    if not ok:
+        return "the plan differs"
     if (d := _bits_equal(a[:n], q[rows])) or _bits_equal(sa[:n], s[rows]):
         return f"per-token: {d} codes differ"
     # static per-tensor quantization
     s_static = torch.tensor([0.0173], device=dev)
-    ext.moe_scatter_rows(x, inv, topk, ce.SCATTER_QUANT_STATIC_TENSOR, s_static, False, a, sa)
+    scatter(x, ce.SCATTER_QUANT_STATIC_TENSOR, s_static, False, a, sa)
     q, _ = ce.quant_fp8_per_tensor(x, s_static)
     if (d := _bits_equal(a[:n], q[rows])) or not torch.all(sa[:n] == s_static):
         return f"static per-tensor: {d} codes differ"
     # copies: bf16 rows, FP8 codes with per-token scales
     b = torch.empty(R, K, dtype=BF16, device=dev)
-    ext.moe_scatter_rows(x, inv, topk, ce.SCATTER_COPY, None, False, b, None)
+    scatter(x, ce.SCATTER_COPY, None, False, b, None)
     if _bits_equal(b[:n], x[rows]):
         return "bf16 copy differs"
     q, s = ce.quant_fp8_per_token(x)
-    ext.moe_scatter_rows(q, inv, topk, ce.SCATTER_COPY, s, True, a, sa)
+    scatter(q, ce.SCATTER_COPY, s, True, a, sa)
     if _bits_equal(a[:n], q[rows]) or _bits_equal(sa[:n], s[rows]):
         return "FP8 copy differs"
     return None
