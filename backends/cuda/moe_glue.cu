@@ -247,60 +247,81 @@ __global__ void __launch_bounds__(kScatterThreads)
   }
 }
 
-// The same for a few tokens in the plan's own block (one launch instead of two at decode): a warp per token, its
-// routes' rows read back from ``inv`` (written by this block before the barrier).
+// The same for a few tokens in the plan's own block (one launch instead of two at decode): the block's warps split
+// into groups of 32 / M warps (at least one), a group per token, so every row is read with the whole block's
+// parallelism; the routes' rows are read back from ``inv`` (written by this block before the barrier).
 template <bool X_FP8, int MODE>
-__device__ void scatter_token_warp(int t, int lane, const uint8_t* __restrict__ x, int K, int topk,
-                                   const int32_t* __restrict__ inv, const float* __restrict__ scale_in,
-                                   bool per_token, uint8_t* __restrict__ out, float* __restrict__ scale_out) {
-  const int32_t* dst = inv + static_cast<int64_t>(t) * topk;
-  if constexpr (MODE == kCopy) {
-    const int elem = X_FP8 ? 1 : 2;
-    const int nvec = K * elem / 16;
-    const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * K * elem);
-    for (int v = lane; v < nvec; v += 32) {
-      const uint4 val = src[v];
-      for (int k = 0; k < topk; ++k) {
-        const int pos = dst[k];
-        if (pos >= 0) reinterpret_cast<uint4*>(out + static_cast<int64_t>(pos) * K * elem)[v] = val;
-      }
-    }
-    if (X_FP8) {
-      for (int k = lane; k < topk; k += 32)
-        if (dst[k] >= 0) scale_out[dst[k]] = scale_in[per_token ? t : 0];
-    }
-  } else {
-    const int nvec = K / 8;
-    const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * K * 2);
-    float s, mult = 0.0f;
+__device__ void scatter_tokens_block(int M, const uint8_t* __restrict__ x, int K, int topk,
+                                     const int32_t* __restrict__ inv, const float* __restrict__ scale_in,
+                                     bool per_token, uint8_t* __restrict__ out, float* __restrict__ scale_out) {
+  __shared__ float red[kPlanWarps];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wpt = max(1, kPlanWarps / M);  // warps per token
+  const int groups = kPlanWarps / wpt;     // tokens per round
+  const int g = warp / wpt, gthreads = wpt * 32, gt = (warp % wpt) * 32 + lane;
+  const int elem = (X_FP8 || MODE != kCopy) ? 1 : 2;  // output bytes per element
+  const int nvec = MODE == kCopy ? K * elem / 16 : K / 8;
+  for (int t0 = 0; t0 < M; t0 += groups) {  // block-uniform rounds: the barriers below are reached by all
+    const int t = t0 + g;
+    const bool active = g < groups && t < M;
+    const int32_t* dst = inv + static_cast<int64_t>(t) * topk;
+    float s = 0.0f, mult = 0.0f;
     if constexpr (MODE == kQuantPerToken) {
       float amax = 0.0f;
-      for (int v = lane; v < nvec; v += 32) {
-        float f[8];
-        unpack_bf16x8(src[v], f);
+      if (active) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * K * 2);
+        for (int v = gt; v < nvec; v += gthreads) {
+          float f[8];
+          unpack_bf16x8(src[v], f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax = nanmax(amax, fabsf(f[i]));
+          for (int i = 0; i < 8; ++i) amax = nanmax(amax, fabsf(f[i]));
+        }
       }
 #pragma unroll
       for (int o = 16; o; o >>= 1) amax = nanmax(amax, __shfl_xor_sync(kFull, amax, o));
-      s = token_scale(amax);
-    } else {
+      if (lane == 0) red[warp] = amax;
+      __syncthreads();
+      if (active) {
+        float a = red[g * wpt];
+        for (int w = 1; w < wpt; ++w) a = nanmax(a, red[g * wpt + w]);
+        s = token_scale(a);
+      }
+    } else if constexpr (MODE == kQuantStaticTensor) {
       s = scale_in[0];
       mult = s == 0.0f ? 0.0f : 1.0f / s;
+    } else if (X_FP8) {
+      s = scale_in[per_token ? (active ? t : 0) : 0];
     }
-    for (int v = lane; v < nvec; v += 32) {
-      float f[8];
-      unpack_bf16x8(src[v], f);
+    if (active) {
+      if constexpr (MODE == kCopy) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * K * elem);
+        for (int v = gt; v < nvec; v += gthreads) {
+          const uint4 val = src[v];
+          for (int k = 0; k < topk; ++k) {
+            const int pos = dst[k];
+            if (pos >= 0) reinterpret_cast<uint4*>(out + static_cast<int64_t>(pos) * K * elem)[v] = val;
+          }
+        }
+      } else {
+        const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * K * 2);
+        for (int v = gt; v < nvec; v += gthreads) {  // the row is in L1 / L2 now (per token: read above)
+          float f[8];
+          unpack_bf16x8(src[v], f);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) f[i] = MODE == kQuantPerToken ? f[i] / s : f[i] * mult;
-      const uint2 q = pack_e4m3x8(f);
-      for (int k = 0; k < topk; ++k) {
-        const int pos = dst[k];
-        if (pos >= 0) reinterpret_cast<uint2*>(out + static_cast<int64_t>(pos) * K)[v] = q;
+          for (int i = 0; i < 8; ++i) f[i] = MODE == kQuantPerToken ? f[i] / s : f[i] * mult;
+          const uint2 q = pack_e4m3x8(f);
+          for (int k = 0; k < topk; ++k) {
+            const int pos = dst[k];
+            if (pos >= 0) reinterpret_cast<uint2*>(out + static_cast<int64_t>(pos) * K)[v] = q;
+          }
+        }
+      }
+      if (X_FP8 || MODE != kCopy) {
+        for (int k = gt; k < topk; k += gthreads)
+          if (dst[k] >= 0) scale_out[dst[k]] = s;
       }
     }
-    for (int k = lane; k < topk; k += 32)
-      if (dst[k] >= 0) scale_out[dst[k]] = s;
+    __syncthreads();  // red is rewritten by the next round
   }
 }
 
@@ -313,8 +334,7 @@ __global__ void __launch_bounds__(kPlanWarps * 32)
                               float* __restrict__ scale_out) {
   plan_body(ids, M * topk, topk, map, n_ids, E, offs, inv, token);
   __syncthreads();  // inv, written above by this block, is read back below
-  for (int t = threadIdx.x >> 5; t < M; t += kPlanWarps)
-    scatter_token_warp<X_FP8, MODE>(t, threadIdx.x & 31, x, K, topk, inv, scale_in, per_token, out, scale_out);
+  scatter_tokens_block<X_FP8, MODE>(M, x, K, topk, inv, scale_in, per_token, out, scale_out);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
