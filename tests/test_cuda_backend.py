@@ -629,9 +629,7 @@ def test_nvcc_compiles_moe_glue_for_sm90a(tmp_path):
     # weight_reduce: 1.
     assert len(entries) == 2 + 4 + 2 * 4 + 9 * 3 + 1, len(entries)
     spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", proc.stdout)]
-    # the fused plan + per-token scatter (1024 threads, 64 registers) keeps a few words on the stack around the IEEE
-    # division's slow path; nothing else spills
-    assert max(spills) <= 32, "a glue kernel spills registers"
+    assert max(spills) == 0, "a glue kernel spills registers"
 
 
 # ------------------------------------------------------------------------------------------------------------

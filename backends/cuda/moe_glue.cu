@@ -108,11 +108,14 @@ __device__ __forceinline__ void plan_body(const IdT* __restrict__ ids, int R, in
   extern __shared__ int32_t smem[];  // [kPlanWarps][E] counts, then bases; [32] warp sums
   int32_t* warp_sums = smem + kPlanWarps * E;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  for (int i = tid; i < kPlanWarps * E; i += blockDim.x) smem[i] = 0;
+  // At least 32 routes per warp: at decode one warp holds them all, and the per-expert column sums below run over
+  // the busy warps only (over all 32 they cost ~2 us of shared-memory latency at M = 1).
+  const int nw = min(kPlanWarps, (R + 31) / 32);
+  for (int i = tid; i < nw * E; i += blockDim.x) smem[i] = 0;
   __syncthreads();
 
-  const int per_warp = (R + kPlanWarps - 1) / kPlanWarps;
-  const int r0 = min(R, warp * per_warp), r1 = min(R, r0 + per_warp);
+  const int per_warp = (R + nw - 1) / nw;
+  const int r0 = warp < nw ? min(R, warp * per_warp) : R, r1 = min(R, r0 + per_warp);
   int32_t* cnt = smem + warp * E;
   for (int r = r0 + lane; r < r1; r += 32) {
     const int e = local_expert(ids[r], map, n_ids, E);
@@ -123,7 +126,7 @@ __device__ __forceinline__ void plan_body(const IdT* __restrict__ ids, int R, in
   // Thread e: the warps' counts of expert e become exclusive prefixes; total = rows of expert e.
   int total = 0;
   if (tid < E) {
-    for (int w = 0; w < kPlanWarps; ++w) {
+    for (int w = 0; w < nw; ++w) {
       const int c = smem[w * E + tid];
       smem[w * E + tid] = total;
       total += c;
@@ -152,7 +155,7 @@ __device__ __forceinline__ void plan_body(const IdT* __restrict__ ids, int R, in
   if (tid < E) {
     const int start = warp_sums[warp] + incl - total;
     offs[tid] = start + total;
-    for (int w = 0; w < kPlanWarps; ++w) smem[w * E + tid] += start;
+    for (int w = 0; w < nw; ++w) smem[w * E + tid] += start;
   }
   __syncthreads();
 
@@ -255,6 +258,7 @@ __device__ void scatter_tokens_block(int M, const uint8_t* __restrict__ x, int K
                                      const int32_t* __restrict__ inv, const float* __restrict__ scale_in,
                                      bool per_token, uint8_t* __restrict__ out, float* __restrict__ scale_out) {
   __shared__ float red[kPlanWarps];
+  __shared__ int rows[kPlanWarps][kMaxTopk];  // each group's token's rows, read once from inv
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wpt = max(1, kPlanWarps / M);  // warps per token
   const int groups = kPlanWarps / wpt;     // tokens per round
@@ -264,7 +268,10 @@ __device__ void scatter_tokens_block(int M, const uint8_t* __restrict__ x, int K
   for (int t0 = 0; t0 < M; t0 += groups) {  // block-uniform rounds: the barriers below are reached by all
     const int t = t0 + g;
     const bool active = g < groups && t < M;
-    const int32_t* dst = inv + static_cast<int64_t>(t) * topk;
+    int* dst = rows[active ? g : 0];
+    if (active)
+      for (int k = gt; k < topk; k += gthreads) dst[k] = inv[static_cast<int64_t>(t) * topk + k];
+    __syncthreads();
     float s = 0.0f, mult = 0.0f;
     if constexpr (MODE == kQuantPerToken) {
       float amax = 0.0f;
@@ -649,8 +656,8 @@ cudaError_t launch_route_plan_scatter(const void* topk_ids, bool ids_int64, int 
     return launch_scatter_rows(x, x_fp8, M, K, topk, inv, mode, scale_in, scale_per_token, out, scale_out, stream);
   }
   // the two launchers' checks, for the one fused launch
-  if (M < 1 || topk < 1 || E_local < 1 || E_local > kMaxLocalExperts || n_ids < 1 || !topk_ids || !offs || !inv ||
-      !sorted_token || K < 8 || K % (x_fp8 ? 16 : 8) || !x || !out || !aligned16(x) || !aligned16(out) ||
+  if (M < 1 || topk < 1 || topk > kMaxTopk || E_local < 1 || E_local > kMaxLocalExperts || n_ids < 1 || !topk_ids ||
+      !offs || !inv || !sorted_token || K < 8 || K % (x_fp8 ? 16 : 8) || !x || !out || !aligned16(x) || !aligned16(out) ||
       mode < kCopy || mode > kQuantStaticTensor || (x_fp8 && mode != kCopy))
     return cudaErrorInvalidValue;
   if ((x_fp8 || mode != kCopy) && !scale_out) return cudaErrorInvalidValue;
