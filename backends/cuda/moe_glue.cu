@@ -273,13 +273,16 @@ __device__ void scatter_tokens_block(int M, const uint8_t* __restrict__ x, int K
       for (int k = gt; k < topk; k += gthreads) dst[k] = inv[static_cast<int64_t>(t) * topk + k];
     __syncthreads();
     float s = 0.0f, mult = 0.0f;
+    uint4 first = make_uint4(0, 0, 0, 0);  // this thread's first vector, kept for the second pass (decode: the only)
     if constexpr (MODE == kQuantPerToken) {
       float amax = 0.0f;
       if (active) {
         const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * K * 2);
         for (int v = gt; v < nvec; v += gthreads) {
+          const uint4 raw = src[v];
+          if (v == gt) first = raw;
           float f[8];
-          unpack_bf16x8(src[v], f);
+          unpack_bf16x8(raw, f);
 #pragma unroll
           for (int i = 0; i < 8; ++i) amax = nanmax(amax, fabsf(f[i]));
         }
@@ -288,11 +291,11 @@ __device__ void scatter_tokens_block(int M, const uint8_t* __restrict__ x, int K
       for (int o = 16; o; o >>= 1) amax = nanmax(amax, __shfl_xor_sync(kFull, amax, o));
       if (lane == 0) red[warp] = amax;
       __syncthreads();
-      if (active) {
-        float a = red[g * wpt];
-        for (int w = 1; w < wpt; ++w) a = nanmax(a, red[g * wpt + w]);
-        s = token_scale(a);
-      }
+      // the group's warps' maxima, combined by shuffles (g, hence ``active``, is the same on all lanes of a warp)
+      float a = lane < wpt && g < groups ? red[g * wpt + lane] : 0.0f;
+#pragma unroll
+      for (int o = 16; o; o >>= 1) a = nanmax(a, __shfl_xor_sync(kFull, a, o));
+      s = token_scale(a);
     } else if constexpr (MODE == kQuantStaticTensor) {
       s = scale_in[0];
       mult = s == 0.0f ? 0.0f : 1.0f / s;
@@ -313,7 +316,7 @@ __device__ void scatter_tokens_block(int M, const uint8_t* __restrict__ x, int K
         const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * K * 2);
         for (int v = gt; v < nvec; v += gthreads) {  // the row is in L1 / L2 now (per token: read above)
           float f[8];
-          unpack_bf16x8(src[v], f);
+          unpack_bf16x8(MODE == kQuantPerToken && v == gt ? first : src[v], f);
 #pragma unroll
           for (int i = 0; i < 8; ++i) f[i] = MODE == kQuantPerToken ? f[i] / s : f[i] * mult;
           const uint2 q = pack_e4m3x8(f);
