@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -69,12 +68,21 @@ def test_gate_work_and_rotation():
     assert timing.rotation_sets(1.0, 50 * 2**20) == 16
 
 
-def test_cpu_runner_feeds_the_clock_and_plants_slowdown():
-    def call(i):
-        time.sleep(0.002)
+def test_cpu_runner_feeds_the_clock_and_plants_slowdown(monkeypatch):
+    # A fake perf_counter, so that a loaded machine cannot stretch the measured time: each read advances it by 1 us,
+    # each call by 2 ms (the planted slowdown's busy wait then ends after its 1 ms of reads).
+    now = [0.0]
 
+    def clock():
+        now[0] += 1e-6
+        return now[0]
+
+    def call(i):
+        now[0] += 0.002
+
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
     settings = timing.Settings(budget_s=0.02, min_rounds=3)
-    for slowdown, lo, hi in ((0.0, 0.0019, 0.004), (0.5, 0.0029, 0.006)):
+    for slowdown, lo, hi in ((0.0, 0.002, 0.0021), (0.5, 0.003, 0.0031)):
         r = timing.Runner(call, 2, "cpu", settings, slowdown=slowdown)
         r.prepare()
         assert r.method == "wall-clock" and r.rounds >= 3
