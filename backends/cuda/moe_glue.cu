@@ -91,6 +91,7 @@ __device__ __forceinline__ float token_scale(float amax) {
 // ---------------------------------------------------------------------------------------------------------------
 
 constexpr int kPlanWarps = 32;
+constexpr int kPlanBatch = 4;  // warp-steps of ids loaded together
 
 template <typename IdT>
 __device__ __forceinline__ int local_expert(IdT id, const int32_t* __restrict__ map, int n_ids, int E) {
@@ -117,9 +118,18 @@ __device__ __forceinline__ void plan_body(const IdT* __restrict__ ids, int R, in
   const int per_warp = (R + nw - 1) / nw;
   const int r0 = warp < nw ? min(R, warp * per_warp) : R, r1 = min(R, r0 + per_warp);
   int32_t* cnt = smem + warp * E;
-  for (int r = r0 + lane; r < r1; r += 32) {
-    const int e = local_expert(ids[r], map, n_ids, E);
-    if (e >= 0) atomicAdd(&cnt[e], 1);
+  // The ids are read kPlanBatch warp-steps at a time (independent loads in flight: one block streams every route,
+  // so latency, not bandwidth, bounds this kernel).
+  for (int b0 = r0; b0 < r1; b0 += 32 * kPlanBatch) {
+    int eb[kPlanBatch];
+#pragma unroll
+    for (int j = 0; j < kPlanBatch; ++j) {
+      const int r = b0 + 32 * j + lane;
+      eb[j] = r < r1 ? local_expert(ids[r], map, n_ids, E) : -3;
+    }
+#pragma unroll
+    for (int j = 0; j < kPlanBatch; ++j)
+      if (eb[j] >= 0) atomicAdd(&cnt[eb[j]], 1);
   }
   __syncthreads();
 
@@ -161,20 +171,28 @@ __device__ __forceinline__ void plan_body(const IdT* __restrict__ ids, int R, in
 
   // Hand out rows: lanes with the same expert are ranked by lane (= route order); the lowest lane advances.
   const unsigned lower = (1u << lane) - 1u;
-  for (int base = r0; base < r1; base += 32) {  // warp-uniform bounds: every lane takes part in the match
-    const int r = base + lane;
-    const int e = r < r1 ? local_expert(ids[r], map, n_ids, E) : -3;
-    const unsigned peers = __match_any_sync(kFull, e);
-    if (e >= 0) {
-      const int pos = cnt[e] + __popc(peers & lower);
-      inv[r] = pos;
-      token[pos] = r / topk;
-    } else if (r < r1) {
-      inv[r] = e;
+  for (int b0 = r0; b0 < r1; b0 += 32 * kPlanBatch) {  // warp-uniform bounds: every lane takes part in the match
+    int eb[kPlanBatch];
+#pragma unroll
+    for (int j = 0; j < kPlanBatch; ++j) {
+      const int r = b0 + 32 * j + lane;
+      eb[j] = r < r1 ? local_expert(ids[r], map, n_ids, E) : -3;
     }
-    __syncwarp();
-    if (e >= 0 && (peers & lower) == 0) cnt[e] += __popc(peers);
-    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < kPlanBatch; ++j) {
+      const int r = b0 + 32 * j + lane, e = eb[j];
+      const unsigned peers = __match_any_sync(kFull, e);
+      if (e >= 0) {
+        const int pos = cnt[e] + __popc(peers & lower);
+        inv[r] = pos;
+        token[pos] = r / topk;
+      } else if (r < r1) {
+        inv[r] = e;
+      }
+      __syncwarp();
+      if (e >= 0 && (peers & lower) == 0) cnt[e] += __popc(peers);
+      __syncwarp();
+    }
   }
 }
 
