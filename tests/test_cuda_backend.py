@@ -681,3 +681,22 @@ def test_tier1_runs_cublas_where_the_table_says_it_is_faster(monkeypatch):
     out = gate.dsv3_router_gemm(x[:m], w, BF16)
     assert calls == [m] and out.dtype == BF16 and torch.equal(out, (x[:m].float() @ w.float().T).to(BF16))
     assert 256 not in gate.DSV3_CUBLAS_FROM_M  # DeepSeek-V3's kernel beats cuBLAS at every M <= 16
+
+
+def test_weighted_sum_rounds_each_product_and_sums_in_k_order():
+    # A cancellation where an FMA-accumulated sum (cuBLAS bmm) gives another bf16 than rounded products do; the
+    # oracle is numpy's float32 arithmetic, one operation at a time.
+    import ml_dtypes
+    import numpy as np
+
+    from backends.cuda.experts import _weight_and_reduce
+
+    w = np.array([[0.9659083485603333, 0.8033186793327332]], dtype=np.float32)
+    y = torch.tensor([[4.1875] * 8, [-5.03125] * 8], dtype=BF16)
+    plan = route_plan(torch.tensor([[0, 1]]), 2, None)
+    out = torch.empty(1, 8, dtype=BF16)
+    _weight_and_reduce(y, plan, torch.from_numpy(w), False, out)
+    p = [np.float32(w[0, k]) * np.float32(y[plan.inv[0, k], 0].item()) for k in range(2)]
+    want = np.float32(np.float32(0.0) + p[0]) + p[1]
+    assert np.array([want]).astype(ml_dtypes.bfloat16).astype(np.float32)[0] == 0.0030517578125
+    assert torch.all(out.float() == 0.0030517578125)

@@ -103,6 +103,27 @@ const float* opt_f32(const c10::optional<torch::Tensor>& t, const char* name, co
   return t->data_ptr<float>();
 }
 
+// What moe_scatter_rows / moe_route_plan_scatter write must fit the buffers they are given.
+void check_scatter_buffers(const torch::Tensor& x, int64_t topk, int64_t mode, bool x_fp8,
+                           const c10::optional<torch::Tensor>& scale_in, bool scale_per_token,
+                           const torch::Tensor& out, const c10::optional<torch::Tensor>& scale_out) {
+  const int64_t M = x.size(0), R = M * topk;
+  TORCH_CHECK(mode >= moe_glue::kCopy && mode <= moe_glue::kQuantStaticTensor, "unknown scatter mode ", mode);
+  TORCH_CHECK(!x_fp8 || mode == moe_glue::kCopy, "FP8 codes are copied (mode kCopy), not quantized again");
+  const bool out_bf16 = !x_fp8 && mode == moe_glue::kCopy;
+  TORCH_CHECK(out.scalar_type() == (out_bf16 ? at::kBFloat16 : at::kFloat8_e4m3fn), "out must be ",
+              out_bf16 ? "bf16" : "float8_e4m3fn", " for this mode, got ", out.scalar_type());
+  TORCH_CHECK(out.size(0) >= R, "out must have at least M * topk = ", R, " rows, got ", out.size(0));
+  if (x_fp8 || mode != moe_glue::kCopy) {
+    TORCH_CHECK(scale_out.has_value() && scale_out->numel() >= R, "scale_out must have at least M * topk = ", R,
+                " elements");
+  }
+  if (x_fp8 || mode == moe_glue::kQuantStaticTensor) {
+    const int64_t want = x_fp8 && scale_per_token ? M : 1;
+    TORCH_CHECK(scale_in.has_value() && scale_in->numel() == want, "scale_in must have ", want, " element(s)");
+  }
+}
+
 }  // namespace
 
 // (offs (E_local,), inv (M * topk,), sorted_token (M * topk,)), all int32.
@@ -150,6 +171,7 @@ std::vector<torch::Tensor> moe_route_plan_scatter(const torch::Tensor& topk_ids,
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(1) == x.size(1), "x (M, K) and out (R, K) disagree");
   const bool x_fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(x_fp8 || x.scalar_type() == at::kBFloat16, "x must be bf16 or float8_e4m3fn");
+  check_scatter_buffers(x, topk_ids.size(1), mode, x_fp8, scale_in, scale_per_token, out, scale_out);
   const int32_t* map = nullptr;
   int64_t n_ids = num_local_experts;
   if (expert_map.has_value()) {
@@ -185,6 +207,7 @@ void moe_scatter_rows(const torch::Tensor& x, const torch::Tensor& inv, int64_t 
   TORCH_CHECK(inv.scalar_type() == at::kInt && inv.numel() == x.size(0) * topk, "inv must be (M * topk,) int32");
   const bool x_fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(x_fp8 || x.scalar_type() == at::kBFloat16, "x must be bf16 or float8_e4m3fn");
+  check_scatter_buffers(x, topk, mode, x_fp8, scale_in, scale_per_token, out, scale_out);
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(moe_glue::launch_scatter_rows(x.data_ptr(), x_fp8, static_cast<int>(x.size(0)),
                                              static_cast<int>(x.size(1)), static_cast<int>(topk),
@@ -204,7 +227,19 @@ void moe_act_quant(const torch::Tensor& h, int64_t act, double alpha, double bet
   check_cuda_contig(out, "out", h);
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16, "h must be (R, N) bf16");
   TORCH_CHECK(offs.scalar_type() == at::kInt && offs.numel() >= 1, "offs must be (E_local,) int32");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == h.size(0), "out must be (R, I)");
+  TORCH_CHECK(act >= moe_glue::kSilu && act <= moe_glue::kRelu2NoMul, "unknown activation code ", act);
+  const int64_t I = act <= moe_glue::kSwigluStep ? h.size(1) / 2 : h.size(1);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == h.size(0) && out.size(1) == I, "out must be (R, I) = (", h.size(0),
+              ", ", I, ")");
+  TORCH_CHECK(out_kind >= moe_glue::kActBf16 && out_kind <= moe_glue::kActFp8StaticTensor, "unknown out_kind ",
+              out_kind);
+  TORCH_CHECK(out.scalar_type() == (out_kind == moe_glue::kActBf16 ? at::kBFloat16 : at::kFloat8_e4m3fn),
+              "out's dtype does not match out_kind ", out_kind);
+  TORCH_CHECK(out_kind != moe_glue::kActFp8PerToken || (scale_out.has_value() && scale_out->numel() >= h.size(0)),
+              "scale_out must have R = ", h.size(0), " elements");
+  TORCH_CHECK(out_kind != moe_glue::kActFp8StaticTensor || (static_scale.has_value() && static_scale->numel() == 1),
+              "static_scale must have one element");
+  TORCH_CHECK(!amax_out.has_value() || amax_out->numel() == 1, "amax_out must have one element");
   const c10::cuda::CUDAGuard guard(h.device());
   int sms = 0;
   check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, h.get_device()), "moe_act_quant (SM count)");
@@ -227,6 +262,7 @@ void moe_weight_reduce(const torch::Tensor& y, const torch::Tensor& inv, int64_t
   TORCH_CHECK(y.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "y and out must be bf16");
   TORCH_CHECK(out.dim() == 2 && y.dim() == 2 && out.size(1) == y.size(1), "y (R, K) and out (M, K) disagree");
   TORCH_CHECK(inv.scalar_type() == at::kInt && inv.numel() == out.size(0) * topk, "inv must be (M * topk,) int32");
+  TORCH_CHECK(!weights.has_value() || weights->numel() == out.size(0) * topk, "weights must be (M, topk)");
   const c10::cuda::CUDAGuard guard(y.device());
   check_launch(moe_glue::launch_weight_reduce(y.data_ptr(), static_cast<int>(y.size(1)),
                                               static_cast<int>(out.size(0)), static_cast<int>(topk),

@@ -348,30 +348,24 @@ REDUCE_CHUNK_BYTES = 128 << 20
 
 def _weight_and_reduce(y: torch.Tensor, plan: RoutePlan, topk_weights: torch.Tensor, unit_weights: bool,
                        output: torch.Tensor) -> None:
-    """``output[t] = sum_k w[t, k] * y[inv[t, k]]`` in fp32 (a batched fp32 product over k: cuBLAS, unless the
-    process allows TF32 matmuls, when a product and a sum are used instead);
-    non-local routes add 0; one rounding to ``output.dtype``. ``y`` is consumed: the rows of non-local routes (past
-    every group, never written by the GEMM, possibly NaN) are zeroed in place.
+    """``output[t] = sum_k w[t, k] * y[inv[t, k]]``: each product rounded to fp32, the sum taken in k order from 0
+    (the definition ``moe_weight_reduce`` computes bit for bit; the reference's ``(y * w).sum`` leaves the order
+    open); non-local routes add nothing (their rows, past every group, are never written by the GEMM and may hold
+    NaN); one rounding to ``output.dtype``; a poisoned token's row is NaN.
 
-    Tokens go in chunks whose gathered fp32 rows stay under 128 MiB: one gather, one conversion and one batched
-    product per chunk (a loop over k made five passes over the rows per k: 1.1 ms of a 2.7 ms step at DeepSeek-V3
-    EP8 M = 1024 on an H100).
+    Tokens go in chunks whose gathered fp32 rows stay under ``REDUCE_CHUNK_BYTES``.
     """
     M, topk = plan.inv.shape
     K = y.shape[1]
     w = torch.ones_like(topk_weights, dtype=torch.float32) if unit_weights else topk_weights.float()
-    w = torch.where(plan.valid_route, w, torch.zeros_like(w)).unsqueeze(1)  # (M, 1, topk)
-    y.masked_fill_(~plan.valid_sorted.unsqueeze(-1), 0)
     chunk = max(1, REDUCE_CHUNK_BYTES // max(1, topk * K * 4))
-    fp32_products = not (y.is_cuda and (torch.backends.cuda.matmul.allow_tf32
-                                        or torch.get_float32_matmul_precision() != "highest"))
     for t0 in range(0, M, chunk):
         t1 = min(M, t0 + chunk)
         rows = y.index_select(0, plan.inv[t0:t1].reshape(-1)).view(t1 - t0, topk, K).float()
-        if fp32_products:
-            acc = torch.bmm(w[t0:t1], rows).squeeze(1)
-        else:  # the process allows TF32 matmuls: a plain fp32 product and sum instead
-            acc = (rows * w[t0:t1].transpose(1, 2)).sum(dim=1)
+        valid = plan.valid_route[t0:t1]
+        acc = torch.zeros((t1 - t0, K), dtype=torch.float32, device=y.device)
+        for k in range(topk):
+            acc = torch.where(valid[:, k:k + 1], acc + rows[:, k] * w[t0:t1, k:k + 1], acc)
         output[t0:t1].copy_(_poison(acc, plan.poisoned[t0:t1]))
 
 
@@ -404,7 +398,7 @@ def glue_act_params(activation: MoEActivation, alpha: float | None, beta: float 
     """``(code, alpha, beta, limit)`` of ``moe_act_quant`` for ``cuda_moe_activation``'s defaults (limit -1: no
     clamp), or None where the kernel has no such case (a negative clamp limit)."""
     A = MoEActivation
-    if activation not in GLUE_ACT or (limit is not None and limit < 0):
+    if activation not in GLUE_ACT or (limit is not None and not limit >= 0):  # negative or NaN: the torch ops
         return None
     a, b, lim = alpha, beta, limit
     if activation is A.SWIGLUOAI:
@@ -425,6 +419,8 @@ def glue_kernels(hidden_states: torch.Tensor, topk: int, I: int):
         RuntimeError: the extension failed to build (the compiler output's tail; ``tools/build.py``).
     """
     if not hidden_states.is_cuda or os.environ.get(GLUE_ENV, "cuda") == "torch":
+        return None
+    if hidden_states.data_ptr() % 16:  # the kernels read 16-byte vectors (an offset view of a larger tensor)
         return None
     if topk > GLUE_MAX_TOPK or I > GLUE_MAX_ACT_WIDTH:
         return None
@@ -457,11 +453,12 @@ def glue_route_plan_scatter(ext, topk_ids: torch.Tensor, num_local_experts: int,
 
 def glue_weight_and_reduce(ext, y: torch.Tensor, inv: torch.Tensor, topk_weights: torch.Tensor, unit_weights: bool,
                            output: torch.Tensor) -> None:
-    """``moe_weight_reduce`` into ``output`` (M, K) bf16: ``_weight_and_reduce``'s result, products rounded and
-    summed in k order."""
+    """``moe_weight_reduce`` into ``output`` (M, K) bf16: ``_weight_and_reduce``'s result (products rounded, summed
+    in k order), bit for bit."""
     topk = topk_weights.shape[1]
     w = None if unit_weights else topk_weights.to(torch.float32).contiguous()
-    out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+    direct = output.is_contiguous() and output.data_ptr() % 16 == 0
+    out = output if direct else torch.empty_like(output, memory_format=torch.contiguous_format)
     ext.moe_weight_reduce(y.contiguous(), inv, topk, w, out)
     if out is not output:
         output.copy_(out)

@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(256)
     act_quant_kernel(const __nv_bfloat16* __restrict__ h, int N, int I, ActParams p, const int32_t* __restrict__ offs,
                      int E, uint8_t* __restrict__ out, float* __restrict__ scale_out,
                      const float* __restrict__ static_scale, float* __restrict__ amax_out) {
-  extern __shared__ __nv_bfloat16 staged[];  // kActFp8PerToken: the activated row, I bf16
+  extern __shared__ __align__(16) __nv_bfloat16 staged[];  // kActFp8PerToken: the activated row, I bf16 (uint4 access)
   __shared__ float red[32];
   const int rows = offs[E - 1];
   float mult = 0.0f;
@@ -635,8 +635,11 @@ cudaError_t launch_fused(const void* ids, int M, int topk, const int32_t* map, i
                          int32_t* inv, int32_t* token, const void* x, int K, const float* scale_in, bool per_token,
                          void* out, float* scale_out, size_t smem, cudaStream_t stream) {
   auto* kernel = route_plan_scatter_kernel<IdT, X_FP8, MODE>;
-  if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+  if (err != cudaSuccess) return err;
+  if (smem + attr.sharedSizeBytes > 48 * 1024) {  // static (staged rows) + dynamic past the default: opt in
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
   kernel<<<1, kPlanWarps * 32, smem, stream>>>(static_cast<const IdT*>(ids), M, topk, map, n_ids, E, offs, inv, token,

@@ -2,7 +2,8 @@
 // CUDA C++, no torch headers, so nvcc alone can compile-check them (tests/test_cuda_backend.py).
 //
 // The step (backends/cuda/experts.py): route_plan -> scatter_rows (gather + input quantization) -> GEMM1 ->
-// act_quant -> GEMM2 -> weight_reduce. Six launches in all, none of them a host synchronisation. The torch-op
+// act_quant -> GEMM2 -> weight_reduce: four glue launches (three at decode, where the plan's block scatters too), none
+// of them a host synchronisation. The torch-op
 // functions of experts.py (route_plan, quant_fp8_per_token, cuda_moe_activation, _weight_and_reduce) define what
 // each kernel computes; the GPU probe checks every kernel against them (python -m backends.cuda.tools.glue_check).
 //
