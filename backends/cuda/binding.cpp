@@ -124,36 +124,50 @@ void check_scatter_buffers(const torch::Tensor& x, int64_t topk, int64_t mode, b
   }
 }
 
+// The route plan's checked inputs and its freshly allocated outputs (offs, inv, sorted_token: int32).
+struct PlanArgs {
+  const int32_t* map = nullptr;
+  int64_t n_ids = 0, M = 0, topk = 0;
+  torch::Tensor offs, inv, token;
+};
+
+PlanArgs plan_args(const torch::Tensor& topk_ids, const c10::optional<torch::Tensor>& expert_map,
+                   int64_t num_local_experts) {
+  check_cuda_contig(topk_ids, "topk_ids", topk_ids);
+  TORCH_CHECK(topk_ids.dim() == 2, "topk_ids must be (M, topk)");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
+              "topk_ids must be int32 or int64");
+  PlanArgs a;
+  a.n_ids = num_local_experts;
+  if (expert_map.has_value()) {
+    check_cuda_contig(*expert_map, "expert_map", topk_ids);
+    TORCH_CHECK(expert_map->scalar_type() == at::kInt && expert_map->dim() == 1, "expert_map must be (E,) int32");
+    a.map = expert_map->data_ptr<int32_t>();
+    a.n_ids = expert_map->numel();
+  }
+  a.M = topk_ids.size(0);
+  a.topk = topk_ids.size(1);
+  auto opts = topk_ids.options().dtype(at::kInt);
+  a.offs = torch::empty({num_local_experts}, opts);
+  a.inv = torch::empty({a.M * a.topk}, opts);
+  a.token = torch::empty({a.M * a.topk}, opts);
+  return a;
+}
+
 }  // namespace
 
 // (offs (E_local,), inv (M * topk,), sorted_token (M * topk,)), all int32.
 std::vector<torch::Tensor> moe_route_plan(const torch::Tensor& topk_ids, const c10::optional<torch::Tensor>& expert_map,
                                           int64_t num_local_experts) {
-  check_cuda_contig(topk_ids, "topk_ids", topk_ids);
-  TORCH_CHECK(topk_ids.dim() == 2, "topk_ids must be (M, topk)");
-  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
-              "topk_ids must be int32 or int64");
-  const int32_t* map = nullptr;
-  int64_t n_ids = num_local_experts;
-  if (expert_map.has_value()) {
-    check_cuda_contig(*expert_map, "expert_map", topk_ids);
-    TORCH_CHECK(expert_map->scalar_type() == at::kInt && expert_map->dim() == 1, "expert_map must be (E,) int32");
-    map = expert_map->data_ptr<int32_t>();
-    n_ids = expert_map->numel();
-  }
   const c10::cuda::CUDAGuard guard(topk_ids.device());
-  const int64_t M = topk_ids.size(0), topk = topk_ids.size(1);
-  auto opts = topk_ids.options().dtype(at::kInt);
-  auto offs = torch::empty({num_local_experts}, opts);
-  auto inv = torch::empty({M * topk}, opts);
-  auto token = torch::empty({M * topk}, opts);
+  PlanArgs a = plan_args(topk_ids, expert_map, num_local_experts);
   check_launch(moe_glue::launch_route_plan(topk_ids.data_ptr(), topk_ids.scalar_type() == at::kLong,
-                                           static_cast<int>(M), static_cast<int>(topk), map, static_cast<int>(n_ids),
-                                           static_cast<int>(num_local_experts), offs.data_ptr<int32_t>(),
-                                           inv.data_ptr<int32_t>(), token.data_ptr<int32_t>(),
-                                           c10::cuda::getCurrentCUDAStream().stream()),
+                                           static_cast<int>(a.M), static_cast<int>(a.topk), a.map,
+                                           static_cast<int>(a.n_ids), static_cast<int>(num_local_experts),
+                                           a.offs.data_ptr<int32_t>(), a.inv.data_ptr<int32_t>(),
+                                           a.token.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream().stream()),
                "moe_route_plan");
-  return {offs, inv, token};
+  return {a.offs, a.inv, a.token};
 }
 
 // moe_route_plan, then moe_scatter_rows of x into out with that plan; one launch at decode (moe_glue.h).
@@ -162,39 +176,24 @@ std::vector<torch::Tensor> moe_route_plan_scatter(const torch::Tensor& topk_ids,
                                                   int64_t num_local_experts, const torch::Tensor& x, int64_t mode,
                                                   const c10::optional<torch::Tensor>& scale_in, bool scale_per_token,
                                                   torch::Tensor& out, const c10::optional<torch::Tensor>& scale_out) {
-  check_cuda_contig(topk_ids, "topk_ids", topk_ids);
   check_cuda_contig(x, "x", topk_ids);
   check_cuda_contig(out, "out", topk_ids);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0), "topk_ids must be (M, topk) for x (M, K)");
-  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
-              "topk_ids must be int32 or int64");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(1) == x.size(1), "x (M, K) and out (R, K) disagree");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0), "topk_ids must be (M, topk) for x (M, K)");
   const bool x_fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(x_fp8 || x.scalar_type() == at::kBFloat16, "x must be bf16 or float8_e4m3fn");
   check_scatter_buffers(x, topk_ids.size(1), mode, x_fp8, scale_in, scale_per_token, out, scale_out);
-  const int32_t* map = nullptr;
-  int64_t n_ids = num_local_experts;
-  if (expert_map.has_value()) {
-    check_cuda_contig(*expert_map, "expert_map", topk_ids);
-    TORCH_CHECK(expert_map->scalar_type() == at::kInt && expert_map->dim() == 1, "expert_map must be (E,) int32");
-    map = expert_map->data_ptr<int32_t>();
-    n_ids = expert_map->numel();
-  }
   const c10::cuda::CUDAGuard guard(topk_ids.device());
-  const int64_t M = topk_ids.size(0), topk = topk_ids.size(1);
-  auto opts = topk_ids.options().dtype(at::kInt);
-  auto offs = torch::empty({num_local_experts}, opts);
-  auto inv = torch::empty({M * topk}, opts);
-  auto token = torch::empty({M * topk}, opts);
+  PlanArgs a = plan_args(topk_ids, expert_map, num_local_experts);
   check_launch(moe_glue::launch_route_plan_scatter(
-                   topk_ids.data_ptr(), topk_ids.scalar_type() == at::kLong, static_cast<int>(M),
-                   static_cast<int>(topk), map, static_cast<int>(n_ids), static_cast<int>(num_local_experts),
-                   offs.data_ptr<int32_t>(), inv.data_ptr<int32_t>(), token.data_ptr<int32_t>(), x.data_ptr(), x_fp8,
+                   topk_ids.data_ptr(), topk_ids.scalar_type() == at::kLong, static_cast<int>(a.M),
+                   static_cast<int>(a.topk), a.map, static_cast<int>(a.n_ids), static_cast<int>(num_local_experts),
+                   a.offs.data_ptr<int32_t>(), a.inv.data_ptr<int32_t>(), a.token.data_ptr<int32_t>(), x.data_ptr(), x_fp8,
                    static_cast<int>(x.size(1)), static_cast<int>(mode), opt_f32(scale_in, "scale_in", x),
                    scale_per_token, out.data_ptr(), const_cast<float*>(opt_f32(scale_out, "scale_out", x)),
                    c10::cuda::getCurrentCUDAStream().stream()),
                "moe_route_plan_scatter");
-  return {offs, inv, token};
+  return {a.offs, a.inv, a.token};
 }
 
 void moe_scatter_rows(const torch::Tensor& x, const torch::Tensor& inv, int64_t topk, int64_t mode,

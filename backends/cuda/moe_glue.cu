@@ -101,6 +101,17 @@ __device__ __forceinline__ int local_expert(IdT id, const int32_t* __restrict__ 
   return (l >= 0 && l < E) ? l : -1;      // not held here (expert_map -1, or past E_local)
 }
 
+// The local experts of routes b0 + 32 j + lane (j < kPlanBatch): the loads issued together, -3 past r1.
+template <typename IdT>
+__device__ __forceinline__ void load_batch(int (&eb)[kPlanBatch], const IdT* __restrict__ ids, int b0, int r1,
+                                           int lane, const int32_t* __restrict__ map, int n_ids, int E) {
+#pragma unroll
+  for (int j = 0; j < kPlanBatch; ++j) {
+    const int r = b0 + 32 * j + lane;
+    eb[j] = r < r1 ? local_expert(ids[r], map, n_ids, E) : -3;
+  }
+}
+
 template <typename IdT>
 __device__ __forceinline__ void plan_body(const IdT* __restrict__ ids, int R, int topk,
                                           const int32_t* __restrict__ map, int n_ids, int E,
@@ -122,11 +133,7 @@ __device__ __forceinline__ void plan_body(const IdT* __restrict__ ids, int R, in
   // so latency, not bandwidth, bounds this kernel).
   for (int b0 = r0; b0 < r1; b0 += 32 * kPlanBatch) {
     int eb[kPlanBatch];
-#pragma unroll
-    for (int j = 0; j < kPlanBatch; ++j) {
-      const int r = b0 + 32 * j + lane;
-      eb[j] = r < r1 ? local_expert(ids[r], map, n_ids, E) : -3;
-    }
+    load_batch(eb, ids, b0, r1, lane, map, n_ids, E);
 #pragma unroll
     for (int j = 0; j < kPlanBatch; ++j)
       if (eb[j] >= 0) atomicAdd(&cnt[eb[j]], 1);
@@ -173,11 +180,7 @@ __device__ __forceinline__ void plan_body(const IdT* __restrict__ ids, int R, in
   const unsigned lower = (1u << lane) - 1u;
   for (int b0 = r0; b0 < r1; b0 += 32 * kPlanBatch) {  // warp-uniform bounds: every lane takes part in the match
     int eb[kPlanBatch];
-#pragma unroll
-    for (int j = 0; j < kPlanBatch; ++j) {
-      const int r = b0 + 32 * j + lane;
-      eb[j] = r < r1 ? local_expert(ids[r], map, n_ids, E) : -3;
-    }
+    load_batch(eb, ids, b0, r1, lane, map, n_ids, E);
 #pragma unroll
     for (int j = 0; j < kPlanBatch; ++j) {
       const int r = b0 + 32 * j + lane, e = eb[j];
