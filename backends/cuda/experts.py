@@ -434,9 +434,13 @@ def glue_route_plan(ext, topk_ids: torch.Tensor, num_local_experts: int,
     """``moe_route_plan``: ``(offs (E_local,), inv (M * topk,), sorted_token (M * topk,))`` int32. ``offs`` and
     ``sorted_token[:offs[-1]]`` equal ``route_plan``'s; ``inv`` equals its sorted row for a local route, and is -1
     for a route to no local expert, -2 for an id outside the id space."""
+    return ext.moe_route_plan(*_plan_inputs(topk_ids, expert_map), num_local_experts)
+
+
+def _plan_inputs(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """topk_ids as contiguous int32 / int64 and expert_map as contiguous int32, as the plan kernels read them."""
     ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.long()
-    emap = None if expert_map is None else expert_map.to(torch.int32).contiguous()
-    return ext.moe_route_plan(ids.contiguous(), emap, num_local_experts)
+    return ids.contiguous(), None if expert_map is None else expert_map.to(torch.int32).contiguous()
 
 
 def glue_route_plan_scatter(ext, topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None,
@@ -445,10 +449,9 @@ def glue_route_plan_scatter(ext, topk_ids: torch.Tensor, num_local_experts: int,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``glue_route_plan`` then ``moe_scatter_rows`` of ``x`` (M, K) into ``out`` (M * topk, K) (and the rows' scales
     into ``scale_out``), in one launch at decode (``moe_route_plan_scatter``). Returns the plan."""
-    ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.long()
-    emap = None if expert_map is None else expert_map.to(torch.int32).contiguous()
-    return ext.moe_route_plan_scatter(ids.contiguous(), emap, num_local_experts, x, mode, scale_in, scale_per_token,
-                                      out, scale_out)
+    ids, emap = _plan_inputs(topk_ids, expert_map)
+    return ext.moe_route_plan_scatter(ids, emap, num_local_experts, x, mode, scale_in, scale_per_token, out,
+                                      scale_out)
 
 
 def glue_weight_and_reduce(ext, y: torch.Tensor, inv: torch.Tensor, topk_weights: torch.Tensor, unit_weights: bool,
@@ -783,8 +786,7 @@ class CutlassExpertsFp8(_CutlassExpertsBase):
             sa2 = s2.expand(R).contiguous()
         else:  # dynamic per-tensor over the expert rows: their amax comes from the activation kernel
             g, _, amax = self._glue_activation(ext, params, h, I, offs, ACT_OUT_BF16, want_amax=True)
-            s2 = amax / torch.full_like(amax, FP8_MAX)
-            g8 = _to_fp8(g.float() * torch.where(s2 == 0, torch.zeros_like(s2), 1.0 / s2))
+            g8, s2 = quant_fp8_per_tensor(g, amax / torch.full_like(amax, FP8_MAX))  # that scale, as a static one
             sa2 = s2.expand(R).contiguous()
         y = scaled_grouped_mm_fp8(g8, w2, sa2, scale_b2, offs)
         glue_weight_and_reduce(ext, y, inv, topk_weights, apply_router_weight_on_input, output)

@@ -550,6 +550,22 @@ __global__ void __launch_bounds__(kReduceThreads)
 
 bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
+// The contracts of moe_glue.h, shared by the separate launchers and the fused one.
+bool plan_args_ok(const void* topk_ids, int M, int topk, int n_ids, int E_local, const int32_t* offs,
+                  const int32_t* inv, const int32_t* sorted_token) {
+  return M >= 1 && topk >= 1 && E_local >= 1 && E_local <= kMaxLocalExperts && n_ids >= 1 && topk_ids && offs &&
+         inv && sorted_token && static_cast<int64_t>(M) * topk <= (1ll << 30);
+}
+
+bool scatter_args_ok(const void* x, bool x_fp8, int K, int topk, int mode, const float* scale_in, const void* out,
+                     const float* scale_out) {
+  if (K < 8 || K % (x_fp8 ? 16 : 8) || topk < 1 || topk > kMaxTopk || !x || !out || !aligned16(x) ||
+      !aligned16(out) || mode < kCopy || mode > kQuantStaticTensor || (x_fp8 && mode != kCopy))
+    return false;
+  if ((x_fp8 || mode != kCopy) && !scale_out) return false;  // the rows' scales
+  return !((x_fp8 || mode == kQuantStaticTensor) && !scale_in);
+}
+
 template <int ACT>
 cudaError_t launch_act(int out_kind, dim3 grid, int threads, size_t smem, cudaStream_t stream,
                        const __nv_bfloat16* h, int N, int I, ActParams p, const int32_t* offs, int E, uint8_t* out,
@@ -578,9 +594,7 @@ cudaError_t launch_act(int out_kind, dim3 grid, int threads, size_t smem, cudaSt
 cudaError_t launch_route_plan(const void* topk_ids, bool ids_int64, int M, int topk, const int32_t* expert_map,
                               int n_ids, int E_local, int32_t* offs, int32_t* inv, int32_t* sorted_token,
                               cudaStream_t stream) {
-  if (M < 1 || topk < 1 || E_local < 1 || E_local > kMaxLocalExperts || n_ids < 1 || !topk_ids || !offs || !inv ||
-      !sorted_token || static_cast<int64_t>(M) * topk > (1ll << 30))
-    return cudaErrorInvalidValue;
+  if (!plan_args_ok(topk_ids, M, topk, n_ids, E_local, offs, inv, sorted_token)) return cudaErrorInvalidValue;
   const int R = M * topk;
   const size_t smem = (static_cast<size_t>(kPlanWarps) * E_local + 32) * sizeof(int32_t);
   if (smem > 48 * 1024) {  // past the default limit (E_local > 383): opt in, per call (per device, cheap)
@@ -603,12 +617,8 @@ cudaError_t launch_route_plan(const void* topk_ids, bool ids_int64, int M, int t
 cudaError_t launch_scatter_rows(const void* x, bool x_fp8, int M, int K, int topk, const int32_t* inv, int mode,
                                 const float* scale_in, bool scale_per_token, void* out, float* scale_out,
                                 cudaStream_t stream) {
-  if (M < 1 || K < 8 || K % (x_fp8 ? 16 : 8) || topk < 1 || topk > kMaxTopk || !x || !inv || !out ||
-      !aligned16(x) || !aligned16(out))
+  if (M < 1 || !inv || !scatter_args_ok(x, x_fp8, K, topk, mode, scale_in, out, scale_out))
     return cudaErrorInvalidValue;
-  const bool needs_scales = x_fp8 || mode != kCopy;
-  if (needs_scales && !scale_out) return cudaErrorInvalidValue;
-  if ((x_fp8 || mode == kQuantStaticTensor) && !scale_in) return cudaErrorInvalidValue;
   const auto* xb = static_cast<const uint8_t*>(x);
   auto* ob = static_cast<uint8_t*>(out);
   const dim3 grid(M);
@@ -683,12 +693,9 @@ cudaError_t launch_route_plan_scatter(const void* topk_ids, bool ids_int64, int 
     return launch_scatter_rows(x, x_fp8, M, K, topk, inv, mode, scale_in, scale_per_token, out, scale_out, stream);
   }
   // the two launchers' checks, for the one fused launch
-  if (M < 1 || topk < 1 || topk > kMaxTopk || E_local < 1 || E_local > kMaxLocalExperts || n_ids < 1 || !topk_ids ||
-      !offs || !inv || !sorted_token || K < 8 || K % (x_fp8 ? 16 : 8) || !x || !out || !aligned16(x) || !aligned16(out) ||
-      mode < kCopy || mode > kQuantStaticTensor || (x_fp8 && mode != kCopy))
+  if (!plan_args_ok(topk_ids, M, topk, n_ids, E_local, offs, inv, sorted_token) ||
+      !scatter_args_ok(x, x_fp8, K, topk, mode, scale_in, out, scale_out))
     return cudaErrorInvalidValue;
-  if ((x_fp8 || mode != kCopy) && !scale_out) return cudaErrorInvalidValue;
-  if ((x_fp8 || mode == kQuantStaticTensor) && !scale_in) return cudaErrorInvalidValue;
   const size_t smem = (static_cast<size_t>(kPlanWarps) * E_local + 32) * sizeof(int32_t);
   return ids_int64 ? launch_fused_modes<int64_t>(x_fp8, mode, topk_ids, M, topk, expert_map, n_ids, E_local, offs,
                                                  inv, sorted_token, x, K, scale_in, scale_per_token, out, scale_out,
