@@ -343,3 +343,22 @@ def test_fp32_activations_shrink_a_config_to_the_shared_memory_limit():
     # a block-scaled K tile still divides its group after halving
     blk = configs.get_config(4096, 8, 256, 256, 2, "fp8_w8a8", (128, 128), act_elt=2)
     assert all(128 % g["BLOCK_SIZE_K"] == 0 for g in configs.fit_shared_memory(blk, 4, limit=50_000).values())
+
+
+def test_split_k_tuner_variants_and_config():
+    """The tuner's splitk family: decode entries only, GEMM1 split 2 / 4 / 8 as one joint MMA chain, GEMM2 split only
+    where its K (= I) has 8 K tiles or more; SPLIT_K outside [1, 16] is refused by sanitize_config."""
+    from backends.triton.configs import sanitize_config
+    from backends.triton.tools.tune import _splitk_variants
+    g1 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128, num_warps=4)
+    g2 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, num_warps=4)
+    v = {n: (c1, c2) for n, c1, c2 in _splitk_variants(g1, g2, K=7168, I=256)}
+    assert set(v) == {"splitk1-x2", "splitk1-x4", "splitk1-x8"}, set(v)
+    assert all(c1["JOINT_GATE_UP"] == 1 and c2 == g2 for c1, c2 in v.values())
+    v = {n for n, _, _ in _splitk_variants(g1, g2, K=7168, I=2048)}
+    assert {"splitk2-x2", "splitk2-x4", "splitk12-x4-x2"} <= v, v
+    assert _splitk_variants(dict(g1, BLOCK_SIZE_M=64), dict(g2, BLOCK_SIZE_M=64), K=7168, I=2048) == []
+    cfg = {"gemm1": dict(g1, SPLIT_K=4), "gemm2": g2}
+    assert sanitize_config(cfg)["gemm2"]["SPLIT_K"] == 1
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        sanitize_config({"gemm1": dict(g1, SPLIT_K=0), "gemm2": g2})

@@ -40,7 +40,7 @@ CHECKS = [
     "experts_router_weight_on_input",
     "experts_fp8_block", "experts_fp8_block_swap_ab", "experts_fp8_nonblock_swap_ab", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8", "fp8_promotion_order", "experts_fp8_promotion",
-    "experts_permute_a", "align_tiles", "experts_half_tail", "experts_n_tiles",
+    "experts_permute_a", "align_tiles", "experts_half_tail", "experts_n_tiles", "experts_split_k",
     "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "experts_stages",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
@@ -668,6 +668,43 @@ def _():
             out = tri_fe(*args, config=nt(CFG(**c), n, flat), **kw)
             if not torch.equal(out.view(torch.int16), base.view(torch.int16)):
                 bad.append(f"{c} N_TILES={n} FLATTEN={flat}: {int((out != base).sum())} elements differ")
+    return bad or None
+
+
+@check("experts_split_k")
+def _():
+    """SPLIT_K (programs per output tile over shares of K; the last sums the fp32 partials in split order, then the
+    epilogue) is close to the reference: bf16 with the joint gate / up tile, SPLIT_K 2 / 3 (an empty last share:
+    4 K tiles over 3 programs of 2) on GEMM1 and GEMM2; block FP8 with SWAP_AB and the fused requantization; FP8
+    per-channel weights promoted every 2 K tiles (shares of whole intervals); HALF_TAIL with an expert map. The
+    counters are left at zero; gate / up as two chains is refused."""
+    from backends.triton.experts import _SCRATCH
+
+    def sk(c, n1, n2=1, **g1):
+        c["gemm1"].update(SPLIT_K=n1, JOINT_GATE_UP=1, **g1)
+        c["gemm2"].update(SPLIT_K=n2)
+        return c
+
+    q1, q2, qc = block()
+    f = lambda w: rq.scaled_fp8_quant(w, use_per_token_if_dynamic=True)  # noqa: E731
+    (c1, t1), (c2, t2) = per_expert(f, w1), per_expert(f, w2)
+    qch = fp8_w8a8_moe_quant_config(t1, t2, per_act_token_quant=True, per_out_ch_quant=True)
+    r = [experts(*D, "bfloat16", cfg=sk(CFG(), 2, 3)), experts(*D, "bfloat16", cfg=sk(CFG(), 3)),
+         experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=sk(CFG(bn1=32, bk1=128, bk2=128), 2, 2, SWAP_AB=1,
+                                                        num_warps=4)),
+         experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=sk(CFG(bn1=64, bk1=64, bk2=128), 3)),
+         experts(x, c1, c2, *rest, "fp8", qc=qch, cfg=sk(CFG(bk1=32), 3, PROMOTE_K=64)),
+         experts(*make(70, 4, 128, 64, 2, torch.bfloat16, ep=2), "bfloat16", cfg=sk(CFG(bm=32, half=1), 2, 2))]
+    bad = [v for v in r if v is not True]
+    if not _SCRATCH or any(int(cnt.abs().sum()) for _, cnt in _SCRATCH.values()):
+        bad.append(f"counters not left at zero (or never allocated): {list(_SCRATCH)}")
+    c = CFG()
+    c["gemm1"]["SPLIT_K"] = 2
+    try:
+        tri_fe(*D[:5], global_num_experts=D[6], config=c)
+        bad.append("SPLIT_K with gate / up as two chains was not refused")
+    except ValueError:
+        pass
     return bad or None
 
 

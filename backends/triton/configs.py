@@ -6,10 +6,10 @@ intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
                        USE_TMA, N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, FUSE_ACT, FUSE_QUANT,
-                       PROMOTE_K, FAST_ACCUM, SWAP_AB, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
+                       PROMOTE_K, FAST_ACCUM, SWAP_AB, SPLIT_K, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
                        N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, PDL, PROMOTE_K, FAST_ACCUM,
-                       SWAP_AB}},
+                       SWAP_AB, SPLIT_K}},
      ...}
 
 ``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``N_TILES``
@@ -41,7 +41,10 @@ on sm_90) before it is added to an fp32 accumulator; ``FAST_ACCUM`` (optional, d
 committed table uses) accumulates those GEMMs in place over the whole K instead, as vLLM's ``fused_moe_kernel`` does
 (error growing with K). ``SWAP_AB`` (optional, default 0; FP8 GEMMs on ``fused_moe_kernel`` only, else a
 ``ValueError``) computes each K tile as ``W_tile @ A_tile^T``, vLLM 0.33's decode form: the weight rows fill the
-wgmma's 64-row M and the tile's 16-32 token rows its N. The entry whose ``M``
+wgmma's 64-row M and the tile's 16-32 token rows its N. ``SPLIT_K`` (optional, default 1; ``fused_moe_kernel``, not
+with gate / up as two chains nor INT8) runs that many programs per output tile over contiguous shares of K, the last
+to finish summing their fp32 partials in split order before the epilogue: decode GEMMs whose (expert, N tile)
+programs are too few to stream the weights (DeepSeek-V3 TP8 GEMM1 at M = 1: 64 programs of K = 7168). The entry whose ``M``
 is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
 table) :func:`default_config` chooses by tokens per expert.
 """
@@ -65,7 +68,7 @@ CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_na
 # The keys a table entry may hold (anything else is a typo that would be ignored).
 GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
               "N_TILES", "FLATTEN", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE", "PDL", "PROMOTE_K", "FAST_ACCUM",
-              "SWAP_AB")
+              "SWAP_AB", "SPLIT_K")
 # K elements an FP8 per-tensor / per-channel GEMM accumulates in the MMA accumulator before promoting it into fp32
 # (PROMOTE_K's default and its largest allowed value; DeepGEMM / CUTLASS use 128)
 DEFAULT_PROMOTE_K = 256
@@ -157,6 +160,9 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
         if not (isinstance(pk, int) and 16 <= pk <= MAX_PROMOTE_K and not pk & (pk - 1)):
             raise ValueError(f"PROMOTE_K={pk!r} must be a power of two in [16, {MAX_PROMOTE_K}] (K elements per FP8 "
                              "promotion interval)")
+        g.setdefault("SPLIT_K", 1)
+        if not (isinstance(g["SPLIT_K"], int) and 1 <= g["SPLIT_K"] <= 16):
+            raise ValueError(f"SPLIT_K={g['SPLIT_K']!r} must be an int in [1, 16] (programs per output tile)")
         if not (isinstance(g["N_TILES"], int) and g["N_TILES"] >= 1):
             raise ValueError(f"N_TILES={g['N_TILES']!r} must be a positive int (N tiles per program)")
         for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):

@@ -291,6 +291,37 @@ def _permute_rows(src: torch.Tensor, sorted_ids, ntpp, rows: int, num_valid: int
 GLUON_KEYS = ("GLUON", "PINGPONG", "COOPERATIVE")  # table keys that put a GEMM on a Gluon kernel
 
 
+_SCRATCH: dict = {}
+_RETIRED_SCRATCH: list = []
+
+
+def split_k_scratch(dev: torch.device, slots: int, slot_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``SPLIT_K``'s workspaces on ``dev``: ``(partials, counters)``, at least ``slots * slot_floats`` fp32 and
+    ``slots`` int32 zeros. One pair per device, grown on demand: every launch leaves the counters zero again, so
+    they are zeroed once, at allocation (eager or replayed from a CUDA graph alike). Shared by the calls on that
+    device as vLLM shares its MoE workspaces: two experts steps running concurrently on two streams of one device
+    must not both use ``SPLIT_K``. A buffer replaced by a larger one is kept alive (a CUDA graph captured earlier
+    may still use it).
+
+    Raises:
+        RuntimeError: the buffers must grow while a CUDA graph is being captured (an allocation captured into the
+            graph's pool would not be zeroed outside it): run the step once eagerly first, as a capture's warm-up
+            does.
+    """
+    key = str(dev) if dev.index is not None or dev.type != "cuda" else f"cuda:{torch.cuda.current_device()}"
+    part, cnt = _SCRATCH.get(key, (None, None))
+    if part is None or part.numel() < slots * slot_floats or cnt.numel() < slots:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("SPLIT_K's workspaces must grow during CUDA-graph capture: run the experts step once "
+                               "eagerly with this batch size before capturing it")
+        if part is not None:
+            _RETIRED_SCRATCH.append((part, cnt))
+        part = torch.empty(max(slots * slot_floats, 1 << 16), dtype=torch.float32, device=dev)
+        cnt = torch.zeros(max(slots, 1 << 12), dtype=torch.int32, device=dev)
+        _SCRATCH[key] = (part, cnt)
+    return part, cnt
+
+
 def promotion_tiles(cfg: dict, *, a_mode: int, int8: bool = False) -> int:
     """``fused_moe_kernel``'s ``PROMOTE`` for one GEMM of launch config ``cfg`` (a ``gemm1`` / ``gemm2`` entry): the
     K tiles an FP8 per-tensor / per-channel GEMM (``a_mode`` 1 or 2, not INT8) accumulates in the MMA accumulator
@@ -339,6 +370,8 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     ws, sbe, sbn, sbk = _scale_strides(w_scale, b_mode, E, NW)
     special = "gluon_sm90" if cfg.get("GLUON", 0) else (
         "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None)
+    if special is not None and cfg.get("SPLIT_K", 1) > 1:
+        raise ValueError(f"table entry {cfg}: SPLIT_K is a fused_moe_kernel mode, not {special}'s")
     if special is not None and not INTERPRET:
         # a Gluon kernel (GLUON: block-FP8 with the scale promotion overlapped; PINGPONG / COOPERATIVE: warp
         # specialized) where it covers this GEMM, else fused_moe_kernel below
@@ -359,6 +392,10 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         if FLAGS["strict"]:
             raise ValueError(f"table entry {cfg} is not covered by {special}: {why}")
     swap = bool(cfg.get("SWAP_AB", 0))
+    split_k = cfg.get("SPLIT_K", 1)
+    if split_k > 1 and (int8 or fuse == 1):
+        raise ValueError(f"table entry {cfg}: SPLIT_K is implemented for one MMA chain per program (not "
+                         + ("INT8 operands)" if int8 else "gate / up halves as two chains: add JOINT_GATE_UP 1)"))
     if swap and (int8 or a_mode == _S_NONE or b_mode == _S_NONE):
         raise ValueError(f"table entry {cfg}: SWAP_AB is implemented for FP8 GEMMs only (block, per-tensor or "
                          f"per-channel scales), this GEMM has A_SCALE {a_mode} / B_SCALE {b_mode}"
@@ -392,9 +429,16 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     else:
         em, num_pid_m = rows, cdiv(rows, BM)
     n_tiles = cfg.get("N_TILES", 1)
-    grid = (num_pid_m * cdiv(cdiv(n_out, BN), n_tiles),)
+    grid = (num_pid_m * cdiv(cdiv(n_out, BN), n_tiles) * split_k,)
+    part = cnt = None
+    if split_k > 1:
+        # one slot per (row tile, N tile) that can hold routes: row tiles below num_tokens_post_padded, each with
+        # at least one route, so fewer than min(row tiles, routes)
+        part, cnt = split_k_scratch(c.device, min(num_pid_m, num_valid) * cdiv(n_out, BN),
+                                    split_k * BM * bn_load)
     fused_moe_kernel[grid](
-        a, w, c, cs, a_scale, ws, bias, a_desc, a_desc_h, b_desc,
+        a, w, c, cs, a_scale, ws, bias, part if part is not None else c, cnt if cnt is not None else c,
+        a_desc, a_desc_h, b_desc,
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
         layout.tiles if half_tail else layout.expert_ids, layout.num_tiles if half_tail else layout.expert_ids,
         n_out, K, em, num_valid, up_off, NW,
@@ -413,7 +457,7 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         RECIP_MUL=rp["RECIP_MUL"] if rp else False,
         EVEN_K=K % BK == 0, TMA_A=tma_a, TMA_B=tma_b, EMU=INTERPRET,
         DOT_PREC="ieee" if act_dtype == torch.float32 else "tf32", N_TILES=n_tiles, FLATTEN=bool(cfg.get("FLATTEN", 0)),
-        PROMOTE=promote, PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait, SWAP_AB=swap,
+        PROMOTE=promote, PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait, SWAP_AB=swap, SPLIT_K=split_k,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         **({"launch_pdl": True} if pdl_wait else {}),
     )

@@ -58,9 +58,9 @@ def _mma(a, b, acc, SWAP_AB: tl.constexpr, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _moe_tile(
-    a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
     a_desc, b_desc,
-    sorted_token_ids_ptr, row0, e, pid_ng,
+    sorted_token_ids_ptr, row0, e, pid_ng, tile_id, pid_k,
     N, K, num_valid_tokens, UP_OFF, NW,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
@@ -75,9 +75,12 @@ def _moe_tile(
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
     N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PROMOTE: tl.constexpr, SWAP_AB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """``N_TILES`` ``BLOCK_M x BLOCK_N`` output tiles of expert ``e``: sorted rows ``[row0, row0 + BLOCK_M)``,
-    output columns of N tiles ``pid_ng * N_TILES + j`` (see :func:`fused_moe_kernel` for the modes)."""
+    output columns of N tiles ``pid_ng * N_TILES + j`` (see :func:`fused_moe_kernel` for the modes); with
+    ``SPLIT_K`` > 1 only the K tiles of split ``pid_k``, ``tile_id`` naming the row tile for the split's partial
+    sums."""
     e64 = e.to(tl.int64)
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -141,7 +144,22 @@ def _moe_tile(
                 b_s_ptrs = b_scale_ptr + e64 * stride_bse + (offs_bn // GROUP_N) * stride_bsn
                 bu_s_ptrs = b_scale_ptr + e64 * stride_bse + ((offs_bn + UP_OFF) // GROUP_N) * stride_bsn
 
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        # SPLIT_K: this program's share of the K tiles (whole promotion intervals: the split is in K tiles of
+        # PROMOTE, so an interval never straddles two programs)
+        kt = tl.cdiv(K, BLOCK_K)
+        k_lo = 0
+        k_hi = kt
+        if SPLIT_K > 1:
+            if PROMOTE > 1:
+                per = tl.cdiv(tl.cdiv(kt, SPLIT_K), PROMOTE) * PROMOTE
+            else:
+                per = tl.cdiv(kt, SPLIT_K)
+            k_lo = tl.minimum(pid_k * per, kt)
+            k_hi = tl.minimum(k_lo + per, kt)
+            a_ptrs += k_lo * BLOCK_K * stride_ak
+            b_ptrs += k_lo * BLOCK_K * stride_bk
+            bu_ptrs += k_lo * BLOCK_K * stride_bk
+        for kk in range(k_lo, k_hi):
             k0 = kk * BLOCK_K
             # ---- A tile [BM, BK]
             if TMA_A:
@@ -251,6 +269,10 @@ def _moe_tile(
             acc += part
             if FUSE == 1:
                 acc_u += part_u
+        is_last = True
+        if SPLIT_K > 1:
+            acc, is_last = _split_k_reduce(acc, part_ptr, cnt_ptr, tile_id * tl.cdiv(N, BLOCK_N) + pid_n, pid_k,
+                                           SPLIT_K)
         if SWAP_AB:  # back to [rows, columns] for the epilogue
             acc = tl.trans(acc)
             if FUSE == 1:
@@ -311,6 +333,8 @@ def _moe_tile(
         else:
             c_rows = offs_token
             row_mask = token_mask
+        if SPLIT_K > 1:  # only the program that summed the partials stores
+            row_mask = row_mask & is_last
         c_ptrs = c_ptr + c_rows[:, None].to(tl.int64) * stride_cm + offs_cn[None, :] * stride_cn
         if OUT_QUANT:
             yq = tl.where(n_mask[None, :], y.to(tl.float32), 0.0)
@@ -322,9 +346,34 @@ def _moe_tile(
             tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _split_k_reduce(acc, part_ptr, cnt_ptr, slot, pid_k, SPLIT_K: tl.constexpr):
+    """``SPLIT_K``: store this program's fp32 partial ``acc`` of output tile ``slot`` in ``part[slot, pid_k]``;
+    the last of the tile's ``SPLIT_K`` programs to arrive (counted in ``cnt[slot]``, int32, zero before the
+    launch and set back to zero by that program) sums the partials in split order (the same bits whichever program
+    is last) and returns ``(sum, True)``; the others return ``(acc, False)`` and store nothing after."""
+    R: tl.constexpr = acc.shape[0]
+    C: tl.constexpr = acc.shape[1]
+    offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    base = part_ptr + slot.to(tl.int64) * (SPLIT_K * R * C)
+    tl.store(base + pid_k * (R * C) + offs, acc)
+    # every thread's part of the partial is stored before the release (a CTA barrier, then one thread's gpu-scope
+    # acq_rel atomic: CUTLASS's semaphore pattern); its result reaches the other threads through shared memory
+    # behind a barrier, so the loads below see the other programs' partials
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
+    is_last = done == SPLIT_K - 1
+    if is_last:
+        tl.store(cnt_ptr + slot, 0)
+        acc = tl.load(base + offs, cache_modifier=".cg")  # at L2, where the other programs' partials are
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(base + s * (R * C) + offs, cache_modifier=".cg")
+    return acc, is_last
+
+
 @triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
 def fused_moe_kernel(
-    a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
     a_desc, a_desc_h, b_desc,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
     N, K, EM, num_valid_tokens, UP_OFF, NW,
@@ -342,7 +391,7 @@ def fused_moe_kernel(
     RECIP_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
     N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PROMOTE: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
-    PDL_WAIT: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False, SWAP_AB: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
 ):
     """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
 
@@ -376,6 +425,10 @@ def fused_moe_kernel(
     ``SWAP_AB`` (FP8 only, not ``INT8``): each K tile computed as ``W_tile @ A_tile^T`` (the weight rows on the MMA's M, the
     tile's few token rows on its N, as vLLM 0.33's ``SWAP_AB`` for ``BLOCK_M < 64``): a 16-row decode tile then runs
     on FP8 wgmma instead of mma.sync on FP8 converted to fp16; the accumulator is transposed back for the epilogue.
+    ``SPLIT_K`` (not with ``FUSE`` 1 nor ``INT8``): ``SPLIT_K`` programs per output tile, each over a contiguous
+    share of the K tiles (whole ``PROMOTE`` intervals); each stores its fp32 partial in ``part`` and the last one to
+    finish (counted in ``cnt``: one int32 per (row tile, N tile), zeros) sums them in split order and runs the
+    epilogue (see :func:`_split_k_reduce`). For decode GEMMs with few (expert, N tile) programs and a long K.
     ``PDL_TRIGGER``: let the next kernel (launched with programmatic dependent launch) start once every program has
     started. ``PDL_WAIT`` (this kernel launched so): wait for the previous kernel before reading anything it wrote
     (A, A's scales; the layout was written before it).
@@ -383,6 +436,9 @@ def fused_moe_kernel(
     if PDL_TRIGGER:
         gdc_launch_dependents()
     pid = tl.program_id(0)
+    # SPLIT_K programs per output tile, adjacent in the grid (dispatched together)
+    pid_k = pid % SPLIT_K
+    pid = pid // SPLIT_K
     if HALF_TAIL:
         num_pid_m = EM
     else:
@@ -408,9 +464,9 @@ def fused_moe_kernel(
         if PDL_WAIT:
             gdc_wait()
         if tile % 2 == 1:
-            _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+            _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
                   a_desc, b_desc,
-                  sorted_token_ids_ptr, row0, e, pid_n,
+                  sorted_token_ids_ptr, row0, e, pid_n, pid_m, pid_k,
                   N, K, num_valid_tokens, UP_OFF, NW,
                   stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                   stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
@@ -420,11 +476,11 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB, SPLIT_K)
         else:
-            _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+            _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
                   a_desc_h, b_desc,
-                  sorted_token_ids_ptr, row0, e, pid_n,
+                  sorted_token_ids_ptr, row0, e, pid_n, pid_m, pid_k,
                   N, K, num_valid_tokens, UP_OFF, NW,
                   stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                   stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
@@ -434,7 +490,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB, SPLIT_K)
     else:
         ntpp = tl.load(num_tokens_post_padded_ptr)
         e = tl.load(expert_ids_ptr + pid_m)  # pid_m < cdiv(EM, BLOCK_M) = the layout's block count
@@ -445,9 +501,9 @@ def fused_moe_kernel(
         if PDL_WAIT:
             gdc_wait()
         row0 = pid_m * BLOCK_M
-        _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+        _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
                   a_desc, b_desc,
-                  sorted_token_ids_ptr, row0, e, pid_n,
+                  sorted_token_ids_ptr, row0, e, pid_n, pid_m, pid_k,
                   N, K, num_valid_tokens, UP_OFF, NW,
                   stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                   stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
@@ -457,7 +513,7 @@ def fused_moe_kernel(
                   TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
                   HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
                   OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB)
+                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB, SPLIT_K)
 
 
 @triton.jit
