@@ -255,17 +255,22 @@ def _swap_variants(entry_g1, g2):
     return out
 
 
-def _splitk_variants(entry_g1, g2, K, I):
+def _splitk_variants(entry_g1, g2, K, I, fp8=False):
     """Decode entries (BLOCK_SIZE_M <= 32, on ``fused_moe_kernel``) with ``SPLIT_K``: GEMM1 over 2 / 4 / 8 shares of
     K (gate / up as one joint tile: one MMA chain), GEMM2 over 2 / 4 shares where its K (= I) has at least 8 K tiles,
-    and GEMM1 / GEMM2 split 4 / 2 together. Aimed at M = 1, where a GEMM has only (8 experts x N tiles) programs
-    of a long K: DeepSeek-V3 TP8 GEMM1 runs 64 programs of 7168 K each, half the SMs idle."""
+    and GEMM1 / GEMM2 split 4 / 2 together; ``fp8``: an unswapped GEMM1 split also with ``SWAP_AB``. Aimed at M = 1,
+    where a GEMM has only (8 experts x N tiles) programs of a long K: DeepSeek-V3 TP8 GEMM1 runs 64 programs of
+    7168 K each, half the SMs idle."""
     from backends.triton.experts import GLUON_KEYS
 
     if g2["BLOCK_SIZE_M"] > 32 or any(g.get(k, 0) for g in (entry_g1, g2) for k in GLUON_KEYS):
         return []
     out = [(f"splitk1-x{n}", dict(entry_g1, SPLIT_K=n, JOINT_GATE_UP=1), g2)
            for n in (2, 4, 8) if K >= n * entry_g1["BLOCK_SIZE_K"]]
+    if fp8 and not entry_g1.get("SWAP_AB", 0):
+        out += [(f"splitk1-x{n}-swap", dict(entry_g1, SPLIT_K=n, JOINT_GATE_UP=1, SWAP_AB=1, num_warps=4,
+                                            BLOCK_SIZE_N=max(entry_g1["BLOCK_SIZE_N"], 32)), g2)
+                for n in (2, 4, 8) if K >= n * entry_g1["BLOCK_SIZE_K"]]
     if I >= 8 * g2["BLOCK_SIZE_K"]:
         out += [(f"splitk2-x{n}", entry_g1, dict(g2, SPLIT_K=n)) for n in (2, 4)]
         if K >= 4 * entry_g1["BLOCK_SIZE_K"]:
@@ -454,7 +459,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
         if "ntiles" in families:
             variants += _ntiles_variants(entry["gemm1"], g2)
         if "splitk" in families:
-            variants += _splitk_variants(entry["gemm1"], g2, sh.K, sh.I)
+            variants += _splitk_variants(entry["gemm1"], g2, sh.K, sh.I, fp8=plan.kind == "fp8")
         if "swap" in families and plan.kind == "fp8":
             variants += _swap_variants(entry["gemm1"], g2)
         if "ws" in families and sh.activation == "silu" and not sh.bias and (

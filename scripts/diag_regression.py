@@ -1,0 +1,76 @@
+"""Where a failing fuzz / regression case differs: the backend's output and the reference, each computed on the GPU
+and on the CPU (and the reference with float64 GEMM accumulation), compared pairwise with the error model's bound.
+
+    python scripts/diag_regression.py --backend triton --case '{"E": 8, "topk": 5, ...}'   # a fuzz case (its JSON)
+
+If the backends agree with each other and the reference on the GPU differs from the reference on the CPU, the
+reference's own device arithmetic is what moves (the failure is then not the kernels'); if the GPU reference equals
+the CPU one, the kernels are what differ. Prints one line per pair: ``rms_norm / max_norm / calc_diff`` and each as
+a multiple of the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> int:
+    import torch
+
+    from backends import load_backend
+    from conformance.cases import situ_params
+    from conformance.fuzz import FuzzCase, make_inputs
+    from conformance.inputs import to_device
+    from reference.error_model import experts_error_bound
+    from reference.experts import fused_experts
+    from reference.metrics import error_stats
+    from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", action="append", required=True, help="backend name (repeatable)")
+    ap.add_argument("--case", required=True, help="the fuzz case as JSON (conformance.fuzz --replay's argument)")
+    args = ap.parse_args()
+    fc = FuzzCase(**json.loads(args.case))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w1, w2, w, ids, emap, qc, cfg = make_inputs(fc, dev)
+    kw = dict(activation=fc.act, global_num_experts=fc.E, expert_map=emap)
+    sit = situ_params(fc.act)
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    qc_cpu = to_device(qc, "cpu")
+    outs = {f"reference@{dev}": fused_experts(x, w1, w2, w, ids, quant_config=qc, **kw, **sit)}
+    kcpu = dict(kw, expert_map=cpu(emap))
+    outs["reference@cpu"] = fused_experts(cpu(x), cpu(w1), cpu(w2), cpu(w), cpu(ids), quant_config=qc_cpu, **kcpu,
+                                          **sit)
+    outs["reference@cpu-f64"] = fused_experts(cpu(x), cpu(w1), cpu(w2), cpu(w), cpu(ids), quant_config=qc_cpu,
+                                              accumulate_dtype=torch.float64, **kcpu, **sit)
+    for name in args.backend:
+        for cls in load_backend(name).experts:
+            try:
+                out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(cfg, qc), poison=float("nan")).apply(
+                    x, w1, w2, w, ids, **kw)
+            except Exception as exc:  # noqa: BLE001 - an unclaimed class raises: not part of the comparison
+                print(f"{cls.__name__}: raised {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            outs[cls.__name__] = out
+    local = ids.long() >= 0 if emap is None else (ids.long() >= 0) & (emap[ids.long().clamp(min=0)] >= 0)
+    bound = experts_error_bound(qc_cpu, act_dtype=x.dtype, K=fc.K, I=fc.I, activation=fc.act,
+                                routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / max(fc.M, 1), 1.0))
+    tol = bound.as_tolerance()
+    print(f"case {fc.id} on {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; bound {tol}")
+    names = list(outs)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            s = error_stats(outs[a], outs[b])
+            cells = ", ".join(f"{k} {getattr(s, k):.3e} ({getattr(s, k) / v:.2f}x)" for k, v in tol.items())
+            same = torch.equal(outs[a].cpu(), outs[b].cpu())
+            print(f"{a:>22} vs {b:<22} {'BITWISE EQUAL' if same else cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
