@@ -6,7 +6,9 @@ and on the CPU (and the reference with float64 GEMM accumulation), compared pair
 If the backends agree with each other and the reference on the GPU differs from the reference on the CPU, the
 reference's own device arithmetic is what moves (the failure is then not the kernels'); if the GPU reference equals
 the CPU one, the kernels are what differ. Prints one line per pair: ``rms_norm / max_norm / calc_diff`` and each as
-a multiple of the bound.
+a multiple of the bound; then, for each experts class with ``stages()`` (``conformance.diagnose``), its GEMM1 /
+activation / GEMM2-per-route intermediates against the reference's on the same device, with the count of elements
+that differ (a stage a class does not hand out is not listed).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,6 +27,7 @@ def main() -> int:
 
     from backends import load_backend
     from conformance.cases import situ_params
+    from conformance.diagnose import reference_stages
     from conformance.fuzz import FuzzCase, make_inputs
     from conformance.inputs import to_device
     from reference.error_model import experts_error_bound
@@ -48,6 +52,7 @@ def main() -> int:
                                           **sit)
     outs["reference@cpu-f64"] = fused_experts(cpu(x), cpu(w1), cpu(w2), cpu(w), cpu(ids), quant_config=qc_cpu,
                                               accumulate_dtype=torch.float64, **kcpu, **sit)
+    classes = []
     for name in args.backend:
         for cls in load_backend(name).experts:
             try:
@@ -57,6 +62,8 @@ def main() -> int:
                 print(f"{cls.__name__}: raised {type(exc).__name__}: {str(exc)[:120]}")
                 continue
             outs[cls.__name__] = out
+            if hasattr(cls, "stages"):
+                classes.append(cls)
     local = ids.long() >= 0 if emap is None else (ids.long() >= 0) & (emap[ids.long().clamp(min=0)] >= 0)
     bound = experts_error_bound(qc_cpu, act_dtype=x.dtype, K=fc.K, I=fc.I, activation=fc.act,
                                 routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / max(fc.M, 1), 1.0))
@@ -69,6 +76,31 @@ def main() -> int:
             cells = ", ".join(f"{k} {getattr(s, k):.3e} ({getattr(s, k) / v:.2f}x)" for k, v in tol.items())
             same = torch.equal(outs[a].cpu(), outs[b].cpu())
             print(f"{a:>22} vs {b:<22} {'BITWISE EQUAL' if same else cells}")
+    inputs = SimpleNamespace(hidden_states=x, w1=w1, w2=w2, topk_ids=ids, expert_map=emap, quant_config=qc)
+    ref = reference_stages(inputs, fc.act)
+    for cls in classes:
+        got = cls(cfg, qc).stages(x, w1, w2, w, ids, fc.act, fc.E, emap)
+        for stage in ("gemm1", "activation", "gemm2"):
+            if stage in got and stage in ref:
+                s = error_stats(got[stage], ref[stage])
+                ndiff = int((got[stage].float() != ref[stage].float()).sum())
+                cells = ", ".join(f"{k} {getattr(s, k):.3e} ({getattr(s, k) / v:.2f}x)" for k, v in tol.items())
+                print(f"{cls.__name__} stage {stage}: {ndiff} of {got[stage].numel()} elements differ; {cells}")
+        if "gemm2" in got:  # the reference's weighted sum over the class's own GEMM2 outputs: is the rest the sum?
+            summed = (got["gemm2"].float() * w.float()[:, :, None]).sum(1).to(x.dtype)
+            s = error_stats(outs[cls.__name__], summed)
+            # how concentrated the difference is: the routes that carry it and their router weights
+            d2 = ((got["gemm2"].double() - ref["gemm2"].double()) ** 2).sum(-1).cpu()  # (M, topk)
+            wd = (w.double().cpu() ** 2) * d2
+            local = (d2 > 0) | (ref["gemm2"].abs().sum(-1).cpu() > 0)
+            top = wd.flatten().sort(descending=True).values
+            print(f"{cls.__name__} gemm2 differs on {int((d2 > 0).sum())} of {int(local.sum())} local routes; router "
+                  f"weight mean {w.cpu()[d2 > 0].float().mean():.3f} there vs {w.cpu()[local].float().mean():.3f} over "
+                  f"all local routes; the top 1 / 3 / 10 routes carry {top[0] / top.sum():.0%} / "
+                  f"{top[:3].sum() / top.sum():.0%} / {top[:10].sum() / top.sum():.0%} of the weighted squared difference")
+            print(f"{cls.__name__} output vs the weighted sum of its gemm2 stage: rms_norm {s.rms_norm:.3e}; "
+                  f"reference vs the same sum of the reference's gemm2: "
+                  f"{error_stats(outs[names[0]], (ref['gemm2'].float() * w.float()[:, :, None]).sum(1).to(x.dtype)).rms_norm:.3e}")
     return 0
 
 
