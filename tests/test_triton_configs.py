@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+import torch
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install -e '.[triton]')", allow_module_level=True)
@@ -362,3 +363,25 @@ def test_split_k_tuner_variants_and_config():
     assert sanitize_config(cfg)["gemm2"]["SPLIT_K"] == 1
     with pytest.raises(ValueError, match="SPLIT_K"):
         sanitize_config({"gemm1": dict(g1, SPLIT_K=0), "gemm2": g2})
+    with pytest.raises(ValueError, match="FLATTEN"):
+        sanitize_config({"gemm1": g1, "gemm2": dict(g2, SPLIT_K=2, N_TILES=2, FLATTEN=1)})
+
+
+def test_split_k_scratch_grows_and_keeps_what_a_graph_may_use():
+    """SPLIT_K's per-device workspaces: zeroed counters, at least the size asked; a larger request replaces the pair
+    and keeps the old one alive (a CUDA graph captured on it may still run); a smaller one reuses it."""
+    from backends.triton import experts as X
+    dev = torch.device("cpu")
+    saved = dict(X._SCRATCH), list(X._RETIRED_SCRATCH)
+    X._SCRATCH.pop("cpu", None)
+    try:
+        part, cnt = X.split_k_scratch(dev, 10, 100)
+        assert part.numel() >= 1000 and cnt.numel() >= 10 and not cnt.any()
+        assert X.split_k_scratch(dev, 5, 100)[0] is part
+        big, cnt2 = X.split_k_scratch(dev, 1 << 13, 1 << 10)
+        assert big.numel() >= (1 << 23) and cnt2.numel() >= (1 << 13) and not cnt2.any()
+        assert any(p is part for p, _ in X._RETIRED_SCRATCH)
+    finally:
+        X._SCRATCH.clear()
+        X._SCRATCH.update(saved[0])
+        X._RETIRED_SCRATCH[:] = saved[1]

@@ -695,6 +695,10 @@ def _():
          experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=sk(CFG(bn1=64, bk1=64, bk2=128), 3)),
          experts(x, c1, c2, *rest, "fp8", qc=qch, cfg=sk(CFG(bk1=32), 3, PROMOTE_K=64)),
          experts(*make(70, 4, 128, 64, 2, torch.bfloat16, ep=2), "bfloat16", cfg=sk(CFG(bm=32, half=1), 2, 2))]
+    nt = sk(CFG(), 2, 2)  # several N tiles per program, each tile's split counted on its own
+    for g in ("gemm1", "gemm2"):
+        nt[g]["N_TILES"] = 2
+    r.append(experts(*D, "bfloat16", cfg=nt))
     bad = [v for v in r if v is not True]
     if not _SCRATCH or any(int(cnt.abs().sum()) for _, cnt in _SCRATCH.values()):
         bad.append(f"counters not left at zero (or never allocated): {list(_SCRATCH)}")

@@ -163,6 +163,9 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
         g.setdefault("SPLIT_K", 1)
         if not (isinstance(g["SPLIT_K"], int) and 1 <= g["SPLIT_K"] <= 16):
             raise ValueError(f"SPLIT_K={g['SPLIT_K']!r} must be an int in [1, 16] (programs per output tile)")
+        if g["SPLIT_K"] > 1 and g.get("FLATTEN", 0):
+            # the split's arrival barrier inside a software-pipelined (tile, K) loop is not a schedule anyone checked
+            raise ValueError("SPLIT_K > 1 does not combine with FLATTEN (use N_TILES without FLATTEN)")
         if not (isinstance(g["N_TILES"], int) and g["N_TILES"] >= 1):
             raise ValueError(f"N_TILES={g['N_TILES']!r} must be a positive int (N tiles per program)")
         for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
