@@ -18,13 +18,13 @@ pytestmark = [
 ]
 
 
-def _case(split_k: int):
+def _case(split_k: int, M: int = 3, n_tiles: int = 1):
     from reference import quant as rq
     from reference.config import fp8_w8a8_moe_quant_config
     from reference.routing import fused_topk
 
     g = torch.Generator().manual_seed(7)
-    E, K, I, M, topk = 16, 2048, 256, 3, 4
+    E, K, I, topk = 16, 2048, 256, 4
     w1 = (torch.randn(E, 2 * I, K, generator=g) * K ** -0.5).bfloat16()
     w2 = (torch.randn(E, K, I, generator=g) * I ** -0.5).bfloat16()
     q1, s1 = rq.per_block_quant_fp8(w1, (128, 128))
@@ -36,17 +36,22 @@ def _case(split_k: int):
     cfg = {"gemm1": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128, num_warps=4, num_stages=4,
                          FUSE_QUANT=0, JOINT_GATE_UP=1, SPLIT_K=split_k),
            "gemm2": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, num_warps=4, num_stages=3,
-                         SPLIT_K=min(split_k, 2))}
+                         SPLIT_K=min(split_k, 2), N_TILES=n_tiles)}
     return (x.to(dev), q1.to(dev), q2.to(dev), w.to(dev), ids.to(dev)), qc, cfg
 
 
-def test_split_k_is_deterministic_and_replays_from_a_cuda_graph():
+@pytest.mark.parametrize("M, n_tiles", [(3, 1), (64, 3)], ids=["decode", "n_tiles3-wrapped"])
+def test_split_k_is_deterministic_and_replays_from_a_cuda_graph(M, n_tiles):
     """SPLIT_K 4 / 2 (GEMM1 / GEMM2): eager calls are bitwise equal to each other whichever program arrives last; a
     captured CUDA graph replayed three times gives the eager bits (the counters left zero by every launch); and the
-    output is within the tuner's 1e-2 of the unsplit one (another order of the fp32 partial sums)."""
+    output is within the tuner's 1e-2 of the unsplit one (another order of the fp32 partial sums). The second case
+    runs GEMM2's 32 N tiles three per program over many row tiles at once, its last group running past N (a wrapped
+    tile counts in a slot of its own row tile). A planted slot stride without the wrapped tile, which lands that
+    tile's slot on the next row tile's first, still passed here on the H100 (the two never run at the same time in
+    this grid order): the stride is right by construction, not by this test."""
     from backends.triton.experts import fused_experts
 
-    args, qc, cfg = _case(4)
+    args, qc, cfg = _case(4, M, n_tiles)
     run = lambda: fused_experts(*args, quant_config=qc, config=cfg)  # noqa: E731
     eager = run()
     for _ in range(3):
@@ -64,7 +69,7 @@ def test_split_k_is_deterministic_and_replays_from_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured.view(torch.int16), eager.view(torch.int16)), "graph replay differs from eager"
-    args1, qc1, cfg1 = _case(1)
+    args1, qc1, cfg1 = _case(1, M, n_tiles)
     one = fused_experts(*args1, quant_config=qc1, config=cfg1)
     d = ((eager.double() - one.double()).abs().max() / one.double().abs().max()).item()
     assert d <= 1e-2, f"SPLIT_K output {d:.2e} (max_norm) from the unsplit one"

@@ -434,7 +434,7 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     if split_k > 1:
         # one slot per (row tile, N tile) that can hold routes: row tiles below num_tokens_post_padded, each with
         # at least one route, so fewer than min(row tiles, routes)
-        part, cnt = split_k_scratch(c.device, min(num_pid_m, num_valid) * cdiv(n_out, BN),
+        part, cnt = split_k_scratch(c.device, min(num_pid_m, num_valid) * cdiv(cdiv(n_out, BN), n_tiles) * n_tiles,
                                     split_k * BM * bn_load)
     fused_moe_kernel[grid](
         a, w, c, cs, a_scale, ws, bias, part if part is not None else c, cnt if cnt is not None else c,

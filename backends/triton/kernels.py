@@ -271,8 +271,10 @@ def _moe_tile(
                 acc_u += part_u
         is_last = True
         if SPLIT_K > 1:
-            acc, is_last = _split_k_reduce(acc, part_ptr, cnt_ptr, tile_id * tl.cdiv(N, BLOCK_N) + pid_n, pid_k,
-                                           SPLIT_K)
+            # one slot per (row tile, N tile); N_TILES may run past the last N tile (wrapped, never stored), so a
+            # row tile's slots span whole groups of N_TILES
+            slots_per_row = tl.cdiv(tl.cdiv(N, BLOCK_N), N_TILES) * N_TILES
+            acc, is_last = _split_k_reduce(acc, part_ptr, cnt_ptr, tile_id * slots_per_row + pid_n, pid_k, SPLIT_K)
         if SWAP_AB:  # back to [rows, columns] for the epilogue
             acc = tl.trans(acc)
             if FUSE == 1:
