@@ -149,6 +149,16 @@ def make_inputs(fc: FuzzCase, device: str):
     return to(x), to(w1q), to(w2q), to(w), to(ids), to(expert_map), to_device(qc, device), cfg
 
 
+def case_bound(fc: FuzzCase, qc, ids: torch.Tensor, emap: torch.Tensor | None,
+               router_weight_rounding: str = "reference"):
+    """The error model's bound on ``fc``'s experts output (``reference.error_model.experts_error_bound``) over the
+    routes held here: ids ``>= 0`` that ``emap`` maps to a local expert."""
+    local = ids.long() >= 0 if emap is None else (ids.long() >= 0) & (emap[ids.long().clamp(min=0)] >= 0)
+    return experts_error_bound(qc, act_dtype=_DTYPES[fc.dtype], K=fc.K, I=fc.I, activation=fc.act,
+                               routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / max(fc.M, 1), 1.0),
+                               router_weight_rounding=router_weight_rounding)
+
+
 @dataclass
 class Outcome:
     """``kind``: passed | refused (unclaimed, raised as required) | failed; ``detail``: the reason or the error."""
@@ -187,10 +197,7 @@ def check_case(cls, fc: FuzzCase, device: str) -> Outcome:
         ref = kernel(BatchedReferenceExperts).apply(x, w1, w2, w, ids, **kw)
     else:
         ref = fused_experts(x, w1, w2, w, ids, quant_config=qc, **kw, **situ_params(fc.act))
-    local = ids.long() >= 0 if emap is None else (ids.long() >= 0) & (emap[ids.long().clamp(min=0)] >= 0)
-    bound = experts_error_bound(qc, act_dtype=_DTYPES[fc.dtype], K=fc.K, I=fc.I, activation=fc.act,
-                                routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / max(fc.M, 1), 1.0),
-                                router_weight_rounding=getattr(rec, "router_weight_rounding", "reference"))
+    bound = case_bound(fc, qc, ids, emap, getattr(rec, "router_weight_rounding", "reference"))
     s = error_stats(out, ref)
     over = [f"{k} {getattr(s, k):.3e} > {v:.1e}" for k, v in bound.as_tolerance().items()
             if not getattr(s, k) <= v]

@@ -28,9 +28,8 @@ def main() -> int:
     from backends import load_backend
     from conformance.cases import situ_params
     from conformance.diagnose import reference_stages
-    from conformance.fuzz import FuzzCase, make_inputs
+    from conformance.fuzz import FuzzCase, case_bound, make_inputs
     from conformance.inputs import to_device
-    from reference.error_model import experts_error_bound
     from reference.experts import fused_experts
     from reference.metrics import error_stats
     from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP
@@ -64,43 +63,45 @@ def main() -> int:
             outs[cls.__name__] = out
             if hasattr(cls, "stages"):
                 classes.append(cls)
-    local = ids.long() >= 0 if emap is None else (ids.long() >= 0) & (emap[ids.long().clamp(min=0)] >= 0)
-    bound = experts_error_bound(qc_cpu, act_dtype=x.dtype, K=fc.K, I=fc.I, activation=fc.act,
-                                routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / max(fc.M, 1), 1.0))
-    tol = bound.as_tolerance()
+    tol = case_bound(fc, qc, ids, emap).as_tolerance()
+
+    def cells(got, want):  # each metric and its multiple of the bound
+        s = error_stats(got, want)
+        return ", ".join(f"{k} {getattr(s, k):.3e} ({getattr(s, k) / v:.2f}x)" for k, v in tol.items())
+
     print(f"case {fc.id} on {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; bound {tol}")
     names = list(outs)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            s = error_stats(outs[a], outs[b])
-            cells = ", ".join(f"{k} {getattr(s, k):.3e} ({getattr(s, k) / v:.2f}x)" for k, v in tol.items())
             same = torch.equal(outs[a].cpu(), outs[b].cpu())
-            print(f"{a:>22} vs {b:<22} {'BITWISE EQUAL' if same else cells}")
+            print(f"{a:>22} vs {b:<22} {'BITWISE EQUAL' if same else cells(outs[a], outs[b])}")
     inputs = SimpleNamespace(hidden_states=x, w1=w1, w2=w2, topk_ids=ids, expert_map=emap, quant_config=qc)
     ref = reference_stages(inputs, fc.act)
     for cls in classes:
         got = cls(cfg, qc).stages(x, w1, w2, w, ids, fc.act, fc.E, emap)
         for stage in ("gemm1", "activation", "gemm2"):
             if stage in got and stage in ref:
-                s = error_stats(got[stage], ref[stage])
                 ndiff = int((got[stage].float() != ref[stage].float()).sum())
-                cells = ", ".join(f"{k} {getattr(s, k):.3e} ({getattr(s, k) / v:.2f}x)" for k, v in tol.items())
-                print(f"{cls.__name__} stage {stage}: {ndiff} of {got[stage].numel()} elements differ; {cells}")
-        if "gemm2" in got:  # the reference's weighted sum over the class's own GEMM2 outputs: is the rest the sum?
-            summed = (got["gemm2"].float() * w.float()[:, :, None]).sum(1).to(x.dtype)
-            s = error_stats(outs[cls.__name__], summed)
-            # how concentrated the difference is: the routes that carry it and their router weights
-            d2 = ((got["gemm2"].double() - ref["gemm2"].double()) ** 2).sum(-1).cpu()  # (M, topk)
-            wd = (w.double().cpu() ** 2) * d2
-            local = (d2 > 0) | (ref["gemm2"].abs().sum(-1).cpu() > 0)
-            top = wd.flatten().sort(descending=True).values
-            print(f"{cls.__name__} gemm2 differs on {int((d2 > 0).sum())} of {int(local.sum())} local routes; router "
-                  f"weight mean {w.cpu()[d2 > 0].float().mean():.3f} there vs {w.cpu()[local].float().mean():.3f} over "
-                  f"all local routes; the top 1 / 3 / 10 routes carry {top[0] / top.sum():.0%} / "
-                  f"{top[:3].sum() / top.sum():.0%} / {top[:10].sum() / top.sum():.0%} of the weighted squared difference")
-            print(f"{cls.__name__} output vs the weighted sum of its gemm2 stage: rms_norm {s.rms_norm:.3e}; "
-                  f"reference vs the same sum of the reference's gemm2: "
-                  f"{error_stats(outs[names[0]], (ref['gemm2'].float() * w.float()[:, :, None]).sum(1).to(x.dtype)).rms_norm:.3e}")
+                print(f"{cls.__name__} stage {stage}: {ndiff} of {got[stage].numel()} elements differ; "
+                      f"{cells(got[stage], ref[stage])}")
+        if "gemm2" not in got:
+            continue
+
+        def weighted_sum(y):  # the router-weighted top-k sum of per-route outputs (M, topk, K), one rounding
+            return (y.float() * w.float()[:, :, None]).sum(1).to(x.dtype)
+
+        # how concentrated the difference is: the routes that carry it and their router weights
+        d2 = ((got["gemm2"].double() - ref["gemm2"].double()) ** 2).sum(-1).cpu()  # (M, topk)
+        held = (d2 > 0) | (ref["gemm2"].abs().sum(-1).cpu() > 0)
+        top = ((w.double().cpu() ** 2) * d2).flatten().sort(descending=True).values
+        if top.sum() > 0:
+            share = " / ".join(f"{top[:n].sum() / top.sum():.0%}" for n in (1, 3, 10))
+            print(f"{cls.__name__} gemm2 differs on {int((d2 > 0).sum())} of {int(held.sum())} local routes; router "
+                  f"weight mean {w.cpu()[d2 > 0].float().mean():.3f} there vs {w.cpu()[held].float().mean():.3f} over "
+                  f"all local routes; the top 1 / 3 / 10 routes carry {share} of the weighted squared difference")
+        print(f"{cls.__name__} output vs the weighted sum of its gemm2 stage: rms_norm "
+              f"{error_stats(outs[cls.__name__], weighted_sum(got['gemm2'])).rms_norm:.3e}; the reference vs the same "
+              f"sum of its own: {error_stats(outs[names[0]], weighted_sum(ref['gemm2'])).rms_norm:.3e}")
     return 0
 
 

@@ -429,13 +429,13 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
     else:
         em, num_pid_m = rows, cdiv(rows, BM)
     n_tiles = cfg.get("N_TILES", 1)
-    grid = (num_pid_m * cdiv(cdiv(n_out, BN), n_tiles) * split_k,)
+    n_groups = cdiv(cdiv(n_out, BN), n_tiles)  # programs per row tile (and split)
+    grid = (num_pid_m * n_groups * split_k,)
     part = cnt = None
     if split_k > 1:
-        # one slot per (row tile, N tile) that can hold routes: row tiles below num_tokens_post_padded, each with
-        # at least one route, so fewer than min(row tiles, routes)
-        part, cnt = split_k_scratch(c.device, min(num_pid_m, num_valid) * cdiv(cdiv(n_out, BN), n_tiles) * n_tiles,
-                                    split_k * BM * bn_load)
+        # one slot per (row tile, N tile, wrapped ones included) of the row tiles that can hold routes: those below
+        # num_tokens_post_padded, each with at least one route, so at most min(row tiles, routes)
+        part, cnt = split_k_scratch(c.device, min(num_pid_m, num_valid) * n_groups * n_tiles, split_k * BM * bn_load)
     fused_moe_kernel[grid](
         a, w, c, cs, a_scale, ws, bias, part if part is not None else c, cnt if cnt is not None else c,
         a_desc, a_desc_h, b_desc,
