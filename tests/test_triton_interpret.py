@@ -675,7 +675,8 @@ def _():
 def _():
     """SPLIT_K (programs per output tile over shares of K; the last sums the fp32 partials in split order, then the
     epilogue) is close to the reference: bf16 with the joint gate / up tile, SPLIT_K 2 / 3 (an empty last share:
-    4 K tiles over 3 programs of 2) on GEMM1 and GEMM2; block FP8 with SWAP_AB and the fused requantization; FP8
+    4 K tiles over 3 programs of 2) on GEMM1 and GEMM2; block FP8 with SWAP_AB, and GEMM1 tiles of one whole
+    128-column group that requantize in their epilogue (plain and swapped); FP8
     per-channel weights promoted every 2 K tiles (shares of whole intervals); HALF_TAIL with an expert map. The
     counters are left at zero; gate / up as two chains is refused."""
     from backends.triton.experts import _SCRATCH
@@ -693,6 +694,9 @@ def _():
          experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=sk(CFG(bn1=32, bk1=128, bk2=128), 2, 2, SWAP_AB=1,
                                                         num_warps=4)),
          experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=sk(CFG(bn1=64, bk1=64, bk2=128), 3)),
+         # a tile of one whole 128-column group requantizing in its epilogue (FUSE_QUANT), plain and swapped
+         experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=sk(CFG(bn1=128, bk1=128, bk2=128), 2)),
+         experts(x, q1, q2, *rest, "fp8", qc=qc, cfg=sk(CFG(bn1=128, bk1=128, bk2=128), 2, SWAP_AB=1, num_warps=4)),
          experts(x, c1, c2, *rest, "fp8", qc=qch, cfg=sk(CFG(bk1=32), 3, PROMOTE_K=64)),
          experts(*make(70, 4, 128, 64, 2, torch.bfloat16, ep=2), "bfloat16", cfg=sk(CFG(bm=32, half=1), 2, 2))]
     # several N tiles per program, each tile's split counted on its own; GEMM2's 128 columns in 16-column tiles by
