@@ -3,6 +3,7 @@
     python -m benchmarks.breakdown --backend deep_gemm --shapes dsv3_ep8-fp8_block128 --ms 8,64,4096
     python -m benchmarks.breakdown --backend cuda --shapes qwen3_30b-bf16 --ms 1,1024
     python -m benchmarks.breakdown --backend deep_gemm --ms 8 --expected-m 1,4,16,64
+    python -m benchmarks.breakdown --backend triton --gemms --peer vllm --vllm-src DIR --shapes qwen3_30b-fp8_block128 --ms 1,8
 
 The step is the benchmark's (``benchmarks.harness``: the same weights, rotating inputs, ``FusedMoEKernel`` and
 ``MOE_BENCH_PREPARE``) for each standard-format experts class of the backend that claims the shape, timed by
@@ -10,6 +11,10 @@ The step is the benchmark's (``benchmarks.harness``: the same weights, rotating 
 per call is listed in launch order, with the sum and the idle time between kernels (graph time - sum).
 ``--expected-m`` (deep_gemm) times the step once per ``expected_m`` hint of the masked GEMMs (M < 128) instead of
 ``backends.deep_gemm.experts.expected_m_for``.
+``--gemms`` breaks down the backend's GEMM-stage variants instead (``backends.<name>.tools.bench_variants``: what
+``python -m benchmarks`` times against vLLM), and ``--peer vllm`` vLLM's live GEMM1 + GEMM2 launches beside them, on the
+same inputs (``benchmarks.peer_vllm``; its activation and requantization are precomputed, as in the bench): which of
+the two GEMMs, or the kernel between them, makes the difference of a row.
 """
 
 from __future__ import annotations
@@ -39,6 +44,28 @@ def _steps(backend: str, shape_id: str, M: int):
     return out
 
 
+def _gemm_stages(backend: str, shape_id: str, M: int, vllm=None):
+    """``[(name, call(i), n_sets, device)]``: the backend's GEMM-stage variants (its ``bench_variants`` hook) and, with
+    ``vllm`` (a ``peer_vllm.VllmTriton``), vLLM's GEMM1 + GEMM2 launches on the same inputs."""
+    from benchmarks import harness, shapes, timing
+    from benchmarks.cli import _hook
+
+    hook = _hook(backend)
+    if hook is None:
+        raise ValueError(f"backend {backend!r} has no GEMM-stage variants (backends.{backend}.tools.bench_variants)")
+    shape = shapes.experts_shape(shape_id)
+    dev = torch.device("cuda")
+    inp = harness.experts_inputs(shape, M, dev, timing.device_info()["l2_bytes"])
+    n = len(inp.sets)
+    out = [(name, call, n, dev) for name, call in hook.variants(shape, M, inp, dev)]
+    if vllm is not None:
+        from benchmarks import peer_vllm
+
+        name, call, _ = peer_vllm.gemms_variant(vllm, shape, M, inp, dev)
+        out.append((name, call, n, dev))
+    return out
+
+
 def breakdown(call, n: int, dev, replays: int = 3) -> dict:
     """``{"graph_us", "kernels": [(position:name, us per call)], "sum_us"}`` of ``call(i)`` (i < n)."""
     from benchmarks import timing
@@ -57,11 +84,28 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="comma-separated shape ids (default: the backend's suite)")
     ap.add_argument("--ms", default="1,8,64,1024,4096")
     ap.add_argument("--expected-m", default="", help="deep_gemm: expected_m hints to time (M < 128 only)")
+    ap.add_argument("--gemms", action="store_true",
+                    help="the backend's GEMM-stage variants (what the bench sets against vLLM), not the whole step")
+    ap.add_argument("--peer", choices=("vllm",), default=None,
+                    help="with --gemms: vLLM's live GEMM1 + GEMM2 launches beside them")
+    ap.add_argument("--vllm-src", default=None, metavar="PATH", help="vLLM's source (see python -m benchmarks --help)")
     args = ap.parse_args(argv)
+    if args.peer and not args.gemms:
+        ap.error("--peer vllm breaks down vLLM's GEMM launches beside the backend's GEMM stage: add --gemms")
     if not torch.cuda.is_available():
         print("breakdown: needs a CUDA GPU")
         return 2
     from benchmarks import suites, timing
+
+    vllm = None
+    if args.peer == "vllm":
+        from benchmarks import peer_vllm
+
+        try:
+            vllm = peer_vllm.load(args.vllm_src)
+        except peer_vllm.PeerUnavailable as exc:
+            print(f"breakdown: --peer vllm: {exc}")
+            return 2
 
     shape_ids = [s for s in args.shapes.split(",") if s] or list(suites.suite(args.backend).experts)
     ms = [int(t) for t in args.ms.split(",") if t]
@@ -82,7 +126,7 @@ def main(argv=None) -> int:
                 print(f"{sid} M={M} step us by expected_m: " + ", ".join(cells), flush=True)
                 continue
             try:
-                steps = _steps(args.backend, sid, M)
+                steps = _gemm_stages(args.backend, sid, M, vllm) if args.gemms else _steps(args.backend, sid, M)
             except Exception as exc:  # noqa: BLE001 - one failing case does not stop the others
                 print(f"{sid} M={M}: {type(exc).__name__}: {exc}", flush=True)
                 continue

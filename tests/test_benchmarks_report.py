@@ -161,3 +161,14 @@ def test_kernel_breakdown_needs_a_cuda_graph():
             timing.kernel_breakdown(runner)
     finally:
         runner.close()
+
+
+def test_breakdown_peer_needs_the_gemm_stage(capsys):
+    # vLLM's live launches are GEMM1 + GEMM2 only: they are broken down beside the backend's GEMM stage (--gemms),
+    # never beside its whole step, and asking for that is a usage error that says what to add
+    from benchmarks import breakdown
+
+    with pytest.raises(SystemExit) as exc:
+        breakdown.main(["--backend", "triton", "--peer", "vllm"])
+    assert exc.value.code == 2
+    assert "add --gemms" in capsys.readouterr().err
