@@ -385,3 +385,15 @@ def test_split_k_scratch_grows_and_keeps_what_a_graph_may_use():
         X._SCRATCH.clear()
         X._SCRATCH.update(saved[0])
         X._RETIRED_SCRATCH[:] = saved[1]
+
+
+def test_quant_warps_is_validated():
+    """QUANT_WARPS (the requantization kernel's warps per program, a GEMM2 entry key): a power of two in [1, 16];
+    anything else is refused with what to write."""
+    from backends.triton import configs as C
+
+    g = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128)
+    assert C.sanitize_config({"gemm1": dict(g), "gemm2": dict(g, QUANT_WARPS=8)})["gemm2"]["QUANT_WARPS"] == 8
+    for bad in (3, 32, True, "8"):
+        with pytest.raises(ValueError, match="QUANT_WARPS"):
+            C.sanitize_config({"gemm1": dict(g), "gemm2": dict(g, QUANT_WARPS=bad)})

@@ -9,7 +9,7 @@ intermediate size I = ``w2.shape[2]``). Content::
                        PROMOTE_K, FAST_ACCUM, SWAP_AB, SPLIT_K, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
                        N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, PDL, PROMOTE_K, FAST_ACCUM,
-                       SWAP_AB, SPLIT_K}},
+                       SWAP_AB, SPLIT_K, QUANT_WARPS}},
      ...}
 
 ``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``N_TILES``
@@ -44,7 +44,10 @@ committed table uses) accumulates those GEMMs in place over the whole K instead,
 wgmma's 64-row M and the tile's 16-32 token rows its N. ``SPLIT_K`` (optional, default 1; ``fused_moe_kernel``, not
 with gate / up as two chains nor INT8) runs that many programs per output tile over contiguous shares of K, the last
 to finish summing their fp32 partials in split order before the epilogue: decode GEMMs whose (expert, N tile)
-programs are too few to stream the weights (DeepSeek-V3 TP8 GEMM1 at M = 1: 64 programs of K = 7168). The entry whose ``M``
+programs are too few to stream the weights (DeepSeek-V3 TP8 GEMM1 at M = 1: 64 programs of K = 7168).
+``QUANT_WARPS`` (optional, default 4; GEMM2 entry) is the warps per program of the requantization kernel run
+before GEMM2 (``act_quant_kernel``, where GEMM1 does not requantize in its epilogue): a power of two in [1, 16].
+The entry whose ``M``
 is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
 table) :func:`default_config` chooses by tokens per expert.
 """
@@ -68,7 +71,7 @@ CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_na
 # The keys a table entry may hold (anything else is a typo that would be ignored).
 GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
               "N_TILES", "FLATTEN", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE", "PDL", "PROMOTE_K", "FAST_ACCUM",
-              "SWAP_AB", "SPLIT_K")
+              "SWAP_AB", "SPLIT_K", "QUANT_WARPS")
 # K elements an FP8 per-tensor / per-channel GEMM accumulates in the MMA accumulator before promoting it into fp32
 # (PROMOTE_K's default and its largest allowed value; DeepGEMM / CUTLASS use 128)
 DEFAULT_PROMOTE_K = 256
@@ -166,6 +169,9 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
         if g["SPLIT_K"] > 1 and g.get("FLATTEN", 0):
             # the split's arrival barrier inside a software-pipelined (tile, K) loop is not a schedule anyone checked
             raise ValueError("SPLIT_K > 1 does not combine with FLATTEN (use N_TILES without FLATTEN)")
+        qw = g.get("QUANT_WARPS", 4)
+        if qw not in (1, 2, 4, 8, 16) or isinstance(qw, bool):
+            raise ValueError(f"QUANT_WARPS={qw!r} must be a power of two in [1, 16] (warps per requantization program)")
         if not (isinstance(g["N_TILES"], int) and g["N_TILES"] >= 1):
             raise ValueError(f"N_TILES={g['N_TILES']!r} must be a positive int (N tiles per program)")
         for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):

@@ -151,9 +151,10 @@ def per_token_group_quant_fp8(
 def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, expert_ids=None, ntpp=None,
                       rows, nc, num_valid, up_off=0, num_e=1, block_m=16, act, split, qmode, act_dtype,
                       alpha=1.0, beta=0.0, limit=0.0, has_limit=False, rp=None, use_ue8m0=False, group=128,
-                      pdl=False):
+                      pdl=False, num_warps=4):
     """Launch ``act_quant_kernel`` over ``rows`` rows (sorted layout when ``sorted_ids`` is given); ``pdl``: with
-    programmatic dependent launch (see ``kernels.act_quant_kernel``)."""
+    programmatic dependent launch (see ``kernels.act_quant_kernel``); ``num_warps`` per program (the table's
+    ``QUANT_WARPS``: at decode the kernel is a chain of per-thread latencies, more threads per tile shorten it)."""
     sorted_ = sorted_ids is not None
     if qmode == QMODE_FP8_GROUP:
         bc = group
@@ -181,7 +182,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         BLOCK_R=br, BLOCK_C=bc, BS=block_m, SORTED=sorted_, ACT=act, HAS_LIMIT=has_limit, SPLIT=split,
         QMODE=qmode, ACT_DT=_tl_dtype(act_dtype), USE_UE8M0=use_ue8m0, UE8M0_EXACT=rp["UE8M0_EXACT"],
         SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl,
-        num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
 
 
