@@ -168,7 +168,11 @@ def test_breakdown_peer_needs_the_gemm_stage(capsys):
     # never beside its whole step, and asking for that is a usage error that says what to add
     from benchmarks import breakdown
 
-    with pytest.raises(SystemExit) as exc:
-        breakdown.main(["--backend", "triton", "--peer", "vllm"])
-    assert exc.value.code == 2
-    assert "add --gemms" in capsys.readouterr().err
+    for argv, says in ((["--backend", "triton", "--peer", "vllm"], "add --gemms"),
+                       (["--backend", "triton", "--vllm-src", "x"], "add --gemms --peer vllm"),
+                       (["--backend", "deep_gemm", "--gemms", "--expected-m", "4"], "does not combine"),
+                       (["--backend", "torch", "--gemms"], "no GEMM-stage variants")):
+        with pytest.raises(SystemExit) as exc:
+            breakdown.main(argv)
+        assert exc.value.code == 2
+        assert says in capsys.readouterr().err, argv

@@ -389,11 +389,13 @@ def test_split_k_scratch_grows_and_keeps_what_a_graph_may_use():
 
 def test_quant_warps_is_validated():
     """QUANT_WARPS (the requantization kernel's warps per program, a GEMM2 entry key): a power of two in [1, 16];
-    anything else is refused with what to write."""
+    anything else, or the key in a gemm1 entry, is refused with what to write."""
     from backends.triton import configs as C
 
     g = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128)
     assert C.sanitize_config({"gemm1": dict(g), "gemm2": dict(g, QUANT_WARPS=8)})["gemm2"]["QUANT_WARPS"] == 8
-    for bad in (3, 32, True, "8"):
+    for bad in (3, 32, True, "8", 8.0):
         with pytest.raises(ValueError, match="QUANT_WARPS"):
             C.sanitize_config({"gemm1": dict(g), "gemm2": dict(g, QUANT_WARPS=bad)})
+    with pytest.raises(ValueError, match="gemm2 key"):
+        C.sanitize_config({"gemm1": dict(g, QUANT_WARPS=8), "gemm2": dict(g)})

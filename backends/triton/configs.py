@@ -47,8 +47,7 @@ to finish summing their fp32 partials in split order before the epilogue: decode
 programs are too few to stream the weights (DeepSeek-V3 TP8 GEMM1 at M = 1: 64 programs of K = 7168).
 ``QUANT_WARPS`` (optional, default 4; GEMM2 entry) is the warps per program of the requantization kernel run
 before GEMM2 (``act_quant_kernel``, where GEMM1 does not requantize in its epilogue): a power of two in [1, 16].
-The entry whose ``M``
-is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
+The entry whose ``M`` is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
 table) :func:`default_config` chooses by tokens per expert.
 """
 
@@ -170,7 +169,7 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
             # the split's arrival barrier inside a software-pipelined (tile, K) loop is not a schedule anyone checked
             raise ValueError("SPLIT_K > 1 does not combine with FLATTEN (use N_TILES without FLATTEN)")
         qw = g.get("QUANT_WARPS", 4)
-        if qw not in (1, 2, 4, 8, 16) or isinstance(qw, bool):
+        if not isinstance(qw, int) or isinstance(qw, bool) or qw not in (1, 2, 4, 8, 16):
             raise ValueError(f"QUANT_WARPS={qw!r} must be a power of two in [1, 16] (warps per requantization program)")
         if not (isinstance(g["N_TILES"], int) and g["N_TILES"] >= 1):
             raise ValueError(f"N_TILES={g['N_TILES']!r} must be a positive int (N tiles per program)")
@@ -181,6 +180,8 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
         if block_shape is not None and block_shape[1] % g["BLOCK_SIZE_K"]:
             raise ValueError(f"BLOCK_SIZE_K={g['BLOCK_SIZE_K']} must divide the scale group {block_shape[1]} "
                              "(a K tile spanning two groups would use one scale: vLLM #52576)")
+    if "QUANT_WARPS" in out["gemm1"]:
+        raise ValueError("QUANT_WARPS is a gemm2 key (the requantization kernel runs between the GEMMs, before GEMM2)")
     out["gemm1"].setdefault("FUSE_ACT", 1)
     out["gemm1"].setdefault("FUSE_QUANT", 1)
     out["gemm1"].setdefault("PERMUTE_A", 0)

@@ -397,7 +397,8 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
     - ``ntiles`` (decode GEMM2s): ``N_TILES`` 2 / 3 / 4, with and without ``FLATTEN`` (see ``_ntiles_variants``);
     - ``swap`` (FP8 decode entries): ``SWAP_AB`` on GEMM2, GEMM1 or both (see ``_swap_variants``);
     - ``splitk`` (decode entries): ``SPLIT_K`` on GEMM1, GEMM2 or both (see ``_splitk_variants``);
-    - ``quant_warps`` (quantized schemes): the requantization kernel at 8 / 16 warps per program (``QUANT_WARPS``);
+    - ``quant_warps`` (quantized schemes whose GEMM1 does not requantize in its epilogue): the requantization kernel
+      at 4 / 8 / 16 warps per program (``QUANT_WARPS``);
 
     and keep the fastest (best of ``repeats`` round-robin timings) whose output is bitwise equal to the gathering
     one (the input path changes no arithmetic) or, for ``HALF_TAIL``, ``JOINT_GATE_UP``, ``GLUON`` and the
@@ -461,10 +462,13 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             variants += _ntiles_variants(entry["gemm1"], g2)
         if "splitk" in families:
             variants += _splitk_variants(entry["gemm1"], g2, sh.K, sh.I, fp8=plan.kind == "fp8")
-        if "quant_warps" in families and plan.kind != "none":
-            # the requantization kernel between the GEMMs (where GEMM1 does not requantize in its epilogue) at 8 / 16
-            # warps per program: the same arithmetic, so bitwise equal
-            variants += [(f"quant_warps{w}", entry["gemm1"], dict(g2, QUANT_WARPS=w)) for w in (8, 16)
+        g1e = entry["gemm1"]
+        epilogue_quant = (plan.block_shape is not None and g1e.get("FUSE_ACT", 1) and g1e.get("FUSE_QUANT", 1)
+                          and g1e["BLOCK_SIZE_N"] == plan.group_k)  # run_experts' out_quant: no act_quant kernel
+        if "quant_warps" in families and plan.kind != "none" and not epilogue_quant:
+            # the requantization kernel between the GEMMs at 4 / 8 / 16 warps per program (the others than the
+            # entry's): the same arithmetic, so bitwise equal
+            variants += [(f"quant_warps{w}", g1e, dict(g2, QUANT_WARPS=w)) for w in (4, 8, 16)
                          if g2.get("QUANT_WARPS", 4) != w]
         if "swap" in families and plan.kind == "fp8":
             variants += _swap_variants(entry["gemm1"], g2)
