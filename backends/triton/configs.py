@@ -47,8 +47,8 @@ to finish summing their fp32 partials in split order before the epilogue: decode
 programs are too few to stream the weights (DeepSeek-V3 TP8 GEMM1 at M = 1: 64 programs of K = 7168).
 ``QUANT_WARPS`` (optional, default 4; GEMM2 entry) is the warps per program of the requantization kernel run
 before GEMM2 (``act_quant_kernel``, where GEMM1 does not requantize in its epilogue): a power of two in [1, 16].
-The entry whose ``M`` is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch; otherwise (or without a
-table) :func:`default_config` chooses by tokens per expert.
+The entry whose ``M`` is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch;
+otherwise (or without a table) :func:`default_config` chooses by tokens per expert.
 """
 
 from __future__ import annotations

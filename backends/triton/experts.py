@@ -210,6 +210,14 @@ def layout_block(cfg: dict) -> int:
     return g1["BLOCK_SIZE_M"] // 2 if g1.get("HALF_TAIL", 0) else g1["BLOCK_SIZE_M"]
 
 
+def requantizes_in_epilogue(g1: dict, plan: QuantPlan, I: int) -> bool:
+    """Whether GEMM1 of table entry ``g1`` (activation fused, ``FUSE_ACT``) requantizes its output to 1 x group FP8
+    in its epilogue (``FUSE_QUANT`` with tiles of one whole group), so that no ``act_quant_kernel`` runs between
+    the GEMMs."""
+    return bool(g1.get("FUSE_ACT", 1) and plan.a2_qmode == QMODE_FP8_GROUP and g1.get("FUSE_QUANT", 1)
+                and g1["BLOCK_SIZE_N"] == plan.group_k and I % plan.group_k == 0)
+
+
 def route_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map: torch.Tensor | None = None,
                  num_ids: int | None = None) -> RouteLayout:
     """``align_routes`` for this config (block :func:`layout_block`, tile list with ``HALF_TAIL``); ids must be
@@ -530,8 +538,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     G2 = cdiv(I, group)
     a2q_dtype = torch.int8 if int8 else (_FP8 if quant else act_dtype)
     elt = torch.empty((), dtype=act_dtype).element_size()
-    out_quant = bool(fuse and plan.a2_qmode == QMODE_FP8_GROUP and g1.get("FUSE_QUANT", 1)
-                     and g1["BLOCK_SIZE_N"] == group and I % group == 0)
+    out_quant = requantizes_in_epilogue(g1, plan, I)
     # PDL (gemm2 entry key): GEMM2 (and the requantization between the GEMMs) are launched during GEMM1's last wave
     # and wait for its output (programmatic dependent launch); fused_moe_kernel on both GEMMs only, and not around
     # the two-pass per-tensor requantization

@@ -415,7 +415,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
 def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
     from backends.triton import configs as C
     from backends.triton.tools.common import make_weights, time_us
-    from backends.triton.experts import GLUON_KEYS, plan_quant, route_layout, run_experts
+    from backends.triton.experts import GLUON_KEYS, plan_quant, requantizes_in_epilogue, route_layout, run_experts
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
     plan = plan_quant(qc)
@@ -462,13 +462,11 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             variants += _ntiles_variants(entry["gemm1"], g2)
         if "splitk" in families:
             variants += _splitk_variants(entry["gemm1"], g2, sh.K, sh.I, fp8=plan.kind == "fp8")
-        g1e = entry["gemm1"]
-        epilogue_quant = (plan.block_shape is not None and g1e.get("FUSE_ACT", 1) and g1e.get("FUSE_QUANT", 1)
-                          and g1e["BLOCK_SIZE_N"] == plan.group_k)  # run_experts' out_quant: no act_quant kernel
-        if "quant_warps" in families and plan.kind != "none" and not epilogue_quant:
+        if "quant_warps" in families and plan.kind != "none" and not requantizes_in_epilogue(entry["gemm1"], plan,
+                                                                                               sh.I):
             # the requantization kernel between the GEMMs at 4 / 8 / 16 warps per program (the others than the
             # entry's): the same arithmetic, so bitwise equal
-            variants += [(f"quant_warps{w}", g1e, dict(g2, QUANT_WARPS=w)) for w in (4, 8, 16)
+            variants += [(f"quant_warps{w}", entry["gemm1"], dict(g2, QUANT_WARPS=w)) for w in (4, 8, 16)
                          if g2.get("QUANT_WARPS", 4) != w]
         if "swap" in families and plan.kind == "fp8":
             variants += _swap_variants(entry["gemm1"], g2)
