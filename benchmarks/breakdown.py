@@ -8,7 +8,8 @@
 The step is the benchmark's (``benchmarks.harness``: the same weights, rotating inputs, ``FusedMoEKernel`` and
 ``MOE_BENCH_PREPARE``) for each standard-format experts class of the backend that claims the shape, timed by
 ``benchmarks.timing`` in a CUDA graph; then ``torch.profiler`` records 3 graph replays and each kernel's device time
-per call is listed in launch order, with the sum and the idle time between kernels (graph time - sum).
+per call is listed in launch order with the mean gap before it (its start minus the previous kernel's end: launch
+gaps, graph nodes that are not kernels, waits), then the sum and the idle time (graph time - sum).
 ``--expected-m`` (deep_gemm) times the step once per ``expected_m`` hint of the masked GEMMs (M < 128) instead of
 ``backends.deep_gemm.experts.expected_m_for``.
 ``--gemms`` breaks down the backend's GEMM-stage variants instead (``backends.<name>.tools.bench_variants``: what
@@ -70,15 +71,16 @@ def _gemm_stages(backend: str, shape_id: str, M: int, vllm=None):
 
 
 def breakdown(call, n: int, dev, replays: int = 3) -> dict:
-    """``{"graph_us", "kernels": [(position:name, us per call)], "sum_us"}`` of ``call(i)`` (i < n)."""
+    """``{"graph_us", "kernels": [(position:name, us per call, us of gap before it)], "sum_us"}`` of ``call(i)``
+    (i < n)."""
     from benchmarks import timing
 
     m, runner = timing.measure(call, n, dev, keep_runner=True)
     try:
-        kernels = [(name[:90], us) for name, us in timing.kernel_breakdown(runner, replays)]
+        kernels = [(name[:90], us, gap) for name, us, gap in timing.kernel_timeline(runner, replays)]
     finally:
         runner.close()
-    return dict(graph_us=m.seconds * 1e6, kernels=kernels, sum_us=sum(t for _, t in kernels))
+    return dict(graph_us=m.seconds * 1e6, kernels=kernels, sum_us=sum(t for _, t, _ in kernels))
 
 
 def main(argv=None) -> int:
@@ -151,8 +153,8 @@ def main(argv=None) -> int:
                     continue
                 print(f"\n{sid} M={M} {name}: graph {b['graph_us']:.1f} us per step, kernels {b['sum_us']:.1f} us, "
                       f"idle {b['graph_us'] - b['sum_us']:.1f} us", flush=True)
-                for kname, us in b["kernels"]:
-                    print(f"  {us:8.1f} us  {kname}", flush=True)
+                for kname, us, gap in b["kernels"]:
+                    print(f"  {us:8.1f} us  (gap before {gap:6.1f})  {kname}", flush=True)
     return 0
 
 

@@ -308,6 +308,18 @@ def kernel_breakdown(runner: "Runner", replays: int = 3) -> list[tuple[str, floa
     Raises:
         RuntimeError: the call was not captured in a graph, or the profiler missed kernels.
     """
+    return [(name, us) for name, us, _ in kernel_timeline(runner, replays)]
+
+
+def kernel_timeline(runner: "Runner", replays: int = 3) -> list[tuple[str, float, float]]:
+    """As :func:`kernel_breakdown`, with each kernel's mean gap in us: its start minus the end of the kernel launched
+    before it (the previous call's last kernel for the first; negative when they overlap, as with programmatic
+    dependent launch). Where a step's idle time sits: a launch gap, a memset or copy node of the graph (not a
+    kernel), a wait.
+
+    Raises:
+        RuntimeError: the call was not captured in a graph, or the profiler missed kernels.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     g = runner.graph
@@ -323,8 +335,14 @@ def kernel_breakdown(runner: "Runner", replays: int = 3) -> list[tuple[str, floa
     if not ev or len(ev) % calls:
         raise RuntimeError(f"{len(ev)} kernel records for {calls} calls: the profiler did not see every kernel")
     per = len(ev) // calls
-    return [(f"{j}:{ev[j].name}", sum(ev[c * per + j].device_time for c in range(calls)) / calls)
-            for j in range(per)]
+    out = []
+    for j in range(per):
+        idx = [c * per + j for c in range(calls)]
+        # the first record of a replay follows the previous replay's end (host time between replays): not a gap
+        gaps = [ev[i].time_range.start - ev[i - 1].time_range.end for i in idx if i % (per * runner.calls_per_round)]
+        out.append((f"{j}:{ev[idx[0]].name}", sum(ev[i].device_time for i in idx) / calls,
+                    sum(gaps) / len(gaps) if gaps else 0.0))
+    return out
 
 
 def _cycles_per_s(device: torch.device) -> float:

@@ -1,5 +1,6 @@
 """Triton backend behaviour that only a GPU shows: SPLIT_K's cross-program arrival counters under concurrency and
-CUDA-graph replay (the interpreter runs programs one after another, tests/test_triton_interpret.py).
+CUDA-graph replay (the interpreter runs programs one after another, tests/test_triton_interpret.py), and the hardware
+FP8 encoder the quantizers use on the GPU (the interpreter runs the software one).
 
 Run on an SM90 machine: ``python -m pytest tests/test_triton_gpu.py`` (``scripts/gpu_session.sh tests-triton_gpu``).
 """
@@ -14,7 +15,7 @@ import torch
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                       reason="SPLIT_K's counters run on an SM90 GPU (none here)"),
+                       reason="these kernels run on an SM90 GPU (none here)"),
 ]
 
 
@@ -73,3 +74,36 @@ def test_split_k_is_deterministic_and_replays_from_a_cuda_graph(M, n_tiles):
     one = fused_experts(*args1, quant_config=qc1, config=cfg1)
     d = ((eager.double() - one.double()).abs().max() / one.double().abs().max()).item()
     assert d <= 1e-2, f"SPLIT_K output {d:.2e} (max_norm) from the unsplit one"
+
+
+def test_hardware_e4m3_encoder_equals_the_software_one_on_every_fp32():
+    """``_jit.fp8e4m3_code`` on the GPU (``cvt.rn.satfinite.e4m3x2.f32``) against ``fp8e4m3_code_soft`` (the
+    interpreter's encoder, itself checked against ``reference.quant.to_e4m3_satfinite`` over all bf16 values in
+    tests/test_quant_fp8.py) over all 2^32 fp32 bit patterns, NaNs and infinities included; and against torch's CUDA
+    cast after the clamp (RNE) on one chunk of finite values."""
+    import triton
+    import triton.language as tl
+
+    from backends.triton._jit import fp8e4m3_code, fp8e4m3_code_soft
+
+    @triton.jit
+    def both(base, y_ptr, z_ptr, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        q = (base + o).to(tl.int32).to(tl.float32, bitcast=True)  # low 32 bits: the pattern
+        tl.store(y_ptr + o, fp8e4m3_code(q))
+        tl.store(z_ptr + o, fp8e4m3_code_soft(q))
+
+    chunk, block = 1 << 28, 1024
+    y = torch.empty(chunk, dtype=torch.uint8, device="cuda")
+    z = torch.empty_like(y)
+    for c in range(16):
+        base = c * chunk  # patterns [base, base + 2^28); an int64 above 2^31, truncated in the kernel
+        both[(chunk // block,)](base, y, z, BLOCK=block)
+        bad = (y != z).nonzero()
+        assert bad.numel() == 0, (
+            f"{bad.numel()} codes differ, first input bits {base + int(bad[0]):#010x}: "
+            f"hardware {int(y[bad[0]]):#04x}, software {int(z[bad[0]]):#04x}")
+        if c == 3:  # [0x30000000, 0x40000000): |q| in [4.7e-10, 2): the subnormal and normal E4M3 codes
+            q = (torch.arange(chunk, device="cuda", dtype=torch.int64) + base).to(torch.int32).view(torch.float32)
+            ref = q.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+            assert torch.equal(y, ref), "hardware encoder differs from torch's RNE cast"
