@@ -105,18 +105,21 @@ def fp8e4m3_code_soft(q, EMU: tl.constexpr = False):
 
 
 @triton.jit
-def fp8e4m3_code(q, EMU: tl.constexpr = False):
+def fp8e4m3_code(q, EMU: tl.constexpr = False, FINITE: tl.constexpr = False):
     """uint8 FP8 E4M3 code of fp32 ``q``: saturate to +-448 (inf too), round to nearest even, NaN -> 0x7F.
 
     On the GPU one ``cvt.rn.satfinite.e4m3x2.f32`` per two elements (Triton's fp32 -> fp8e4nv cast rounds to nearest
     even; satfinite clamps overflow and inf to +-448), about 30 integer / fp32 instructions per element fewer than
-    :func:`fp8e4m3_code_soft`, which it equals bit for bit; NaN of either sign is mapped to 0x7F explicitly. Under the
-    interpreter (``EMU``), whose float converter truncates, the software encoder.
+    :func:`fp8e4m3_code_soft`, which it equals bit for bit; NaN of either sign is mapped to 0x7F explicitly unless
+    ``FINITE`` (the caller overwrites the codes of NaN inputs itself). Under the interpreter (``EMU``), whose float
+    converter truncates, the software encoder.
     """
     if EMU:
         return fp8e4m3_code_soft(q, EMU)
     else:
         code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        if FINITE:
+            return code
         return tl.where(q != q, tl.full(code.shape, 0x7F, tl.uint8), code)
 
 
@@ -183,6 +186,12 @@ def fp8_group_scale(amax, amax_floor, ue8m0_floor, USE_UE8M0: tl.constexpr, UE8M
 
 
 @triton.jit
+def _max_nan(a, b):
+    # a max that propagates NaN (max.NaN.f32): the reduction of |y| is NaN if any element is, inf if any is inf
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def fp8_quant_rows(y, amax_floor, ue8m0_floor, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr,
                    SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr, EMU: tl.constexpr = False):
     """Quantize a ``[R, G]`` fp32 tile as R groups of G (one group per row): returns (uint8 codes, fp32 scales [R]).
@@ -190,18 +199,17 @@ def fp8_quant_rows(y, amax_floor, ue8m0_floor, USE_UE8M0: tl.constexpr, UE8M0_EX
     A row holding NaN/inf is poisoned (scale NaN, codes 0x7F), as ``reference.quant`` defines. Masked-out columns
     must be passed as 0.
     """
-    ay = tl.abs(y)
-    bad = (y != y) | (ay == float("inf"))
-    nbad = tl.sum(bad.to(tl.int32), axis=1)
-    amax = tl.max(tl.where(bad, 0.0, ay), axis=1)
+    # one NaN-propagating max per element finds both the amax and the poisoned rows (NaN or inf: not <= FLT_MAX);
+    # a poisoned row's scale and codes are computed from garbage and overwritten below
+    amax = tl.reduce(tl.abs(y), 1, _max_nan)
+    poisoned = ~(amax <= 3.4028234663852886e38)
     s = fp8_group_scale(amax, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV)
     if RECIP_MUL:
         inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
         q = mul_rn(y, tl.broadcast_to(inv[:, None], y.shape), EMU)
     else:
         q = tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape))
-    codes = fp8e4m3_code(q, EMU)
-    poisoned = nbad > 0
+    codes = fp8e4m3_code(q, EMU, FINITE=True)
     codes = tl.where(poisoned[:, None], 0x7F, codes.to(tl.int32)).to(tl.uint8)
     s = tl.where(poisoned, float("nan"), s)
     return codes, s
