@@ -78,9 +78,9 @@ def test_split_k_is_deterministic_and_replays_from_a_cuda_graph(M, n_tiles):
 
 def test_hardware_e4m3_encoder_equals_the_software_one_on_every_fp32():
     """``_jit.fp8e4m3_code`` on the GPU (``cvt.rn.satfinite.e4m3x2.f32``) against ``fp8e4m3_code_soft`` (the
-    interpreter's encoder, itself checked against ``reference.quant.to_e4m3_satfinite`` over all bf16 values in
-    tests/test_quant_fp8.py) over all 2^32 fp32 bit patterns, NaNs and infinities included; and against torch's CUDA
-    cast after the clamp (RNE) on one chunk of finite values."""
+    interpreter's encoder, whose codes tests/test_triton_interpret.py compares bit for bit with ``reference.quant``)
+    over all 2^32 fp32 bit patterns, NaNs and infinities included; and against torch's CUDA cast after the clamp
+    (RNE, an oracle independent of both) on the chunk that holds the subnormal and small normal codes."""
     import triton
     import triton.language as tl
 
