@@ -256,7 +256,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 name = "step" if len(claimed) == 1 else f"step:{cls.__name__}"
                 row.setdefault("impl", cls.__name__)
                 try:
-                    call, _ = harness.make_experts_call(ExpertsParam(shape, M, backend.name, cls), inp)
+                    call, prep = harness.make_experts_call(ExpertsParam(shape, M, backend.name, cls), inp)
+                    doc.setdefault("prepare", prep)
                     timed.append((name, call, cls.__name__, cls))
                 except Exception as exc:  # noqa: BLE001
                     row["times_s"][name] = None

@@ -231,6 +231,11 @@ def render_suite(doc: dict) -> str:
                      + (f" (speedup = {peer['title']} time / `{ref}` time)" if peer else "")
                      + "; check = worst metric / its error-model bound against the reference ((e): timed eagerly, "
                        "graph capture failed).")
+        if doc.get("prepare") and any(c == "step" or c.startswith("step:") for c in cols):
+            # the step's prepare quantizes the activations; with the reference's torch ops (the default, so that
+            # rows differ only in the experts step) that is several kernels, most of a decode step's time
+            lines.append(f"step = the whole layer call: prepare + experts + finalize; the activations are quantized in "
+                         f"prepare by {doc['prepare']} (MOE_BENCH_PREPARE=backend: the backend's own op).")
         pre = [r["peer_s"] / r["times_s"][ref] for r in rows if r.get("peer_s") and r.get("times_s", {}).get(ref)
                and r["M"] >= 1024]
         dec = [100 * r["floor_s"] / r["times_s"][ref] for r in rows if r.get("times_s", {}).get(ref)

@@ -116,7 +116,7 @@ def _doc():
     return {"backend": "triton", "device": {"name": "NVIDIA H200"},
             "ceilings": {"copy_bytes_per_s": 4.28e12, "matmul_flops_per_s": {"bf16": 7.9e14, "fp8": 1.26e15}},
             "peer": {"title": "vLLM H200", "device": "NVIDIA H200", "source": "perf-anchors", "measures": "gemms"},
-            "compare": "gemms", "experts": [row, pre],
+            "compare": "gemms", "experts": [row, pre], "prepare": "reference",
             "gate": [dict(case="dsv3_gate", label="DeepSeek gate", M=1, floor_s=1e-6, times_s={"v0:a": 4e-6,
                                                                                                 "F.linear": None})],
             "failures": ["check x: FAIL"], "notes": ["a note"]}
@@ -138,6 +138,8 @@ def test_table_on_synthetic_figures():
     assert "decode (M 8..64) % of floor of gemms: min 80%, mean 80%" in lines
     assert "| dsv3_gate | 1 | 1.00 | 4.00 | - |" in lines
     assert "failures: 1" in text and "a note" in lines
+    assert ("step = the whole layer call: prepare + experts + finalize; the activations are quantized in prepare by "
+            "reference (MOE_BENCH_PREPARE=backend: the backend's own op).") in lines
 
 
 @pytest.mark.skipif(not NO_GPU, reason="the CPU run of the torch backend")
