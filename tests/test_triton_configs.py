@@ -136,8 +136,8 @@ def test_tuner_candidate_lists_are_complete():
 
 
 def _gluon_args(gemm, g, sh):
-    """``gluon_sm90.supported`` arguments for table entry ``g`` of a block-FP8 bench shape ``sh`` (meta tensors of
-    the real shapes: only their layout is looked at)."""
+    """``gluon_sm90.supported`` arguments (flat; :func:`_supported` groups them) for table entry ``g`` of a
+    block-FP8 bench shape ``sh`` (meta tensors of the real shapes: only their layout is looked at)."""
     import torch
 
     from backends.triton._jit import ACT_SILU
@@ -157,6 +157,27 @@ def _gluon_args(gemm, g, sh):
                 act=ACT_SILU if sh.activation == "silu" else -1, has_limit=False)
 
 
+def _supported(mod, args):
+    """``mod.supported`` (a Gluon kernel module's) for the flat ``_gluon_args`` dict, grouped as
+    ``experts._launch_gemm`` passes it (the route layout only says whether it has a tile list: ``HALF_TAIL``)."""
+    import torch
+
+    from backends.triton._host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
+    from backends.triton.align import RouteLayout
+
+    assert args["w"].shape[2] == args["K"]
+    layout = RouteLayout(*(None,) * 4, tiles=torch.empty(1) if args["half_tail"] else None)
+    return mod.supported(
+        GemmOperands(args["a"], args["w"], args["c"], bias=args["bias"]),
+        GemmShape(layout, rows=64, num_valid=64, top_k=1, n_out=args["n_out"], a_gather=args["a_gather"],
+                  c_sorted=True),
+        GemmScales(a_mode=ScaleMode(args["a_mode"]), b_mode=ScaleMode(args["b_mode"]), group_n=args["group_n"],
+                   group_k=args["group_k"]),
+        GemmEpilogue(act_dtype=torch.bfloat16, fuse=Fusion(args["fuse"]), act=args["act"],
+                     has_limit=args["has_limit"], out_quant=args["out_quant"]),
+        args["cfg"])
+
+
 def test_gluon_kernel_names_what_it_does_not_cover():
     from backends.triton import gluon_sm90
     from backends.triton._jit import ACT_SILU
@@ -166,12 +187,12 @@ def test_gluon_kernel_names_what_it_does_not_cover():
     sh = next(s for s in SHAPES if s.name == "dsv3_ep8_fp8blk")
     g = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, num_warps=8, num_stages=4, PERMUTE_A=1,
              FUSE_ACT=0)
-    assert gluon_sm90.supported(**_gluon_args("gemm1", g, sh)) is None
-    assert gluon_sm90.supported(**_gluon_args("gemm2", g, sh)) is None
+    assert _supported(gluon_sm90, _gluon_args("gemm1", g, sh)) is None
+    assert _supported(gluon_sm90, _gluon_args("gemm2", g, sh)) is None
     gated = dict(g, FUSE_ACT=1, FUSE_QUANT=0, BLOCK_SIZE_N=64)
-    assert gluon_sm90.supported(**_gluon_args("gemm1", gated, sh)) is None
-    assert "SiLU" in gluon_sm90.supported(**dict(_gluon_args("gemm1", gated, sh), act=ACT_SILU + 1))
-    assert "SiLU" in gluon_sm90.supported(**dict(_gluon_args("gemm1", gated, sh), has_limit=True))
+    assert _supported(gluon_sm90, _gluon_args("gemm1", gated, sh)) is None
+    assert "SiLU" in _supported(gluon_sm90, dict(_gluon_args("gemm1", gated, sh), act=ACT_SILU + 1))
+    assert "SiLU" in _supported(gluon_sm90, dict(_gluon_args("gemm1", gated, sh), has_limit=True))
     refusals = {
         "gathered": ("gemm1", dict(g, PERMUTE_A=0), "contiguous"),
         "fused requantization": ("gemm1", dict(g, FUSE_ACT=1, FUSE_QUANT=1), "FUSE_QUANT 0"),
@@ -182,9 +203,9 @@ def test_gluon_kernel_names_what_it_does_not_cover():
         "wide N": ("gemm2", dict(g, BLOCK_SIZE_N=256), "BLOCK_N in (64, 128)"),
     }
     for what, (gemm, cfg, reason) in refusals.items():
-        why = gluon_sm90.supported(**_gluon_args(gemm, cfg, sh))
+        why = _supported(gluon_sm90, _gluon_args(gemm, cfg, sh))
         assert why is not None and reason in why, f"{what}: {why!r}"
-    assert "block-FP8" in gluon_sm90.supported(**dict(_gluon_args("gemm2", g, sh), a_mode=2, b_mode=2))
+    assert "block-FP8" in _supported(gluon_sm90, dict(_gluon_args("gemm2", g, sh), a_mode=2, b_mode=2))
 
 
 def _ws_args(gemm, g, sh):
@@ -219,10 +240,10 @@ def test_warp_specialized_kernel_names_what_it_does_not_cover():
                ("gemm2", coop8, fp8), ("gemm1", dict(coop8, BLOCK_SIZE_N=64), fp8),
                ("gemm2", dict(coop8, COOPERATIVE=0, PINGPONG=1, BLOCK_SIZE_M=64, num_stages=6), fp8)]
     for gemm, cfg, sh in covered:
-        assert gluon_ws.supported(**_ws_args(gemm, cfg, sh)) is None, (gemm, cfg, sh.name)
+        assert _supported(gluon_ws, _ws_args(gemm, cfg, sh)) is None, (gemm, cfg, sh.name)
     gated = dict(pp, BLOCK_SIZE_N=64)
-    assert "SiLU" in gluon_ws.supported(**dict(_ws_args("gemm1", gated, bf16), act=ACT_SILU + 1))
-    assert "SiLU" in gluon_ws.supported(**dict(_ws_args("gemm1", gated, bf16), has_limit=True))
+    assert "SiLU" in _supported(gluon_ws, dict(_ws_args("gemm1", gated, bf16), act=ACT_SILU + 1))
+    assert "SiLU" in _supported(gluon_ws, dict(_ws_args("gemm1", gated, bf16), has_limit=True))
     refusals = {
         "gathered": ("gemm1", dict(gated, PERMUTE_A=0), bf16, "contiguous"),
         "accumulator over a warpgroup": ("gemm2", dict(pp, BLOCK_SIZE_N=256), bf16, "registers per thread"),
@@ -234,21 +255,21 @@ def test_warp_specialized_kernel_names_what_it_does_not_cover():
         "shared memory": ("gemm2", dict(coop, num_stages=4), bf16, "shared memory"),
     }
     for what, (gemm, cfg, sh, reason) in refusals.items():
-        why = gluon_ws.supported(**_ws_args(gemm, cfg, sh))
+        why = _supported(gluon_ws, _ws_args(gemm, cfg, sh))
         assert why is not None and reason in why, f"{what}: {why!r}"
     # FP8 per-tensor / per-channel (scales in the epilogue, each K tile promoted): covered with BLOCK_K 64 or 128;
     # mixed block and non-block scales, FAST_ACCUM (in place: fused_moe_kernel's) and INT8 are not
     for a_mode, b_mode in ((1, 1), (1, 2), (2, 1), (2, 2)):
         for bk in (64, 128):
             args = dict(_ws_args("gemm2", dict(coop8, BLOCK_SIZE_K=bk), fp8), a_mode=a_mode, b_mode=b_mode)
-            assert gluon_ws.supported(**args) is None, (a_mode, b_mode, bk)
-    assert "FP8 e4m3" in gluon_ws.supported(**dict(_ws_args("gemm2", coop8, fp8), a_mode=2, b_mode=3))
-    assert "FAST_ACCUM" in gluon_ws.supported(**dict(_ws_args("gemm2", dict(coop8, FAST_ACCUM=1), fp8), a_mode=1,
+            assert _supported(gluon_ws, args) is None, (a_mode, b_mode, bk)
+    assert "FP8 e4m3" in _supported(gluon_ws, dict(_ws_args("gemm2", coop8, fp8), a_mode=2, b_mode=3))
+    assert "FAST_ACCUM" in _supported(gluon_ws, dict(_ws_args("gemm2", dict(coop8, FAST_ACCUM=1), fp8), a_mode=1,
                                                      b_mode=1))
     int8 = _ws_args("gemm2", coop8, fp8)
     int8.update(a_mode=2, b_mode=2, a=torch.empty(64, int8["K"], dtype=torch.int8, device="meta"),
                 w=torch.empty(int8["w"].shape, dtype=torch.int8, device="meta"))
-    assert "FP8 e4m3" in gluon_ws.supported(**int8)
+    assert "FP8 e4m3" in _supported(gluon_ws, int8)
 
 
 def test_fp8_per_tensor_and_channel_tables_are_the_same_on_both_gpus():

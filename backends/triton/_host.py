@@ -1,11 +1,15 @@
-"""Host-side helpers of the triton backend: activation codes, recipe parameters, small integer helpers.
+"""Host-side helpers of the triton backend: activation codes, recipe parameters, small integer helpers, and the
+grouped GEMM's launch surface (its mode enums and argument groups, shared by ``experts`` and the Gluon kernels).
 
 Imports triton only through ``_jit`` (the kernels' constants); everything else is plain Python / torch.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +22,12 @@ from reference.activation import (
 
 from . import _jit
 
+if TYPE_CHECKING:
+    from .align import RouteLayout
+
 __all__ = [
     "INTERPRET", "cdiv", "next_pow2", "round_up", "activation_code", "act_params", "recipe_params",
-    "check_device", "fp8_capable",
+    "check_device", "fp8_capable", "Fusion", "ScaleMode", "GemmOperands", "GemmShape", "GemmScales", "GemmEpilogue",
 ]
 
 INTERPRET = _jit.INTERPRET
@@ -135,3 +142,114 @@ def fp8_capable(device: torch.device | None = None) -> bool:
         return False
     idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
     return _capability(idx) >= (8, 9)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the grouped GEMM's launch surface: C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T) over a route layout
+# (``fused_moe_kernel``, ``gluon_sm90.fp8_block_moe_gemm_kernel``, ``gluon_ws.ws_moe_gemm_kernel``)
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Fusion(enum.IntEnum):
+    """What the GEMM's epilogue fuses: ``fused_moe_kernel``'s ``FUSE`` constexpr (the int value is what the kernel
+    receives). GEMM2 and an unfused GEMM1 are ``NONE``; a fused GEMM1 computes ``I`` activation columns from the
+    ``2I`` weight rows (gated) or ``I`` rows (``ACT``)."""
+
+    NONE = 0  # plain: the output columns as computed
+    GATED = 1  # gate / up halves (gate row n, up row UP_OFF + n = I + n): two MMA chains
+    INTERLEAVED = 2  # gate / up interleaved (rows 2n, 2n + 1: SWIGLUOAI): one [2 * BLOCK_N] weight tile
+    ACT = 3  # a non-gated activation on the tile (the *_NO_MUL activations)
+    GATED_JOINT = 4  # gate / up halves as one [2 * BLOCK_N] weight tile (the N tile's gate rows, then its up rows)
+
+    @property
+    def halves(self) -> bool:
+        """Gate and up as the two halves of the weight rows (``UP_OFF`` = the output columns ``I``)."""
+        return self in (Fusion.GATED, Fusion.GATED_JOINT)
+
+    @property
+    def wide(self) -> bool:
+        """One weight tile of ``2 * BLOCK_N`` rows (gate and up in one MMA chain)."""
+        return self in (Fusion.INTERLEAVED, Fusion.GATED_JOINT)
+
+
+class ScaleMode(enum.IntEnum):
+    """How an operand's scales are laid out: ``fused_moe_kernel``'s ``A_SCALE`` / ``B_SCALE`` constexprs."""
+
+    NONE = 0  # unquantized
+    TENSOR = 1  # A: one scalar; W: one per expert
+    ROW = 2  # A: one per row (token); W: one per expert and output channel
+    GROUP = 3  # A: one per row and GROUP_K group of K; W: one per GROUP_N x GROUP_K block
+
+
+@dataclass(frozen=True)
+class GemmOperands:
+    """The tensors of one grouped GEMM (device tensors; the kernels read their strides).
+
+    ``a``: ``(rows of A, K)``, the hidden states (gathered by route) or GEMM1's sorted output (FP8 codes may come
+    as uint8); ``w``: ``(E, NW, K)`` weights (codes when quantized); ``c``: the output, ``(rows, n_out)`` by sorted
+    position or ``(routes, n_out)`` by route; ``cs``: ``c``'s fp32 row-group scales when the epilogue quantizes
+    (``GemmEpilogue.out_quant``); ``a_scale`` / ``w_scale``: fp32 scales as ``GemmScales``' modes lay them out;
+    ``bias``: ``(E, NW)`` or None.
+    """
+
+    a: torch.Tensor
+    w: torch.Tensor
+    c: torch.Tensor
+    cs: torch.Tensor | None = None
+    a_scale: torch.Tensor | None = None
+    w_scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """Which rows and columns one grouped GEMM computes.
+
+    ``layout``: the route layout (its tile list when ``layout.tiles`` is set: ``HALF_TAIL``); ``rows``: its rows
+    (``layout_rows``); ``num_valid``: routes (``M * top_k``; larger route ids are padding); ``n_out``: output columns
+    (``I`` for a fused GEMM1). ``a_gather``: A row = route // ``top_k`` (GEMM1 reads the hidden states), else the
+    sorted position; ``c_sorted``: C row = sorted position (GEMM1), else the route id (GEMM2).
+    """
+
+    layout: RouteLayout
+    rows: int
+    num_valid: int
+    top_k: int
+    n_out: int
+    a_gather: bool
+    c_sorted: bool
+
+    @property
+    def half_tail(self) -> bool:
+        return self.layout.tiles is not None
+
+
+@dataclass(frozen=True)
+class GemmScales:
+    """How the operands are quantized: ``a_mode`` / ``b_mode`` (``ScaleMode``), INT8 codes (else FP8 when
+    scaled), and the weight block ``(group_n, group_k)`` of ``ScaleMode.GROUP``."""
+
+    a_mode: ScaleMode = ScaleMode.NONE
+    b_mode: ScaleMode = ScaleMode.NONE
+    int8: bool = False
+    group_n: int = 128
+    group_k: int = 128
+
+
+@dataclass(frozen=True)
+class GemmEpilogue:
+    """What the epilogue does after dequantization and bias: the fused activation (``fuse``; ``act`` its ``ACT``
+    code with ``alpha`` / ``beta`` / ``limit`` / ``has_limit`` from :func:`act_params`), the rounding to
+    ``act_dtype``, and (``out_quant``) an FP8 quantization of each row's ``BLOCK_N`` columns with the recipe
+    parameters ``rp`` (:func:`recipe_params`) and ``use_ue8m0`` scales."""
+
+    act_dtype: torch.dtype
+    fuse: Fusion = Fusion.NONE
+    act: int = 0
+    alpha: float = 1.0
+    beta: float = 0.0
+    limit: float = 0.0
+    has_limit: bool = False
+    out_quant: bool = False
+    rp: dict | None = None
+    use_ue8m0: bool = False

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
@@ -53,6 +53,12 @@ from . import configs as _configs
 from ._host import (
     INTERPRET,
     SUPPORTED_ACTIVATIONS,
+    Fusion,
+    GemmEpilogue,
+    GemmOperands,
+    GemmScales,
+    GemmShape,
+    ScaleMode,
     act_params,
     activation_code,
     cdiv,
@@ -87,8 +93,6 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 _GATED_HALVES = {MoEActivation.SILU, MoEActivation.GELU, MoEActivation.GELU_TANH,
                  MoEActivation.SWIGLUOAI_UNINTERLEAVE, MoEActivation.SWIGLUSTEP}
 
-# A_SCALE / B_SCALE modes of fused_moe_kernel
-_S_NONE, _S_TENSOR, _S_ROW, _S_GROUP = 0, 1, 2, 3
 # Diagnostics switches (environment): MOE_TRITON_BSCALAR=0 loads 128x128 weight scales per column instead of one
 # scalar per K tile. "strict": see strict_kernels.
 FLAGS = {"b_scalar": os.environ.get("MOE_TRITON_BSCALAR", "1") != "0", "strict": False}
@@ -120,9 +124,9 @@ class QuantPlan:
     """
 
     kind: str  # "none" | "fp8" | "int8"
-    a1_mode: int
-    b_mode: int
-    a2_mode: int
+    a1_mode: ScaleMode
+    b_mode: ScaleMode
+    a2_mode: ScaleMode
     a1_qmode: int | None
     a2_qmode: int | None
     block_shape: tuple[int, int] | None
@@ -142,7 +146,8 @@ def plan_quant(qc: FusedMoEQuantConfig) -> QuantPlan:
     """
     w1, w2, a1, a2 = qc.w1, qc.w2, qc.a1, qc.a2
     if w1.dtype is None and w2.dtype is None and a1.dtype is None and a2.dtype is None:
-        return QuantPlan("none", _S_NONE, _S_NONE, _S_NONE, None, None, None, 128, None, qc.recipe, False)
+        return QuantPlan("none", ScaleMode.NONE, ScaleMode.NONE, ScaleMode.NONE, None, None, None, 128, None,
+                         qc.recipe, False)
     dts = {w1.dtype, w2.dtype, a1.dtype, a2.dtype}
     if len(dts) != 1 or next(iter(dts)) not in (_FP8, torch.int8):
         raise NotImplementedError(
@@ -162,12 +167,12 @@ def plan_quant(qc: FusedMoEQuantConfig) -> QuantPlan:
         if a1.scale is not None or a2.scale is not None:
             raise NotImplementedError("triton backend: static activation scales with block weights")
         block = (int(ws[0]), int(ws[1]))
-        return QuantPlan("fp8", _S_GROUP, _S_GROUP, _S_GROUP, QMODE_FP8_GROUP, QMODE_FP8_GROUP, block, block[1],
-                         "fp8_w8a8", qc.recipe, bool(qc.use_ue8m0))
+        return QuantPlan("fp8", ScaleMode.GROUP, ScaleMode.GROUP, ScaleMode.GROUP, QMODE_FP8_GROUP, QMODE_FP8_GROUP,
+                         block, block[1], "fp8_w8a8", qc.recipe, bool(qc.use_ue8m0))
     if ws == (1, -1):
-        b_mode = _S_ROW  # per output channel
+        b_mode = ScaleMode.ROW  # per output channel
     elif ws == (-1, -1):
-        b_mode = _S_TENSOR
+        b_mode = ScaleMode.TENSOR
     else:
         raise NotImplementedError(f"triton backend: weight group shape {ws} is not implemented")
 
@@ -176,14 +181,14 @@ def plan_quant(qc: FusedMoEQuantConfig) -> QuantPlan:
         if shape == (1, -1):
             if desc.scale is not None:
                 raise NotImplementedError(f"triton backend: static per-token {which} scales")
-            return _S_ROW, (QMODE_FP8_TOKEN if dt == _FP8 else QMODE_INT8_TOKEN)
+            return ScaleMode.ROW, (QMODE_FP8_TOKEN if dt == _FP8 else QMODE_INT8_TOKEN)
         if shape == (-1, -1):
             if desc.scale is not None:
-                return _S_TENSOR, (QMODE_FP8_STATIC if dt == _FP8 else QMODE_INT8_STATIC)
+                return ScaleMode.TENSOR, (QMODE_FP8_STATIC if dt == _FP8 else QMODE_INT8_STATIC)
             if dt == torch.int8:
                 raise NotImplementedError(f"triton backend: dynamic per-tensor int8 {which} quantization "
                                           "(the reference does not define it either)")
-            return _S_TENSOR if which == "a1" else _S_ROW, QMODE_FP8_TENSOR_AMAX
+            return ScaleMode.TENSOR if which == "a1" else ScaleMode.ROW, QMODE_FP8_TENSOR_AMAX
         raise NotImplementedError(f"triton backend: {which} group shape {shape} is not implemented")
 
     a1_mode, a1_q = act_modes(a1, "a1")
@@ -228,12 +233,13 @@ def route_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map
                         tiles=bool(cfg["gemm1"].get("HALF_TAIL", 0)))
 
 
-def _fusion(activation: MoEActivation) -> int:
+def _fusion(activation: MoEActivation) -> Fusion:
+    """GEMM1's epilogue fusion for ``activation`` (``GATED`` may become ``GATED_JOINT`` per table entry)."""
     if activation is MoEActivation.SWIGLUOAI:
-        return 2
+        return Fusion.INTERLEAVED
     if activation in _GATED_HALVES:
-        return 1
-    return 3
+        return Fusion.GATED
+    return Fusion.ACT
 
 
 def _bytes_region(ws: torch.Tensor | None, nbytes: int, device) -> torch.Tensor:
@@ -253,19 +259,19 @@ def _view(buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.d
 
 def _scale_strides(s: torch.Tensor | None, mode: int, E: int, nw: int):
     """``(tensor, stride_e, stride_n, stride_k)`` for a weight scale in mode 1 (per expert), 2 (per channel), 3."""
-    if mode == _S_NONE or s is None:
-        if mode != _S_NONE:
+    if mode == ScaleMode.NONE or s is None:
+        if mode != ScaleMode.NONE:
             raise ValueError("quantized weights need weight scales (quant_config.w1_scale / w2_scale)")
         return None, 0, 0, 0
     s = s.to(torch.float32)
-    if mode == _S_TENSOR:
+    if mode == ScaleMode.TENSOR:
         if s.numel() == 1:
             return s.reshape(1), 0, 0, 0
         if s.numel() != E:
             raise ValueError(f"per-tensor weight scales must have 1 or E={E} elements, got {tuple(s.shape)}")
         s = s.reshape(E).contiguous()
         return s, 1, 0, 0
-    if mode == _S_ROW:
+    if mode == ScaleMode.ROW:
         if s.numel() != E * nw:
             raise ValueError(f"per-channel weight scales must have E*N={E}*{nw} elements, got {tuple(s.shape)}")
         s = s.reshape(E, nw)
@@ -342,7 +348,7 @@ def promotion_tiles(cfg: dict, *, a_mode: int, int8: bool = False) -> int:
     Raises:
         ValueError: ``BLOCK_SIZE_K > PROMOTE_K`` for such a GEMM (one K tile would already exceed the interval).
     """
-    if int8 or a_mode not in (_S_TENSOR, _S_ROW) or cfg.get("FAST_ACCUM", 0):
+    if int8 or a_mode not in (ScaleMode.TENSOR, ScaleMode.ROW) or cfg.get("FAST_ACCUM", 0):
         return 0
     pk, bk = cfg.get("PROMOTE_K", _configs.DEFAULT_PROMOTE_K), cfg["BLOCK_SIZE_K"]
     if bk > pk:
@@ -362,20 +368,26 @@ def _gluon_module(name: str):
         return None
 
 
-def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mode=0, bias=None,
-                 layout, rows, num_valid, top_k, a_gather, c_sorted, n_out,
-                 fuse, act, act_dtype, alpha=1.0, beta=0.0, limit=0.0, has_limit=False,
-                 out_quant=False, rp=None, use_ue8m0=False, group_n=128, group_k=128, cfg, int8=False,
-                 pdl_trigger=False, pdl_wait=False):
-    """Launch ``fused_moe_kernel`` for one GEMM (see its docstring for the modes) over ``layout`` (its tile list
-    when ``layout.tiles`` is set: ``HALF_TAIL``). ``pdl_trigger`` / ``pdl_wait``: programmatic dependent launch
-    (``PDL_TRIGGER`` / ``PDL_WAIT``; ``pdl_wait`` launches with the attribute)."""
+def _launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict, *,
+                 pdl_trigger: bool = False, pdl_wait: bool = False):
+    """Launch one grouped GEMM: ``fused_moe_kernel`` (see its docstring for the modes), or the Gluon kernel table
+    entry ``cfg`` names (``GLUON`` / ``PINGPONG`` / ``COOPERATIVE``) where it covers the GEMM. ``cfg``: one GEMM's
+    launch config (a ``gemm1`` / ``gemm2`` entry). ``pdl_trigger`` / ``pdl_wait``: programmatic dependent launch
+    (``PDL_TRIGGER`` / ``PDL_WAIT``; ``pdl_wait`` launches with the attribute).
+
+    Raises:
+        ValueError: a table entry's mode this GEMM cannot take (``SPLIT_K`` with two MMA chains or INT8, ``SWAP_AB``
+            without FP8 scales, ``SPLIT_K`` on a Gluon kernel, or under :func:`strict_kernels` a Gluon kernel that
+            does not cover it); bad weight scales (see ``_scale_strides``).
+    """
+    a, w, c, cs = ops.a, ops.w, ops.c, ops.cs
+    layout, fuse, rp = shape.layout, epi.fuse, epi.rp
     E, NW, K = w.shape
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
-    promote = promotion_tiles(cfg, a_mode=a_mode, int8=int8)
-    half_tail = layout.tiles is not None
-    up_off = n_out if fuse in (1, 4) else 0
-    ws, sbe, sbn, sbk = _scale_strides(w_scale, b_mode, E, NW)
+    promote = promotion_tiles(cfg, a_mode=scales.a_mode, int8=scales.int8)
+    half_tail = shape.half_tail
+    up_off = shape.n_out if fuse.halves else 0
+    ws, sbe, sbn, sbk = _scale_strides(ops.w_scale, scales.b_mode, E, NW)
     special = "gluon_sm90" if cfg.get("GLUON", 0) else (
         "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None)
     if special is not None and cfg.get("SPLIT_K", 1) > 1:
@@ -385,87 +397,96 @@ def _launch_gemm(*, a, w, c, cs=None, a_scale=None, a_mode=0, w_scale=None, b_mo
         # specialized) where it covers this GEMM, else fused_moe_kernel below
         mod = _gluon_module(special)
         why = f"{special} needs Gluon's Hopper API, which this Triton lacks" if mod is None else mod.supported(
-            a_mode=a_mode, b_mode=b_mode, a_gather=a_gather, fuse=fuse, bias=bias, half_tail=half_tail,
-            out_quant=out_quant, group_n=group_n, group_k=group_k, K=K, n_out=n_out, cfg=cfg, a=a, w=w, c=c, act=act,
-            has_limit=has_limit)
-        if why is None:
-            if special == "gluon_ws":  # block FP8, or FP8 per-tensor / per-channel (scales in its epilogue)
-                mod.launch(a=a, w=w, c=c, a_scale=a_scale, w_scale=ws, a_mode=a_mode, b_mode=b_mode,
-                           w_strides=(sbe, sbn, sbk), layout=layout, rows=rows, num_valid=num_valid,
-                           c_sorted=c_sorted, n_out=n_out, cfg=cfg, fuse=fuse)
-            else:
-                mod.launch(a=a, w=w, c=c, a_scale=a_scale, w_scale=ws, layout=layout, rows=rows, num_valid=num_valid,
-                           c_sorted=c_sorted, n_out=n_out, cfg=cfg, fuse=fuse)
+            ops, shape, scales, epi, cfg)
+        if why is None:  # block FP8, or (gluon_ws) FP8 per-tensor / per-channel (scales in its epilogue)
+            mod.launch(replace(ops, w_scale=ws), shape, scales, epi, cfg, w_strides=(sbe, sbn, sbk))
             return
         if FLAGS["strict"]:
             raise ValueError(f"table entry {cfg} is not covered by {special}: {why}")
     swap = bool(cfg.get("SWAP_AB", 0))
     split_k = cfg.get("SPLIT_K", 1)
-    if split_k > 1 and (int8 or fuse == 1):
+    if split_k > 1 and (scales.int8 or fuse == Fusion.GATED):
         raise ValueError(f"table entry {cfg}: SPLIT_K is implemented for one MMA chain per program (not "
-                         + ("INT8 operands)" if int8 else "gate / up halves as two chains: add JOINT_GATE_UP 1)"))
-    if swap and (int8 or a_mode == _S_NONE or b_mode == _S_NONE):
+                         + ("INT8 operands)" if scales.int8
+                            else "gate / up halves as two chains: add JOINT_GATE_UP 1)"))
+    if swap and (scales.int8 or ScaleMode.NONE in (scales.a_mode, scales.b_mode)):
         raise ValueError(f"table entry {cfg}: SWAP_AB is implemented for FP8 GEMMs only (block, per-tensor or "
-                         f"per-channel scales), this GEMM has A_SCALE {a_mode} / B_SCALE {b_mode}"
-                         + (" and INT8 operands" if int8 else ""))
-    if a_mode == _S_GROUP:
-        asm, ask = a_scale.stride(0), a_scale.stride(1)
-    elif a_mode == _S_ROW:
-        asm, ask = a_scale.stride(0), 0
+                         f"per-channel scales), this GEMM has A_SCALE {int(scales.a_mode)} / B_SCALE "
+                         f"{int(scales.b_mode)}" + (" and INT8 operands" if scales.int8 else ""))
+    if scales.a_mode == ScaleMode.GROUP:
+        asm, ask = ops.a_scale.stride(0), ops.a_scale.stride(1)
+    elif scales.a_mode == ScaleMode.ROW:
+        asm, ask = ops.a_scale.stride(0), 0
     else:
         asm, ask = 0, 0
     use_tma = bool(cfg.get("USE_TMA", 0))
     tma_b = use_tma and _tma_ok(w, K)
-    tma_a = use_tma and not a_gather and _tma_ok(a, K)
-    bn_load = 2 * BN if fuse in (2, 4) else BN
-    if tma_b and fuse == 4:  # the gate and up halves as one rank-3 box
+    tma_a = use_tma and not shape.a_gather and _tma_ok(a, K)
+    bn_load = 2 * BN if fuse.wide else BN
+    if tma_b and fuse == Fusion.GATED_JOINT:  # the gate and up halves as one rank-3 box
         b_desc = _descriptor(w.view(E * 2, NW // 2, K), [2, BN, BK])
     else:
         b_desc = _descriptor(w.view(E * NW, K), [bn_load, BK]) if tma_b else None
     a_desc = _descriptor(a, [BM, BK]) if tma_a else None
     a_desc_h = _descriptor(a, [BM // 2, BK]) if tma_a and half_tail else a_desc
+    bias = ops.bias
     if bias is not None:
         sbias_e, sbias_n = bias.stride(0), bias.stride(1)
     else:
         sbias_e = sbias_n = 0
     # one block scale per K tile when every tile's rows (and up rows) stay inside one GROUP_N block
-    b_scalar = (FLAGS["b_scalar"] and b_mode == _S_GROUP and fuse != 4 and group_n % bn_load == 0
-                and (fuse != 1 or up_off % group_n == 0) and (NW % bn_load == 0))
+    group_n = scales.group_n
+    b_scalar = (FLAGS["b_scalar"] and scales.b_mode == ScaleMode.GROUP and fuse != Fusion.GATED_JOINT
+                and group_n % bn_load == 0 and (fuse != Fusion.GATED or up_off % group_n == 0)
+                and (NW % bn_load == 0))
     # EM: the layout's rows (BLOCK_M-row programs), or (HALF_TAIL) the tile list's length (one program per tile)
     if half_tail:
         em = num_pid_m = layout.tiles.numel()
     else:
-        em, num_pid_m = rows, cdiv(rows, BM)
+        em, num_pid_m = shape.rows, cdiv(shape.rows, BM)
     n_tiles = cfg.get("N_TILES", 1)
-    n_groups = cdiv(cdiv(n_out, BN), n_tiles)  # programs per row tile (and split)
+    n_groups = cdiv(cdiv(shape.n_out, BN), n_tiles)  # programs per row tile (and split)
     grid = (num_pid_m * n_groups * split_k,)
     part = cnt = None
     if split_k > 1:
         # one slot per (row tile, N tile, wrapped ones included) of the row tiles that can hold routes: those below
         # num_tokens_post_padded, each with at least one route, so at most min(row tiles, routes)
-        part, cnt = split_k_scratch(c.device, min(num_pid_m, num_valid) * n_groups * n_tiles, split_k * BM * bn_load)
+        part, cnt = split_k_scratch(c.device, min(num_pid_m, shape.num_valid) * n_groups * n_tiles,
+                                    split_k * BM * bn_load)
+    # the kernel's flat argument list, in its groups (see fused_moe_kernel's signature); the enums pass their ints
     fused_moe_kernel[grid](
-        a, w, c, cs, a_scale, ws, bias, part if part is not None else c, cnt if cnt is not None else c,
+        # operands, split-K scratch, TMA descriptors
+        a, w, c, cs, ops.a_scale, ws, bias, part if part is not None else c, cnt if cnt is not None else c,
         a_desc, a_desc_h, b_desc,
+        # route layout
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
         layout.tiles if half_tail else layout.expert_ids, layout.num_tiles if half_tail else layout.expert_ids,
-        n_out, K, em, num_valid, up_off, NW,
+        # sizes
+        shape.n_out, K, em, shape.num_valid, up_off, NW,
+        # strides
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         asm, ask, sbe, sbn, sbk, sbias_e, sbias_n,
         cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
-        alpha, beta, limit,
+        # epilogue scalars
+        epi.alpha, epi.beta, epi.limit,
         rp["amax_floor"] if rp else 0.0, rp["ue8m0_floor"] if rp else 0.0,
-        GROUP_N=group_n, GROUP_K=group_k,
+        # constexprs: tiling and scheduling
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), HALF_TAIL=half_tail,
-        TOP_K=top_k, A_GATHER=a_gather, C_SORTED=c_sorted,
-        A_SCALE=a_mode, B_SCALE=b_mode, B_SCALAR=b_scalar, INT8=int8, HAS_BIAS=bias is not None,
-        FUSE=fuse, ACT=act, HAS_LIMIT=has_limit, ACT_DT=_TL_DTYPES[act_dtype],
-        OUT_QUANT=out_quant, USE_UE8M0=use_ue8m0,
+        N_TILES=n_tiles, FLATTEN=bool(cfg.get("FLATTEN", 0)), SPLIT_K=split_k,
+        # rows
+        TOP_K=shape.top_k, A_GATHER=shape.a_gather, C_SORTED=shape.c_sorted,
+        # operands and accumulation
+        A_SCALE=int(scales.a_mode), B_SCALE=int(scales.b_mode), B_SCALAR=b_scalar, GROUP_N=group_n,
+        GROUP_K=scales.group_k, INT8=scales.int8, PROMOTE=promote, SWAP_AB=swap,
+        DOT_PREC="ieee" if epi.act_dtype == torch.float32 else "tf32",
+        EVEN_K=K % BK == 0, TMA_A=tma_a, TMA_B=tma_b, EMU=INTERPRET,
+        # epilogue
+        HAS_BIAS=bias is not None, FUSE=int(fuse), ACT=epi.act, HAS_LIMIT=epi.has_limit,
+        ACT_DT=_TL_DTYPES[epi.act_dtype], OUT_QUANT=epi.out_quant, USE_UE8M0=epi.use_ue8m0,
         UE8M0_EXACT=rp["UE8M0_EXACT"] if rp else False, SCALE_INV=rp["SCALE_INV"] if rp else False,
         RECIP_MUL=rp["RECIP_MUL"] if rp else False,
-        EVEN_K=K % BK == 0, TMA_A=tma_a, TMA_B=tma_b, EMU=INTERPRET,
-        DOT_PREC="ieee" if act_dtype == torch.float32 else "tf32", N_TILES=n_tiles, FLATTEN=bool(cfg.get("FLATTEN", 0)),
-        PROMOTE=promote, PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait, SWAP_AB=swap, SPLIT_K=split_k,
+        # programmatic dependent launch
+        PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         **({"launch_pdl": True} if pdl_wait else {}),
     )
@@ -523,14 +544,15 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
 
     act = activation_code(activation)
     alpha, beta, limit, has_limit = act_params(activation, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit)
-    fuse = _fusion(activation) if g1.get("FUSE_ACT", 1) else 0
-    if fuse == 1 and (g1.get("JOINT_GATE_UP", 0) or promotion_tiles(g1, a_mode=plan.a1_mode,
-                                                                     int8=plan.kind == "int8") > 1):
+    fuse = _fusion(activation) if g1.get("FUSE_ACT", 1) else Fusion.NONE
+    if fuse == Fusion.GATED and (g1.get("JOINT_GATE_UP", 0) or promotion_tiles(g1, a_mode=plan.a1_mode,
+                                                                                int8=plan.kind == "int8") > 1):
         # gate and up rows of an N tile as one weight tile (one MMA chain of 2 * BLOCK_N columns). Always so for an
         # FP8 GEMM1 promoted every few K tiles: with two partial chains (gate, up) ptxas serializes every wgmma of
         # the loop (sm_90 SASS: a wait for zero groups after each QGMMA), with one it keeps a group in flight
-        fuse = 4
-    split = {1: 1, 2: 2, 3: 0}[_fusion(activation)]
+        fuse = Fusion.GATED_JOINT
+    # act_quant_kernel's SPLIT (how it reads gate / up when GEMM1 does not fuse the activation)
+    split = {Fusion.GATED: 1, Fusion.INTERLEAVED: 2, Fusion.ACT: 0}[_fusion(activation)]
     quant = plan.kind != "none"
     int8 = plan.kind == "int8"
     rp = recipe_params(plan.recipe) if quant else None
@@ -560,9 +582,12 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     c3 = _view(buf2, 0, (numel, K), act_dtype)
 
     w1_bias, w2_bias = qc.w1_bias, qc.w2_bias
-    common = dict(layout=layout, rows=rows, num_valid=numel,
-                  top_k=topk, act_dtype=act_dtype, rp=rp, use_ue8m0=plan.use_ue8m0, int8=int8,
-                  group_n=plan.block_shape[0] if plan.block_shape else 128, group_k=group)
+    gemm_rows = dict(layout=layout, rows=rows, num_valid=numel, top_k=topk)
+    # rp / use_ue8m0 go to both GEMMs (the kernel reads them only with out_quant)
+    epi_quant = dict(act_dtype=act_dtype, rp=rp, use_ue8m0=plan.use_ue8m0)
+    group_n = plan.block_shape[0] if plan.block_shape else 128
+    scales1 = GemmScales(a_mode=plan.a1_mode, b_mode=plan.b_mode, int8=int8, group_n=group_n, group_k=group)
+    epi1 = GemmEpilogue(fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit, **epi_quant)
     c2_view = c2.view(torch.uint8) if quant and not int8 else c2
     # ---- GEMM1's A: gathered by route inside the GEMM, or (PERMUTE_A) copied into sorted order first so that GEMM1
     # reads contiguous row tiles (TMA with USE_TMA)
@@ -570,25 +595,24 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     if g1.get("PERMUTE_A", 0) and stages != "gemm2":
         a1 = _permute_rows(a1q, sorted_ids, ntpp, rows, numel, topk)
         a1 = a1.view(_FP8) if a1q.dtype == _FP8 else a1
-        if plan.a1_mode in (_S_ROW, _S_GROUP):
+        if plan.a1_mode in (ScaleMode.ROW, ScaleMode.GROUP):
             a1s = _permute_rows(a1q_scale.reshape(M, -1).to(torch.float32), sorted_ids, ntpp, rows, numel, topk)
         gather = False
     # ---- GEMM1 (+ activation (+ requantization))
     if stages == "gemm2":
         pass
     elif fuse and (out_quant or not quant):
-        _launch_gemm(a=a1, w=w1, c=c2_view, cs=c2s if out_quant else None, a_scale=a1s, a_mode=plan.a1_mode,
-                     w_scale=qc.w1_scale, b_mode=plan.b_mode, bias=w1_bias, a_gather=gather, c_sorted=True, n_out=I,
-                     fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit,
-                     out_quant=out_quant, cfg=g1, pdl_trigger=pdl, **common)
+        _launch_gemm(GemmOperands(a1, w1, c2_view, cs=c2s if out_quant else None, a_scale=a1s, w_scale=qc.w1_scale,
+                                  bias=w1_bias),
+                     GemmShape(n_out=I, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
+                     replace(epi1, out_quant=out_quant), g1, pdl_trigger=pdl)
         if taps is not None and not quant:
             taps["activation"] = _unsort_rows(c2, layout, numel, M, topk)
     else:
         c1 = _view(buf2, 0, (rows, c1_cols), act_dtype)
-        _launch_gemm(a=a1, w=w1, c=c1, a_scale=a1s, a_mode=plan.a1_mode, w_scale=qc.w1_scale,
-                     b_mode=plan.b_mode, bias=w1_bias, a_gather=gather, c_sorted=True, n_out=I if fuse else NW1,
-                     fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit, cfg=g1,
-                     pdl_trigger=pdl, **common)
+        _launch_gemm(GemmOperands(a1, w1, c1, a_scale=a1s, w_scale=qc.w1_scale, bias=w1_bias),
+                     GemmShape(n_out=I if fuse else NW1, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
+                     epi1, g1, pdl_trigger=pdl)
         if taps is not None:  # copied now: GEMM2's output C3 reuses this buffer
             taps["activation" if fuse else "gemm1"] = _unsort_rows(c1, layout, numel, M, topk)
         aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,
@@ -615,17 +639,18 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     if stages == "gemm1":
         return out
     # ---- GEMM2
-    a2_scale_arg, a2_mode = None, _S_NONE
+    a2_scale_arg, a2_mode = None, ScaleMode.NONE
     if quant:
         a2_mode = plan.a2_mode
-        if a2_mode == _S_TENSOR:
+        if a2_mode == ScaleMode.TENSOR:
             a2_scale_arg = (a2_scale if a2_scale is not None else qc.a2_scale).reshape(1).to(torch.float32)
-        elif a2_mode == _S_ROW:
+        elif a2_mode == ScaleMode.ROW:
             a2_scale_arg = c2s[:, :1]
         else:
             a2_scale_arg = c2s
-    _launch_gemm(a=c2, w=w2, c=c3, a_scale=a2_scale_arg, a_mode=a2_mode, w_scale=qc.w2_scale, b_mode=plan.b_mode,
-                 bias=w2_bias, a_gather=False, c_sorted=False, n_out=K, fuse=0, act=0, cfg=g2, pdl_wait=pdl, **common)
+    _launch_gemm(GemmOperands(c2, w2, c3, a_scale=a2_scale_arg, w_scale=qc.w2_scale, bias=w2_bias),
+                 GemmShape(n_out=K, a_gather=False, c_sorted=False, **gemm_rows), replace(scales1, a_mode=a2_mode),
+                 GemmEpilogue(**epi_quant), g2, pdl_wait=pdl)
     if taps is not None:  # C3 is by route; rows of routes not held here were never written
         taps["gemm2"] = torch.where((local >= 0)[:, None], c3, torch.zeros((), dtype=c3.dtype, device=dev)).view(
             M, topk, K)  # a new tensor: C3's buffer may be reused
@@ -897,7 +922,7 @@ def fused_experts(
     else:
         a1q, a1s = quantize_activation(x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe,
                                        use_ue8m0=plan.use_ue8m0)
-        if plan.a1_mode == _S_TENSOR:
+        if plan.a1_mode == ScaleMode.TENSOR:
             a1s = a1s.reshape(1)
     cfg = _configs.get_config(M, E, w2.size(2), K, topk_ids.size(1), plan.cfg_dtype, plan.block_shape,
                               override=config, act_elt=hidden_states.element_size() if plan.kind == "none" else 2)

@@ -28,6 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
 from ._jit import ACT_SILU  # the one activation the GATED epilogue implements
 
 __all__ = ["fp8_block_moe_gemm_kernel", "supported", "launch"]
@@ -273,21 +274,23 @@ def _promote_step(k, base, nk, busy, free, acc, s_busy, a_desc, b_desc, a_smem, 
     return issued, done, acc, s_k
 
 
-def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half_tail: bool, out_quant: bool,
-              group_n: int, group_k: int, K: int, n_out: int, cfg: dict, a: torch.Tensor, w: torch.Tensor,
-              c: torch.Tensor, act: int = 0, has_limit: bool = False) -> str | None:
-    """``None`` when :func:`launch` computes this GEMM, else why not (a table entry's ``GLUON`` key then falls back to
-    ``fused_moe_kernel``). ``fuse`` / ``act`` / ``has_limit`` as ``fused_moe_kernel``'s ``FUSE`` / ``ACT`` /
-    ``HAS_LIMIT``; ``n_out`` = output columns (I for a gated GEMM1)."""
+def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict) -> str | None:
+    """``None`` when :func:`launch` computes this GEMM (arguments as ``experts._launch_gemm``'s), else why not (a
+    table entry's ``GLUON`` key then falls back to ``fused_moe_kernel``). Looks at the tensors' dtypes, shapes,
+    strides and devices only (meta tensors will do)."""
+    a, w, c = ops.a, ops.w, ops.c
+    K, n_out, fuse = w.shape[2], shape.n_out, epi.fuse
+    group_n, group_k = scales.group_n, scales.group_k
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
-    gated = fuse == 1
+    gated = fuse == Fusion.GATED
     checks = [
-        (a_mode == 3 and b_mode == 3, "block-FP8 scales (1x128 activations, 128x128 weights) only"),
-        (not a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
-        (fuse == 0 or (gated and act == ACT_SILU and not has_limit),
+        (scales.a_mode == ScaleMode.GROUP and scales.b_mode == ScaleMode.GROUP,
+         "block-FP8 scales (1x128 activations, 128x128 weights) only"),
+        (not shape.a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
+        (fuse == Fusion.NONE or (gated and epi.act == ACT_SILU and not epi.has_limit),
          "plain epilogue, or gate / up halves with SiLU (no clamp) only"),
-        (bias is None and not out_quant, "no bias, no fused requantization (FUSE_QUANT 0)"),
-        (not half_tail, "one tile height only (no HALF_TAIL)"),
+        (ops.bias is None and not epi.out_quant, "no bias, no fused requantization (FUSE_QUANT 0)"),
+        (not shape.half_tail, "one tile height only (no HALF_TAIL)"),
         (group_n == GROUP and group_k == GROUP and BK == GROUP, "128x128 weight blocks and BLOCK_K = 128 only"),
         (K % GROUP == 0 and n_out % BN == 0 and BM in (64, 128),
          "K % 128 == 0, N % BLOCK_N == 0, BLOCK_M in (64, 128)"),
@@ -301,25 +304,29 @@ def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half
     return next((why for ok, why in checks if not ok), None)
 
 
-def launch(*, a, w, c, a_scale, w_scale, layout, rows, num_valid, c_sorted, n_out, cfg, fuse=0):
-    """Launch :func:`fp8_block_moe_gemm_kernel` for one GEMM (arguments as ``experts._launch_gemm``'s; call
+def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict,
+           w_strides=None):
+    """Launch :func:`fp8_block_moe_gemm_kernel` for one GEMM (arguments as ``experts._launch_gemm``'s, ``ops.w_scale``
+    as ``experts._scale_strides`` returns it; ``w_strides`` unused: its strides are read here; call
     :func:`supported` first)."""
+    a, w, c, a_scale, w_scale = ops.a, ops.w, ops.c, ops.a_scale, ops.w_scale
+    layout, n_out, gated = shape.layout, shape.n_out, epi.fuse == Fusion.GATED
     E, NW, K = w.shape
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     a8 = a.view(torch.float8_e4m3fn) if a.dtype != torch.float8_e4m3fn else a
     a_desc = TensorDescriptor.from_tensor(a8, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv))
     b_desc = TensorDescriptor.from_tensor(w.view(E * NW, K), [BN, BK],
                                           gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv))
-    tiles = triton.cdiv(rows, BM) * triton.cdiv(n_out, BN)  # an upper bound: the kernel reads the layout's count
+    tiles = triton.cdiv(shape.rows, BM) * triton.cdiv(n_out, BN)  # an upper bound: the kernel reads the layout's count
     if cfg.get("PERSISTENT", 0):  # one program per resident CTA (one per SM at 8 warps, two at 4: registers)
         tiles = min(tiles, _num_sms(a.device) * (2 if cfg.get("num_warps", 4) == 4 else 1))
     fp8_block_moe_gemm_kernel[(tiles,)](
         a_desc, b_desc, c, a_scale, w_scale,
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
-        n_out, K, num_valid, NW, n_out if fuse == 1 else 0,
+        n_out, K, shape.num_valid, NW, n_out if gated else 0,
         c.stride(0), a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), C_SORTED=c_sorted,
-        GATED=fuse == 1, STAGES=cfg.get("num_stages", 4), num_warps=cfg.get("num_warps", 4),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), C_SORTED=shape.c_sorted,
+        GATED=gated, STAGES=cfg.get("num_stages", 4), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
     )
 

@@ -42,6 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
 from ._jit import ACT_SILU
 from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids
 
@@ -457,17 +458,20 @@ def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, s
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
-def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half_tail: bool, out_quant: bool,
-              group_n: int, group_k: int, K: int, n_out: int, cfg: dict, a: torch.Tensor, w: torch.Tensor,
-              c: torch.Tensor, act: int = 0, has_limit: bool = False) -> str | None:
+def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict) -> str | None:
     """``None`` when :func:`launch` computes this GEMM, else why not (a table entry's ``PINGPONG`` / ``COOPERATIVE``
     key then falls back to ``fused_moe_kernel``). Arguments as ``gluon_sm90.supported``."""
+    a, w, c, bias = ops.a, ops.w, ops.c, ops.bias
+    K, n_out, fuse, half_tail = w.shape[2], shape.n_out, epi.fuse, shape.half_tail
+    a_mode, b_mode, group_n, group_k = scales.a_mode, scales.b_mode, scales.group_n, scales.group_k
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     coop = bool(cfg.get("COOPERATIVE", 0))
-    block = a_mode == 3
-    epi = a_mode in (1, 2) and b_mode in (1, 2)  # FP8 per-tensor / per-channel: promoted, scales in the epilogue
-    scaled = block or epi
-    gated = fuse in (1, 4)
+    block = a_mode == ScaleMode.GROUP
+    # FP8 per-tensor / per-channel: promoted, scales in the epilogue
+    per_tensor_or_row = (ScaleMode.TENSOR, ScaleMode.ROW)
+    epi_scales = a_mode in per_tensor_or_row and b_mode in per_tensor_or_row
+    scaled = block or epi_scales
+    gated = fuse.halves
     bn_mma = 2 * BN if gated else BN
     rows = BM // 2 if coop else BM  # a consumer's rows
     # accumulator registers per thread: one set, or (block FP8) the accumulator and two MMA register sets
@@ -476,19 +480,20 @@ def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half
     smem = cfg.get("num_stages", 4) * (BM + bn_mma) * BK * elt + BM * BN * c.element_size()  # ring + epilogue
     a8 = a.dtype == torch.float8_e4m3fn or (scaled and a.dtype == torch.uint8)
     checks = [
-        ((a_mode, b_mode) == (0, 0) and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
-         or ((a_mode, b_mode) == (3, 3) or epi) and a8 and w.dtype == torch.float8_e4m3fn,
+        ((a_mode, b_mode) == (ScaleMode.NONE, ScaleMode.NONE) and a.dtype in (torch.bfloat16, torch.float16)
+         and w.dtype == a.dtype
+         or (block and b_mode == ScaleMode.GROUP or epi_scales) and a8 and w.dtype == torch.float8_e4m3fn,
          "bf16 / fp16 operands, or FP8 e4m3 with block (1x128 activation, 128x128 weight), per-tensor or per-token "
          "activation and per-tensor or per-channel weight scales"),
-        (not (epi and cfg.get("FAST_ACCUM", 0)), "FAST_ACCUM (in-place FP8 accumulation) is fused_moe_kernel's"),
+        (not (epi_scales and cfg.get("FAST_ACCUM", 0)), "FAST_ACCUM (in-place FP8 accumulation) is fused_moe_kernel's"),
         (c.dtype in (torch.bfloat16, torch.float16), "bf16 / fp16 output"),
         (not block or (group_n == GROUP and group_k == GROUP and BK == GROUP and BN <= GROUP),
          "block FP8: 128x128 weight blocks, BLOCK_K = 128 and BLOCK_N <= 128 (one weight scale per K tile)"),
-        (not epi or BK in (64, 128), "FP8 per-tensor / per-channel: BLOCK_K 64 or 128 (promoted every K tile)"),
-        (not a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
-        (fuse == 0 or (gated and act == ACT_SILU and not has_limit),
+        (not epi_scales or BK in (64, 128), "FP8 per-tensor / per-channel: BLOCK_K 64 or 128 (promoted every K tile)"),
+        (not shape.a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
+        (fuse == Fusion.NONE or (gated and epi.act == ACT_SILU and not epi.has_limit),
          "plain epilogue, or gate / up halves with SiLU (no clamp) only"),
-        (bias is None and not out_quant, "no bias, no fused requantization"),
+        (bias is None and not epi.out_quant, "no bias, no fused requantization"),
         (not half_tail or BM == 128, "HALF_TAIL needs BLOCK_M = 128 (64-row tail MMAs)"),
         (BM in (64, 128) and rows >= 64 and bn_mma <= 256 and BN >= 32 and BK in (32, 64, 128),
          "BLOCK_M in (64, 128) (a consumer's rows >= 64), MMA columns <= 256, BLOCK_K in (32, 64, 128)"),
@@ -505,17 +510,19 @@ def supported(*, a_mode: int, b_mode: int, a_gather: bool, fuse: int, bias, half
     return next((why for ok, why in checks if not ok), None)
 
 
-def launch(*, a, w, c, a_scale=None, w_scale=None, a_mode=0, b_mode=0, w_strides=(0, 0, 0), layout, rows, num_valid,
-           c_sorted, n_out, cfg, fuse=0):
+def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict,
+           w_strides=(0, 0, 0)):
     """Launch :func:`ws_moe_gemm_kernel` for one GEMM, one CTA per SM (arguments as ``experts._launch_gemm``'s;
-    ``a_mode`` / ``b_mode``: its ``A_SCALE`` / ``B_SCALE`` modes (3: block FP8; 1 / 2: per-tensor / per-row or
-    per-channel, applied in the epilogue), ``w_strides``: ``w_scale``'s ``(expert, row, K block)`` strides;
-    ``layout.tiles`` set: ``HALF_TAIL``; call :func:`supported` first)."""
+    ``scales.a_mode`` / ``b_mode``: ``GROUP`` block FP8; ``TENSOR`` / ``ROW``: per-tensor / per-row or per-channel,
+    applied in the epilogue; ``ops.w_scale`` as ``experts._scale_strides`` returns it, ``w_strides``: its
+    ``(expert, row, K block)`` strides; ``layout.tiles`` set: ``HALF_TAIL``; call :func:`supported` first)."""
+    a, w, c, a_scale, w_scale = ops.a, ops.w, ops.c, ops.a_scale, ops.w_scale
+    a_mode, b_mode, layout, n_out = scales.a_mode, scales.b_mode, shape.layout, shape.n_out
     E, NW, K = w.shape
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
-    scaled = a_mode == 3
-    epi = a_mode in (1, 2)
-    half_tail = layout.tiles is not None
+    scaled = a_mode == ScaleMode.GROUP
+    epi_scales = a_mode in (ScaleMode.TENSOR, ScaleMode.ROW)
+    half_tail = shape.half_tail
     a = a.view(torch.float8_e4m3fn) if a.dtype == torch.uint8 else a
     dt = _GL_DTYPES[a.dtype]
     a_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], dt)
@@ -524,20 +531,21 @@ def launch(*, a, w, c, a_scale=None, w_scale=None, a_mode=0, b_mode=0, w_strides
     b_desc = TensorDescriptor.from_tensor(w.view(E * NW, K), [BN, BK],
                                           gl.NVMMASharedLayout.get_default_for([BN, BK], dt))
     # an upper bound of the tiles (the kernel reads the layout's count): programs beyond it would find no work
-    row_tiles = layout.tiles.numel() if half_tail else triton.cdiv(rows, BM)
+    row_tiles = layout.tiles.numel() if half_tail else triton.cdiv(shape.rows, BM)
     grid = (min(row_tiles * triton.cdiv(n_out, BN), _num_sms(a.device)), )
-    sa = (a_scale.stride(0), a_scale.stride(1)) if scaled else ((a_scale.stride(0), 0) if a_mode == 2 else (0, 0))
-    sw = tuple(w_strides) if scaled or epi else (0, 0, 0)
+    sa = (a_scale.stride(0), a_scale.stride(1)) if scaled else (
+        (a_scale.stride(0), 0) if a_mode == ScaleMode.ROW else (0, 0))
+    sw = tuple(w_strides) if scaled or epi_scales else (0, 0, 0)
     ws_moe_gemm_kernel[grid](
-        a_desc, a_desc_h, b_desc, c, a_scale if scaled or epi else c, w_scale if scaled or epi else c,
+        a_desc, a_desc_h, b_desc, c, a_scale if scaled or epi_scales else c, w_scale if scaled or epi_scales else c,
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
         layout.tiles if half_tail else layout.expert_ids,
         layout.num_tiles if half_tail else layout.num_tokens_post_padded,
-        n_out, K, num_valid, NW, n_out if fuse in (1, 4) else 0, c.stride(0), *sa, *sw,
+        n_out, K, shape.num_valid, NW, n_out if epi.fuse.halves else 0, c.stride(0), *sa, *sw,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), HALF_TAIL=half_tail,
-        C_SORTED=c_sorted, GATED=fuse in (1, 4), SCALED=scaled, COOP=bool(cfg.get("COOPERATIVE", 0)),
-        STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS, A_EPI=a_mode if epi else 0,
-        B_EPI=b_mode if epi else 0,
+        C_SORTED=shape.c_sorted, GATED=epi.fuse.halves, SCALED=scaled, COOP=bool(cfg.get("COOPERATIVE", 0)),
+        STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS, A_EPI=int(a_mode) if epi_scales else 0,
+        B_EPI=int(b_mode) if epi_scales else 0,
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
         maxnreg=LAUNCH_MAXNREG,
     )

@@ -58,24 +58,32 @@ def _mma(a, b, acc, SWAP_AB: tl.constexpr, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _moe_tile(
+    # operands, split-K scratch, TMA descriptors
     a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
     a_desc, b_desc,
+    # this program's tile: the layout's route ids, its first sorted row, expert, N tile group, row tile, K split
     sorted_token_ids_ptr, row0, e, pid_ng, tile_id, pid_k,
+    # sizes
     N, K, num_valid_tokens, UP_OFF, NW,
+    # strides
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
     stride_csm, stride_csg,
+    # epilogue scalars
     alpha, beta, limit, amax_floor, ue8m0_floor,
-    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # constexprs (groups as fused_moe_kernel's): tiling
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
+    FLATTEN: tl.constexpr, SPLIT_K: tl.constexpr,
+    # rows
     TOP_K: tl.constexpr, A_GATHER: tl.constexpr, C_SORTED: tl.constexpr,
-    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, B_SCALAR: tl.constexpr, INT8: tl.constexpr,
+    # operands and accumulation
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, B_SCALAR: tl.constexpr, GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr, INT8: tl.constexpr, PROMOTE: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PREC: tl.constexpr,
+    EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr,
+    # epilogue
     HAS_BIAS: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
-    EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
-    N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PROMOTE: tl.constexpr, SWAP_AB: tl.constexpr,
-    SPLIT_K: tl.constexpr,
 ):
     """``N_TILES`` ``BLOCK_M x BLOCK_N`` output tiles of expert ``e``: sorted rows ``[row0, row0 + BLOCK_M)``,
     output columns of N tiles ``pid_ng * N_TILES + j`` (see :func:`fused_moe_kernel` for the modes); with
@@ -375,25 +383,34 @@ def _split_k_reduce(acc, part_ptr, cnt_ptr, slot, pid_k, SPLIT_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
 def fused_moe_kernel(
+    # operands (experts._launch_gemm's GemmOperands), split-K scratch (part, cnt), TMA descriptors (or None)
     a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
     a_desc, a_desc_h, b_desc,
+    # the route layout (align.RouteLayout; tiles / num_tiles used with HALF_TAIL)
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
+    # sizes
     N, K, EM, num_valid_tokens, UP_OFF, NW,
+    # strides: A, W, C; A's scales, W's scales, bias; C's scales
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
     stride_csm, stride_csg,
+    # epilogue scalars: the activation's parameters, the output quantization's floors
     alpha, beta, limit, amax_floor, ue8m0_floor,
-    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    # constexprs: tiling and scheduling
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HALF_TAIL: tl.constexpr,
+    HALF_TAIL: tl.constexpr, N_TILES: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_K: tl.constexpr,
+    # rows (GemmShape)
     TOP_K: tl.constexpr, A_GATHER: tl.constexpr, C_SORTED: tl.constexpr,
-    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, B_SCALAR: tl.constexpr, INT8: tl.constexpr,
+    # operands and accumulation (GemmScales: A_SCALE / B_SCALE are _host.ScaleMode values)
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, B_SCALAR: tl.constexpr, GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr, INT8: tl.constexpr, PROMOTE: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PREC: tl.constexpr,
+    EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr,
+    # epilogue (GemmEpilogue: FUSE is a _host.Fusion value)
     HAS_BIAS: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
-    EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr, DOT_PREC: tl.constexpr,
-    N_TILES: tl.constexpr, FLATTEN: tl.constexpr, PROMOTE: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
-    PDL_WAIT: tl.constexpr = False, SWAP_AB: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+    # programmatic dependent launch
+    PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
 ):
     """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
 
@@ -408,11 +425,12 @@ def fused_moe_kernel(
     ``A_GATHER``: A row = route // TOP_K (GEMM1 reads hidden states), else A row = sorted position (GEMM2 reads
     GEMM1's sorted output). ``C_SORTED``: C row = sorted position (GEMM1), else the route id (GEMM2).
     ``N`` = output columns; ``NW`` = weight rows per expert (``2N`` when the gated activation is fused).
-    ``FUSE``: 0 plain; 1 gated halves (gate row n, up row ``UP_OFF + n``; two MMA chains); 2 gated interleaved
-    (rows 2n, 2n+1); 3 non-gated activation on the tile; 4 gated halves as one ``[2 * BLOCK_N]`` weight tile (the
-    N tile's gate rows, then its up rows: one MMA chain twice as wide, split in the epilogue; ``b_desc`` is then a
-    rank-3 descriptor over the ``(E * 2, N, K)`` halves).
-    ``A_SCALE``: 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K.
+    ``FUSE`` (``_host.Fusion``): 0 ``NONE`` plain; 1 ``GATED`` gate / up halves (gate row n, up row ``UP_OFF + n``;
+    two MMA chains); 2 ``INTERLEAVED`` gated interleaved (rows 2n, 2n+1); 3 ``ACT`` non-gated activation on the
+    tile; 4 ``GATED_JOINT`` gated halves as one ``[2 * BLOCK_N]`` weight tile (the N tile's gate rows, then its up
+    rows: one MMA chain twice as wide, split in the epilogue; ``b_desc`` is then a rank-3 descriptor over the
+    ``(E * 2, N, K)`` halves).
+    ``A_SCALE`` (``_host.ScaleMode``): 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K.
     ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
     (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).
     ``OUT_QUANT``: quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns).
@@ -463,36 +481,7 @@ def fused_moe_kernel(
         block = tile // 2
         row0 = block * (BLOCK_M // 2)
         e = tl.load(expert_ids_ptr + block)
-        if PDL_WAIT:
-            gdc_wait()
-        if tile % 2 == 1:
-            _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
-                  a_desc, b_desc,
-                  sorted_token_ids_ptr, row0, e, pid_n, pid_m, pid_k,
-                  N, K, num_valid_tokens, UP_OFF, NW,
-                  stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                  stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
-                  stride_csm, stride_csg,
-                  alpha, beta, limit, amax_floor, ue8m0_floor,
-                  GROUP_N, GROUP_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                  TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
-                  HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
-                  OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB, SPLIT_K)
-        else:
-            _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
-                  a_desc_h, b_desc,
-                  sorted_token_ids_ptr, row0, e, pid_n, pid_m, pid_k,
-                  N, K, num_valid_tokens, UP_OFF, NW,
-                  stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                  stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
-                  stride_csm, stride_csg,
-                  alpha, beta, limit, amax_floor, ue8m0_floor,
-                  GROUP_N, GROUP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K,
-                  TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
-                  HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
-                  OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB, SPLIT_K)
+        half = 1 - tile % 2  # the list's entries are first_block * 2 + full: 1 = a BLOCK_M / 2-row tail tile
     else:
         ntpp = tl.load(num_tokens_post_padded_ptr)
         e = tl.load(expert_ids_ptr + pid_m)  # pid_m < cdiv(EM, BLOCK_M) = the layout's block count
@@ -500,22 +489,27 @@ def fused_moe_kernel(
             return
         if e < 0:
             return
-        if PDL_WAIT:
-            gdc_wait()
         row0 = pid_m * BLOCK_M
-        _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
-                  a_desc, b_desc,
-                  sorted_token_ids_ptr, row0, e, pid_n, pid_m, pid_k,
-                  N, K, num_valid_tokens, UP_OFF, NW,
-                  stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                  stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
-                  stride_csm, stride_csg,
-                  alpha, beta, limit, amax_floor, ue8m0_floor,
-                  GROUP_N, GROUP_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                  TOP_K, A_GATHER, C_SORTED, A_SCALE, B_SCALE, B_SCALAR, INT8,
-                  HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT,
-                  OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                  EVEN_K, TMA_A, TMA_B, EMU, DOT_PREC, N_TILES, FLATTEN, PROMOTE, SWAP_AB, SPLIT_K)
+        half = 0
+    if PDL_WAIT:
+        gdc_wait()
+    # one call site, instantiated per tile height: BLOCK_M rows (HALF 0), and with HALF_TAIL the BLOCK_M / 2-row
+    # tails (HALF 1, A's descriptor of half-height boxes)
+    for HALF in tl.static_range(2 if HALF_TAIL else 1):
+        if half == HALF:
+            _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
+                      a_desc_h if HALF else a_desc, b_desc,
+                      sorted_token_ids_ptr, row0, e, pid_n, pid_m, pid_k,
+                      N, K, num_valid_tokens, UP_OFF, NW,
+                      stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                      stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
+                      stride_csm, stride_csg,
+                      alpha, beta, limit, amax_floor, ue8m0_floor,
+                      BLOCK_M // (1 + HALF), BLOCK_N, BLOCK_K, N_TILES, FLATTEN, SPLIT_K,
+                      TOP_K, A_GATHER, C_SORTED,
+                      A_SCALE, B_SCALE, B_SCALAR, GROUP_N, GROUP_K, INT8, PROMOTE, SWAP_AB, DOT_PREC,
+                      EVEN_K, TMA_A, TMA_B, EMU,
+                      HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT, OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL)
 
 
 @triton.jit

@@ -124,6 +124,7 @@ def single_expert_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tens
     Returns: ``(M, N)`` ``out_dtype``.
     """
     from backends.triton import configs as C
+    from backends.triton._host import GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
     from backends.triton.experts import _launch_gemm, layout_block, layout_rows, route_layout
 
     M, K = a_q.shape
@@ -135,9 +136,10 @@ def single_expert_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tens
     c = torch.empty(M, N, dtype=out_dtype, device=a_q.device)
     a_s = a_scale.reshape(1).float() if a_mode == 1 else a_scale.reshape(M, 1).float()
     w_s = w_scale.reshape(1).float() if b_mode == 1 else w_scale.reshape(1, N).float()
-    _launch_gemm(a=a_q, w=w_q.reshape(1, N, K), c=c, a_scale=a_s, a_mode=a_mode, w_scale=w_s, b_mode=b_mode,
-                 layout=lay, rows=rows, num_valid=M, top_k=1, a_gather=True, c_sorted=False, n_out=N, fuse=0,
-                 act=0, act_dtype=out_dtype, cfg=cfg["gemm1"])
+    _launch_gemm(GemmOperands(a_q, w_q.reshape(1, N, K), c, a_scale=a_s, w_scale=w_s),
+                 GemmShape(lay, rows, num_valid=M, top_k=1, n_out=N, a_gather=True, c_sorted=False),
+                 GemmScales(a_mode=ScaleMode(a_mode), b_mode=ScaleMode(b_mode)), GemmEpilogue(act_dtype=out_dtype),
+                 cfg["gemm1"])
     return c
 
 
