@@ -30,8 +30,8 @@ import torch
 from conformance.cases import ExpertsCase, seed_of
 from conformance.inputs import ExpertsInputs, make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close
-from conformance.test_experts import moe_config_for
-from conformance.test_hygiene import run_with_reference
+from conformance.experts_case import moe_config_for
+from conformance.hygiene import run_with_reference
 from reference.schemes import scheme_tolerance_key
 from specs import load_models
 

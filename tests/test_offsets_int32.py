@@ -20,8 +20,8 @@ import torch
 
 from backends.torch.experts import TorchExperts
 from conformance.metrics import ConformanceFailure
-from conformance.test_experts import moe_config_for
-from conformance.test_hygiene import OFFSETS_PAST_INT32, OffsetsCase, check_offsets_case
+from conformance.experts_case import moe_config_for
+from conformance.hygiene import OFFSETS_PAST_INT32, OffsetsCase, check_offsets_case
 from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 from reference.schemes import quantize_weights
 from specs import load_models, load_tolerances
