@@ -15,7 +15,7 @@ from conformance.inputs import ExpertsInputs, make_experts_inputs
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
 from reference.error_model import ErrorBound, experts_error_bound
 
-__all__ = ["case_error_bound", "dump_case", "load_inputs", "moe_config_for", "weights_key"]
+__all__ = ["case_error_bound", "dump_case", "load_inputs", "moe_config_for", "routes_error_bound", "weights_key"]
 
 
 def weights_key(case: ExpertsCase) -> tuple:
@@ -25,15 +25,44 @@ def weights_key(case: ExpertsCase) -> tuple:
     return (m.name, m.activation, str(case.dtype), case.ep_size, case.ep_rank, case.scheme)
 
 
-def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None) -> ErrorBound:
-    """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml)."""
+def _router_weight_rounding(experts_cls) -> str:
+    return getattr(getattr(experts_cls, "support", None), "router_weight_rounding", "reference")
+
+
+def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None, *, topk_ids: torch.Tensor | None = None,
+                     expert_map: torch.Tensor | None = None) -> ErrorBound:
+    """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml):
+    the one rule every comparison of an experts or layer output in the suite is judged by.
+
+    Without ``topk_ids`` the GEMM rows are the case's expected local routes (``M * topk * E_local / E``); with them
+    (and ``expert_map``), the routes actually held here (``routes_error_bound``): padded (-1) or remote routes
+    add no rows."""
     m = case.model
+    if topk_ids is not None:
+        return routes_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
+                                  activation=case.activation, topk_ids=topk_ids, expert_map=expert_map,
+                                  experts_cls=experts_cls)
     rows = case.tokens * m.top_k * (m.num_experts // case.ep_size) / m.num_experts  # expected local routes
     return experts_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
                                activation=case.activation, routed_rows=rows,
                                routes_per_row=max(rows / max(case.tokens, 1), 1.0),
-                               router_weight_rounding=getattr(getattr(experts_cls, "support", None),
-                                                              "router_weight_rounding", "reference"))
+                               router_weight_rounding=_router_weight_rounding(experts_cls))
+
+
+def routes_error_bound(quant_config, *, act_dtype: torch.dtype, K: int, I: int, activation, topk_ids: torch.Tensor,
+                       expert_map: torch.Tensor | None = None, experts_cls=None, accumulation=None) -> ErrorBound:
+    """The error model's bound on one experts output over the routes it holds: ids ``>= 0`` of ``topk_ids (M, topk)``
+    that ``expert_map`` (``(E,)``, -1 = not here; None: every expert) maps to a local expert. ``experts_cls``: its
+    ``SupportRecord.router_weight_rounding`` is allowed; ``accumulation``: a ``reference.error_model.Accumulation``
+    other than the allowed default."""
+    ids = topk_ids.long()
+    local = ids >= 0
+    if expert_map is not None:
+        local &= expert_map.to(ids.device).long()[ids.clamp(min=0)] >= 0
+    rows, M = int(local.sum()), max(int(ids.shape[0]), 1)
+    return experts_error_bound(quant_config, act_dtype=act_dtype, K=K, I=I, activation=activation,
+                               routed_rows=rows, routes_per_row=max(rows / M, 1.0), accumulation=accumulation,
+                               router_weight_rounding=_router_weight_rounding(experts_cls))
 
 
 def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:

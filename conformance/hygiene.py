@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conformance.cases import ExpertsCase, chunking_defined, kernel_chunk_kwargs
-from conformance.experts_case import moe_config_for
+from conformance.experts_case import case_error_bound, moe_config_for
 from conformance.metrics import assert_close
 from reference.activation import MoEActivation
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
@@ -21,7 +21,7 @@ from reference.routing import fused_topk
 from reference.schemes import quantize_weights
 from specs import ModelSpec, load_models
 
-__all__ = ["OFFSETS_PAST_INT32", "OffsetsCase", "check_offsets_case", "run_with_reference"]
+__all__ = ["OFFSETS_PAST_INT32", "OffsetsCase", "check_offsets_case", "inputs_error_bound", "run_with_reference"]
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,14 @@ class OffsetsCase:
 OFFSETS_PAST_INT32 = OffsetsCase(load_models()["qwen3_30b_a3b"], 180_000, 16)
 
 
-def check_offsets_case(experts_classes, oc: OffsetsCase, device: str, tol: dict, repro: str | None = None,
+def check_offsets_case(experts_classes, oc: OffsetsCase, device: str, repro: str | None = None,
                        record=None) -> list[str]:
     """Run ``oc`` through every standard-format class of ``experts_classes`` that claims bf16; returns their names.
 
     Each class gets ONE ``apply`` call over all tokens (asserted with a spy on ``apply``: one call, ``tokens``
     rows, ``tokens * topk * N >= oc.limit``); the first and last ``oc.checked_tokens`` tokens are compared with
-    ``reference.experts.fused_experts`` computed for those tokens only.
+    ``reference.experts.fused_experts`` computed for those tokens only, within the error model's bound over their
+    routes (``conformance.experts_case.case_error_bound``).
 
     Raises:
         AssertionError: the case's own precondition fails (it does not cross ``oc.limit`` in one call).
@@ -113,6 +114,7 @@ def check_offsets_case(experts_classes, oc: OffsetsCase, device: str, tol: dict,
         assert calls == [M] and M * topk * w1.shape[1] >= oc.limit, (
             f"precondition: {cls.__name__} was called with {calls} rows, not once with all {M} tokens: no single "
             f"call reached {oc.limit} elements")
+        tol = case_error_bound(case, qc, cls, topk_ids=ids[checked]).as_tolerance()
         assert_close(out[checked], ref, tol, case=f"{case.id}-{cls.__name__}",
                      what=f"{cls.__name__}: first and last {c} tokens of one {M}-token call "
                           f"({oc.largest_intermediate} intermediate elements)", repro=repro)
@@ -124,7 +126,8 @@ def check_offsets_case(experts_classes, oc: OffsetsCase, device: str, tol: dict,
 def run_with_reference(experts_cls, case: ExpertsCase, inputs, apply_router_weight_on_input: bool = False):
     """``(out, expected)``: ``experts_cls`` behind the modular kernel (NaN-poisoned; standard format: the case's
     chunk size; batched: capacity M per expert) and its reference (standard: ``reference.experts.fused_experts``;
-    batched: ``BatchedReferenceExperts`` behind the same prepare/finalize, as in test_experts.py)."""
+    batched: ``BatchedReferenceExperts`` behind the same prepare/finalize, as in test_experts.py). Judge them with
+    ``inputs_error_bound``."""
     moe_config, qc = moe_config_for(case), inputs.quant_config
     kwargs = dict(activation=case.activation, global_num_experts=inputs.global_num_experts,
                   expert_map=inputs.expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
@@ -142,3 +145,10 @@ def run_with_reference(experts_cls, case: ExpertsCase, inputs, apply_router_weig
     out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(moe_config, qc), poison=float("nan"),
                          **kernel_chunk_kwargs(case.chunk_size)).apply(*args, **kwargs)
     return out, fused_experts(*args, quant_config=qc, **kwargs)
+
+
+def inputs_error_bound(experts_cls, case: ExpertsCase, inputs) -> dict:
+    """The error model's bound (``as_tolerance()``) on ``experts_cls``'s output for ``case`` over the routes that
+    ``inputs`` hold here (its ``topk_ids`` and ``expert_map``: padded routes add no rows)."""
+    return case_error_bound(case, inputs.quant_config, experts_cls, topk_ids=inputs.topk_ids,
+                            expert_map=inputs.expert_map).as_tolerance()

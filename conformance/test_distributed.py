@@ -11,7 +11,8 @@ standard, all-to-all batched) and the backend's own (``Backend.prepare_finalize`
     pf_cls(group=None, moe_config=..., max_num_tokens=..., expert_placement_strategy=..., quantize_after_dispatch=...)
 
 Pairs whose activation formats differ are not combined. Every rank's output, concatenated in rank order, is compared
-with the single-process reference on the union of the ranks' tokens, with the experts tolerances: for the batched
+with the single-process reference on the union of the ranks' tokens, within the error model's bound over all their
+routes (``conformance.experts_case.routes_error_bound``): for the batched
 format ``reference.experts.fused_experts`` over all experts itself; for the standard formats the same computed per
 rank's experts and summed (``reference.distributed.fused_experts_ep(combine="partials")``), because their combine
 receives each rank's partial output in the activation dtype (one more rounding of each partial, as in vLLM and
@@ -36,13 +37,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.distributed_case import (DTYPE, MODEL, E, I, K, ClusterPool, DistCase, RankFailure, dist_cases,
-                                          expected_output, moe_config_for, run_rank_case, unpack_tensor)
+from conformance.distributed_case import (ACTIVATION, DTYPE, MODEL, E, I, K, ClusterPool, DistCase, RankFailure,
+                                          dist_cases, expected_output, make_global_inputs, moe_config_for,
+                                          run_rank_case, unpack_tensor)
+from conformance.experts_case import routes_error_bound
 from conformance.metrics import ConformanceFailure, assert_close, error_stats
 from reference.distributed import REFERENCE_PREPARE_FINALIZE
 from reference.modular import FusedMoEActivationFormat
 from reference.routing import determine_expert_map
-from reference.schemes import quantize_weights, scheme_tolerance_key
+from reference.schemes import quantize_weights
 
 # ------------------------------------------------------------------------------------------------------------
 # pytest
@@ -114,7 +117,7 @@ def _rank_of_row(row: int, sizes: list[int]) -> int:
     return -1
 
 
-def test_distributed(backend, pf_cls, experts_cls, case: DistCase, tolerances, repro, record, dist_clusters):
+def test_distributed(backend, pf_cls, experts_cls, case: DistCase, repro, record, dist_clusters):
     N = case.world_size
     record(world_size=N, model=MODEL, scheme=case.scheme if case.quant == "-" else f"{case.scheme}-q{case.quant}",
            component="distributed", tokens=sum(case.tokens_per_rank()), experts_class=experts_cls.__name__,
@@ -170,7 +173,9 @@ def test_distributed(backend, pf_cls, experts_cls, case: DistCase, tolerances, r
     expected = expected_output(case, "routes" if batched else "partials")
     single = error_stats(out, expected_output(case))  # recorded: the distance to fused_experts over all experts
     record(single_process_max_norm=single.max_norm, single_process_rms_norm=single.rms_norm)
-    tol = tolerances["experts"][scheme_tolerance_key(case.scheme, DTYPE)]
+    # The one rule: the error model's bound over every route of the union of the ranks' tokens.
+    tol = routes_error_bound(inp_qc, act_dtype=DTYPE, K=K, I=I, activation=ACTIVATION,
+                             topk_ids=make_global_inputs(case)["topk_ids"], experts_cls=experts_cls).as_tolerance()
     try:
         stats = assert_close(out, expected, tol, case=case.id, what=f"{where} output (rows in rank order)",
                              repro=f"{repro} --world-size {N}")

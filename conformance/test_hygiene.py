@@ -22,12 +22,12 @@ import torch
 
 from conformance.cases import ExpertsCase
 from conformance.experts_case import moe_config_for
-from conformance.hygiene import OFFSETS_PAST_INT32, OffsetsCase, check_offsets_case, run_with_reference
+from conformance.hygiene import (OFFSETS_PAST_INT32, OffsetsCase, check_offsets_case, inputs_error_bound,
+                                 run_with_reference)
 from conformance.inputs import make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, assert_exact
 from reference.batched import BatchedPrepareAndFinalize
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
-from reference.schemes import scheme_tolerance_key
 from specs import ModelSpec, load_models
 
 SCHEMES = ["bf16", "fp8_block128"]
@@ -164,7 +164,7 @@ def test_cuda_graph_replay_equals_eager(backend, experts_cls, scheme, repro, rec
 
 
 @pytest.mark.parametrize("oc", [OFFSETS_PAST_INT32], ids=lambda oc: str(oc.tokens))
-def test_offsets_past_int32(backend, oc: OffsetsCase, tolerances, repro, record):
+def test_offsets_past_int32(backend, oc: OffsetsCase, repro, record):
     """Qwen3-30B-A3B shapes, ONE experts call (chunk size = M) whose GEMM1 output holds M * topk * N > 2^31
     elements (vLLM #5938, #34279): the first and last tokens must still be right.
 
@@ -175,7 +175,7 @@ def test_offsets_past_int32(backend, oc: OffsetsCase, tolerances, repro, record)
     if backend.device != "cuda":
         pytest.skip(f"needs a GPU: one {oc.tokens}-token call with {oc.largest_intermediate / 1e9:.2f}e9-element "
                     "intermediates takes tens of GB on a CPU (its CPU proof: tests/test_offsets_int32.py)")
-    ran = check_offsets_case(backend.experts, oc, "cuda", tolerances["experts"]["bfloat16"], repro, record)
+    ran = check_offsets_case(backend.experts, oc, "cuda", repro, record)
     if not ran:
         pytest.skip(f"backend {backend.name} has no standard-format experts class claiming bf16")
 
@@ -204,7 +204,7 @@ def _router_weight_on_input_cases() -> list[ExpertsCase]:
 ROUTER_WEIGHT_ON_INPUT_CASES = _router_weight_on_input_cases()
 
 
-def test_router_weight_on_input(backend, experts_cls, rw_case: ExpertsCase, tolerances, repro, record):
+def test_router_weight_on_input(backend, experts_cls, rw_case: ExpertsCase, repro, record):
     """topk == 1 with ``apply_router_weight_on_input``: prepare multiplies the input by the weight, so the experts
     must not weight their output again (nor skip what the flag asks): the output equals the reference's."""
     if experts_cls is None:
@@ -218,5 +218,5 @@ def test_router_weight_on_input(backend, experts_cls, rw_case: ExpertsCase, tole
     record(component="hygiene", scheme=f"router-weight-on-input-{case.scheme}", model=case.model.name,
            tokens=case.tokens, experts_class=experts_cls.__name__)
     out, expected = run_with_reference(experts_cls, case, inputs, apply_router_weight_on_input=True)
-    assert_close(out, expected, tolerances["experts"][scheme_tolerance_key(case.scheme, case.dtype)],
+    assert_close(out, expected, inputs_error_bound(experts_cls, case, inputs),
                  case=f"{case.id}-router-weight-on-input", what=f"{experts_cls.__name__} output", repro=repro)

@@ -32,9 +32,15 @@ from conformance.distributed_case import (
     RankFailure,
     expected_output,
     make_global_inputs,
+    ACTIVATION,
+    DTYPE,
+    I,
+    K,
+    rank_shard,
     run_rank_case,
     unpack_tensor,
 )
+from conformance.experts_case import routes_error_bound
 from conformance.metrics import assert_close
 from reference.distributed import (
     BatchedReferenceExpertsEP,
@@ -49,10 +55,8 @@ from reference.distributed import (
 from reference.experts import ReferenceExperts, experts_unreduced
 from reference.modular import FusedMoEActivationFormat, moe_kernel_quantize_input
 from reference.routing import determine_expert_map
-from specs import load_tolerances
 
 ROOT = Path(__file__).resolve().parents[1]
-TOL = load_tolerances()["experts"]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -170,7 +174,9 @@ def _check(cluster, case, pf, experts):
     out = torch.cat([unpack_tensor(r["out"]) for r in _run(cluster, case, pf, experts)])
     batched = experts.activation_format() == FusedMoEActivationFormat.BatchedExperts
     expected = expected_output(case, "routes" if batched else "partials")
-    tol = TOL["bfloat16" if case.scheme == "bf16" else "fp8"]
+    qc = rank_shard(case, 0)[2]  # the scheme's formats (the bound reads descriptors, not values)
+    tol = routes_error_bound(qc, act_dtype=DTYPE, K=K, I=I, activation=ACTIVATION,
+                             topk_ids=make_global_inputs(case)["topk_ids"], experts_cls=experts).as_tolerance()
     assert_close(out, expected, tol, case=case.id, what=f"{pf.__name__} + {experts.__name__}")
     return out, expected
 
