@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 from typing import Callable, Mapping, Sequence
 
 __all__ = ["Backend", "BackendNotFound", "load_backend", "registered_backends", "ENTRY_POINT_GROUP", "BUILTIN",
-           "Unavailable", "BuiltinNeeds", "BUILTIN_NEEDS"]
+           "Unavailable", "BuiltinNeeds", "BUILTIN_NEEDS", "patch_triton_interpreter"]
 
 ENTRY_POINT_GROUP = "moe_conformance.backends"
 
@@ -206,3 +206,13 @@ def package_unavailable_reason(module: str, extra: str) -> str | None:
     if importlib.util.find_spec(module) is None:
         return Unavailable(f"{module} is not installed (pip install -e '.[{extra}]')", "missing_package", extra)
     return None
+
+
+def patch_triton_interpreter() -> None:
+    """Under ``TRITON_INTERPRET=1``, let Triton 3.6's interpreter run loops with a runtime bound under numpy >= 2.3
+    (``backends._triton_interpreter.patch_interpreter_index``); nothing otherwise. For Triton kernels that do not
+    come from a backend of this project (``benchmarks.peer_vllm`` loads vLLM's)."""
+    from backends._triton_interpreter import INTERPRET, patch_interpreter_index
+
+    if INTERPRET:
+        patch_interpreter_index()

@@ -437,8 +437,10 @@ def load(source: str | os.PathLike | None = None) -> VllmTriton:
         tmp.replace(kpath)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         # Triton 3.6's interpreter cannot index with a runtime scalar under numpy 2 (``range(0, tl.cdiv(K, ...))``
-        # in vLLM's kernel): the triton backend's JIT module patches it when imported in interpreter mode
-        import backends.triton._jit  # noqa: F401
+        # in vLLM's kernel): the backends' shared interpreter patch applies
+        from backends import patch_triton_interpreter
+
+        patch_triton_interpreter()
     modname = f"moe_conformance_vllm_kernel_{digest}"
     kmod = sys.modules.get(modname)
     if kmod is None:

@@ -3,9 +3,9 @@
 One test per (shape, M, backend.class): ids like ``qwen3_30b-bf16-M64-triton.TritonExperts``. The timed call is
 ``FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(moe_config, quant_config)).apply(...)`` (prepare: a1
 quantization; experts; finalize), routing precomputed (not timed). Before timing, the output of input set 0 is
-checked against the torch backend's (finite, and within ``specs.oracle_tolerance`` of it: the scheme's
-``[experts.*]`` bounds of ``specs/tolerances.toml`` widened by the triangle inequality, since both implementations
-are only within those bounds of the reference; a sanity check that the numbers belong to a working kernel,
+checked against the torch backend's (finite, and within ``specs.oracle_tolerance`` of it: the error model's bound of
+the case, ``benchmarks.check.experts_bound``, widened by the triangle inequality, since both implementations are
+only within that bound of the reference; a sanity check that the numbers belong to a working kernel,
 conformance does the real checks against the reference).
 """
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from benchmarks import harness, timing
+from benchmarks.check import experts_bound
 from reference.metrics import error_stats
-from reference.schemes import scheme_tolerance_key
 from specs import oracle_tolerance
 
 
@@ -60,7 +60,7 @@ def test_experts(benchmark, p: harness.ExpertsParam, device, device_info, ceilin
             assert torch.isfinite(out).all(), f"{p.id}: non-finite output"
             s = error_stats(out, ref)
             rel_err = s.rms_norm  # relative L2 error: RMS(out - ref) / RMS(ref)
-            tol = oracle_tolerance(scheme_tolerance_key(p.shape.scheme, p.shape.dtype))
+            tol = oracle_tolerance(experts_bound(p.shape, inp.weights.copies[0][2], p.M, p.cls).as_tolerance())
             over = [f"{m} {getattr(s, m):.3g} > {b:.3g}" for m, b in tol.items() if not getattr(s, m) <= b]
             assert not over, (f"{p.id}: output differs from the torch backend's: {'; '.join(over)} - not timing a "
                               f"wrong kernel (MOE_BENCH_CHECK=0 skips this check)")

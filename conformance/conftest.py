@@ -246,38 +246,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(written)
 
 
-_TOLERANCES: dict | None = None
-
-
-def _experts_bounds(item) -> dict | None:
-    """The bounds an experts case is checked against (``specs/tolerances.toml``), for the margin in the matrix."""
-    global _TOLERANCES
-    case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
-    if case is None or not hasattr(case, "scheme") or not hasattr(case, "dtype"):
-        return None
-    # The test module's own tolerance-key function (wherever it imports it from), so the bound is the one the
-    # case was checked against. (A test that records ``bounds=`` itself takes precedence.)
-    key_fn = getattr(getattr(item, "module", None), "scheme_tolerance_key", None)
-    if key_fn is None:
-        return None
-    try:
-        _TOLERANCES = _TOLERANCES or load_tolerances()
-        tol = _TOLERANCES["experts"][key_fn(case.scheme, case.dtype)]
-    except Exception:  # best effort: a case the tolerance table does not know simply has no margin
-        return None
-    return {k: tol[k] for k in ("max_norm", "rms_norm", "calc_diff") if k in tol}
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
     if call.when != "call":
         return report
-    props = dict(report.user_properties)
-    if props.get("component") == "experts" and "bounds" not in props:
-        bounds = _experts_bounds(item)
-        if bounds:
-            report.user_properties.append(("bounds", bounds))
     if call.excinfo is not None and call.excinfo.errisinstance(ConformanceFailure):
         message = str(call.excinfo.value)
         report.user_properties.append(("failure_message", message))

@@ -11,18 +11,12 @@ the reference; one it does not claim must raise an error, never return a tensor 
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import pytest
-import torch
 
 from conformance.cases import (ExpertsCase, chunking_defined, claim_cases, claim_coverage, experts_cases,
                                kernel_chunk_kwargs, situ_params)
-from conformance.inputs import ExpertsInputs, make_experts_inputs
-from conformance.metrics import ConformanceFailure, assert_close, error_stats
-from reference.config import FusedMoEConfig, FusedMoEParallelConfig
-from reference.error_model import ErrorBound, experts_error_bound
+from conformance.experts_case import case_error_bound, dump_case, load_inputs, moe_config_for, weights_key
+from conformance.metrics import ConformanceFailure, assert_close
 from reference.experts import fused_experts
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
@@ -54,62 +48,8 @@ def pytest_generate_tests(metafunc):
         # model's bf16 weights per EP shard, then the scheme's codes): each is drawn and quantized once per worker
         # (worksteal hands each worker a contiguous run), where drawing and quantizing DeepSeek-V3's 8 local experts
         # costs ten times the case itself.
-        params.sort(key=lambda p: _weights_key(p.values[1]))
+        params.sort(key=lambda p: weights_key(p.values[1]))
         metafunc.parametrize(("experts_cls", "case"), params)
-
-
-def _weights_key(case: ExpertsCase) -> tuple:
-    m = case.model
-    return (m.name, m.activation, str(case.dtype), case.ep_size, case.ep_rank, case.scheme)
-
-
-def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None) -> ErrorBound:
-    """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml)."""
-    m = case.model
-    rows = case.tokens * m.top_k * (m.num_experts // case.ep_size) / m.num_experts  # expected local routes
-    return experts_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
-                               activation=case.activation, routed_rows=rows,
-                               routes_per_row=max(rows / max(case.tokens, 1), 1.0),
-                               router_weight_rounding=getattr(getattr(experts_cls, "support", None),
-                                                              "router_weight_rounding", "reference"))
-
-
-def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:
-    m = case.model
-    return FusedMoEConfig(
-        num_experts=m.num_experts, experts_per_token=m.top_k, hidden_dim=m.hidden_size,
-        intermediate_size_per_partition=m.intermediate_size, num_local_experts=m.num_experts // case.ep_size,
-        activation=case.activation, in_dtype=case.dtype,
-        moe_parallel_config=FusedMoEParallelConfig.make_ep(case.ep_size, case.ep_rank), has_bias=m.expert_bias,
-        **situ_params(case.activation),
-    )
-
-
-def dump_case(request, case, inputs, out, expected, diagnosis) -> str:
-    """With ``--dump-failures DIR``: save the case's inputs and results; returns the replay hint for the message."""
-    directory = request.config.getoption("--dump-failures")
-    if not directory:
-        return ""
-    path = Path(directory) / f"{case.id}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"case": case.id, "inputs": dataclasses.asdict(inputs) | {"quant_config": inputs.quant_config},
-                "out": out.cpu(), "expected": expected.cpu(), "diagnosis": diagnosis}, path)
-    spec = request.config._moe_backend_spec
-    return (f"\n  inputs dumped to {path}; replay them: python -m pytest "
-            f"'{request.node.nodeid.split('@')[0]}' --backend {spec} --replay {path}")
-
-
-def _load_inputs(request, case, device):
-    replay = request.config.getoption("--replay")
-    if not replay:
-        return make_experts_inputs(case, device)
-    saved = torch.load(replay, weights_only=False)
-    if saved["case"] != case.id:
-        pytest.skip(f"--replay {replay} holds case {saved['case']}, not {case.id}")
-    fields = saved["inputs"]
-    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    return ExpertsInputs(**{k: move(v) for k, v in fields.items() if k != "quant_config"},
-                         quant_config=fields["quant_config"])
 
 
 def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, record, request):
@@ -117,7 +57,7 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         pytest.skip(f"backend {backend.name} offers no experts implementation")
     if case.chunk_size and not chunking_defined():
         pytest.skip("a chunked case: vLLM 0.33 semantics have no activation chunking (run with --vllm-semantics 0.17)")
-    inputs = _load_inputs(request, case, backend.device)
+    inputs = load_inputs(request, case, backend.device)
     qc = inputs.quant_config
     moe_config = moe_config_for(case)
     fmt = experts_cls.activation_format()

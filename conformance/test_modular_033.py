@@ -21,7 +21,7 @@ import torch
 from conformance.cases import ExpertsCase, seed_of
 from conformance.inputs import make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, assert_ulps
-from conformance.test_experts import case_error_bound, moe_config_for
+from conformance.experts_case import case_error_bound, moe_config_for
 from reference.experts import fused_experts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 from reference.moe_output import UnfinalizedMoEOutput, moe_fused_mul_sum

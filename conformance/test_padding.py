@@ -30,9 +30,8 @@ import torch
 from conformance.cases import ExpertsCase, seed_of
 from conformance.inputs import ExpertsInputs, make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close
-from conformance.test_experts import moe_config_for
-from conformance.test_hygiene import run_with_reference
-from reference.schemes import scheme_tolerance_key
+from conformance.experts_case import moe_config_for
+from conformance.hygiene import inputs_error_bound, run_with_reference
 from specs import load_models
 
 __all__ = ["PaddingCase", "PADDING_CASES", "pad_routes", "padding_inputs"]
@@ -106,7 +105,7 @@ def pytest_generate_tests(metafunc):
                              params or [pytest.param(None, None, id="no-experts")])
 
 
-def test_padding_ids_under_expert_map(backend, experts_cls, padding_case: PaddingCase, tolerances, repro, record):
+def test_padding_ids_under_expert_map(backend, experts_cls, padding_case: PaddingCase, repro, record):
     """``-1`` slots with non-zero weights under an expert map: the output equals the reference, which drops them,
     and tokens left with no route are exactly zero."""
     if experts_cls is None:
@@ -121,7 +120,7 @@ def test_padding_ids_under_expert_map(backend, experts_cls, padding_case: Paddin
            experts_class=experts_cls.__name__)
     out, expected = run_with_reference(experts_cls, case, inputs)
     what = f"{experts_cls.__name__} output with -1 routes"
-    assert_close(out, expected, tolerances["experts"][scheme_tolerance_key(case.scheme, case.dtype)],
+    assert_close(out, expected, inputs_error_bound(experts_cls, case, inputs),
                  case=padding_case.id, what=what, repro=repro)
     empty = out[all_pad]
     if not bool((empty == 0).all()):

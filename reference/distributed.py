@@ -89,7 +89,7 @@ import torch.distributed as dist
 from reference.activation import MoEActivation
 from reference.batched import BatchedReferenceExperts
 from reference.config import FusedMoEConfig, FusedMoEQuantConfig
-from reference.experts import _experts_unreduced, check_moe_inputs, fused_experts
+from reference.experts import check_moe_inputs, experts_unreduced, fused_experts
 from reference.modular import (
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
@@ -725,7 +725,7 @@ def fused_experts_ep(
     for w1, w2, qc, emap in shards:
         check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, emap, global_num_experts, qc)
         a1q, a1q_scale = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
-        part = _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, emap, qc, activation, hidden_states.dtype)
+        part = experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, emap, qc, activation, hidden_states.dtype)
         y = part if y is None else y + part  # each route is held by exactly one rank: the others add zeros
     w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
     return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)

@@ -40,7 +40,8 @@ from reference.modular import (
     moe_kernel_quantize_input,
 )
 
-__all__ = ["fused_experts", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
+__all__ = ["fused_experts", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs",
+           "experts_unreduced"]
 
 
 def dequant_groups(q: torch.Tensor, scale: torch.Tensor | None, group_shape: tuple[int, int] | None) -> torch.Tensor:
@@ -180,7 +181,7 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
             raise ValueError(f"expert_map has {expert_map.numel()} entries, expected global_num_experts={E}")
 
 
-def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
+def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                        acc_dtype: torch.dtype = torch.float32, gemm=None, *, situ_beta=None,
                        situ_linear_beta=None, stages: dict | None = None) -> torch.Tensor:
     """(M, topk, K) unweighted expert outputs in act dtype; zeros for routes to experts not held here.
@@ -284,7 +285,7 @@ def fused_experts(
     if qc.a1.dtype is not None and not x.is_contiguous():  # as the prepare step: quantizers read contiguous rows
         x = x.contiguous()
     a1q, a1q_scale = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
-    y = _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
+    y = experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                            accumulate_dtype, situ_beta=activation_situ_beta,
                            situ_linear_beta=activation_situ_linear_beta)
     w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
@@ -329,7 +330,7 @@ class ReferenceExperts(FusedMoEExpertsModular):
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
         act_dtype = output.dtype
-        y = _experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
+        y = experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
                                activation, act_dtype, situ_beta=getattr(self.moe_config, "activation_situ_beta", None),
                                situ_linear_beta=getattr(self.moe_config, "activation_situ_linear_beta", None))
         output.copy_(y.view(output.shape))

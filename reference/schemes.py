@@ -1,13 +1,13 @@
 """The quantization schemes of the experts: name -> how the weights and activations are quantized.
 
-A scheme (``specs/schemes.toml``: its name, description, vLLM ``QuantKey`` names for the weights and activations,
-and the ``[experts.*]`` table of ``specs/tolerances.toml`` its outputs are checked against) turns a case's bf16
+A scheme (``specs/schemes.toml``: its name, description and vLLM ``QuantKey`` names for the weights and activations;
+its outputs are judged by the error model's bound, ``reference.error_model``) turns a case's bf16
 weights into the codes, scales and ``FusedMoEQuantConfig`` a kernel receives. The weights are quantized here with
 the reference quantizers, so the only quantization a backend performs itself is the activations' (a1 in prepare,
 a2 between the GEMMs), as the config's activation descriptors say.
 
 This is part of the reference (the conformance suite, the benchmarks and the backends' GPU scripts all build their
-weights through :func:`quantize_weights`); the names, keys and tolerance keys are data in ``specs/``, the
+weights through :func:`quantize_weights`); the names and keys are data in ``specs/``, the
 quantization recipe per scheme is code here (``_BUILDERS``), and the two must name the same schemes.
 """
 
@@ -37,9 +37,9 @@ from reference.config import (
 from reference.semantics import register_point
 from specs import load_schemes
 
-__all__ = ["Scheme", "schemes", "get_scheme", "quantize_weights", "scheme_tolerance_key", "UNQUANTIZED"]
+__all__ = ["Scheme", "schemes", "get_scheme", "quantize_weights", "UNQUANTIZED"]
 
-# Unquantized schemes: the weights keep the case's dtype; the tolerance table is named after the output dtype.
+# Unquantized schemes: the weights keep the case's dtype.
 UNQUANTIZED = frozenset({"bf16", "fp16", "fp32"})
 # NVFP4 activations use fixed global encode scales (vLLM calibrates them): 448*6 / expected amax.
 NVFP4_A1_GSCALE = torch.tensor([448.0 * 6.0 / 8.0])
@@ -80,14 +80,12 @@ class Scheme:
     """One entry of ``specs/schemes.toml``.
 
     ``weight_key`` / ``activation_key`` are the ``reference.quant`` ``QuantKey`` names an experts class must claim
-    (seed 002 ``_supports_quant_scheme``; ``"none"`` = unquantized); ``tolerance`` names the ``[experts.<key>]``
-    table of ``specs/tolerances.toml`` (unquantized schemes use the output dtype's table instead); ``since`` is the
+    (seed 002 ``_supports_quant_scheme``; ``"none"`` = unquantized); ``since`` is the
     first semantics version whose vLLM names these keys and claims the pair (``"0.17"``: the seeds' era), with
     ``upstream`` the vLLM file of an experts class that claims it (semantics point ``schemes.quant_keys``)."""
 
     name: str
     description: str
-    tolerance: str
     weight_key: str
     activation_key: str
     since: str = "0.17"
@@ -240,16 +238,16 @@ def schemes() -> dict[str, Scheme]:
 
     Raises:
         ValueError: a scheme of the TOML without a builder here (or the reverse for a quantized one), or an entry
-            missing ``tolerance`` / ``keys``.
+            missing ``keys``.
     """
     out = {}
     for name, raw in load_schemes().items():
         try:
             wkey, akey = raw["keys"]
-            out[name] = Scheme(name, raw.get("description", ""), raw["tolerance"], wkey, akey,
+            out[name] = Scheme(name, raw.get("description", ""), wkey, akey,
                                str(raw.get("since", "0.17")), raw.get("upstream", ""))
         except (KeyError, ValueError) as exc:
-            raise ValueError(f"specs/schemes.toml [schemes.{name}]: needs tolerance and keys = [weight, "
+            raise ValueError(f"specs/schemes.toml [schemes.{name}]: needs keys = [weight, "
                              f"activation] ({exc})") from None
     missing = sorted(set(out) - set(_BUILDERS))
     unlisted = sorted(set(_BUILDERS) - set(out) - UNQUANTIZED)
@@ -269,14 +267,6 @@ def get_scheme(name: str) -> Scheme:
         return schemes()[name]
     except KeyError:
         raise ValueError(f"unknown scheme {name!r}; known: {', '.join(schemes())}") from None
-
-
-def scheme_tolerance_key(scheme: str, dtype: torch.dtype) -> str:
-    """The ``[experts.<key>]`` table of ``specs/tolerances.toml`` for ``scheme`` with output ``dtype``: the dtype's
-    name for unquantized schemes (``bfloat16``, ``float16``, ``float32``), else the scheme's ``tolerance``."""
-    if scheme in UNQUANTIZED:
-        return str(dtype).removeprefix("torch.")
-    return get_scheme(scheme).tolerance
 
 
 def quantize_weights(scheme: str, w1: torch.Tensor, w2: torch.Tensor, *, w1_bias=None, w2_bias=None,

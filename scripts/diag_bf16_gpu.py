@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from backends import load_backend  # noqa: E402
 from conformance.cases import ExpertsCase  # noqa: E402
 from conformance.inputs import make_experts_inputs  # noqa: E402
-from conformance.test_experts import moe_config_for  # noqa: E402
+from conformance.experts_case import moe_config_for  # noqa: E402
 from reference.experts import fused_experts  # noqa: E402
 from reference.metrics import error_stats  # noqa: E402
 from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP  # noqa: E402

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from backends.triton.experts import TritonExperts, fused_experts as triton_fused_experts  # noqa: E402
 from conformance.cases import ExpertsCase  # noqa: E402
 from conformance.inputs import make_experts_inputs  # noqa: E402
-from conformance.test_experts import moe_config_for  # noqa: E402
+from conformance.experts_case import moe_config_for  # noqa: E402
 from reference.experts import fused_experts  # noqa: E402
 from reference.metrics import error_stats  # noqa: E402
 from specs import load_models  # noqa: E402
@@ -82,7 +82,7 @@ if __name__ == "__main__" and "--deep" not in sys.argv:
 def deep(model="mixtral_8x7b", scheme="fp8_tensor", M=512, ep=4, rank=0) -> None:
     """The per-tensor amax and the activation rows the kernel quantizes, against the reference's (``--deep``)."""
     import backends.triton.experts as tx
-    from reference.experts import _experts_unreduced
+    from reference.experts import experts_unreduced
     from reference.modular import moe_kernel_quantize_input
 
     m = load_models()[model]
@@ -107,7 +107,7 @@ def deep(model="mixtral_8x7b", scheme="fp8_tensor", M=512, ep=4, rank=0) -> None
         tx._launch_act_quant = real
     a1q, a1s = moe_kernel_quantize_input(inp.hidden_states, qc.a1_scale, qc, "a1")
     st: dict = {}
-    _experts_unreduced(a1q, a1s, inp.w1, inp.w2, inp.topk_ids, inp.expert_map, qc, case.activation,
+    experts_unreduced(a1q, a1s, inp.w1, inp.w2, inp.topk_ids, inp.expert_map, qc, case.activation,
                        inp.hidden_states.dtype, stages=st)
     ref_act = st["activation"].float()  # (M, topk, I), zeros off this rank
     kw = seen[0]

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from backends import load_backend  # noqa: E402
 from conformance.cases import claim_cases, experts_cases  # noqa: E402
-from conformance.test_experts import case_error_bound  # noqa: E402
+from conformance.experts_case import case_error_bound  # noqa: E402
 from reference.schemes import quantize_weights  # noqa: E402
 
 METRICS = ("max_norm", "rms_norm", "calc_diff")

@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 
 __all__ = ["SPECS_DIR", "ModelSpec", "load_models", "load_cases", "load_tolerances",
-           "experts_tolerance", "experts_tolerances", "oracle_tolerance", "load_schemes", "load_error_inputs", "load_xfails", "XFail"]
+           "oracle_tolerance", "load_schemes", "load_error_inputs", "load_xfails", "XFail"]
 
 SPECS_DIR = Path(__file__).resolve().parent
 
@@ -103,45 +103,22 @@ def load_error_inputs() -> list[dict]:
 
 @cache
 def load_tolerances() -> dict:
-    """The whole of ``tolerances.toml`` (experts, routing, activation, gate, benchmark tables)."""
+    """The whole of ``tolerances.toml`` (error_model, routing, activation, gate, benchmark tables)."""
     return _load("tolerances.toml")
 
 
-_EXPERTS_METRICS = ("max_norm", "rms_norm", "calc_diff")
 
 
-def experts_tolerances() -> dict[str, dict[str, float]]:
-    """Every ``[experts.<key>]`` table of ``tolerances.toml`` (key: an output dtype name such as ``bfloat16`` or a
-    scheme's ``tolerance`` such as ``fp8``): ``{key: {"max_norm", "rms_norm", "calc_diff"}}``, fresh copies."""
-    return {k: {m: float(v[m]) for m in _EXPERTS_METRICS} for k, v in load_tolerances()["experts"].items()}
 
-
-def experts_tolerance(key: str) -> dict[str, float]:
-    """The bounds an experts output is checked against the reference with: ``[experts.<key>]`` of
-    ``tolerances.toml`` as ``{"max_norm", "rms_norm", "calc_diff"}`` (``reference.schemes.scheme_tolerance_key``
-    maps a scheme and output dtype to ``key``). The one place tools read these numbers from.
-
-    Raises:
-        KeyError: unknown key (names the known ones).
-    """
-    tables = experts_tolerances()
-    if key not in tables:
-        raise KeyError(f"specs/tolerances.toml has no [experts.{key}]; known: {', '.join(tables)}")
-    return tables[key]
-
-
-def oracle_tolerance(key: str) -> dict[str, float]:
+def oracle_tolerance(bound) -> dict[str, float]:
     """Bounds for comparing two implementations with each other (e.g. the benchmarks' sanity check of a kernel
-    against the torch backend) when each is within :func:`experts_tolerance` of the reference: the triangle
-    inequality gives ``[benchmark] oracle_factor`` times max_norm and rms_norm, and its square times calc_diff
-    (``calc_diff = |x - y|^2 / (|x|^2 + |y|^2)``, a squared distance).
-
-    Raises:
-        KeyError: unknown key (names the known ones).
-    """
+    against the torch backend) when each is within ``bound`` of the reference (the error model's bound of the case,
+    ``{"max_norm", "rms_norm", "calc_diff"}``): the triangle inequality gives ``[benchmark] oracle_factor`` times
+    max_norm and rms_norm, and its square times calc_diff (``calc_diff = |x - y|^2 / (|x|^2 + |y|^2)``, a squared
+    distance)."""
     f = float(load_tolerances()["benchmark"]["oracle_factor"])
-    tol = experts_tolerance(key)
-    return {"max_norm": f * tol["max_norm"], "rms_norm": f * tol["rms_norm"], "calc_diff": f * f * tol["calc_diff"]}
+    return {"max_norm": f * float(bound["max_norm"]), "rms_norm": f * float(bound["rms_norm"]),
+            "calc_diff": f * f * float(bound["calc_diff"])}
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,15 @@ from reference import align as ref_align
 from reference import quant as rq
 from reference.activation import MoEActivation, apply_moe_activation
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig, fp8_w8a8_moe_quant_config
+from reference.error_model import Accumulation
 from reference.experts import fused_experts
 from reference.metrics import error_stats
 from reference.modular import ExpertTokensMetadata, FusedMoEActivationFormat, FusedMoEKernel, \
     MoEPrepareAndFinalizeNoEP
-from specs import experts_tolerance
+from tests.deep_gemm_emulation import EmulatedBatchedDeepGemmExperts, EmulatedDeepGemmExperts, small_problem
+from tests.harness_util import experts_bound
+
+FP32 = Accumulation.fp32()  # the emulated grouped GEMMs accumulate in fp32
 
 STD = FusedMoEActivationFormat.Standard
 FP8_KEYS = (rq.kFp8Static128BlockSym, rq.kFp8Dynamic128Sym)
@@ -319,57 +323,6 @@ def test_quant_matches_reference_bitwise(recipe, use_ue8m0, dtype):
 # ------------------------------------------------------------------------------------------------------------
 
 
-def emulated_grouped_gemm(a, sfa, b, sfb, d, m_indices, *, disable_ue8m0_cast=False):
-    """fp32 emulation of m_grouped_fp8_gemm_nt_contiguous with the layout checks DeepGEMM makes on SM90."""
-    assert a.dtype == b.dtype == torch.float8_e4m3fn and d.dtype == torch.bfloat16
-    assert m_indices.dtype == torch.int32 and m_indices.dim() == 1 and m_indices.is_contiguous()
-    assert sfa.dtype == sfb.dtype == torch.float32 and sfb.is_contiguous() and b.is_contiguous()
-    assert sfa.stride() == (1, layout.tma_aligned_size(a.size(0)))  # what the backend promises to pass
-    G, N, K = b.shape
-    assert a.size(1) == K and tuple(d.shape) == (a.size(0), N) and tuple(sfb.shape) == (G, N // 128, K // 128)
-    # Each 128-row block belongs to the expert of its first row (DeepGEMM's scheduler).
-    firsts = m_indices.view(-1, 128)
-    blk = firsts[:, :1].expand_as(firsts)
-    assert bool(((firsts == blk) | (firsts < 0)).all()), "an M block mixes experts"
-    A = a.float() * sfa.repeat_interleave(128, dim=1)
-    for e in range(G):
-        rows = (m_indices == e).nonzero().flatten()
-        if rows.numel():
-            B = b[e].float() * sfb[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
-            d[rows] = (A[rows] @ B.T).to(d.dtype)  # rows of -1 are left as they were (poisoned NaN)
-
-
-def emulated_grouped_gemm_masked(a, sfa, b, sfb, d, masked_m, expected_m, *, disable_ue8m0_cast=False):
-    """fp32 emulation of m_grouped_fp8_gemm_nt_masked with the layout checks of DeepGEMM's SM90 path
-    (csrc/apis/gemm.hpp, csrc/utils/layout.hpp::check_sf_layout with the TMA stride check)."""
-    G, max_m, K = a.shape
-    assert a.dtype == b.dtype == torch.float8_e4m3fn and d.dtype == torch.bfloat16 and a.is_contiguous()
-    assert masked_m.dtype == torch.int32 and masked_m.is_contiguous() and tuple(masked_m.shape) == (G,)
-    assert isinstance(expected_m, int) and expected_m > 0
-    assert tuple(sfa.shape) == (G, max_m, K // 128) and sfa.dtype == torch.float32
-    assert sfa.stride(1) == 1 and sfa.stride(2) == layout.tma_aligned_size(max_m)
-    assert sfa.stride(0) == sfa.stride(2) * sfa.size(2)
-    N = b.size(1)
-    assert tuple(d.shape) == (G, max_m, N) and tuple(sfb.shape) == (G, N // 128, K // 128)
-    assert max_m % 128 == 0  # BLOCK_M 64 or 128 never runs into the next group
-    for e in range(G):
-        m = int(masked_m[e])
-        assert 0 <= m <= max_m
-        if m:
-            A = a[e, :m].float() * sfa[e, :m].repeat_interleave(128, dim=1)
-            B = b[e].float() * sfb[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
-            d[e, :m] = (A @ B.T).to(d.dtype)  # rows past masked_m are left as they were (poisoned NaN)
-
-
-class EmulatedDeepGemmExperts(DeepGemmExperts):
-    grouped_gemm = staticmethod(emulated_grouped_gemm)
-    grouped_gemm_masked = staticmethod(emulated_grouped_gemm_masked)
-
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return True
-
-
 def _metrics(out, ref):
     s = error_stats(out, ref)
     return s.max_norm, s.rms_norm
@@ -411,18 +364,10 @@ def test_pipeline_matches_reference(act, params, M, topk, chunk, use_map, ue8m0,
     out = kernel.apply(x, w1q, w2q, w, ids, **kw)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     max_norm, rms = _metrics(out, ref)
-    # Same rounding points and the same quantizers: only fp32 accumulation order differs, so the bf16 bounds hold
-    # (tighter than [experts.fp8], which also covers tensor-core FP8 accumulation).
-    tol = experts_tolerance("bfloat16")
+    # Same rounding points and the same quantizers: only fp32 accumulation order differs (the emulated GEMM), so the
+    # error model's bound with fp32 accumulation holds (tighter than what tensor-core FP8 accumulation is allowed).
+    tol = experts_bound(x, w1q, ids, quant_config=qc, expert_map=emap, activation=act, accumulation=FP32)
     assert max_norm <= tol["max_norm"] and rms <= tol["rms_norm"], (max_norm, rms)
-
-
-class EmulatedBatchedDeepGemmExperts(BatchedDeepGemmExperts):
-    grouped_gemm_masked = staticmethod(emulated_grouped_gemm_masked)
-
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return True
 
 
 @pytest.mark.parametrize("M, topk, use_map, ue8m0", [(37, 3, True, True), (130, 2, False, False), (5, 1, False, True)])
@@ -451,7 +396,7 @@ def test_batched_pipeline_matches_batched_reference(M, topk, use_map, ue8m0):
     out, ref = run(EmulatedBatchedDeepGemmExperts), run(BatchedReferenceExperts)
     assert torch.isfinite(out).all()
     max_norm, rms = _metrics(out, ref)
-    tol = experts_tolerance("bfloat16")
+    tol = experts_bound(x, w1q, ids, quant_config=qc, expert_map=emap, accumulation=FP32)
     assert max_norm <= tol["max_norm"] and rms <= tol["rms_norm"], (max_norm, rms)
 
 
@@ -460,7 +405,7 @@ def test_batched_quantizes_bf16_slots_itself():
     # as the batched prepare's, so the output is the same bits as from the prepared FP8 slots.
     from reference.batched import BatchedPrepareAndFinalize
 
-    x, w1q, w2q, qc, cfg = _small_problem(20, 2, 4, seed=5)
+    x, w1q, w2q, qc, cfg = small_problem(20, 2, 4, seed=5)
     ids = torch.stack([torch.randperm(4)[:2] for _ in range(20)]).to(torch.int32)
     w = torch.rand(20, 2)
     ex = EmulatedBatchedDeepGemmExperts(cfg, qc, max_num_tokens=20, num_dispatchers=1)
@@ -480,7 +425,7 @@ def test_batched_quantizes_bf16_slots_itself():
 def test_short_tail_chunk_falls_back_to_the_contiguous_layout():
     # 0.17's chunking sizes the workspaces for a 128-token chunk (contiguous: 16384 rows at topk 1, E 256); a 5-token
     # tail chunk would need 256 masked slots (32768 rows): it runs the contiguous layout instead of failing.
-    x, w1q, w2q, qc, cfg = _small_problem(133, 1, 256, seed=6)
+    x, w1q, w2q, qc, cfg = small_problem(133, 1, 256, seed=6)
     ids = torch.randint(0, 256, (133, 1), dtype=torch.int32)
     w = torch.rand(133, 1)
     kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), EmulatedDeepGemmExperts(cfg, qc), chunk_size=128,
@@ -488,7 +433,7 @@ def test_short_tail_chunk_falls_back_to_the_contiguous_layout():
     out = kernel.apply(x, w1q, w2q, w, ids, global_num_experts=256)
     ref = fused_experts(x, w1q, w2q, w, ids, quant_config=qc, global_num_experts=256)
     max_norm, rms = _metrics(out, ref)
-    tol = experts_tolerance("bfloat16")
+    tol = experts_bound(x, w1q, ids, quant_config=qc, accumulation=FP32)
     assert max_norm <= tol["max_norm"] and rms <= tol["rms_norm"], (max_norm, rms)
 
 
@@ -535,21 +480,11 @@ def test_pipeline_refuses_bad_ids_and_stale_meta():
                  expert_tokens_meta=ExpertTokensMetadata.make_from_list([1, 0], "cpu"), **args)
 
 
-def _small_problem(M, topk, E, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    K, I = 128, 128
-    w1q, w1s = rq.per_block_quant_fp8(torch.randn(E, 2 * I, K, generator=g) / 11, (128, 128))
-    w2q, w2s = rq.per_block_quant_fp8(torch.randn(E, K, I, generator=g) / 11, (128, 128))
-    qc = fp8_w8a8_moe_quant_config(w1s, w2s, block_shape=[128, 128], use_ue8m0=True)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-    return x, w1q, w2q, qc, FusedMoEConfig(E, topk, K, I, E)
-
-
 @pytest.mark.parametrize("masked", [True, False])
 def test_unvalidated_bad_ids_poison_their_tokens(masked):
     # Without host validation (the default outside the conformance suite) nothing synchronises; a token with an id
     # outside the id space gets a NaN output row, every other token the reference's result.
-    x, w1q, w2q, qc, cfg = _small_problem(6, 2, 4)
+    x, w1q, w2q, qc, cfg = small_problem(6, 2, 4)
     ids = torch.tensor([[0, 1], [2, 9], [3, 0], [1, -7], [2, 3], [0, 2]], dtype=torch.int32)
     w = torch.rand(6, 2)
     ex = EmulatedDeepGemmExperts(cfg, qc)
@@ -565,7 +500,7 @@ def test_unvalidated_bad_ids_poison_their_tokens(masked):
 
 def test_masked_slot_overflow_is_refused_or_poisoned():
     # More than 128 routes on one expert (duplicate ids within tokens) cannot fit the masked layout's slot.
-    x, w1q, w2q, qc, cfg = _small_problem(100, 2, 4)
+    x, w1q, w2q, qc, cfg = small_problem(100, 2, 4)
     ids = torch.zeros(100, 2, dtype=torch.int32)
     w = torch.rand(100, 2)
     ex = EmulatedDeepGemmExperts(cfg, qc)
@@ -651,11 +586,11 @@ for M, topk, E, slot in [(37, 4, 8, None), (37, 4, 8, 128), (100, 2, 3, 128), (7
     ratio = flat(sa)[used] / flat(sb)[used]  # power-of-two scales; interpreter truncation may move one by 2x
     assert ((ratio == 1) | (ratio == 0.5) | (ratio == 2)).all() and (ratio == 1).float().mean() > 0.9
 # the whole step on the Triton path (emulated GEMMs), both layouts, against the reference (loosely: interpreter)
-from tests.test_deep_gemm_backend import EmulatedDeepGemmExperts, _small_problem
+from tests.deep_gemm_emulation import EmulatedDeepGemmExperts, small_problem
 from reference.experts import fused_experts
 from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 for masked in (True, False):
-    x, w1q, w2q, qc, cfg = _small_problem(40, 2, 4, seed=1)
+    x, w1q, w2q, qc, cfg = small_problem(40, 2, 4, seed=1)
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(40)]).to(torch.int32)
     w = torch.rand(40, 2, generator=g)
     ex = EmulatedDeepGemmExperts(cfg, qc)
@@ -667,9 +602,9 @@ for masked in (True, False):
     # (interpreter fp8 truncation: ~0.11; a row, slot or scale mix-up is ~1)
     assert torch.isfinite(out).all() and rel < 0.3, (masked, rel)
 # the batched class on the Triton path (its act+quant over the slots' counted rows)
-from tests.test_deep_gemm_backend import EmulatedBatchedDeepGemmExperts
+from tests.deep_gemm_emulation import EmulatedBatchedDeepGemmExperts
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
-x, w1q, w2q, qc, cfg = _small_problem(40, 2, 4, seed=2)
+x, w1q, w2q, qc, cfg = small_problem(40, 2, 4, seed=2)
 ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(40)]).to(torch.int32)
 w = torch.rand(40, 2, generator=g)
 run = lambda cls: FusedMoEKernel(BatchedPrepareAndFinalize(40, 4), cls(cfg, qc, max_num_tokens=40, num_dispatchers=1)

@@ -26,15 +26,21 @@ import pytest
 import torch
 
 from backends import Backend
-from conformance.test_distributed import (
+from conformance.distributed_case import (
     DistCase,
     RankCluster,
     RankFailure,
-    _unpack,
     expected_output,
     make_global_inputs,
+    ACTIVATION,
+    DTYPE,
+    I,
+    K,
+    rank_shard,
     run_rank_case,
+    unpack_tensor,
 )
+from conformance.experts_case import routes_error_bound
 from conformance.metrics import assert_close
 from reference.distributed import (
     BatchedReferenceExpertsEP,
@@ -46,13 +52,11 @@ from reference.distributed import (
     expert_placement,
     fused_experts_ep,
 )
-from reference.experts import ReferenceExperts, _experts_unreduced
+from reference.experts import ReferenceExperts, experts_unreduced
 from reference.modular import FusedMoEActivationFormat, moe_kernel_quantize_input
 from reference.routing import determine_expert_map
-from specs import load_tolerances
 
 ROOT = Path(__file__).resolve().parents[1]
-TOL = load_tolerances()["experts"]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -167,10 +171,12 @@ def _run(cluster, case, pf, experts):
 
 
 def _check(cluster, case, pf, experts):
-    out = torch.cat([_unpack(r["out"]) for r in _run(cluster, case, pf, experts)])
+    out = torch.cat([unpack_tensor(r["out"]) for r in _run(cluster, case, pf, experts)])
     batched = experts.activation_format() == FusedMoEActivationFormat.BatchedExperts
     expected = expected_output(case, "routes" if batched else "partials")
-    tol = TOL["bfloat16" if case.scheme == "bf16" else "fp8"]
+    qc = rank_shard(case, 0)[2]  # the scheme's formats (the bound reads descriptors, not values)
+    tol = routes_error_bound(qc, act_dtype=DTYPE, K=K, I=I, activation=ACTIVATION,
+                             topk_ids=make_global_inputs(case)["topk_ids"], experts_cls=experts).as_tolerance()
     assert_close(out, expected, tol, case=case.id, what=f"{pf.__name__} + {experts.__name__}")
     return out, expected
 
@@ -191,7 +197,7 @@ def test_reference_pairs_match_the_single_process_layer(cluster, scenario):
 
 def _dispatch_census(rank, world_size, device, case, pf_cls):
     """Dispatch only (no experts): the routes this rank received, as (global expert, source token) pairs."""
-    from conformance.test_distributed import make_rank_inputs
+    from conformance.distributed_case import make_rank_inputs
 
     inp = make_rank_inputs(case, rank, device)
     pf = pf_cls(group=None, max_num_tokens=case.max_num_tokens(), expert_placement_strategy=case.placement)
@@ -250,7 +256,7 @@ class DeferredQuantExperts(ReferenceExperts):
               apply_router_weight_on_input):
         assert hidden_states.dtype == torch.bfloat16 and a1q_scale is None, "prepare quantized a deferred input"
         a1q, scale = moe_kernel_quantize_input(hidden_states, None, self.quant_config, "a1")
-        y = _experts_unreduced(a1q, scale, w1, w2, topk_ids, expert_map, self.quant_config, activation, output.dtype)
+        y = experts_unreduced(a1q, scale, w1, w2, topk_ids, expert_map, self.quant_config, activation, output.dtype)
         output.copy_(y.view(output.shape))
 
 
@@ -281,7 +287,7 @@ def test_quantization_before_and_after_dispatch_give_the_same_output(cluster):
         case = DistCase(cluster.world_size, "uneven", "fp8_block128", q, "linear")
         for pf, ex in ((DeepEPHTPrepareAndFinalize, ReferenceExperts),
                        (DeepEPLLPrepareAndFinalize, BatchedReferenceExpertsEP)):
-            outs[q, pf] = torch.cat([_unpack(r["out"]) for r in cluster.run(run_rank_case, case, pf, ex)])
+            outs[q, pf] = torch.cat([unpack_tensor(r["out"]) for r in cluster.run(run_rank_case, case, pf, ex)])
     for pf in (DeepEPHTPrepareAndFinalize, DeepEPLLPrepareAndFinalize):
         assert torch.equal(outs["before", pf], outs["after", pf])  # row-local scales: the same codes either way
 
@@ -300,7 +306,7 @@ def test_dynamic_per_tensor_scale_before_dispatch_is_refused(cluster):
 
 
 def _wrong_expert_map(rank, world_size, device):
-    from conformance.test_distributed import make_rank_inputs
+    from conformance.distributed_case import make_rank_inputs
 
     case = DistCase(world_size, "uneven", "bf16", "-", "round_robin")
     inp = make_rank_inputs(case, rank, device)
@@ -380,7 +386,7 @@ def test_expert_placement_matches_determine_expert_map(ep_size, strategy):
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_fused_experts_ep_definitions(world_size):
-    from conformance.test_distributed import rank_shard
+    from conformance.distributed_case import rank_shard
     from reference.experts import fused_experts
 
     case = DistCase(world_size, "padded", "bf16", "-", "round_robin")

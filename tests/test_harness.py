@@ -8,18 +8,10 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_conformance(backend: str, *args: str, tmp_path: Path, quiet: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pytest", "conformance", "--backend", backend, "-p", "no:cacheprovider",
-           "--results-dir", str(tmp_path), *(["-q"] if quiet else []), *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+from tests.harness_util import ROOT, run_conformance
 
 
 @pytest.mark.slow  # a subprocess run of the suite: nox -s slow

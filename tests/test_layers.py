@@ -144,3 +144,69 @@ def test_checker_sees_violations():
     assert _violation(ROOT / "specs" / "__init__.py", "reference")
     assert _violation(ROOT / "benchmarks" / "harness.py", "conformance.schemes")
     assert not _violation(ROOT / "conformance" / "inputs.py", "reference.schemes")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Library code never lives in a test module, and packages talk through public names (DESIGN.md, Layout: "A module
+# never imports a test_* module, nor a private name of another package").
+# ------------------------------------------------------------------------------------------------------------
+
+TOP_LEVEL_PACKAGES = PROJECT | {"tools", "examples", "scripts"}
+
+
+def _imported_names(path: Path, source: str | None = None):
+    """``(line, module, name)`` for every ``from module import name`` (``name`` None for ``import module``), relative
+    imports resolved as in ``_imports``."""
+    tree = ast.parse(path.read_text() if source is None else source, filename=str(path))
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, None
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                yield node.lineno, mod, alias.name
+
+
+def _test_module_or_private_import(path: Path, module: str, name: str | None) -> str | None:
+    """Why ``path`` may not import ``name`` from ``module`` (None: it may). Test modules (``test_*.py``) are white-box
+    tests of what they import, so the private-name rule binds library modules only; nothing imports a test module."""
+    parts = module.split(".")
+    if parts[0] not in TOP_LEVEL_PACKAGES:
+        return None
+    dotted = parts + ([name] if name else [])
+    if any(p.startswith("test_") for p in dotted):
+        return "a test module is no library: move what others use into a non-test module"
+    if path.name.startswith("test_"):
+        return None
+    own = path.relative_to(ROOT).parts[0]
+    if parts[0] != own and any(p.startswith("_") and not p.startswith("__") for p in dotted):
+        return f"a private name of another package ({own}/ imports {'.'.join(dotted)}): make it public there"
+    return None
+
+
+def test_no_test_module_or_foreign_private_name_is_imported():
+    problems = []
+    for top in sorted(TOP_LEVEL_PACKAGES):
+        for path in sorted((ROOT / top).rglob("*.py")) if (ROOT / top).is_dir() else []:
+            for line, module, name in _imported_names(path):
+                why = _test_module_or_private_import(path, module, name)
+                if why:
+                    problems.append(f"{path.relative_to(ROOT)}:{line}: {module} {name or ''}: {why}")
+    assert not problems, "imports of test modules or of other packages' private names:\n  " + "\n  ".join(problems)
+
+
+def test_test_module_and_private_checker_sees_violations():
+    src = "from conformance.test_experts import moe_config_for\nfrom reference.experts import _x\nfrom . import _y\n"
+    got = [_test_module_or_private_import(ROOT / "conformance" / "fuzz.py", m, n)
+           for _, m, n in _imported_names(ROOT / "conformance" / "fuzz.py", src)]
+    assert got[0] and got[1] and got[2] is None, got
+    # a test module may test another package's private names, never import another test module
+    assert _test_module_or_private_import(ROOT / "tests" / "test_x.py", "reference.experts", "_x") is None
+    assert _test_module_or_private_import(ROOT / "tests" / "test_x.py", "tests.test_harness", "run_conformance")
+    assert _test_module_or_private_import(ROOT / "tests" / "util.py", "backends.cuda._host", "f")
+    assert _test_module_or_private_import(ROOT / "backends" / "cuda" / "x.py", "backends._common", "f") is None

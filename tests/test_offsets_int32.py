@@ -20,14 +20,13 @@ import torch
 
 from backends.torch.experts import TorchExperts
 from conformance.metrics import ConformanceFailure
-from conformance.test_experts import moe_config_for
-from conformance.test_hygiene import OFFSETS_PAST_INT32, OffsetsCase, check_offsets_case
+from conformance.experts_case import moe_config_for
+from conformance.hygiene import OFFSETS_PAST_INT32, OffsetsCase, check_offsets_case
 from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 from reference.schemes import quantize_weights
-from specs import load_models, load_tolerances
+from specs import load_models
 from tests import broken_backends as bb
 
-BF16_TOL = load_tolerances()["experts"]["bfloat16"]
 
 
 def _analogue(limit: int = 2**15, tokens: int = 64) -> OffsetsCase:
@@ -76,20 +75,20 @@ def test_analogue_goes_red_on_offsets_that_wrap():
     oc = _analogue()
     assert oc.largest_intermediate == 2**17 >= oc.limit
     with pytest.raises(ConformanceFailure, match="_OffsetsWrap16: first and last 16 tokens"):
-        check_offsets_case(bb.offsets_wrap_16bit.experts, oc, "cpu", BF16_TOL)
+        check_offsets_case(bb.offsets_wrap_16bit.experts, oc, "cpu")
 
 
 def test_analogue_stays_green_for_the_torch_backend():
     from backends.torch import backend
 
-    assert check_offsets_case(backend.experts, _analogue(), "cpu", BF16_TOL) == ["TorchExperts"]
+    assert check_offsets_case(backend.experts, _analogue(), "cpu") == ["TorchExperts"]
 
 
 def test_planted_int32_backend_is_correct_below_its_limit():
     """The planted int32 backend only breaks past 2^31: on the analogue (2^17 elements) it matches the reference,
     so the red above comes from crossing the offset width, not from the planted code itself."""
     oc = dataclasses.replace(_analogue(), limit=2**17)
-    assert check_offsets_case(bb.offsets_wrap.experts, oc, "cpu", BF16_TOL) == ["_OffsetsWrap"]
+    assert check_offsets_case(bb.offsets_wrap.experts, oc, "cpu") == ["_OffsetsWrap"]
 
 
 def test_a_chunked_variant_fails_the_precondition():
@@ -102,7 +101,7 @@ def test_a_chunked_variant_fails_the_precondition():
 
     oc = Chunked(**{f.name: getattr(_analogue(), f.name) for f in dataclasses.fields(OffsetsCase)})
     with pytest.raises(AssertionError, match="precondition: _OffsetsWrap16 was called with \\[16, 16, 16, 16\\]"):
-        check_offsets_case(bb.offsets_wrap_16bit.experts, oc, "cpu", BF16_TOL)
+        check_offsets_case(bb.offsets_wrap_16bit.experts, oc, "cpu")
     too_small = _analogue(tokens=8)  # 8 * 8 * 256 = 2^14 < 2^15
     with pytest.raises(AssertionError, match="does not reach 32768"):
-        check_offsets_case(bb.offsets_wrap_16bit.experts, too_small, "cpu", BF16_TOL)
+        check_offsets_case(bb.offsets_wrap_16bit.experts, too_small, "cpu")

@@ -1,4 +1,4 @@
-"""The scheme registry (``reference.schemes``) against its data (``specs/schemes.toml``, ``specs/tolerances.toml``)."""
+"""The scheme registry (``reference.schemes``) against its data (``specs/schemes.toml``)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,13 @@ import pytest
 import torch
 
 from reference import quant as rq
-from reference.schemes import UNQUANTIZED, get_scheme, quantize_weights, scheme_tolerance_key, schemes
-from specs import load_schemes, load_tolerances
+from reference.schemes import UNQUANTIZED, get_scheme, quantize_weights, schemes
+from specs import load_schemes
 
 
 def test_registry_matches_specs():
     assert list(schemes()) == list(load_schemes())
-    experts_tables = load_tolerances()["experts"]
     for name, s in schemes().items():
-        assert s.tolerance in experts_tables, f"{name}: no [experts.{s.tolerance}] in specs/tolerances.toml"
         for key in (s.weight_key, s.activation_key):
             assert key == "none" or isinstance(getattr(rq, key, None), rq.QuantKey), f"{name}: unknown key {key}"
 
@@ -24,13 +22,6 @@ def test_unknown_scheme_names_the_known_ones():
         get_scheme("fp9")
     with pytest.raises(ValueError, match="unknown scheme 'fp9'"):
         quantize_weights("fp9", torch.zeros(1, 256, 128), torch.zeros(1, 128, 128))
-
-
-def test_tolerance_key():
-    assert scheme_tolerance_key("bf16", torch.bfloat16) == "bfloat16"
-    assert scheme_tolerance_key("fp16", torch.float16) == "float16"
-    assert scheme_tolerance_key("fp8_block128", torch.bfloat16) == "fp8"
-    assert scheme_tolerance_key("w4a8", torch.bfloat16) == "w4a8"
 
 
 @pytest.mark.parametrize("name", list(load_schemes()))
