@@ -20,7 +20,7 @@ import torch
 import backends.cuda as cb
 from backends import load_backend
 from backends.cuda import experts, gate
-from backends.cuda.tools import build
+from backends.cuda import build
 from backends.cuda.experts import (
     FP8_SUPPORTED_W_A,
     VLLM_CUTLASS_FP8_W_A,

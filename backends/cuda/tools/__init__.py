@@ -1,3 +1,3 @@
-"""Backend-only tools of the cuda backend: the just-in-time build of the router GEMM extension (``build``, used by
-the backend at run time) and the extra benchmark variants (``bench_variants``, read by ``python -m benchmarks``).
-They import only reference, specs and benchmarks (``bench_variants``; the backend never imports it)."""
+"""Backend-only tools of the cuda backend: the extra benchmark variants (``bench_variants``, read by
+``python -m benchmarks``) and the glue kernels' GPU check (``glue_check``). The backend never imports them; the
+extension's build is ``backends/cuda/build.py``."""

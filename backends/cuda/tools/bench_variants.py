@@ -70,7 +70,7 @@ def _checked(name, fn, x, w, out_dtype):
 
 def gate_variants(shape, M: int, sets):
     from backends.cuda import gate
-    from backends.cuda.tools.build import load_router_gemm_ext
+    from backends.cuda.build import load_router_gemm_ext
     from reference.gate import DSV3_MAX_TOKENS, FP32_MAX_TOKENS
 
     ext = load_router_gemm_ext()

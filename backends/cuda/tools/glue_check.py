@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from backends.cuda import experts as ce
-from backends.cuda.tools.build import load_router_gemm_ext
+from backends.cuda.build import load_router_gemm_ext
 from reference.activation import MoEActivation
 
 __all__ = ["CHECKS", "run_checks", "main"]

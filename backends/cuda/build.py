@@ -39,7 +39,7 @@ __all__ = [
     "standalone_nvcc_command",
 ]
 
-SRC_DIR = Path(__file__).resolve().parent.parent  # backends/cuda: the sources beside the backend
+SRC_DIR = Path(__file__).resolve().parent  # backends/cuda: the sources beside this module
 SOURCES = (SRC_DIR / "binding.cpp", SRC_DIR / "router_gemm.cu", SRC_DIR / "moe_glue.cu")
 HEADERS = (SRC_DIR / "router_gemm.h", SRC_DIR / "moe_glue.h")
 
