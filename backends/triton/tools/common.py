@@ -3,7 +3,8 @@
 The shapes are the triton suite of ``benchmarks/suites.toml`` under the names the tuned tables, the notes and the
 tools' command lines use (``qwen3_30b_fp8blk``: the suite's ``aliases``); weights come from
 ``benchmarks.harness.make_weights`` (the reference's quantizers, as conformance), time from
-``benchmarks.timing.measure`` (CUDA graphs, median of rounds). Nothing here touches a GPU at import time.
+``benchmarks.timing.measure`` (CUDA graphs, median of rounds), the step's input quantization from
+``benchmarks.variants.triton.quantize_a1``. Nothing here touches a GPU at import time.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from functools import cache
 
 import torch
 
-__all__ = ["Shape", "shapes", "shape", "make_weights", "make_routing", "quantize_a1", "draw_inputs", "time_us"]
+__all__ = ["Shape", "shapes", "shape", "make_weights", "make_routing", "draw_inputs", "time_us"]
 
 
 @dataclass(frozen=True)
@@ -86,20 +87,11 @@ def make_routing(M: int, E: int, topk: int, dev, seed: int):
     return draw_routing(M, E, topk, dev, torch.Generator(device=dev).manual_seed(seed))
 
 
-def quantize_a1(x: torch.Tensor, plan, qc):
-    """``(a1q, a1q_scale)``: ``x`` quantized as the triton experts step quantizes its input (``(x, None)``
-    unquantized)."""
-    from backends.triton.experts import quantize_activation
-
-    if plan.kind == "none":
-        return x, None
-    return quantize_activation(x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe,
-                               use_ue8m0=plan.use_ue8m0)
-
-
 def draw_inputs(sh: Shape, M: int, dev, plan, qc, dt, R: int, seed: int):
     """``R`` input sets of ``sh`` at ``M`` tokens (so that at decode the touched experts are not all in L2):
     ``(xs, routes, a1s)``, ``routes[r] = make_routing(..., seed + r)``, ``a1s[r] = quantize_a1(xs[r])``."""
+    from benchmarks.variants.triton import quantize_a1
+
     xs, routes, a1s = [], [], []
     for r in range(R):
         x = torch.randn(M, sh.K, device=dev, dtype=dt)

@@ -10,6 +10,17 @@ from __future__ import annotations
 import torch
 
 
+def quantize_a1(x: torch.Tensor, plan, qc):
+    """``(a1q, a1q_scale)``: ``x`` quantized as the triton experts step quantizes its input (``(x, None)``
+    unquantized)."""
+    from backends.triton.experts import quantize_activation
+
+    if plan.kind == "none":
+        return x, None
+    return quantize_activation(x, plan.a1_qmode, qc.a1_scale, group=plan.group_k, recipe=plan.recipe,
+                               use_ue8m0=plan.use_ue8m0)
+
+
 def _plan(inp):
     from backends.triton.experts import plan_quant
 
@@ -19,7 +30,6 @@ def _plan(inp):
 def variants(shape, M: int, inp, device):
     from backends.triton import configs as C
     from backends.triton.experts import route_layout, run_experts
-    from backends.triton.tools.common import quantize_a1
 
     copies, sets = inp.weights.copies, inp.sets
     nw = len(copies)
