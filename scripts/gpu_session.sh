@@ -11,8 +11,8 @@
 #   bench-BACKEND          python -m benchmarks --backend BACKEND $BENCH_ARGS (timing: run it alone on the GPU;
 #                          e.g. BENCH_ARGS="--quick --peer vllm --vllm-src .vllm-src/vllm-0.33.0", the slice carried)
 #   py-NAME                python scripts/NAME.py $PY_ARGS (a diagnosis script; started in the background, waited for at the end)
-#   triton-TOOL            python -m backends.triton.tools.TOOL $TOOL_ARGS (in the foreground: timings run alone)
-#   cuda-TOOL              python -m backends.cuda.tools.TOOL $TOOL_ARGS (e.g. cuda-glue_check)
+#   triton-TOOL            python -m tools.triton.TOOL $TOOL_ARGS (in the foreground: timings run alone)
+#   cuda-TOOL              python -m tools.cuda.TOOL $TOOL_ARGS (e.g. cuda-glue_check)
 #   breakdown-BACKEND      python -m benchmarks.breakdown --backend BACKEND $BREAKDOWN_ARGS (per-kernel times)
 #   tests-NAME             python -m pytest tests/test_NAME.py (the project's tests of one module, on the GPU)
 # Example: bash scripts/gpu_session.sh probe:60 conformance:450 nccl:60
@@ -42,9 +42,9 @@ for spec in "$@"; do
       wait ;;
     py-*) TAIL=40 bash scripts/gpu_step.sh "$step" "$limit" python3 "scripts/${step#py-}.py" ${PY_ARGS:-} >"$res/$step.summary" 2>&1 &
           ;;
-    triton-*) TAIL=60 bash scripts/gpu_step.sh "$step" "$limit" python3 -m "backends.triton.tools.${step#triton-}" \
+    triton-*) TAIL=60 bash scripts/gpu_step.sh "$step" "$limit" python3 -m "tools.triton.${step#triton-}" \
                 ${TOOL_ARGS:-} ;;
-    cuda-*) TAIL=60 bash scripts/gpu_step.sh "$step" "$limit" python3 -m "backends.cuda.tools.${step#cuda-}" \
+    cuda-*) TAIL=60 bash scripts/gpu_step.sh "$step" "$limit" python3 -m "tools.cuda.${step#cuda-}" \
               ${TOOL_ARGS:-} ;;
     breakdown-*) TAIL=80 bash scripts/gpu_step.sh "$step" "$limit" python3 -m benchmarks.breakdown \
                    --backend "${step#breakdown-}" ${BREAKDOWN_ARGS:-} ;;

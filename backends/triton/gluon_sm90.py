@@ -4,7 +4,7 @@ Why a second kernel: with 128x128 block scales the dot of every K tile must be s
 (``acc += dot(a, b) * a_s[:, None] * b_s``). Triton's ``tl.dot`` pipeliner makes a wgmma asynchronous only when its
 result is the next wgmma's accumulator; here the result is scaled first, so every K tile ends in
 ``wgmma.wait_group 0`` and the tensor cores idle while the warpgroup scales and issues the next tile (checked in the
-sm_90 PTX with ``backends/triton/tools/sm90.py``, also when the scaling is moved one iteration later by hand). Gluon
+sm_90 PTX with ``tools/triton/sm90.py``, also when the scaling is moved one iteration later by hand). Gluon
 exposes the wgmma groups: K tile ``k``'s MMA is issued into its own registers, then K tile ``k - 1``'s result is
 waited for (``warpgroup_mma_wait(1)``: one group may stay in flight) and promoted into the fp32 accumulator while
 tile ``k`` runs on the tensor cores: the per-block promotion of DeepGEMM's SM90 FP8 GEMMs, overlapped here by two

@@ -1,7 +1,7 @@
 """Bit-level check of the cuda backend's glue kernels (``moe_glue.cu``) against the torch-op glue of
 ``backends/cuda/experts.py`` that defines them, on the GPU.
 
-    python -m backends.cuda.tools.glue_check          # one line per check, then "N passed, N failed"
+    python -m tools.cuda.glue_check          # one line per check, then "N passed, N failed"
 
 Every check draws its own inputs (routes with -1, ids outside the id space and experts not held; rows with NaN
 and inf; all-zero rows) and compares bit for bit, except where torch's op is not itself one rounding (GELU's tanh

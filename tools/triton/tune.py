@@ -1,9 +1,9 @@
 """Tune the launch configurations of the triton backend's MoE GEMMs on the GPU; writes ``configs/*.json``.
 
-    python -m backends.triton.tools.tune --shapes qwen3_30b_bf16,dsv3_ep8_fp8blk --ms 1,8,64,1024,4096 \
+    python -m tools.triton.tune --shapes qwen3_30b_bf16,dsv3_ep8_fp8blk --ms 1,8,64,1024,4096 \
         --out backends/triton/configs [--budget-s 540]
 
-Shapes are the names of ``tools.common.shapes()`` (the triton suite of ``benchmarks/suites.toml``), or ``E,topk,K,I,scheme[,activation]`` tuples (scheme: bf16, fp16,
+Shapes are the names of ``tools.triton.common.shapes()`` (the triton suite of ``benchmarks/suites.toml``), or ``E,topk,K,I,scheme[,activation]`` tuples (scheme: bf16, fp16,
 fp8_block128, fp8_tensor, fp8_channel_token, int8_channel_token). For each shape and M the tuner
 
 1. draws 4 routings (top-k of softmax of random logits; decode rotates them so L2 does not hold the experts),
@@ -133,7 +133,7 @@ def _smem_ok(cfg, elt, fuse_pair):
 
 def _draw_inputs(sh, M, dev, plan, qc, dt, R=4):
     """``R`` routings (seeded by M) and GEMM1 inputs (quantized per ``plan``): ``(routes, [(a1q, a1q_scale)])``."""
-    from backends.triton.tools.common import draw_inputs
+    from tools.triton.common import draw_inputs
 
     _, routes, a1s = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=77 * M)
     return routes, a1s
@@ -154,7 +154,7 @@ def _write_table(fname, table: dict) -> None:
 
 def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
     from backends.triton import configs as C
-    from backends.triton.tools.common import make_weights, time_us
+    from tools.triton.common import make_weights, time_us
     from backends.triton.experts import layout_block, layout_rows, plan_quant, route_layout, run_experts
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
@@ -414,7 +414,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
 
 def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
     from backends.triton import configs as C
-    from backends.triton.tools.common import make_weights, time_us
+    from tools.triton.common import make_weights, time_us
     from backends.triton.experts import GLUON_KEYS, plan_quant, requantizes_in_epilogue, route_layout, run_experts
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
@@ -521,7 +521,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
 
 
 def parse_shape(spec):
-    from backends.triton.tools.common import Shape, shapes
+    from tools.triton.common import Shape, shapes
 
     SHAPES = shapes()
     for s in SHAPES:
@@ -539,7 +539,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="", help="';'-separated names or E,topk,K,I,scheme tuples (default: all)")
     ap.add_argument("--ms", default="1,8,64,1024,4096")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--out", default=os.path.join(root, "backends", "triton", "configs"))
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--variants", nargs="?", const=",".join(VARIANT_FAMILIES), default=None, metavar="FAMILIES",
                     help="only revisit the existing table entries of --ms with the variant families given "
@@ -554,7 +555,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("no CUDA GPU: the tuner needs one")
         return 2
-    from backends.triton.tools.common import shapes
+    from tools.triton.common import shapes
 
     SHAPES = shapes()
     specs = [s for s in args.shapes.replace(";", " ").split()] if args.shapes else [s.name for s in SHAPES]

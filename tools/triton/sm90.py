@@ -1,7 +1,7 @@
 """Compile the triton backend's kernels for sm_90 on a machine without a GPU, through the real launch path.
 
-    python -m backends.triton.tools.sm90                     # every entry of the H200 and H100 tables: compile + resources
-    python -m backends.triton.tools.sm90 --gpus NVIDIA_H200 --shapes qwen3_30b_fp8blk --ms 4096 [--json]
+    python -m tools.triton.sm90                     # every entry of the H200 and H100 tables: compile + resources
+    python -m tools.triton.sm90 --gpus NVIDIA_H200 --shapes qwen3_30b_fp8blk --ms 4096 [--json]
 
 Under :func:`compile_only` Triton's active driver is replaced by one that targets ``cuda:90`` and launches nothing,
 and the backend's device checks accept CPU tensors: ``fused_experts`` then runs its host code on CPU tensors of the
@@ -235,7 +235,7 @@ def compile_tables(gpu_name: str, shapes=None, Ms=None, progress=print) -> list[
     memory above the SM's, a launch argument Triton rejects, a ``GLUON`` / ``PINGPONG`` / ``COOPERATIVE`` GEMM its
     Gluon kernel does not cover)."""
     from backends.triton import configs as C
-    from backends.triton.tools.common import make_routing, shapes as _shapes
+    from tools.triton.common import make_routing, shapes as _shapes
 
     SHAPES = _shapes()
     from backends.triton.experts import fused_experts, plan_quant, strict_kernels

@@ -1,12 +1,12 @@
 """Profile one benchmark shape's experts step: for an external profiler, or as a per-kernel breakdown.
 
     ncu -k regex:fused_moe_kernel --launch-skip 2 -c 2 --section SpeedOfLight --section Occupancy \
-        python3 -m backends.triton.tools.profile dsv3_tp8_fp8blk 4096
+        python3 -m tools.triton.profile dsv3_tp8_fp8blk 4096
 
 runs the step a few times (default 2): the first call compiles and warms up; the second is the one to profile
 (GEMM1 and GEMM2 are its 3rd and 4th ``fused_moe_kernel`` launches with ``--launch-skip 2``).
 
-    python3 -m backends.triton.tools.profile --breakdown qwen3_30b_fp8blk:8 dsv3_ep8_fp8blk:8
+    python3 -m tools.triton.profile --breakdown qwen3_30b_fp8blk:8 dsv3_ep8_fp8blk:8
 
 times the GEMM stage as ``python -m benchmarks --backend triton`` does (its ``gemms`` column: GEMM1 with its fused activation, the requantization kernel when one runs,
 GEMM2; a CUDA graph of >= 10 calls over 10 routings, ``benchmarks.timing``) and prints, per kernel in launch order, its device time per
@@ -24,7 +24,7 @@ import torch
 
 
 def _shape(name):
-    from backends.triton.tools.common import shape
+    from tools.triton.common import shape
 
     return shape(name)
 
@@ -33,7 +33,7 @@ def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
     """Per-kernel device time (us per call) of the GEMM stage of bench shape ``name`` at ``M`` tokens:
     ``{"graph_us", "kernels": [(position:name, us)], "sum_us"}``."""
     from backends.triton import configs as C
-    from backends.triton.tools.common import draw_inputs, make_weights, time_us
+    from tools.triton.common import draw_inputs, make_weights, time_us
     from backends.triton.experts import plan_quant, route_layout, run_experts
 
     sh = _shape(name)
@@ -64,8 +64,8 @@ def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or (argv[0] != "--breakdown" and len(argv) < 2):
-        print("usage: python3 -m backends.triton.tools.profile SHAPE M [calls]\n"
-              "       python3 -m backends.triton.tools.profile --breakdown SHAPE:M [SHAPE:M ...]")
+        print("usage: python3 -m tools.triton.profile SHAPE M [calls]\n"
+              "       python3 -m tools.triton.profile --breakdown SHAPE:M [SHAPE:M ...]")
         return 2
     if not torch.cuda.is_available():
         print("no CUDA GPU: profiling needs one")
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
             print(f"{name} M={m}: graph {r['graph_us']:.2f}, kernels {r['sum_us']:.2f} ({ks}), "
                   f"between kernels {r['graph_us'] - r['sum_us']:.2f}", flush=True)
         return 0
-    from backends.triton.tools.common import make_routing, make_weights
+    from tools.triton.common import make_routing, make_weights
     from backends.triton.experts import fused_experts
 
     sh = _shape(argv[0])

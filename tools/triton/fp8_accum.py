@@ -1,9 +1,9 @@
 """FP8 accumulation of ``fused_moe_kernel``: the error of in-place accumulation against promotion into fp32, and
 what the promotion costs (issue 22, item 5). One process on one H100 / H200, under 6 minutes on an H200:
 
-    python3 -m backends.triton.tools.fp8_accum                  # accuracy, then timing, then the table
-    python3 -m backends.triton.tools.fp8_accum --no-timing      # accuracy only (~20 s)
-    python3 -m backends.triton.tools.fp8_accum --ms 4096 --json out.json
+    python3 -m tools.triton.fp8_accum                  # accuracy, then timing, then the table
+    python3 -m tools.triton.fp8_accum --no-timing      # accuracy only (~20 s)
+    python3 -m tools.triton.fp8_accum --ms 4096 --json out.json
 
 (a) Accuracy: one FP8 per-tensor GEMM ``C = (A * s_a) @ (W * s_w)^T`` (``M = N = 1024``, ``K`` in {1024, 4096, 7168,
     16384}, ``A, W ~ N(0, 1)`` quantized per tensor with ``reference.quant.scaled_fp8_quant``) through the kernel's
@@ -18,7 +18,7 @@ what the promotion costs (issue 22, item 5). One process on one H100 / H200, und
     (E=8, topk 2, K=4096, I=7168) at M in {64, 1024, 4096}, each variant on the default launch configuration
     (``configs.default_config``, what these schemes ran before they had tuned tables) with the variant's keys set;
     ``table``: the committed table's entry (``configs.get_config``), where one applies. Inputs from
-    ``tools.common.draw_inputs`` (rotating routings), timed by ``benchmarks.timing.measure``
+    ``tools.triton.common.draw_inputs`` (rotating routings), timed by ``benchmarks.timing.measure``
     (CUDA graphs, median of rounds), variants interleaved and repeated; before a variant's time counts, its output on
     the first input set is checked against ``reference.experts.fused_experts`` with the error model's bound for its
     accumulation (``reference.error_model``: the in-place form under the opt-in ``Accumulation.fast``; a failing
@@ -87,9 +87,9 @@ def log(*a):
 
 
 def timing_shapes():
-    """The two timed shapes (``tools.common.Shape``): Qwen3-30B-A3B FP8 per-channel weights x per-token activations, and
+    """The two timed shapes (``tools.triton.common.Shape``): Qwen3-30B-A3B FP8 per-channel weights x per-token activations, and
     Mixtral-8x7B at TP2 with FP8 per-tensor weights and activations (``specs/models.toml`` dimensions)."""
-    from backends.triton.tools.common import Shape
+    from tools.triton.common import Shape
 
     return [Shape("qwen3_30b_fp8_channel_token", 128, 8, 2048, 768, "fp8_channel_token"),
             Shape("mixtral_tp2_fp8_tensor", 8, 2, 4096, 7168, "fp8_tensor")]
@@ -190,7 +190,7 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25, variants=None, shapes=None
     they are timed (default: all); ``shapes``: of :func:`timing_shapes` (default: both)."""
     variants = VARIANTS if variants is None else variants
     from backends.triton import configs as C
-    from backends.triton.tools.common import draw_inputs, make_weights
+    from tools.triton.common import draw_inputs, make_weights
     from benchmarks.check import reference_output, verdict
     from backends.triton.experts import fused_experts, plan_quant
     from reference.error_model import Accumulation, experts_error_bound
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
         print("no CUDA GPU: this script needs an H100 / H200 (tests/test_triton_interpret.py checks the promotion "
               "on CPU)")
         return 2
-    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
+    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
     import triton
 
     dev = torch.device("cuda")

@@ -7,7 +7,7 @@ GEMM at DeepGEMM's published shapes. One run, < 3 min. (The experts step against
     # sgl_deep_gemm-0.2.0 (both provide the module deep_gemm; sgl-deep-gemm 0.2.0 is ABI-broken on torch 2.11):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site
-    python3 -m backends.deep_gemm.tools.probe [--sections env,probe,kernels,gemm] [--json results.json]
+    python3 -m tools.deep_gemm.probe [--sections env,probe,kernels,gemm] [--json results.json]
 
 Sections (each survives the failure of the others; a global deadline skips what would overrun):
 
@@ -33,8 +33,8 @@ import sys
 import time
 import traceback
 
-if __package__ in (None, ""):  # allow `python3 backends/deep_gemm/tools/probe.py`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+if __package__ in (None, ""):  # allow `python3 tools/deep_gemm/probe.py`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
 
