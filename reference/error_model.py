@@ -39,7 +39,7 @@ differences):
    are bf16 / fp16 (unquantized, and weight-only schemes dequantized to the act dtype), never to fp32 operands.
    Its mean part is a *shrink proportional to the result*: the regression of ``-c sum_k S_k`` on ``S_m`` is
    ``c m / 2``, 3/4 of the mean square (``Accumulation.shrink``); step 3 rounds it as a proportional difference.
-   The SM90 parameters were read off test vectors (``scripts/mma_probe.py`` on an H200, 2026-11-26): cuBLAS, Triton
+   The SM90 parameters were read off test vectors (``tools/diag/mma_probe.py`` on an H200, 2026-11-26): cuBLAS, Triton
    wgmma and mma.sync all keep 25 bits below the step's largest magnitude, truncate negative terms toward zero, and
    align the accumulator with the products.
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One timed step of a GPU run, its log kept under $OUT (or results/): prints its exit code and the log's tail.
-#   source scripts/gpu_env.sh; bash scripts/gpu_step.sh NAME SECONDS command args...
+#   source tools/gpu/gpu_env.sh; bash tools/gpu/gpu_step.sh NAME SECONDS command args...
 set -u
 name=$1; limit=$2; shift 2
 out=${OUT:-results}; mkdir -p "$out"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Source on the GPU machine (no package index there): installs the carried wheels (.whl/, from
 # ../shared/gpu/fetch-wheels.sh plus pytest-xdist/execnet) into /tmp/site and prints the environment.
-#   source scripts/gpu_env.sh
+#   source tools/gpu/gpu_env.sh
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the conformance suite of the GPU backends side by side on the GPU machine, each in its own pytest (xdist
 # workers isolate crashes), writing results/conformance-<backend>.{json,md} and a log per backend to $1.
-#   source scripts/gpu_env.sh; bash scripts/gpu_conformance.sh "$OUT" [seconds] [backends...]
+#   source tools/gpu/gpu_env.sh; bash tools/gpu/gpu_conformance.sh "$OUT" [seconds] [backends...]
 # A run past its time limit is interrupted with SIGINT, so pytest still writes the results of the finished cases.
 set -u
 out=${1:-results}; limit=${2:-480}; shift 2 2>/dev/null || shift $#

@@ -1,7 +1,7 @@
 """Where does a bf16 experts kernel differ from the reference? Pairwise rms_norm between reference variants and kernels.
 
-    python scripts/diag_bf16_gpu.py [MODEL] [M]                                   # GPU: triton and cuda kernels
-    TRITON_INTERPRET=1 python scripts/diag_bf16_gpu.py --interpret [MODEL] [M]   # CPU: triton under the interpreter
+    python tools/diag/diag_bf16_gpu.py [MODEL] [M]                                   # GPU: triton and cuda kernels
+    TRITON_INTERPRET=1 python tools/diag/diag_bf16_gpu.py --interpret [MODEL] [M]   # CPU: triton under the interpreter
 
 Variants: the reference with fp32 and float64 accumulation (on the CPU, and on the GPU where there is one), and each
 kernel through ``FusedMoEKernel``. Kernels that agree with each other but not with any reference variant share a
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from backends import load_backend  # noqa: E402
 from conformance.cases import ExpertsCase  # noqa: E402
 from conformance.inputs import make_experts_inputs  # noqa: E402

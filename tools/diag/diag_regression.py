@@ -1,7 +1,7 @@
 """Where a failing fuzz / regression case differs: the backend's output and the reference, each computed on the GPU
 and on the CPU (and the reference with float64 GEMM accumulation), compared pairwise with the error model's bound.
 
-    python scripts/diag_regression.py --backend triton --case '{"E": 8, "topk": 5, ...}'   # a fuzz case (its JSON)
+    python tools/diag/diag_regression.py --backend triton --case '{"E": 8, "topk": 5, ...}'   # a fuzz case (its JSON)
 
 If the backends agree with each other and the reference on the GPU differs from the reference on the CPU, the
 reference's own device arithmetic is what moves (the failure is then not the kernels'); if the GPU reference equals
@@ -19,7 +19,7 @@ import os
 import sys
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main() -> int:

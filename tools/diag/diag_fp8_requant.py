@@ -2,8 +2,8 @@
 fp8_tensor M512 EP4 rank 0 fails at rms 1.74e-2 against a bound of 1.0e-2 on the H100 and the H200, while the same
 case passes under the interpreter; the diagnosis names requant/gemm2.)
 
-    python scripts/diag_fp8_requant.py            # GPU: a table of rms_norm against the reference per variant
-    python scripts/diag_fp8_requant.py --deep     # GPU: the per-tensor amax and the quantized rows, kernel vs reference
+    python tools/diag/diag_fp8_requant.py            # GPU: a table of rms_norm against the reference per variant
+    python tools/diag/diag_fp8_requant.py --deep     # GPU: the per-tensor amax and the quantized rows, kernel vs reference
 
 Variants of one axis at a time: tokens, expert map, the GEMM2 launch configuration (BLOCK_M 16 = mma.sync, 64, 128;
 PROMOTE_K), the scheme (per-token activations instead of per-tensor). The variant that moves the error names the
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from backends.triton.experts import TritonExperts, fused_experts as triton_fused_experts  # noqa: E402
 from conformance.cases import ExpertsCase  # noqa: E402
 from conformance.inputs import make_experts_inputs  # noqa: E402

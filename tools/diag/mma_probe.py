@@ -1,8 +1,8 @@
 """How does a tensor-core inner product round? Test vectors for the bf16 / fp16 MMA of a GPU (issue 22: the bf16
 experts cases where the triton and cuda kernels agree with each other and differ from every reference variant).
 
-    python scripts/mma_probe.py                 # GPU: cuBLAS (torch.mm, fp32 out), Triton wgmma (BLOCK_M 64), mma.sync (16)
-    python scripts/mma_probe.py --emulate       # CPU: the same vectors through fp32 and emulated MMA models (self-check)
+    python tools/diag/mma_probe.py                 # GPU: cuBLAS (torch.mm, fp32 out), Triton wgmma (BLOCK_M 64), mma.sync (16)
+    python tools/diag/mma_probe.py --emulate       # CPU: the same vectors through fp32 and emulated MMA models (self-check)
 
 Each test vector is one row ``a`` against ``b = ones`` (so the products are the elements of ``a``, exact in any
 format). Three families, each swept over ``j`` (the small terms are ``2^-j`` against a leading 1):
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from reference.error_model import emulate_mma16  # noqa: E402
 
 K_BLOCK = 16

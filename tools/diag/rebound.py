@@ -1,6 +1,6 @@
 """Re-judge a stored conformance run with the current error model, without its GPU.
 
-    python scripts/rebound.py results/conformance-triton.json --backend triton [--all]
+    python tools/diag/rebound.py results/conformance-triton.json --backend triton [--all]
 
 A conformance run records, per experts case, the measured ``max_norm`` / ``rms_norm`` / ``calc_diff`` and the bounds
 it was judged by (``--results-dir``). This recomputes each case's bound with ``reference/error_model.py`` and
@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the FP8 claims of the triton backend hold under the interpreter
 
 import torch  # noqa: E402
