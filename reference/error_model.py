@@ -113,7 +113,7 @@ accumulation probe (``conformance/test_accumulation.py``) is the sharp instrumen
 (it uses inputs on which every conforming accumulation is exact), and below K ~ 4096 an in-place FP8 accumulation
 adds less than the conforming roundings scatter at the output even per token: only the probe rejects it. Step 7's quantile treats the
 realised mean square as nearly Gaussian; a single flip at an extreme gated product (Mixtral bf16 M = 1: one event
-at 15.6x the stage's RMS carried 99.9% of it, docs/GPU_NOTES.md 2026-11-26) lies beyond it. Step 5's condition
+at 15.6x the stage's RMS carried 99.9% of it, docs/notes/gpu-sessions.md 2026-11-26) lies beyond it. Step 5's condition
 numbers are taken where the activations carry the output, not at their clamps.
 """
 

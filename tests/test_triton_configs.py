@@ -30,7 +30,7 @@ def test_every_bench_shape_has_a_tuned_table(gpu):
     """Issue 10: a tuned table per (E, N, dtype, block shape, GPU) for the benchmark shapes, with an entry for each
     benchmark M (a shape left to the defaults is slower by up to 1.7x: DeepSeek-V3 TP8 on the H100 at M = 1).
     Known gap, named here rather than hidden: the FP8 per-tensor / per-channel shapes (issue 22's promotion on the
-    warp-specialized kernel) have prefill entries only; their decode rows run the defaults (backends/triton/NOTES.md:
+    warp-specialized kernel) have prefill entries only; their decode rows run the defaults (docs/notes/triton.md:
     0.61-0.88x of vLLM 0.33 live, the next GPU session tunes them)."""
     from tools.triton.common import shapes
     SHAPES = shapes()
@@ -254,7 +254,7 @@ def test_warp_specialized_kernel_names_what_it_does_not_cover():
 def test_fp8_per_tensor_and_channel_tables_are_the_same_on_both_gpus():
     """The FP8 per-tensor / per-channel tables (Mixtral TP2, Qwen3-30B): the prefill entries (warp-specialized) were
     set on the H200 and are used unchanged on the H100; the H100's decode entries (M 1 / 8 / 64, SWAP_AB) were tuned
-    on an H100 (2026-11-26, fourth session: docs/GPU_NOTES.md), the H200 has none yet (defaults)."""
+    on an H100 (2026-11-26, fourth session: docs/notes/gpu-sessions.md), the H200 has none yet (defaults)."""
     for shape in ("E=8,N=7168", "E=128,N=768"):
         h200, h100 = (json.loads((C.CONFIG_DIR / f"{shape},device_name={gpu},dtype=fp8_w8a8.json").read_text())
                       for gpu in ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"))

@@ -6,7 +6,7 @@ tensors for each entry of the H200 and H100 tables. This catches what the interp
 path that does not compile for the GPU (a ``CompilationError`` only some configurations reach), a shared-memory
 request above the SM's 227 KiB, a TMA box Triton rejects. It checks compilation only, not numerics or speed. On the
 H200 the registers, spill flag, shared memory and warps it reports matched the driver's for all 97 (shape, M,
-kernel) groups compared (backends/triton/NOTES.md).
+kernel) groups compared (docs/notes/triton.md).
 
 Runs in subprocesses (one per GPU's tables, in parallel) because it replaces process-wide Triton state.
 """

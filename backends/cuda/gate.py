@@ -126,7 +126,7 @@ def kernel_variants() -> dict[str, list[str]]:
 
 #: Token counts from which tier 1 runs cuBLAS (``router_gemm_cublas``, then one RNE rounding for a bf16 output)
 #: instead of the hand-written kernel, per expert count: the kernel is latency-bound and loses to cuBLAS at Kimi-K2's
-#: E = 384 from M = 9, its next M bucket (backends/cuda/RESULTS.md; H100 M = 8 / 9: 6.81 / 9.91 us against cuBLAS's
+#: E = 384 from M = 9, its next M bucket (docs/notes/cuda-results.md; H100 M = 8 / 9: 6.81 / 9.91 us against cuBLAS's
 #: 7.88 / 8.05; H200 M = 8 / 12: 5.98 / 9.63 against 7.61 / 7.85). Same contract: the fp32 accumulation of the bf16
 #: products (docs/gate_tiers.md). An explicit ``variant`` always runs the kernel.
 DSV3_CUBLAS_FROM_M = {384: 9}

@@ -12,8 +12,8 @@ register sets within one warpgroup rather than by warp specialization.
 
 Numerics are those of ``fused_moe_kernel``'s block-FP8 path (``A_SCALE = B_SCALE = 3``, ``B_SCALAR``): per K tile of
 128, the fp32 wgmma result times ``a_s[row, kb] * w_s[e, nb, kb]`` added to an fp32 accumulator, in K order; one
-rounding to the output dtype (bitwise equal to it on the H200 for every variant the tuner tried, backends/triton/
-NOTES.md). What it covers (the rest stays with ``fused_moe_kernel``, see :func:`supported`): contiguous A rows
+rounding to the output dtype (bitwise equal to it on the H200 for every variant the tuner tried, docs/notes/
+triton.md). What it covers (the rest stays with ``fused_moe_kernel``, see :func:`supported`): contiguous A rows
 (GEMM2, or GEMM1 after ``PERMUTE_A``); a plain epilogue, or SiLU-and-mul of gate / up halves (no bias, no clamp, the
 FP8 requantization left to ``act_quant_kernel``); 128x128 weight blocks with ``BLOCK_K = 128``; one tile height
 (no ``HALF_TAIL``); TMA-able operands; an sm_90 GPU. A grid smaller than the tile count makes it persistent.

@@ -6,7 +6,7 @@
 Variants: the reference with fp32 and float64 accumulation (on the CPU, and on the GPU where there is one), and each
 kernel through ``FusedMoEKernel``. Kernels that agree with each other but not with any reference variant share a
 difference from the reference's rounding points; a kernel that agrees under the interpreter but not on the GPU
-differs through the hardware (its MMA), not its algorithm. Findings: docs/GPU_NOTES.md.
+differs through the hardware (its MMA), not its algorithm. Findings: docs/notes/gpu-sessions.md.
 """
 
 import os

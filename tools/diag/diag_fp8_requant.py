@@ -7,7 +7,7 @@ case passes under the interpreter; the diagnosis names requant/gemm2.)
 
 Variants of one axis at a time: tokens, expert map, the GEMM2 launch configuration (BLOCK_M 16 = mma.sync, 64, 128;
 PROMOTE_K), the scheme (per-token activations instead of per-tensor). The variant that moves the error names the
-cause. Findings go to docs/GPU_NOTES.md.
+cause. Findings go to docs/notes/gpu-sessions.md.
 """
 
 import copy

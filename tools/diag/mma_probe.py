@@ -19,7 +19,7 @@ format). Three families, each swept over ``j`` (the small terms are ``2^-j`` aga
 The printed figure is ``(got - exact) / 2^-j``: 0 exact; ``-15`` the whole tail lost (``-16`` for ``carry``); a
 fraction, a partial loss. Reading: the largest ``j`` that stays exact in ``align`` is the alignment width ``p``; ``neg``
 shows the rounding direction; ``carry`` whether the accumulator is aligned with the products. Findings go to
-docs/GPU_NOTES.md and, once the parameters are known, become an ``Accumulation`` of ``reference/error_model.py`` (a
+docs/notes/gpu-sessions.md and, once the parameters are known, become an ``Accumulation`` of ``reference/error_model.py`` (a
 property of the SM90 MMA shared by every kernel on it), not a widened bound.
 """
 

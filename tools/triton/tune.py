@@ -333,7 +333,7 @@ def _ws_variants(entry_g1, g1, g2, fp8_block):
     SiLU-and-mul in its epilogue (block FP8: requantized by ``act_quant_kernel``; also unfused) alone or with GEMM2,
     with and without ``HALF_TAIL`` (64-row tails), in grouped tile orders of 8 / 16 / 32 row tiles. (Decode entries
     are left alone: 64-row tiles streaming the experts' weights through the ring measured 20-30% slower there than
-    ``fused_moe_kernel``'s 16-row tiles, backends/triton/NOTES.md.)"""
+    ``fused_moe_kernel``'s 16-row tiles, docs/notes/triton.md.)"""
 
     def ws(m, bn, stages, **extra):
         return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128 if fp8_block else 64, GROUP_SIZE_M=8,
