@@ -12,7 +12,7 @@ per call is listed in launch order with the mean gap before it (its start minus 
 gaps, graph nodes that are not kernels, waits), then the sum and the idle time (graph time - sum).
 ``--expected-m`` (deep_gemm) times the step once per ``expected_m`` hint of the masked GEMMs (M < 128) instead of
 ``backends.deep_gemm.experts.expected_m_for``.
-``--gemms`` breaks down the backend's GEMM-stage variants instead (``backends.<name>.tools.bench_variants``: what
+``--gemms`` breaks down the backend's GEMM-stage variants instead (``benchmarks/variants/<name>.py``: what
 ``python -m benchmarks`` times against vLLM), and ``--peer vllm`` vLLM's live GEMM1 + GEMM2 launches beside them, on the
 same inputs (``benchmarks.peer_vllm``; its activation and requantization are precomputed, as in the bench): which of
 the two GEMMs, or the kernel between them, makes the difference of a row.
@@ -46,12 +46,12 @@ def _steps(backend: str, shape_id: str, M: int):
 
 
 def _gemm_stages(backend: str, shape_id: str, M: int, vllm=None):
-    """``[(name, call(i), n_sets, device)]``: the backend's GEMM-stage variants (its ``bench_variants`` hook) and, with
-    ``vllm`` (a ``peer_vllm.VllmTriton``), vLLM's GEMM1 + GEMM2 launches on the same inputs."""
+    """``[(name, call(i), n_sets, device)]``: the backend's GEMM-stage variants (``benchmarks.variants.for_backend``)
+    and, with ``vllm`` (a ``peer_vllm.VllmTriton``), vLLM's GEMM1 + GEMM2 launches on the same inputs."""
     from benchmarks import harness, shapes, timing
-    from benchmarks.cli import _hook
+    from benchmarks.variants import for_backend
 
-    hook = _hook(backend)
+    hook = for_backend(backend)
     shape = shapes.experts_shape(shape_id)
     dev = torch.device("cuda")
     inp = harness.experts_inputs(shape, M, dev, timing.device_info()["l2_bytes"])
@@ -102,11 +102,11 @@ def main(argv=None) -> int:
     if args.gemms and args.expected_m:
         ap.error("--expected-m times deep_gemm's whole step per hint; it does not combine with --gemms")
     if args.gemms:
-        from benchmarks.cli import _hook
+        from benchmarks.variants import for_backend
 
-        if _hook(args.backend) is None:
-            ap.error(f"backend {args.backend!r} has no GEMM-stage variants (backends.{args.backend}.tools."
-                     "bench_variants): --gemms breaks down what `python -m benchmarks` sets against vLLM")
+        if for_backend(args.backend) is None:
+            ap.error(f"backend {args.backend!r} has no GEMM-stage variants (benchmarks/variants/): "
+                     "--gemms breaks down what `python -m benchmarks` sets against vLLM")
     if not torch.cuda.is_available():
         print("breakdown: needs a CUDA GPU")
         return 2

@@ -16,7 +16,7 @@ What runs is data: ``benchmarks/suites.toml`` (shapes, token counts, the peer, r
    ``FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls)`` (the ``step`` column: prepare + experts + finalize); up to
    the suite's ``check_max_M`` its output is first checked against the reference with the error model's bound
    (``benchmarks.check``; a failing class is not timed);
-3. the backend's own extra variants, if its ``backends.<name>.tools.bench_variants`` module offers them (the GEMM
+3. the backend's own extra variants, if ``benchmarks/variants/`` has a module for it (``variants.VARIANTS``; the GEMM
    stage alone, which the peers' figures time): ``variants(shape, M, inputs, device) -> [(name, call(i))]``,
    ``extra(shape, inputs) -> {column: text}``, ``gate_variants(gate_shape, M, sets) -> [(name, call(i))]``, each
    optional;
@@ -34,7 +34,6 @@ raised, 2 if the backend cannot run here (the reason is printed: no CUDA GPU, mi
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -87,17 +86,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def log(*a) -> None:
     print(*a, flush=True)
-
-
-def _hook(backend_name: str):
-    """``backends.<name>.tools.bench_variants`` (the backend's extra timed variants), or None."""
-    mod = f"backends.{backend_name}.tools.bench_variants"
-    try:
-        return importlib.import_module(mod)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and mod.startswith(exc.name):
-            return None
-        raise
 
 
 def _plan(args, suite):
@@ -190,7 +178,7 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
     live on every row) or ``none``."""
     import torch
 
-    from benchmarks import harness, report, suites, timing
+    from benchmarks import harness, report, suites, timing, variants
     from benchmarks.harness import ExpertsParam
 
     t0 = time.time()
@@ -207,7 +195,7 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
     log(f"[{time.time() - t0:6.1f}s] ceilings: copy {report.fmt_rate(ceilings['copy_bytes_per_s'], 'B/s')}, "
         + ", ".join(f"{k} {report.fmt_rate(v, 'FLOP/s')}" for k, v in mm.items()))
     settings = timing.Settings.from_env(device.type == "cuda")
-    hook = _hook(backend.name)
+    hook = variants.for_backend(backend.name)
     peer = suites.peer(suite.peer) if suite.peer and peer_mode == "stored" else None
     doc = {"backend": backend.name, "version": backend.version, "device": info, "ceilings": ceilings,
            "peer": None if peer is None else {k: getattr(peer, k) for k in ("name", "title", "device", "source",

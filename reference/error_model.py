@@ -39,7 +39,7 @@ differences):
    are bf16 / fp16 (unquantized, and weight-only schemes dequantized to the act dtype), never to fp32 operands.
    Its mean part is a *shrink proportional to the result*: the regression of ``-c sum_k S_k`` on ``S_m`` is
    ``c m / 2``, 3/4 of the mean square (``Accumulation.shrink``); step 3 rounds it as a proportional difference.
-   The SM90 parameters were read off test vectors (``scripts/mma_probe.py`` on an H200, 2026-11-26): cuBLAS, Triton
+   The SM90 parameters were read off test vectors (``tools/diag/mma_probe.py`` on an H200, 2026-11-26): cuBLAS, Triton
    wgmma and mma.sync all keep 25 bits below the step's largest magnitude, truncate negative terms toward zero, and
    align the accumulator with the products.
 
@@ -113,7 +113,7 @@ accumulation probe (``conformance/test_accumulation.py``) is the sharp instrumen
 (it uses inputs on which every conforming accumulation is exact), and below K ~ 4096 an in-place FP8 accumulation
 adds less than the conforming roundings scatter at the output even per token: only the probe rejects it. Step 7's quantile treats the
 realised mean square as nearly Gaussian; a single flip at an extreme gated product (Mixtral bf16 M = 1: one event
-at 15.6x the stage's RMS carried 99.9% of it, docs/GPU_NOTES.md 2026-11-26) lies beyond it. Step 5's condition
+at 15.6x the stage's RMS carried 99.9% of it, docs/notes/gpu-sessions.md 2026-11-26) lies beyond it. Step 5's condition
 numbers are taken where the activations carry the output, not at their clamps.
 """
 

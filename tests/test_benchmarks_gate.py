@@ -8,7 +8,7 @@ switch does the same. About 15 s on a CPU.
 
 The planted slowdown is 2x here: on a shared 2-core CI machine two runs of the same code differ by more than the
 10% threshold's margin over a 20% slowdown (a CI run once measured the 20% one under the gate); the gate's 10%
-sensitivity itself is shown on the GPU, where a planted 20% failed it (docs/GPU_NOTES.md).
+sensitivity itself is shown on the GPU, where a planted 20% failed it (docs/notes/gpu-sessions.md).
 """
 
 from __future__ import annotations

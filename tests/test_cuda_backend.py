@@ -20,7 +20,7 @@ import torch
 import backends.cuda as cb
 from backends import load_backend
 from backends.cuda import experts, gate
-from backends.cuda.tools import build
+from backends.cuda import build
 from backends.cuda.experts import (
     FP8_SUPPORTED_W_A,
     VLLM_CUTLASS_FP8_W_A,
@@ -661,7 +661,7 @@ def test_glue_is_not_used_off_the_gpu_or_when_disabled(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="the glue kernels run on an SM90 GPU")
 def test_glue_kernels_match_the_torch_glue_bit_for_bit():
-    from backends.cuda.tools.glue_check import run_checks
+    from tools.cuda.glue_check import run_checks
 
     failed = {name: why for name, why in run_checks().items() if why is not None}
     assert not failed, failed

@@ -2,7 +2,7 @@
 ``workspace_shapes`` against the seed's formula, the device layout against ``reference.align``, the activation +
 requantization against ``reference.activation`` / ``reference.quant`` (bit-exact), and the whole
 ``DeepGemmExperts`` pipeline through the modular kernel with an emulated grouped GEMM against
-``reference.experts.fused_experts``. The real GEMM runs in ``backends/deep_gemm/tools/probe.py`` and ``python -m benchmarks --backend deep_gemm`` on the GPU machine."""
+``reference.experts.fused_experts``. The real GEMM runs in ``tools/deep_gemm/probe.py`` and ``python -m benchmarks --backend deep_gemm`` on the GPU machine."""
 
 from __future__ import annotations
 

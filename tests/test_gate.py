@@ -31,10 +31,10 @@ from reference.gate import (
     Platform,
     can_use_specialized_kernels,
     gate_reference,
-    render_tier_table,
     resolve_params_dtype,
     select_gate_tier,
 )
+from tools.gate_docs import BEGIN, END, regenerate, render_tier_table
 
 BF16, FP32 = torch.bfloat16, torch.float32
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -571,18 +571,25 @@ def test_platform_helpers() -> None:
 # Documentation
 # ----------------------------------------------------------------------------------------------------------------
 
-BEGIN = "<!-- BEGIN GENERATED: reference.gate.render_tier_table() -->\n"
-END = "<!-- END GENERATED -->\n"
-
-
 def test_docs_match_render_tier_table() -> None:
     text = (REPO / "docs" / "gate_tiers.md").read_text()
     assert text.count(BEGIN) == 1 and text.count(END) == 1, "docs/gate_tiers.md lost its generated markers"
     generated = text.split(BEGIN, 1)[1].split(END, 1)[0]
     assert generated == render_tier_table(), (
         "docs/gate_tiers.md is stale: regenerate the block between the markers with "
-        "`python -m reference.gate`"
+        "`python -m tools.gate_docs`"
     )
+
+
+def test_regenerate_replaces_only_the_block() -> None:
+    """``python -m tools.gate_docs`` rewrites the block between the markers and nothing else; markers missing or
+    repeated are an error."""
+    text = "head\n" + BEGIN + "stale\n" + END + "tail\n"
+    assert regenerate(text) == "head\n" + BEGIN + render_tier_table() + END + "tail\n"
+    assert regenerate(regenerate(text)) == regenerate(text)
+    for bad in ("head\n" + BEGIN + "x\n", "head\n" + BEGIN + BEGIN + END):
+        with pytest.raises(ValueError, match="marker"):
+            regenerate(bad)
 
 
 def test_tier_table_models() -> None:

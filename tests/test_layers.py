@@ -1,9 +1,11 @@
-"""The layers depend one way: ``specs <- reference <- backends <- conformance / benchmarks`` (DESIGN.md, Layout).
+"""The layers depend one way (DESIGN.md, Layout; README.md, Architecture):
+``specs <- reference <- backends <- conformance, benchmarks <- tools``; ``examples`` (clients) import anything but
+``tools``; nothing imports ``tools`` (the laboratory, on top) or ``tests``.
 
-Every module under ``specs/``, ``reference/``, ``backends/``, ``benchmarks/`` and ``conformance/`` is parsed with
-``ast`` (nothing is imported, so GPU-only modules are checked on any machine); each import of a project package,
-including function-local imports and ``importlib.import_module("...")`` with a literal name, is checked against
-the rules below. A failure names the file, the line, the imported module and the rule it breaks.
+Every module under the layers below is parsed with ``ast`` (nothing is imported, so GPU-only modules are checked on
+any machine); each import of a project package, including function-local imports and
+``importlib.import_module("...")`` with a literal name, is checked against the rules below. A failure names the
+file, the line, the imported module and the rule it breaks. ``tests/`` is not a layer: a test may import anything.
 """
 
 from __future__ import annotations
@@ -14,19 +16,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ("specs", "reference", "backends", "benchmarks", "conformance")
+LAYERS = ("specs", "reference", "backends", "benchmarks", "conformance", "examples", "tools")
 PROJECT = set(LAYERS) | {"tests"}
 
 RULES = {
-    "specs": ({"reference", "backends", "benchmarks", "conformance", "tests"},
-              "specs is data plus a loader: it imports nothing of the project"),
-    "reference": ({"backends", "benchmarks", "conformance", "tests"},
-                  "reference imports nothing from backends, conformance, benchmarks or tests"),
-    "backends": ({"benchmarks", "conformance", "tests"},
-                 "backends import reference and specs only, never conformance, benchmarks or tests"),
-    "benchmarks": ({"conformance", "tests"}, "benchmarks must not import conformance (only tests do) or tests"),
-    "conformance": ({"tests"}, "nothing outside tests/ imports tests"),
+    "specs": (PROJECT - {"specs"}, "specs is data plus a loader: it imports nothing of the project"),
+    "reference": ({"backends", "benchmarks", "conformance", "examples", "tools", "tests"},
+                  "reference imports only specs"),
+    "backends": ({"benchmarks", "conformance", "examples", "tools", "tests"},
+                 "backends import reference and specs only, never benchmarks, conformance, examples, tools or tests"),
+    "benchmarks": ({"conformance", "examples", "tools", "tests"},
+                   "benchmarks import specs, reference and backends only (never conformance, examples, tools or "
+                   "tests)"),
+    "conformance": ({"examples", "tools", "tests"}, "conformance never imports examples, tools or tests"),
+    "examples": ({"tools", "tests"}, "examples import anything but tools (and tests)"),
+    "tools": ({"examples", "tests"}, "tools import the layers below them, never examples or tests"),
 }
+# nothing imports tools: every layer but tools itself forbids it (checked by test_nothing_imports_tools)
 
 # Explicit exceptions, each with its reason; remove an entry when its reason goes away.
 ALLOWED: dict[tuple[str, str], str] = {
@@ -78,14 +84,8 @@ def _violation(path: Path, module: str) -> str | None:
     if (rel, top) in ALLOWED:
         return None
     forbidden, why = RULES[layer]
-    if layer == "backends" and top == "benchmarks" and len(parts) > 3 and parts[2] == "tools":
-        return None  # backend-only tools (tuners, profilers) time through benchmarks/
     if top in forbidden:
         return why
-    if (layer == "backends" and top == "backends" and "tools" not in parts[:-1] and len(module.split(".")) > 3
-            and module.split(".")[2] == "tools" and _tool_imports_benchmarks(module)):
-        return (f"backend code outside tools/ never imports a tool that imports benchmarks ({module}): the backend "
-                "would depend on the measurement layer")
     if layer == "backends" and top == "backends":
         own = parts[1] if len(parts) > 2 else None  # backends/__init__.py (the registry) is no backend
         mod = module.split(".")
@@ -93,11 +93,6 @@ def _violation(path: Path, module: str) -> str | None:
         if own is not None and len(mod) > 1 and mod[1] != own and not mod[1].startswith("_"):
             return f"a backend never imports another backend (backends/{own} imports {module})"
     return None
-
-
-def _tool_imports_benchmarks(module: str) -> bool:
-    path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
-    return path.is_file() and any(m.split(".")[0] == "benchmarks" for _, m in _imports(path))
 
 
 def _files():
@@ -123,6 +118,12 @@ def test_allow_list_is_current():
     assert not stale, f"allow-list entries without a matching import (remove them): {stale}"
 
 
+def test_nothing_imports_tools():
+    """The laboratory is on top: every layer but ``tools`` itself forbids importing it."""
+    assert all("tools" in RULES[layer][0] for layer in LAYERS if layer != "tools")
+    assert set(RULES) == set(LAYERS)
+
+
 def test_checker_sees_violations():
     """The checker itself: relative, function-local and importlib imports are resolved and judged."""
     src = ("import torch\nfrom .keys import QuantKey\nfrom .. import schemes\n"
@@ -132,18 +133,31 @@ def test_checker_sees_violations():
     assert got == ["torch", "reference.quant.keys", "reference", "reference.schemes", "conformance.metrics",
                    "backends.cuda"], got
     assert _violation(ROOT / "reference" / "x.py", "conformance.metrics")
+    assert _violation(ROOT / "specs" / "__init__.py", "reference")
+    # a backend: reference, specs, its own modules and the shared backends/_*.py; no other backend, no layer above
     assert _violation(ROOT / "backends" / "triton" / "experts.py", "backends.cuda.experts")
     assert not _violation(ROOT / "backends" / "triton" / "experts.py", "backends.triton.quant")
-    assert not _violation(ROOT / "backends" / "triton" / "tools" / "t.py", "benchmarks.timing")
-    assert _violation(ROOT / "backends" / "triton" / "tools" / "t.py", "conformance.metrics")
-    assert _violation(ROOT / "backends" / "triton" / "experts.py", "benchmarks.timing")
-    # backend code may use a tool that does not measure (cuda's JIT build), never one that imports benchmarks
-    assert not _violation(ROOT / "backends" / "cuda" / "gate.py", "backends.cuda.tools.build")
-    assert _violation(ROOT / "backends" / "triton" / "experts.py", "backends.triton.tools.common")
-    assert not _violation(ROOT / "backends" / "triton" / "tools" / "tune.py", "backends.triton.tools.common")
-    assert _violation(ROOT / "specs" / "__init__.py", "reference")
+    assert not _violation(ROOT / "backends" / "cuda" / "gate.py", "backends.cuda.build")
+    assert not _violation(ROOT / "backends" / "triton" / "experts.py", "backends._validation")
+    for above in ("benchmarks.timing", "conformance.metrics", "tools.triton.common", "examples.my_backend",
+                  "tests.test_harness"):
+        assert _violation(ROOT / "backends" / "triton" / "experts.py", above), above
+    # benchmarks and conformance: one floor, neither imports tools
     assert _violation(ROOT / "benchmarks" / "harness.py", "conformance.schemes")
+    assert _violation(ROOT / "benchmarks" / "variants" / "triton.py", "tools.triton.common")
+    assert not _violation(ROOT / "benchmarks" / "variants" / "triton.py", "backends.triton.experts")
     assert not _violation(ROOT / "conformance" / "inputs.py", "reference.schemes")
+    assert _violation(ROOT / "conformance" / "test_experts.py", "tools.diag.rebound")
+    # tools on top: anything below, never examples or tests
+    for below in ("specs", "reference.gate", "backends.triton.experts", "benchmarks.timing", "conformance.metrics",
+                  "tools.triton.common"):
+        assert not _violation(ROOT / "tools" / "triton" / "tune.py", below), below
+    assert _violation(ROOT / "tools" / "triton" / "tune.py", "examples.my_backend")
+    assert _violation(ROOT / "tools" / "diag" / "rebound.py", "tests.test_harness")
+    # examples: anything but tools
+    assert not _violation(ROOT / "examples" / "my_backend.py", "conformance.metrics")
+    assert not _violation(ROOT / "examples" / "my_backend.py", "backends.torch")
+    assert _violation(ROOT / "examples" / "my_backend.py", "tools.triton.tune")
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""scripts/mma_probe.py: its test vectors tell the accumulation models apart (checked on the CPU against figures
+"""tools/diag/mma_probe.py: its test vectors tell the accumulation models apart (checked on the CPU against figures
 derived by hand), so a GPU run of it reads the MMA's alignment width and rounding off the table."""
 
 import importlib.util
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-spec = importlib.util.spec_from_file_location("mma_probe", Path(__file__).resolve().parents[1] / "scripts" / "mma_probe.py")
+spec = importlib.util.spec_from_file_location(
+    "mma_probe", Path(__file__).resolve().parents[1] / "tools" / "diag" / "mma_probe.py")
 probe = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(probe)
 

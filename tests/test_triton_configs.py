@@ -30,9 +30,9 @@ def test_every_bench_shape_has_a_tuned_table(gpu):
     """Issue 10: a tuned table per (E, N, dtype, block shape, GPU) for the benchmark shapes, with an entry for each
     benchmark M (a shape left to the defaults is slower by up to 1.7x: DeepSeek-V3 TP8 on the H100 at M = 1).
     Known gap, named here rather than hidden: the FP8 per-tensor / per-channel shapes (issue 22's promotion on the
-    warp-specialized kernel) have prefill entries only; their decode rows run the defaults (backends/triton/NOTES.md:
+    warp-specialized kernel) have prefill entries only; their decode rows run the defaults (docs/notes/triton.md:
     0.61-0.88x of vLLM 0.33 live, the next GPU session tunes them)."""
-    from backends.triton.tools.common import shapes
+    from tools.triton.common import shapes
     SHAPES = shapes()
     decode_untuned = {"mixtral_tp2_fp8_tensor", "qwen3_30b_fp8_channel_token"}
 
@@ -77,7 +77,7 @@ def test_half_tail_needs_tiles_of_32_rows():
 def test_ntiles_tuner_variants():
     """The tuner's ntiles family: decode GEMM2s with 2 / 3 / 4 N tiles per program, with and without FLATTEN, at the
     entry's BLOCK_SIZE_N and 64; nothing for prefill (BLOCK_SIZE_M > 32) or Gluon GEMM2s."""
-    from backends.triton.tools.tune import _ntiles_variants
+    from tools.triton.tune import _ntiles_variants
     g2 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, PDL=1)
     v = _ntiles_variants({}, g2)
     assert {(c["BLOCK_SIZE_N"], c["N_TILES"], c["FLATTEN"]) for _, _, c in v} == {
@@ -90,7 +90,7 @@ def test_swap_ab_tuner_variants():
     """The tuner's swap family: block-FP8 decode entries with SWAP_AB on GEMM2, GEMM1 or both, every swapped GEMM on
     one warpgroup (four warps) with at least 64 weight rows per MMA (wgmma's M); nothing for prefill or Gluon
     entries. An FP8 per-tensor entry with SWAP_AB is refused with the reason."""
-    from backends.triton.tools.tune import _swap_variants
+    from tools.triton.tune import _swap_variants
     g1 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128, num_warps=2, FUSE_QUANT=0)
     g2 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, num_warps=4, PDL=1)
     v = _swap_variants(g1, g2)
@@ -119,7 +119,7 @@ def test_swap_ab_is_refused_outside_fp8():
 def test_tuner_candidate_lists_are_complete():
     """Each GEMM's candidate list is deduplicated on its own (a GEMM2 candidate equal to a GEMM1 candidate is still
     timed), and prefill has the 128-row HALF_TAIL key."""
-    from backends.triton.tools.tune import candidates
+    from tools.triton.tune import candidates
 
     for M, E, topk in ((1, 128, 8), (8, 128, 8), (4096, 128, 8), (1024, 32, 8)):
         for fp8_block in (False, True):
@@ -181,7 +181,7 @@ def _supported(mod, args):
 def test_gluon_kernel_names_what_it_does_not_cover():
     from backends.triton import gluon_sm90
     from backends.triton._jit import ACT_SILU
-    from backends.triton.tools.common import shapes
+    from tools.triton.common import shapes
     SHAPES = shapes()
 
     sh = next(s for s in SHAPES if s.name == "dsv3_ep8_fp8blk")
@@ -226,7 +226,7 @@ def test_warp_specialized_kernel_names_what_it_does_not_cover():
 
     from backends.triton import gluon_ws
     from backends.triton._jit import ACT_SILU
-    from backends.triton.tools.common import shapes
+    from tools.triton.common import shapes
     SHAPES = shapes()
 
     bf16 = next(s for s in SHAPES if s.name == "qwen3_30b_bf16")
@@ -275,7 +275,7 @@ def test_warp_specialized_kernel_names_what_it_does_not_cover():
 def test_fp8_per_tensor_and_channel_tables_are_the_same_on_both_gpus():
     """The FP8 per-tensor / per-channel tables (Mixtral TP2, Qwen3-30B): the prefill entries (warp-specialized) were
     set on the H200 and are used unchanged on the H100; the H100's decode entries (M 1 / 8 / 64, SWAP_AB) were tuned
-    on an H100 (2026-11-26, fourth session: docs/GPU_NOTES.md), the H200 has none yet (defaults)."""
+    on an H100 (2026-11-26, fourth session: docs/notes/gpu-sessions.md), the H200 has none yet (defaults)."""
     for shape in ("E=8,N=7168", "E=128,N=768"):
         h200, h100 = (json.loads((C.CONFIG_DIR / f"{shape},device_name={gpu},dtype=fp8_w8a8.json").read_text())
                       for gpu in ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"))
@@ -286,11 +286,11 @@ def test_fp8_per_tensor_and_channel_tables_are_the_same_on_both_gpus():
 def _fp8_nonblock_configs():
     """(where, gemm config) of every launch configuration an FP8 per-tensor / per-channel experts step can get: the
     committed tables for ``dtype=fp8_w8a8`` without a block shape, the defaults at the token counts of the benchmarks
-    (for the two FP8 shapes of ``tools.fp8_accum`` and every bench shape), and the tuner's candidates."""
-    from backends.triton.tools import tune
-    from backends.triton.tools.common import shapes
+    (for the two FP8 shapes of ``tools.triton.fp8_accum`` and every bench shape), and the tuner's candidates."""
+    from tools.triton import tune
+    from tools.triton.common import shapes
     SHAPES = shapes()
-    from backends.triton.tools.fp8_accum import timing_shapes
+    from tools.triton.fp8_accum import timing_shapes
 
     out = []
     for path in TABLES:
@@ -371,7 +371,7 @@ def test_split_k_tuner_variants_and_config():
     """The tuner's splitk family: decode entries only, GEMM1 split 2 / 4 / 8 as one joint MMA chain, GEMM2 split only
     where its K (= I) has 8 K tiles or more; SPLIT_K outside [1, 16] is refused by sanitize_config."""
     from backends.triton.configs import sanitize_config
-    from backends.triton.tools.tune import _splitk_variants
+    from tools.triton.tune import _splitk_variants
     g1 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128, num_warps=4)
     g2 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, num_warps=4)
     v = {n: (c1, c2) for n, c1, c2 in _splitk_variants(g1, g2, K=7168, I=256)}

@@ -2,7 +2,7 @@
 CUDA-graph replay (the interpreter runs programs one after another, tests/test_triton_interpret.py), and the hardware
 FP8 encoder the quantizers use on the GPU (the interpreter runs the software one).
 
-Run on an SM90 machine: ``python -m pytest tests/test_triton_gpu.py`` (``scripts/gpu_session.sh tests-triton_gpu``).
+Run on an SM90 machine: ``python -m pytest tests/test_triton_gpu.py`` (``tools/gpu/gpu_session.sh tests-triton_gpu``).
 """
 
 from __future__ import annotations

@@ -481,7 +481,7 @@ def _():
     per-tensor and per-row / per-channel (power-of-two) scales; the orders must differ somewhere, so the check sees
     which one ran."""
     import numpy as np
-    from backends.triton.tools.fp8_accum import single_expert_gemm
+    from tools.triton.fp8_accum import single_expert_gemm
     M, N, BK, K = 16, 16, 64, 960  # 15 K tiles: the last interval is partial for 2 and 4 tiles per interval
     vals = torch.tensor([448.0, 416.0, 384.0, 320.0, 1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0])
     a = vals[torch.randint(0, len(vals), (M, K), generator=G)]

@@ -1,12 +1,12 @@
 """Every tuned launch configuration of the triton backend compiles for sm_90 (H100 / H200), checked on a CPU.
 
-``backends.triton.tools.sm90`` swaps Triton's driver for one that compiles for ``cuda:90`` with Triton's bundled ptxas and
+``tools.triton.sm90`` swaps Triton's driver for one that compiles for ``cuda:90`` with Triton's bundled ptxas and
 launches nothing, then runs the real experts step (host code, JIT specialization, every kernel launch) on CPU
 tensors for each entry of the H200 and H100 tables. This catches what the interpreter subset cannot: a tile code
 path that does not compile for the GPU (a ``CompilationError`` only some configurations reach), a shared-memory
 request above the SM's 227 KiB, a TMA box Triton rejects. It checks compilation only, not numerics or speed. On the
 H200 the registers, spill flag, shared memory and warps it reports matched the driver's for all 97 (shape, M,
-kernel) groups compared (backends/triton/NOTES.md).
+kernel) groups compared (docs/notes/triton.md).
 
 Runs in subprocesses (one per GPU's tables, in parallel) because it replaces process-wide Triton state.
 """
@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    procs = {g: subprocess.Popen([sys.executable, "-m", "backends.triton.tools.sm90", "--gpus", g, "--json"], cwd=ROOT,
+    procs = {g: subprocess.Popen([sys.executable, "-m", "tools.triton.sm90", "--gpus", g, "--json"], cwd=ROOT,
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for g in GPUS}
     out = {}
     for g, p in procs.items():
@@ -49,7 +49,7 @@ def compiled():
 def _table_entries(gpu):
     """(shape, M) of every entry of ``gpu``'s tables for the bench shapes, read from the JSON files directly."""
     from backends.triton import configs as C
-    from backends.triton.tools.common import shapes
+    from tools.triton.common import shapes
     SHAPES = shapes()
 
     entries = set()
@@ -64,7 +64,7 @@ def test_every_table_entry_compiles_for_sm90(compiled, gpu):
     rc, rows, stderr = compiled[gpu]
     errors = [r for r in rows if "error" in r]
     assert not errors, f"{gpu}: entries that do not compile for sm_90: {errors}"
-    assert rc == 0, f"backends.triton.tools.sm90 --gpus {gpu} exited {rc}:\n{stderr[-3000:]}"
+    assert rc == 0, f"tools.triton.sm90 --gpus {gpu} exited {rc}:\n{stderr[-3000:]}"
     expected = _table_entries(gpu)
     assert expected, f"no tuned tables found for {gpu}"
     seen = {(r["shape"], r["M"]) for r in rows if r.get("kernel") in GEMMS}
@@ -86,7 +86,7 @@ def test_gemms_use_the_hopper_paths_and_do_not_spill(compiled, gpu):
     """The GEMMs of every entry fit the SM's registers without spilling to local memory and its shared memory;
     those of the prefill entries (M >= 1024: 64- and 128-row tiles) compile to wgmma (HGMMA / QGMMA), the Hopper
     tensor-core path, not mma.sync."""
-    from backends.triton.tools.sm90 import SM90
+    from tools.triton.sm90 import SM90
 
     gemms = [r for r in compiled[gpu][1] if r.get("kernel") in GEMMS]
     assert gemms
@@ -134,8 +134,8 @@ def test_warp_specialized_entries_run_their_partitions(compiled):
 GLUON_VARIANTS = r"""
 import json, sys, torch
 from backends.triton import configs as C
-from backends.triton.tools import sm90, tune
-from backends.triton.tools.common import make_routing, shapes
+from tools.triton import sm90, tune
+from tools.triton.common import make_routing, shapes
 SHAPES = shapes()
 from backends.triton.experts import fused_experts
 
@@ -166,7 +166,7 @@ def test_every_gluon_variant_compiles_with_overlapped_mmas():
     """Every Gluon variant the tuner tries (plain and gated epilogues, 64- and 128-row tiles, persistent) compiles for
     sm_90 without spills, within the SM's shared memory, with one wgmma group left in flight during the promotion:
     also the variants no committed table uses today."""
-    from backends.triton.tools.sm90 import SM90
+    from tools.triton.sm90 import SM90
 
     rows = _compile_script(GLUON_VARIANTS)
     assert {r["variant"] for r in rows} >= {"gluon1act-bm64", "gluon12-bm128", "gluon12act-bm128+persist"}, rows
@@ -177,8 +177,8 @@ def test_every_gluon_variant_compiles_with_overlapped_mmas():
 WS_VARIANTS = r"""
 import json, torch
 from backends.triton import configs as C
-from backends.triton.tools import sm90, tune
-from backends.triton.tools.common import make_routing, shapes
+from tools.triton import sm90, tune
+from tools.triton.common import make_routing, shapes
 SHAPES = shapes()
 from backends.triton.experts import fused_experts, strict_kernels
 
@@ -224,7 +224,7 @@ def test_every_warp_specialized_variant_compiles():
     the SM's shared memory, on wgmma, the block-FP8 ones with their promotion overlapped; and an entry the kernel
     does not cover names why under ``strict_kernels`` (as the tuner runs) and falls back to ``fused_moe_kernel``
     otherwise."""
-    from backends.triton.tools.sm90 import SM90
+    from tools.triton.sm90 import SM90
 
     rows = _compile_script(WS_VARIANTS)
     kernels = [r for r in rows if "variant" in r]
@@ -242,10 +242,10 @@ def test_every_warp_specialized_variant_compiles():
 FP8_PROMOTED = r"""
 import json, torch
 from backends.triton import configs as C
-from backends.triton.tools import sm90
-from backends.triton.tools.common import make_routing
+from tools.triton import sm90
+from tools.triton.common import make_routing
 from backends.triton.experts import fused_experts, plan_quant, promotion_tiles, strict_kernels
-from backends.triton.tools.fp8_accum import timing_shapes
+from tools.triton.fp8_accum import timing_shapes
 
 GEMMS = ("fused_moe_kernel", "ws_moe_gemm_kernel")
 # one GPU's tables: a kernel compiled once is served from the JIT's cache, and the H100's FP8 per-tensor /
@@ -276,7 +276,7 @@ def test_fp8_per_tensor_and_channel_gemms_compile_promoted():
     ``fused_moe_kernel``: ``PROMOTE`` > 0, and where an interval holds several K tiles on wgmma the chain inside it
     stays asynchronous (a wait that leaves one or two groups in flight). ``ws_moe_gemm_kernel``: its three
     partitions (12 warps), each K tile promoted while the next one's wgmma runs (a wait for <= 1 group)."""
-    from backends.triton.tools.sm90 import SM90
+    from tools.triton.sm90 import SM90
 
     rows = _compile_script(FP8_PROMOTED)
     assert len(rows) == 2 * 3 * 2, rows

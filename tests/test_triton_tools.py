@@ -14,7 +14,7 @@ if importlib.util.find_spec("triton") is None:
 def test_fp8_accum_imports_on_cpu():
     import torch
 
-    from backends.triton.tools import fp8_accum
+    from tools.triton import fp8_accum
 
     assert set(fp8_accum.VARIANTS) >= {fp8_accum.OLD} and len(fp8_accum.VARIANTS) >= 2
     assert fp8_accum.VARIANTS[fp8_accum.OLD] == {"FAST_ACCUM": 1}

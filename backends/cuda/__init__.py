@@ -1,7 +1,7 @@
 """The ``cuda`` backend: cuBLAS / CUTLASS grouped GEMMs through torch, plus hand-written CUDA router GEMMs (SM90).
 
 Ops (keyed by the name they replace; see ``backends/cuda/gate.py``):
-    ``dsv3_router_gemm``    gate tier 1, CUDA kernel (router_gemm.cu), JIT-built on first use (``tools/build.py``)
+    ``dsv3_router_gemm``    gate tier 1, CUDA kernel (router_gemm.cu), JIT-built on first use (``build.py``)
     ``fp32_router_gemm``    gate tier 2's kernel, CUDA kernel (router_gemm.cu)
     ``router_gemm_cublas``  gate tier 3, ``torch.mm(x, W.T, out_dtype=torch.float32)``
     ``gate_linear``         ``gate_linear(x, weight, *, tier, out_dtype, bias=None)``: any tier, with
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from backends import Backend, cuda_unavailable_reason
-from backends.cuda.tools import build
+from backends.cuda import build
 from backends.cuda.experts import (
     CutlassExpertsBf16,
     CutlassExpertsFp4,

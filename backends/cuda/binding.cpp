@@ -1,5 +1,5 @@
 // Thin torch binding of the router GEMM launchers (router_gemm.cu) and of the experts step's glue kernels
-// (moe_glue.cu). Built by backends/cuda/tools/build.py with torch.utils.cpp_extension.load; the Python wrappers in
+// (moe_glue.cu). Built by backends/cuda/build.py with torch.utils.cpp_extension.load; the Python wrappers in
 // backends/cuda/gate.py and backends/cuda/experts.py validate arguments first and raise ValueError with the limits,
 // so the TORCH_CHECKs here are a second line of defence.
 

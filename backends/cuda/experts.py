@@ -416,7 +416,7 @@ def glue_kernels(hidden_states: torch.Tensor, topk: int, I: int):
     ``MOE_CUDA_GLUE=torch``, or a shape past the kernels' limits (topk > 64, I > 16384).
 
     Raises:
-        RuntimeError: the extension failed to build (the compiler output's tail; ``tools/build.py``).
+        RuntimeError: the extension failed to build (the compiler output's tail; ``backends/cuda/build.py``).
     """
     if not hidden_states.is_cuda or os.environ.get(GLUE_ENV, "cuda") == "torch":
         return None
@@ -424,7 +424,7 @@ def glue_kernels(hidden_states: torch.Tensor, topk: int, I: int):
         return None
     if topk > GLUE_MAX_TOPK or I > GLUE_MAX_ACT_WIDTH:
         return None
-    from backends.cuda.tools.build import load_router_gemm_ext
+    from backends.cuda.build import load_router_gemm_ext
 
     return load_router_gemm_ext()
 

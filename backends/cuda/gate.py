@@ -118,7 +118,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def kernel_variants() -> dict[str, list[str]]:
     """``{"dsv3_router_gemm": [...], "fp32_router_gemm": [...]}``: the tiling variants of each kernel (index =
     the ``variant`` argument); builds the extension if needed."""
-    from backends.cuda.tools.build import load_router_gemm_ext
+    from backends.cuda.build import load_router_gemm_ext
 
     ext = load_router_gemm_ext()
     return {"dsv3_router_gemm": list(ext.dsv3_variants()), "fp32_router_gemm": list(ext.fp32_variants())}
@@ -126,7 +126,7 @@ def kernel_variants() -> dict[str, list[str]]:
 
 #: Token counts from which tier 1 runs cuBLAS (``router_gemm_cublas``, then one RNE rounding for a bf16 output)
 #: instead of the hand-written kernel, per expert count: the kernel is latency-bound and loses to cuBLAS at Kimi-K2's
-#: E = 384 from M = 9, its next M bucket (backends/cuda/RESULTS.md; H100 M = 8 / 9: 6.81 / 9.91 us against cuBLAS's
+#: E = 384 from M = 9, its next M bucket (docs/notes/cuda-results.md; H100 M = 8 / 9: 6.81 / 9.91 us against cuBLAS's
 #: 7.88 / 8.05; H200 M = 8 / 12: 5.98 / 9.63 against 7.61 / 7.85). Same contract: the fp32 accumulation of the bf16
 #: products (docs/gate_tiers.md). An explicit ``variant`` always runs the kernel.
 DSV3_CUBLAS_FROM_M = {384: 9}
@@ -178,7 +178,7 @@ def dsv3_router_gemm(
     if variant is None and M >= DSV3_CUBLAS_FROM_M.get(E, DSV3_MAX_TOKENS + 1):
         logits = router_gemm_cublas(hidden_states, router_weight)
         return logits if out == FP32 else logits.to(out)
-    from backends.cuda.tools.build import load_router_gemm_ext
+    from backends.cuda.build import load_router_gemm_ext
 
     ext = load_router_gemm_ext()
     return ext.dsv3_router_gemm(_aligned(hidden_states), _aligned(router_weight), out == BF16,
@@ -218,7 +218,7 @@ def fp32_router_gemm(x: torch.Tensor, weight: torch.Tensor, *, variant: int | No
     _check_cuda(x, "fp32_router_gemm")
     if M == 0:
         return torch.empty(0, E, dtype=FP32, device=x.device)
-    from backends.cuda.tools.build import load_router_gemm_ext
+    from backends.cuda.build import load_router_gemm_ext
 
     ext = load_router_gemm_ext()
     return ext.fp32_router_gemm(_aligned(x), _aligned(weight), -1 if variant is None else int(variant))

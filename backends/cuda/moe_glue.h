@@ -5,7 +5,7 @@
 // act_quant -> GEMM2 -> weight_reduce: four glue launches (three at decode, where the plan's block scatters too), none
 // of them a host synchronisation. The torch-op
 // functions of experts.py (route_plan, quant_fp8_per_token, cuda_moe_activation, _weight_and_reduce) define what
-// each kernel computes; the GPU probe checks every kernel against them (python -m backends.cuda.tools.glue_check).
+// each kernel computes; the GPU probe checks every kernel against them (python -m tools.cuda.glue_check).
 //
 // Layout: routes are ``r = token * topk + k``. The plan gives every local route a row ``inv[r]`` of the sorted
 // operand, grouped by local expert in ascending route order (the torch plan's stable sort); rows past

@@ -13,7 +13,7 @@
 //   [g * EPB, (g + 1) * EPB) and the K slice [s * H / S, (s + 1) * H / S). Splitting K shortens each thread's
 //   serial chain (one 16-byte weight vector per expert instead of H / (8 * 128) = 7), keeps the activation bytes
 //   each block pulls from L2 small (x is re-read by every expert group; at M = 16 all of x is 229 KB), and gives
-//   several blocks per SM. Measured (RESULTS.md): the unsplit S = 1 variant is 1.3-2.3x slower for M >= 4.
+//   several blocks per SM. Measured (docs/notes/cuda-results.md): the unsplit S = 1 variant is 1.3-2.3x slower for M >= 4.
 // * Every thread issues all of its weight loads first (16-byte ld.global.nc.L1::no_allocate: each weight element
 //   is read exactly once, for all M tokens, and bypasses L1), then loads its x vectors (16 or 8 bytes, __ldg,
 //   L1-cached, several rows in flight at once) and accumulates acc[m][e] in fp32 registers; each x vector is
@@ -26,7 +26,7 @@
 //   block-uniform branch and never stored.
 //
 // At these sizes the kernel is latency-bound (H200: 3.7 us at M = 1 against a 0.9 us weight-read floor and a 1.2 us
-// launch), 2x faster than cuBLAS at M = 1 and at parity at M = 16 (backends/cuda/RESULTS.md).
+// launch), 2x faster than cuBLAS at M = 1 and at parity at M = 16 (docs/notes/cuda-results.md).
 //
 // Compile: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a (clusters need sm_90 or newer).
 

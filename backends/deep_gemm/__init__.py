@@ -13,7 +13,7 @@ Contents
   to the torch paths on the H200).
 - :mod:`~backends.deep_gemm.platform`: package / GPU / capability probes (replaceable in tests).
 - ``python -m benchmarks --backend deep_gemm``: the timings (step and GEMMs alone against vLLM's figures);
-  ``python3 -m backends.deep_gemm.tools.probe``: layout probe, kernels against the torch ops, published GEMM rates.
+  ``python3 -m tools.deep_gemm.probe``: layout probe, kernels against the torch ops, published GEMM rates.
 
 Availability (``backend.unavailable_reason()``), in this order so that a CPU machine never installs the package:
 no CUDA GPU; a GPU that is not SM90; ``deep_gemm is not installed (...)``; a deep_gemm whose compiled ``_C`` does

@@ -4,7 +4,7 @@ Why a second kernel: with 128x128 block scales the dot of every K tile must be s
 (``acc += dot(a, b) * a_s[:, None] * b_s``). Triton's ``tl.dot`` pipeliner makes a wgmma asynchronous only when its
 result is the next wgmma's accumulator; here the result is scaled first, so every K tile ends in
 ``wgmma.wait_group 0`` and the tensor cores idle while the warpgroup scales and issues the next tile (checked in the
-sm_90 PTX with ``backends/triton/tools/sm90.py``, also when the scaling is moved one iteration later by hand). Gluon
+sm_90 PTX with ``tools/triton/sm90.py``, also when the scaling is moved one iteration later by hand). Gluon
 exposes the wgmma groups: K tile ``k``'s MMA is issued into its own registers, then K tile ``k - 1``'s result is
 waited for (``warpgroup_mma_wait(1)``: one group may stay in flight) and promoted into the fp32 accumulator while
 tile ``k`` runs on the tensor cores: the per-block promotion of DeepGEMM's SM90 FP8 GEMMs, overlapped here by two
@@ -12,8 +12,8 @@ register sets within one warpgroup rather than by warp specialization.
 
 Numerics are those of ``fused_moe_kernel``'s block-FP8 path (``A_SCALE = B_SCALE = 3``, ``B_SCALAR``): per K tile of
 128, the fp32 wgmma result times ``a_s[row, kb] * w_s[e, nb, kb]`` added to an fp32 accumulator, in K order; one
-rounding to the output dtype (bitwise equal to it on the H200 for every variant the tuner tried, backends/triton/
-NOTES.md). What it covers (the rest stays with ``fused_moe_kernel``, see :func:`supported`): contiguous A rows
+rounding to the output dtype (bitwise equal to it on the H200 for every variant the tuner tried, docs/notes/
+triton.md). What it covers (the rest stays with ``fused_moe_kernel``, see :func:`supported`): contiguous A rows
 (GEMM2, or GEMM1 after ``PERMUTE_A``); a plain epilogue, or SiLU-and-mul of gate / up halves (no bias, no clamp, the
 FP8 requantization left to ``act_quant_kernel``); 128x128 weight blocks with ``BLOCK_K = 128``; one tile height
 (no ``HALF_TAIL``); TMA-able operands; an sm_90 GPU. A grid smaller than the tile count makes it persistent.

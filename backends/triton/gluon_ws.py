@@ -4,7 +4,7 @@ warpgroups, in CUTLASS's two schedules.
 Why: ``fused_moe_kernel`` (and the block-FP8 Gluon kernel of ``gluon_sm90``) run the loads, the MMAs and the epilogue
 of a tile in the same warps, so the first loads of a tile and its epilogue (rounding, activation, row-scattered
 stores) are exposed; with a short K (GEMM2 of Qwen3: K = I = 768; of DeepSeek-V3 TP8: K = 256, two K tiles) they are
-a large part of a tile's life (backends/triton/NOTES.md). Here each CTA stays resident (one per SM) and splits into
+a large part of a tile's life (docs/notes/triton.md). Here each CTA stays resident (one per SM) and splits into
 three partitions (``gl.warp_specialize``):
 
 * the producer (one warp) walks the program's tiles and streams their A / W K tiles into a ``STAGES``-deep TMA ring

@@ -1,4 +1,0 @@
-"""Backend-only tools of the deep_gemm backend (GPU scripts run as ``python3 -m backends.deep_gemm.tools.<name>``):
-``probe`` (layout probe, kernels against the torch ops, the grouped GEMM at the published shapes) and the extra
-benchmark variants read by ``python -m benchmarks --backend deep_gemm`` (``bench_variants``). They import only
-reference, specs, benchmarks and this backend."""

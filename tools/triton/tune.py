@@ -1,0 +1,582 @@
+"""Tune the launch configurations of the triton backend's MoE GEMMs on the GPU; writes ``configs/*.json``.
+
+    python -m tools.triton.tune --shapes qwen3_30b_bf16,dsv3_ep8_fp8blk --ms 1,8,64,1024,4096 \
+        --out backends/triton/configs [--budget-s 540]
+
+Shapes are the names of ``tools.triton.common.shapes()`` (the triton suite of ``benchmarks/suites.toml``), or ``E,topk,K,I,scheme[,activation]`` tuples (scheme: bf16, fp16,
+fp8_block128, fp8_tensor, fp8_channel_token, int8_channel_token). For each shape and M the tuner
+
+1. draws 4 routings (top-k of softmax of random logits; decode rotates them so L2 does not hold the experts),
+2. for each candidate BLOCK_SIZE_M of the regime (tokens per expert; in prefill also 128-row tiles with
+   ``HALF_TAIL``, i.e. over a 64-row padding), times GEMM1 (with its fused activation /
+   requantization, or the separate kernel when unfused) over the GEMM1 candidates with GEMM2 fixed, then GEMM2 over
+   its candidates with the best GEMM1 (CUDA graphs of the calls, median of replays),
+3. keeps the BLOCK_SIZE_M with the best GEMM1 + GEMM2 time,
+
+and merges the winners into ``E={E},N={I},device_name={GPU}[,dtype=..][,block_shape=[..]].json`` (existing entries
+for other M are kept). A candidate that fails to compile or launch is skipped. Stops starting new shapes / Ms after
+``--budget-s`` seconds, writing what it has.
+
+``--variants [FAMILIES]`` (after tuning) only revisits the existing entries of ``--ms``: GEMM1 gathering its input
+rows vs reading them pre-permuted (``input``: ``PERMUTE_A``, with and without TMA), with the gate and up halves as
+one weight tile or two (``joint``: ``JOINT_GATE_UP``), each with and without ``HALF_TAIL`` (``half_tail``: experts
+padded to half a tile, one half-height tail tile each), and for block FP8 with GEMM1, GEMM2 or both on the Gluon
+kernel of ``gluon_sm90.py`` (``gluon``: ``GLUON``, unfused or gated, one program per tile or ``PERSISTENT``), on the
+warp-specialized kernel of ``gluon_ws.py`` (``ws``: ``PINGPONG`` / ``COOPERATIVE``, bf16 and block FP8), and with
+programmatic dependent launch between the GEMMs (``pdl``: ``PDL``), and decode GEMM2s computing several N tiles
+per program (``ntiles``: ``N_TILES``, ``FLATTEN``); outputs must agree (see ``tune_variants``), the
+fastest of ``--repeats`` round-robin timings is kept. ``--variants half_tail`` (for example) tries only that family
+against the entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def _c(bm, bn, bk, gm, w, s, tma=0, **extra):
+    d = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=w, num_stages=s,
+             USE_TMA=tma)
+    d.update(extra)
+    return d
+
+
+def candidates(M, E, topk, fp8_block, fp8):
+    """``{key: (gemm1 candidates, gemm2 candidates)}`` for the regime of M (tokens per expert T): one key per
+    BLOCK_SIZE_M, and ``"128h"`` for 128-row tiles with ``HALF_TAIL`` in the prefill regime.
+
+    Small, hand-pruned lists (each distinct config compiles once, ~1 s): decode streams weights (BLOCK_M 16, long
+    K tiles, deep pipelines), prefill is MMA-bound (64/128-row tiles, 4/8 warps, grouped tile order, TMA weights).
+    """
+    T = M * topk / E
+    bk2 = 256 if fp8 and not fp8_block else 128
+    if T <= 24:
+        bms = [16] if T <= 12 else [16, 32]
+    elif T <= 96:
+        bms = [32, 64]
+    else:
+        bms = [64, 128]
+    out = {}
+    for bm in bms:
+        if bm <= 32:
+            g1 = [_c(bm, 32, 128, 1, 4, 4), _c(bm, 64, 128, 1, 4, 4), _c(bm, 64, 128, 1, 4, 4, 1),
+                  _c(bm, 128, 128, 1, 4, 3), _c(bm, 32, bk2, 1, 4, 4), _c(bm, 64, 64, 1, 4, 6)]
+            g2 = [_c(bm, 64, 128, 1, 4, 4), _c(bm, 64, 128, 1, 4, 4, 1), _c(bm, 128, 128, 1, 4, 3),
+                  _c(bm, 32, 128, 1, 4, 4), _c(bm, 64, bk2, 1, 4, 3), _c(bm, 128, 64, 1, 4, 5)]
+            # GEMM2's K (= I) is short: a program's few K tiles can all be in flight at once (deep pipelines, wide
+            # tiles, about one program per SM), so that a program's life is one memory round trip, not several
+            g2 += [_c(bm, 128, 128, 1, 4, 5), _c(bm, 128, 128, 1, 4, 6), _c(bm, 256, 64, 1, 8, 6),
+                   _c(bm, 256, 128, 1, 8, 5), _c(bm, 64, 256, 1, 4, 3), _c(bm, 128, 256, 1, 8, 3)]
+            if T <= 2:  # M ~ 1: a few experts x one row; more, narrower programs and fewer warps cut latency
+                g1 += [_c(bm, 16, 128, 1, 2, 4), _c(bm, 32, 128, 1, 2, 5), _c(bm, 16, bk2, 1, 4, 3),
+                       _c(bm, 32, 128, 1, 4, 4, 1)]
+                g2 += [_c(bm, 32, 128, 1, 2, 4), _c(bm, 16, 128, 1, 2, 4), _c(bm, 32, bk2, 1, 4, 3),
+                       _c(bm, 32, 128, 1, 4, 4, 1)]
+        elif bm == 64:
+            g1 = [_c(64, 64, 64, 8, 4, 4), _c(64, 128, 64, 8, 4, 3, 1), _c(64, 64, 128, 8, 4, 3),
+                  _c(64, 128, 128, 8, 8, 3), _c(64, 64, 64, 16, 4, 5), _c(64, 128, 64, 8, 8, 4)]
+            g2 = [_c(64, 128, 64, 8, 4, 4), _c(64, 128, 128, 8, 4, 3, 1), _c(64, 256, 64, 8, 8, 3),
+                  _c(64, 64, 128, 8, 4, 4), _c(64, 128, 64, 16, 4, 5), _c(64, 256, 64, 8, 8, 4, 1)]
+        else:
+            g1 = [_c(128, 64, 64, 8, 8, 3), _c(128, 64, 64, 8, 8, 4, 1), _c(128, 128, 64, 8, 8, 3),
+                  _c(128, 64, 128, 8, 8, 3, 1), _c(128, 128, 64, 16, 8, 4), _c(128, 128, 64, 8, 8, 3, 1)]
+            g2 = [_c(128, 128, 64, 8, 8, 3), _c(128, 128, 64, 8, 8, 4, 1), _c(128, 256, 64, 8, 8, 3),
+                  _c(128, 128, 128, 8, 8, 3, 1), _c(128, 256, 64, 16, 8, 3, 1), _c(128, 128, 64, 16, 8, 5)]
+        if bm >= 64:  # short GEMM2 K (I = 256 / 384): two stages free shared memory for more programs per SM
+            g2 += [dict(c, num_stages=2) for c in g2[:3]]
+        if fp8_block:  # K tiles inside one 128 scale group; GEMM1 N tile 128 fuses the 1x128 requantization
+            g1 = [dict(c, BLOCK_SIZE_K=128) for c in g1 if c["BLOCK_SIZE_N"] in (32, 64, 128)]
+            g1 = [dict(c, FUSE_QUANT=int(c["BLOCK_SIZE_N"] == 128)) for c in g1]
+            g2 = [dict(c, BLOCK_SIZE_K=128) for c in g2]
+        # several N tiles per program over the same rows (FLATTEN: the tile loop and the K loop pipelined as one)
+        g2 += [dict(c, N_TILES=n, FLATTEN=f) for c in g2[:2] for n in (2, 4) for f in (0, 1)]
+        if bm >= 64:
+            g1 += [dict(c, N_TILES=2, FLATTEN=f) for c in g1[:2] for f in (0, 1)]
+            # gate and up rows as one weight tile: one MMA chain twice as wide (a 128 x 256 tile at BLOCK_N 128)
+            g1 += [dict(c, JOINT_GATE_UP=1) for c in g1[:4]]
+        out[bm] = (_dedupe(g1), _dedupe(g2))
+    if 128 in out:  # 128-row tiles over a 64-row padding (one 64-row tail tile per expert): HALF_TAIL
+        out["128h"] = ([dict(c, HALF_TAIL=1) for c in out[128][0]], out[128][1])
+    return out
+
+
+def _dedupe(configs):
+    """The configs in order, without repeats (each list on its own: GEMM1 and GEMM2 may share a config)."""
+    seen, out = set(), []
+    for c in configs:
+        key = json.dumps(c, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def _smem_ok(cfg, elt, fuse_pair):
+    """Rough shared-memory estimate: stages * (A tile + B tile(s)) must fit in ~227 KB."""
+    bm, bn, bk, st = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["num_stages"]
+    b_rows = 2 * bn if fuse_pair else bn
+    return st * (bm * bk + b_rows * bk) * elt <= 220 * 1024
+
+
+def _draw_inputs(sh, M, dev, plan, qc, dt, R=4):
+    """``R`` routings (seeded by M) and GEMM1 inputs (quantized per ``plan``): ``(routes, [(a1q, a1q_scale)])``."""
+    from tools.triton.common import draw_inputs
+
+    _, routes, a1s = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=77 * M)
+    return routes, a1s
+
+
+def _read_table(fname) -> dict:
+    if not os.path.isfile(fname):
+        return {}
+    with open(fname) as f:
+        return json.load(f)
+
+
+def _write_table(fname, table: dict) -> None:
+    os.makedirs(os.path.dirname(fname) or ".", exist_ok=True)
+    with open(fname, "w") as f:
+        json.dump(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), f, indent=1)
+
+
+def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25):
+    from backends.triton import configs as C
+    from tools.triton.common import make_weights, time_us
+    from backends.triton.experts import layout_block, layout_rows, plan_quant, route_layout, run_experts
+
+    w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
+    plan = plan_quant(qc)
+    elt_w = w1.element_size()
+    fname = os.path.join(out_dir, C.config_file_name(sh.E, sh.I, plan.cfg_dtype, plan.block_shape))
+    table = _read_table(fname)
+    for M in Ms:
+        if time.time() - T0 > budget_s:
+            log(f"budget reached, skipping {sh.name} M={M}")
+            continue
+        R = 4
+        routes, a1s = _draw_inputs(sh, M, dev, plan, qc, dt, R)
+        outs = torch.empty(M, sh.K, device=dev, dtype=dt)
+        best = None
+        for key, (g1s, g2s) in candidates(M, sh.E, sh.topk, plan.block_shape is not None,
+                                          plan.kind != "none").items():
+            bm = g1s[0]["BLOCK_SIZE_M"]
+            lay_cfg = {"gemm1": {"BLOCK_SIZE_M": bm, "HALF_TAIL": g1s[0].get("HALF_TAIL", 0)}}
+            rows = layout_rows(M * sh.topk, sh.E, layout_block(lay_cfg))
+            lays = [route_layout(ids, lay_cfg, sh.E) for _, ids in routes]
+            ws13 = torch.empty(rows * sh.I * 4 + rows * (sh.I // 128 + 1) * 4 + 1024, dtype=torch.uint8, device=dev)
+            ws2 = torch.empty(max(rows * 2 * sh.I, M * sh.topk * sh.K) * 4 + 1024, dtype=torch.uint8, device=dev)
+
+            def timed(cfg, stage):
+                def call(i):
+                    r = i % R
+                    run_experts(out=outs, a1q=a1s[r][0], a1q_scale=a1s[r][1], w1=w1, w2=w2,
+                                topk_weights=routes[r][0], topk_ids=routes[r][1], activation=act, expert_map=None,
+                                num_ids=sh.E, qc=qc, plan=plan, cfg=cfg, ws13=ws13, ws2=ws2, layout=lays[r],
+                                stages=stage)
+                return time_us(call, 8 if M <= 64 else 4, dev, reps_s)
+
+            default = C.sanitize_config(C.default_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype,
+                                                         plan.block_shape), block_shape=plan.block_shape)
+            g2_fixed = dict(default["gemm2"], BLOCK_SIZE_M=bm)
+            res1 = []
+            for g1 in g1s:
+                if not _smem_ok(g1, elt_w, True) or time.time() - T0 > budget_s + 45:
+                    continue
+                cfg = C.sanitize_config({"gemm1": g1, "gemm2": g2_fixed}, block_shape=plan.block_shape)
+                try:
+                    res1.append((timed(cfg, "gemm1"), g1))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"  skip gemm1 {g1}: {type(exc).__name__}: {str(exc)[:120]}")
+            if not res1:
+                continue
+            t1, g1b = min(res1, key=lambda r: r[0])
+            res2 = []
+            timed(C.sanitize_config({"gemm1": g1b, "gemm2": g2_fixed}, block_shape=plan.block_shape),
+                  "gemm1")  # leave GEMM1's output in the workspaces for GEMM2 to read
+            for g2 in g2s:
+                if not _smem_ok(g2, elt_w, False) or time.time() - T0 > budget_s + 45:
+                    continue
+                cfg = C.sanitize_config({"gemm1": g1b, "gemm2": g2}, block_shape=plan.block_shape)
+                try:
+                    res2.append((timed(cfg, "gemm2"), g2))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"  skip gemm2 {g2}: {type(exc).__name__}: {str(exc)[:120]}")
+            if not res2:
+                continue
+            t2, g2b = min(res2, key=lambda r: r[0])
+            log(f"{sh.name} M={M} BM={key}: gemm1 {t1:.2f} us {g1b} | gemm2 {t2:.2f} us {g2b}")
+            if best is None or t1 + t2 < best[0]:
+                best = (t1 + t2, {"gemm1": g1b, "gemm2": g2b})
+            del ws13, ws2, lays
+            torch.cuda.empty_cache()
+        if best is not None:
+            table[str(M)] = best[1]
+            log(f"BEST {sh.name} M={M}: {best[0]:.2f} us")
+            _write_table(fname, table)
+    log(f"wrote {fname}")
+
+
+VARIANT_FAMILIES = ("input", "joint", "half_tail", "gluon", "ws", "pdl", "ntiles", "swap", "splitk", "quant_warps")
+
+
+def _swap_variants(entry_g1, g2):
+    """FP8 (block, per-tensor or per-channel) decode entries (BLOCK_SIZE_M <= 32, on ``fused_moe_kernel``) with ``SWAP_AB`` (vLLM 0.33's decode
+    form: the weight rows on the wgmma's M, the tile's token rows on its N): GEMM2, GEMM1 or both, one warpgroup each
+    (wgmma needs four warps and 64 weight rows: GEMM2 tiles of at least 64 columns, GEMM1 gate / up halves of 32
+    columns as one joint 64-row tile, of 64 columns as two chains or one joint 128-row tile)."""
+    from backends.triton.experts import GLUON_KEYS
+
+    if g2["BLOCK_SIZE_M"] > 32 or any(g.get(k, 0) for g in (entry_g1, g2) for k in GLUON_KEYS):
+        return []
+    s2 = [dict(g2, SWAP_AB=1, BLOCK_SIZE_N=max(g2["BLOCK_SIZE_N"], 64), num_warps=4)]
+    if g2["BLOCK_SIZE_N"] < 128:
+        s2.append(dict(s2[0], BLOCK_SIZE_N=128, N_TILES=1, FLATTEN=0))
+    bn1 = entry_g1["BLOCK_SIZE_N"]
+    s1 = [dict(entry_g1, SWAP_AB=1, num_warps=4, JOINT_GATE_UP=1, BLOCK_SIZE_N=max(bn1, 32))]
+    if bn1 <= 64:
+        s1.append(dict(entry_g1, SWAP_AB=1, num_warps=4, JOINT_GATE_UP=0, BLOCK_SIZE_N=64, FUSE_QUANT=0))
+    out = [(f"swap2-bn{v['BLOCK_SIZE_N']}", entry_g1, v) for v in s2]
+    out += [(f"swap1-bn{v['BLOCK_SIZE_N']}" + ("-joint" if v["JOINT_GATE_UP"] else ""), v, g2) for v in s1]
+    out += [(f"swap12-bn{v1['BLOCK_SIZE_N']}" + ("-joint" if v1["JOINT_GATE_UP"] else "") + f"-bn{v2['BLOCK_SIZE_N']}",
+             v1, v2) for v1 in s1 for v2 in s2]
+    return out
+
+
+def _splitk_variants(entry_g1, g2, K, I, fp8=False):
+    """Decode entries (BLOCK_SIZE_M <= 32, on ``fused_moe_kernel``) with ``SPLIT_K``: GEMM1 over 2 / 4 / 8 shares of
+    K (gate / up as one joint tile: one MMA chain), GEMM2 over 2 / 4 shares where its K (= I) has at least 8 K tiles,
+    and GEMM1 / GEMM2 split 4 / 2 together; ``fp8``: an unswapped GEMM1 split also with ``SWAP_AB``. Aimed at M = 1,
+    where a GEMM has only (8 experts x N tiles) programs of a long K: DeepSeek-V3 TP8 GEMM1 runs 64 programs of
+    7168 K each, half the SMs idle."""
+    from backends.triton.experts import GLUON_KEYS
+
+    if g2["BLOCK_SIZE_M"] > 32 or any(g.get(k, 0) for g in (entry_g1, g2) for k in GLUON_KEYS):
+        return []
+    out = [(f"splitk1-x{n}", dict(entry_g1, SPLIT_K=n, JOINT_GATE_UP=1), g2)
+           for n in (2, 4, 8) if K >= n * entry_g1["BLOCK_SIZE_K"]]
+    if fp8 and not entry_g1.get("SWAP_AB", 0):
+        out += [(f"splitk1-x{n}-swap", dict(entry_g1, SPLIT_K=n, JOINT_GATE_UP=1, SWAP_AB=1, num_warps=4,
+                                            BLOCK_SIZE_N=max(entry_g1["BLOCK_SIZE_N"], 32)), g2)
+                for n in (2, 4, 8) if K >= n * entry_g1["BLOCK_SIZE_K"]]
+    if I >= 8 * g2["BLOCK_SIZE_K"]:
+        out += [(f"splitk2-x{n}", entry_g1, dict(g2, SPLIT_K=n)) for n in (2, 4)]
+        if K >= 4 * entry_g1["BLOCK_SIZE_K"]:
+            out.append(("splitk12-x4-x2", dict(entry_g1, SPLIT_K=4, JOINT_GATE_UP=1), dict(g2, SPLIT_K=2)))
+    return out
+
+
+def _ntiles_variants(entry_g1, g2):
+    """Decode GEMM2s (BLOCK_SIZE_M <= 32, on ``fused_moe_kernel``): several N tiles per program (``N_TILES`` 2 / 3 /
+    4, with and without ``FLATTEN``) at the entry's BLOCK_SIZE_N and at 64. Fewer, longer programs (a third of the
+    grid at 3: about one wave of resident CTAs at M = 8) whose next tile's loads overlap this tile's epilogue
+    (``FLATTEN``), against the one-tile programs whose short K (= I) makes each a chain of latencies."""
+    from backends.triton.experts import GLUON_KEYS
+
+    if g2["BLOCK_SIZE_M"] > 32 or any(g2.get(k, 0) for k in GLUON_KEYS):
+        return []
+    out = []
+    for bn in sorted({g2["BLOCK_SIZE_N"], 64}):
+        for n in (2, 3, 4):
+            for f in (0, 1):
+                out.append((f"ntiles-bn{bn}-x{n}" + ("-flat" if f else ""), entry_g1,
+                            dict(g2, BLOCK_SIZE_N=bn, N_TILES=n, FLATTEN=f)))
+    return out
+
+
+def _gluon_variants(g1, g2):
+    """Block FP8, on the Gluon kernel (``GLUON``; one warpgroup per 64 rows): GEMM2 alone (at the entry's
+    BLOCK_SIZE_M, 128-column tiles); GEMM1 alone over its pre-permuted input, either unfused (``FUSE_ACT`` 0: the
+    activation and requantization in ``act_quant_kernel``) or with SiLU-and-mul in its epilogue (64 output columns:
+    gate | up as one 128-column MMA; ``FUSE_QUANT`` 0: requantization in ``act_quant_kernel``); and both GEMMs, at
+    64- and 128-row tiles; each with one program per tile and persistent (``PERSISTENT``)."""
+    bm = g1["BLOCK_SIZE_M"]
+
+    def gl(m, bn=128, stages=4):
+        return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=m // 16,
+                    num_stages=stages, USE_TMA=1, GLUON=1)
+
+    def gemm1(m, fused, stages=4):
+        if fused:
+            return dict(gl(m, 64, stages), PERMUTE_A=1, FUSE_ACT=1, FUSE_QUANT=0)
+        return dict(gl(m, 128, stages), PERMUTE_A=1, FUSE_ACT=0)
+
+    out = []
+    if bm in (64, 128):
+        g2t = {k: v for k, v in g2.items() if k != "GLUON"}
+        out += [("gluon2", g1, gl(bm)), (f"gluon1-bm{bm}", gemm1(bm, False), g2t),
+                (f"gluon1act-bm{bm}", gemm1(bm, True), g2t)]
+    for m in (64, 128):
+        out += [(f"gluon12-bm{m}", gemm1(m, False), gl(m)), (f"gluon12act-bm{m}", gemm1(m, True), gl(m))]
+    # each also persistent: one program per resident CTA, the next tile's loads overlapping this tile's epilogue
+    return out + [(f"{n}+persist", dict(v1, PERSISTENT=1) if v1.get("GLUON") else v1,
+                   dict(v2, PERSISTENT=1) if v2.get("GLUON") else v2) for n, v1, v2 in out]
+
+
+def _ws_variants(entry_g1, g1, g2, fp8_block):
+    """Prefill entries (BLOCK_SIZE_M >= 64) on the warp-specialized kernel of ``gluon_ws.py`` (a TMA producer warp,
+    two consumer warpgroups): ``PINGPONG`` (a consumer holds a whole tile: 128 x 128 or 64 x 256 MMA columns, block
+    FP8 64 x 128; epilogues overlap the other consumer's MMAs) and ``COOPERATIVE`` (both share a 128-row tile:
+    128 x 256, block FP8 128 x 128). GEMM2 alone (the entry's GEMM1 kept), GEMM1 over its pre-permuted input with
+    SiLU-and-mul in its epilogue (block FP8: requantized by ``act_quant_kernel``; also unfused) alone or with GEMM2,
+    with and without ``HALF_TAIL`` (64-row tails), in grouped tile orders of 8 / 16 / 32 row tiles. (Decode entries
+    are left alone: 64-row tiles streaming the experts' weights through the ring measured 20-30% slower there than
+    ``fused_moe_kernel``'s 16-row tiles, docs/notes/triton.md.)"""
+
+    def ws(m, bn, stages, **extra):
+        return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128 if fp8_block else 64, GROUP_SIZE_M=8,
+                    num_warps=4, num_stages=stages, USE_TMA=1, **extra)
+
+    def gemm1(m, bn, stages, **extra):
+        return ws(m, bn, stages, PERMUTE_A=1, **(dict(FUSE_QUANT=0) if fp8_block else {}), **extra)
+
+    def g16(*cfgs):
+        return tuple(dict(c, GROUP_SIZE_M=16) for c in cfgs)
+
+    def tail(cfg):
+        return dict(cfg, HALF_TAIL=1)
+
+    bm = g1["BLOCK_SIZE_M"]
+    if bm < 64:
+        return []
+    no_tail = {k: v for k, v in entry_g1.items() if k != "HALF_TAIL"}
+    if fp8_block:
+        pp1, pp2 = gemm1(64, 64, 6, PINGPONG=1), ws(64, 128, 6, PINGPONG=1)
+        co1, co2 = gemm1(128, 64, 5, COOPERATIVE=1), ws(128, 128, 5, COOPERATIVE=1)
+        out = [("ws12-pingpong-bm64", pp1, pp2), ("ws12-coop-bm128", co1, co2),
+               ("ws12-coop-bm128-g16", *g16(co1, co2)), ("ws12-coop-bm128+half_tail", tail(co1), co2),
+               ("ws12-coop-bm128-unfused", dict(gemm1(128, 128, 5, COOPERATIVE=1), FUSE_ACT=0), co2)]
+        if bm == 64:
+            out += [("ws2-pingpong", no_tail, dict(pp2, GROUP_SIZE_M=g2.get("GROUP_SIZE_M", 8))),
+                    ("ws1-pingpong-bm64", pp1, g2)]
+        if bm == 128:
+            out += [("ws2-coop", entry_g1, co2), ("ws1-coop-bm128", co1, g2)]
+        return out
+    pp1_64, pp2_64 = gemm1(64, 128, 4, PINGPONG=1), ws(64, 256, 4, PINGPONG=1)
+    co1, co2, pp2 = gemm1(128, 128, 3, COOPERATIVE=1), ws(128, 256, 3, COOPERATIVE=1), ws(128, 128, 4, PINGPONG=1)
+    out = [("ws12-pingpong-bm64", pp1_64, pp2_64), ("ws12-coop-bm128", co1, co2),
+           ("ws12-coop-bm128+half_tail", tail(co1), co2), ("ws1-coop+ws2-pingpong", co1, pp2),
+           ("ws1-coop+ws2-pingpong+half_tail", tail(co1), pp2),
+           ("ws1-coop+ws2-pingpong+half_tail-g16", *g16(tail(co1), pp2))]
+    # GEMM2 alone, with the entry's GEMM1
+    if bm == 64:
+        out += [("ws2-pingpong", no_tail, dict(pp2_64, GROUP_SIZE_M=g2.get("GROUP_SIZE_M", 8))),
+                ("ws2-pingpong-g16", no_tail, dict(pp2_64, GROUP_SIZE_M=16))]
+    if bm == 128:
+        out += [("ws2-pingpong", entry_g1, dict(pp2, GROUP_SIZE_M=g2.get("GROUP_SIZE_M", 8))),
+                ("ws2-pingpong-g32", entry_g1, dict(pp2, GROUP_SIZE_M=32)),
+                ("ws2-coop", entry_g1, dict(co2, GROUP_SIZE_M=g2.get("GROUP_SIZE_M", 8)))]
+    return out
+
+
+def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, repeats=2):
+    """For each M with a table entry: time GEMM1 + GEMM2 with GEMM1's input gathered in the GEMM (the entry without
+    ``PERMUTE_A`` / ``HALF_TAIL`` and on ``fused_moe_kernel``: the reference output) and the variants of ``families``:
+
+    - ``input``: pre-permuted input (``PERMUTE_A``, with the entry's and with TMA loads);
+    - ``joint``: each input path also with ``JOINT_GATE_UP`` flipped (gated halves);
+    - ``half_tail``: each with ``HALF_TAIL`` (``BLOCK_SIZE_M >= 64``; for a 64-row entry also with 128-row tiles
+      over the same 32-row padding);
+    - ``gluon`` (block FP8): the Gluon kernel for GEMM1, GEMM2 or both (see ``_gluon_variants``);
+    - ``ws`` (unquantized or block FP8, SiLU): the warp-specialized kernel, ping-pong or cooperative, for GEMM1,
+      GEMM2 or both (see ``_ws_variants``);
+    - ``pdl`` (entries on ``fused_moe_kernel``): the entry with ``PDL`` flipped on GEMM2 (programmatic dependent
+      launch: GEMM2 is launched during GEMM1's last wave and waits for its output);
+    - ``ntiles`` (decode GEMM2s): ``N_TILES`` 2 / 3 / 4, with and without ``FLATTEN`` (see ``_ntiles_variants``);
+    - ``swap`` (FP8 decode entries): ``SWAP_AB`` on GEMM2, GEMM1 or both (see ``_swap_variants``);
+    - ``splitk`` (decode entries): ``SPLIT_K`` on GEMM1, GEMM2 or both (see ``_splitk_variants``);
+    - ``quant_warps`` (quantized schemes whose GEMM1 does not requantize in its epilogue): the requantization kernel
+      at 4 / 8 / 16 warps per program (``QUANT_WARPS``);
+
+    and keep the fastest (best of ``repeats`` round-robin timings) whose output is bitwise equal to the gathering
+    one (the input path changes no arithmetic) or, for ``HALF_TAIL``, ``JOINT_GATE_UP``, ``GLUON`` and the
+    warp-specialized kernel (which may take another MMA shape or accumulation schedule), equal up to ``max_norm``
+    1e-3 (a tenth of the experts tolerance), for ``SWAP_AB`` and ``SPLIT_K`` (another order of the fp32 sums:
+    requantization flips) up to 1e-2; conformance and the benchmark's check hold every entry to the error model."""
+    from backends.triton.experts import strict_kernels
+
+    # a variant its Gluon kernel does not cover is skipped, never timed on fused_moe_kernel by mistake
+    with strict_kernels():
+        _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats)
+
+
+def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
+    from backends.triton import configs as C
+    from tools.triton.common import make_weights, time_us
+    from backends.triton.experts import GLUON_KEYS, plan_quant, requantizes_in_epilogue, route_layout, run_experts
+
+    w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
+    plan = plan_quant(qc)
+    fname = os.path.join(out_dir, C.config_file_name(sh.E, sh.I, plan.cfg_dtype, plan.block_shape))
+    table = _read_table(fname)
+    if not table:
+        log(f"{sh.name}: no table {fname}")
+        return
+    for M in Ms:
+        if str(M) not in table:
+            log(f"{sh.name} M={M}: no entry")
+            continue
+        entry = {k: dict(v) for k, v in table[str(M)].items()}
+        g2 = entry["gemm2"]
+        # the reference path: fused_moe_kernel gathering its rows (no Gluon kernel: those need PERMUTE_A)
+        g1 = {k: v for k, v in entry["gemm1"].items()
+              if k not in ("PERMUTE_A", "HALF_TAIL", "PERSISTENT") + GLUON_KEYS}
+        bm = g1["BLOCK_SIZE_M"]
+        R = 4
+        routes, a1s = _draw_inputs(sh, M, dev, plan, qc, dt, R)
+        outs = torch.empty(M, sh.K, device=dev, dtype=dt)
+        res, first = [], None
+        paths = [("gather", g1)]
+        if "input" in families:
+            paths += [("permute", dict(g1, PERMUTE_A=1)), ("permute+tma", dict(g1, PERMUTE_A=1, USE_TMA=1))]
+        if "joint" in families and sh.activation != "swigluoai":  # gate / up halves: also as one joint tile
+            flip = 1 - g1.get("JOINT_GATE_UP", 0)
+            paths += [(f"{n}+joint" if flip else f"{n}-joint", dict(g, JOINT_GATE_UP=flip)) for n, g in paths]
+        variants = [(n, g, g2) for n, g in paths]
+        if entry["gemm1"] != g1 and not set(families) >= {"input", "half_tail"}:
+            variants.append(("entry", entry["gemm1"], g2))  # the entry's own input path, timed against the others
+        if "half_tail" in families and bm >= 64:
+            variants += [(f"{n}+half_tail", dict(g, HALF_TAIL=1), g2) for n, g in paths]
+            if bm == 64:  # same 32-row padding as the entry, but 128-row tiles where an expert has them
+                variants += [(f"{n}+bm128+half_tail", dict(g, BLOCK_SIZE_M=128, HALF_TAIL=1, num_warps=8),
+                              dict(g2, BLOCK_SIZE_M=128, num_warps=8))
+                             for n, g in paths if n in ("gather", "permute+tma")]
+        if "gluon" in families and plan.block_shape is not None:
+            variants += _gluon_variants(g1, g2)
+        if "pdl" in families and not any(g.get(k, 0) for g in entry.values() for k in GLUON_KEYS):
+            # GEMM2 (and the requantization before it) launched during GEMM1's last wave
+            variants.append(("pdl", entry["gemm1"], dict(g2, PDL=1 - g2.get("PDL", 0))))
+        if "ntiles" in families:
+            variants += _ntiles_variants(entry["gemm1"], g2)
+        if "splitk" in families:
+            variants += _splitk_variants(entry["gemm1"], g2, sh.K, sh.I, fp8=plan.kind == "fp8")
+        if "quant_warps" in families and plan.kind != "none" and not requantizes_in_epilogue(entry["gemm1"], plan,
+                                                                                               sh.I):
+            # the requantization kernel between the GEMMs at 4 / 8 / 16 warps per program (the others than the
+            # entry's): the same arithmetic, so bitwise equal
+            variants += [(f"quant_warps{w}", entry["gemm1"], dict(g2, QUANT_WARPS=w)) for w in (4, 8, 16)
+                         if g2.get("QUANT_WARPS", 4) != w]
+        if "swap" in families and plan.kind == "fp8":
+            variants += _swap_variants(entry["gemm1"], g2)
+        if "ws" in families and sh.activation == "silu" and not sh.bias and (
+                plan.kind == "none" or plan.block_shape is not None):
+            variants += _ws_variants(entry["gemm1"], g1, g2, plan.block_shape is not None)
+        for name, v1, v2 in variants:
+            cand = {"gemm1": v1, "gemm2": v2}
+            cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
+            lays = [route_layout(ids, cfg, sh.E) for _, ids in routes]
+
+            def call(i, cfg=cfg, lays=lays, stages="gemms"):
+                r = i % R
+                run_experts(out=outs, a1q=a1s[r][0], a1q_scale=a1s[r][1], w1=w1, w2=w2, topk_weights=routes[r][0],
+                            topk_ids=routes[r][1], activation=act, expert_map=None, num_ids=sh.E, qc=qc, plan=plan,
+                            cfg=cfg, layout=lays[r], stages=stages)
+            try:
+                call(0, stages="all")
+                verdict, ok = "bitwise equal", True
+                if first is None:
+                    first = outs.clone()
+                elif not torch.equal(outs.view(torch.int16), first.view(torch.int16)):
+                    d = ((outs.double() - first.double()).abs().max() / first.double().abs().max()).item()
+                    # tail tiles, the joint gate / up tile and the Gluon kernel may take another MMA shape. SWAP_AB
+                    # moves a decode tile from mma.sync on fp16 conversions (exact products, fp32 sums) to FP8 wgmma
+                    # (its truncating accumulator within a K tile): a GEMM1 output that lands on the other side of
+                    # a bf16 / FP8 requantization boundary moves a GEMM2 output by one e4m3 step of one product
+                    # (measured 2-9e-3 of the max on the H200), so those are kept up to 1e-2 here and held to the
+                    # error model by conformance and the benchmark's check against the reference
+                    # SPLIT_K sums its fp32 partials in another order than one K loop: the same requantization
+                    # flips as SWAP_AB
+                    limit = 1e-2 if "swap" in name or "splitk" in name else 1e-3
+                    ok = any(f in name for f in ("half_tail", "joint", "gluon", "ws", "swap", "splitk")) and d <= limit
+                    verdict = f"differs: max_norm {d:.2e}" + ("" if ok else " (REJECTED)")
+                t = time_us(call, 4, dev, reps_s)
+            except Exception as exc:  # noqa: BLE001
+                log(f"  skip {name}: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            log(f"{sh.name} M={M} BM={bm} {name}: {t:.2f} us {verdict}")
+            if ok:
+                res.append([t, name, cand, call])
+        # the same configuration timed twice in one run differed by up to ~4% (clocks): every kept variant is timed
+        # again, round-robin, and keeps its best median
+        for _ in range(repeats - 1):
+            for r in res:
+                r[0] = min(r[0], time_us(r[3], 4, dev, reps_s))
+        if res:
+            t, name, cand, _ = min(res, key=lambda r: r[0])
+            table[str(M)] = cand
+            log(f"BEST {sh.name} M={M}: {name} {t:.2f} us; " + ", ".join(f"{r[1]} {r[0]:.2f}" for r in res))
+    _write_table(fname, table)
+
+
+def parse_shape(spec):
+    from tools.triton.common import Shape, shapes
+
+    SHAPES = shapes()
+    for s in SHAPES:
+        if s.name == spec:
+            return s
+    parts = spec.split(",")
+    if len(parts) >= 5:
+        E, topk, K, I = map(int, parts[:4])
+        return Shape(f"custom_{E}_{topk}_{K}_{I}_{parts[4]}", E, topk, K, I, parts[4],
+                     activation=parts[5] if len(parts) > 5 else "silu")
+    raise SystemExit(f"unknown shape {spec!r}; names: {[s.name for s in SHAPES]} or E,topk,K,I,scheme[,act]")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="", help="';'-separated names or E,topk,K,I,scheme tuples (default: all)")
+    ap.add_argument("--ms", default="1,8,64,1024,4096")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--out", default=os.path.join(root, "backends", "triton", "configs"))
+    ap.add_argument("--budget-s", type=float, default=540.0)
+    ap.add_argument("--variants", nargs="?", const=",".join(VARIANT_FAMILIES), default=None, metavar="FAMILIES",
+                    help="only revisit the existing table entries of --ms with the variant families given "
+                         f"(comma-separated, default all: {','.join(VARIANT_FAMILIES)}; see tune_variants)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="with --variants: round-robin timings per variant, the best kept (default 2)")
+    args = ap.parse_args(argv)
+    families = tuple(args.variants.split(",")) if args.variants else ()
+    if set(families) - set(VARIANT_FAMILIES):
+        ap.error(f"unknown variant families {sorted(set(families) - set(VARIANT_FAMILIES))}; "
+                 f"known: {','.join(VARIANT_FAMILIES)}")
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: the tuner needs one")
+        return 2
+    from tools.triton.common import shapes
+
+    SHAPES = shapes()
+    specs = [s for s in args.shapes.replace(";", " ").split()] if args.shapes else [s.name for s in SHAPES]
+    if args.shapes and ";" not in args.shapes and all(p in {s.name for s in SHAPES} for p in args.shapes.split(",")):
+        specs = args.shapes.split(",")
+    dev = torch.device("cuda")
+    log(f"tuning on {torch.cuda.get_device_name()} -> {args.out}")
+    for spec in specs:
+        sh = parse_shape(spec)
+        try:
+            ms = [int(m) for m in args.ms.split(",")]
+            if families:
+                tune_variants(sh, ms, dev, args.out, families=families, repeats=args.repeats)
+            else:
+                tune_shape(sh, ms, dev, args.out, args.budget_s)
+        except Exception as exc:  # noqa: BLE001
+            log(f"FAILED {spec}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
