@@ -140,7 +140,7 @@ def _gluon_args(gemm, g, sh):
     block-FP8 bench shape ``sh`` (meta tensors of the real shapes: only their layout is looked at)."""
     import torch
 
-    from backends.triton._jit import ACT_SILU
+    from backends.triton.jit import ACT_SILU
 
     E, K, I = sh.E, sh.K, sh.I
     k, n_out = (K, 2 * I) if gemm == "gemm1" else (I, K)
@@ -159,10 +159,10 @@ def _gluon_args(gemm, g, sh):
 
 def _supported(mod, args):
     """``mod.supported`` (a Gluon kernel module's) for the flat ``_gluon_args`` dict, grouped as
-    ``experts._launch_gemm`` passes it (the route layout only says whether it has a tile list: ``HALF_TAIL``)."""
+    ``experts.launch_gemm`` passes it (the route layout only says whether it has a tile list: ``HALF_TAIL``)."""
     import torch
 
-    from backends.triton._host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
+    from backends.triton.host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
     from backends.triton.align import RouteLayout
 
     assert args["w"].shape[2] == args["K"]
@@ -180,7 +180,7 @@ def _supported(mod, args):
 
 def test_gluon_kernel_names_what_it_does_not_cover():
     from backends.triton import gluon_sm90
-    from backends.triton._jit import ACT_SILU
+    from backends.triton.jit import ACT_SILU
     from tools.triton.common import shapes
     SHAPES = shapes()
 
@@ -225,7 +225,7 @@ def test_warp_specialized_kernel_names_what_it_does_not_cover():
     import torch
 
     from backends.triton import gluon_ws
-    from backends.triton._jit import ACT_SILU
+    from backends.triton.jit import ACT_SILU
     from tools.triton.common import shapes
     SHAPES = shapes()
 

@@ -77,14 +77,14 @@ def test_split_k_is_deterministic_and_replays_from_a_cuda_graph(M, n_tiles):
 
 
 def test_hardware_e4m3_encoder_equals_the_software_one_on_every_fp32():
-    """``_jit.fp8e4m3_code`` on the GPU (``cvt.rn.satfinite.e4m3x2.f32``) against ``fp8e4m3_code_soft`` (the
+    """``jit.fp8e4m3_code`` on the GPU (``cvt.rn.satfinite.e4m3x2.f32``) against ``fp8e4m3_code_soft`` (the
     interpreter's encoder, whose codes tests/test_triton_interpret.py compares bit for bit with ``reference.quant``)
     over all 2^32 fp32 bit patterns, NaNs and infinities included; and against torch's CUDA cast after the clamp
     (RNE, an oracle independent of both) on the chunk that holds the subnormal and small normal codes."""
     import triton
     import triton.language as tl
 
-    from backends.triton._jit import fp8e4m3_code, fp8e4m3_code_soft
+    from backends.triton.jit import fp8e4m3_code, fp8e4m3_code_soft
 
     @triton.jit
     def both(base, y_ptr, z_ptr, BLOCK: tl.constexpr):

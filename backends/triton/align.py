@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import INTERPRET, cdiv, check_device, next_pow2, round_up
+from .host import INTERPRET, cdiv, check_device, next_pow2, round_up
 
 __all__ = ["moe_align_block_size", "count_expert_num_tokens", "align_routes", "max_num_tokens_padded", "max_num_tiles",
            "RouteLayout"]

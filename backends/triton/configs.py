@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from ._host import INTERPRET
+from .host import INTERPRET
 
 __all__ = ["CONFIG_DIR", "GEMM1_KEYS", "GEMM2_KEYS", "DEFAULT_PROMOTE_K", "MAX_PROMOTE_K", "config_file_name",
            "device_name", "load_table", "default_config", "get_config", "sanitize_config"]

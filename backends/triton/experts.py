@@ -50,7 +50,7 @@ from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, 
 from reference.quant import keys as K
 
 from . import configs as _configs
-from ._host import (
+from .host import (
     INTERPRET,
     SUPPORTED_ACTIVATIONS,
     Fusion,
@@ -368,7 +368,7 @@ def _gluon_module(name: str):
         return None
 
 
-def _launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict, *,
+def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict, *,
                  pdl_trigger: bool = False, pdl_wait: bool = False):
     """Launch one grouped GEMM: ``fused_moe_kernel`` (see its docstring for the modes), or the Gluon kernel table
     entry ``cfg`` names (``GLUON`` / ``PINGPONG`` / ``COOPERATIVE``) where it covers the GEMM. ``cfg``: one GEMM's
@@ -602,7 +602,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     if stages == "gemm2":
         pass
     elif fuse and (out_quant or not quant):
-        _launch_gemm(GemmOperands(a1, w1, c2_view, cs=c2s if out_quant else None, a_scale=a1s, w_scale=qc.w1_scale,
+        launch_gemm(GemmOperands(a1, w1, c2_view, cs=c2s if out_quant else None, a_scale=a1s, w_scale=qc.w1_scale,
                                   bias=w1_bias),
                      GemmShape(n_out=I, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
                      replace(epi1, out_quant=out_quant), g1, pdl_trigger=pdl)
@@ -610,7 +610,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             taps["activation"] = _unsort_rows(c2, layout, numel, M, topk)
     else:
         c1 = _view(buf2, 0, (rows, c1_cols), act_dtype)
-        _launch_gemm(GemmOperands(a1, w1, c1, a_scale=a1s, w_scale=qc.w1_scale, bias=w1_bias),
+        launch_gemm(GemmOperands(a1, w1, c1, a_scale=a1s, w_scale=qc.w1_scale, bias=w1_bias),
                      GemmShape(n_out=I if fuse else NW1, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
                      epi1, g1, pdl_trigger=pdl)
         if taps is not None:  # copied now: GEMM2's output C3 reuses this buffer
@@ -648,7 +648,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             a2_scale_arg = c2s[:, :1]
         else:
             a2_scale_arg = c2s
-    _launch_gemm(GemmOperands(c2, w2, c3, a_scale=a2_scale_arg, w_scale=qc.w2_scale, bias=w2_bias),
+    launch_gemm(GemmOperands(c2, w2, c3, a_scale=a2_scale_arg, w_scale=qc.w2_scale, bias=w2_bias),
                  GemmShape(n_out=K, a_gather=False, c_sorted=False, **gemm_rows), replace(scales1, a_mode=a2_mode),
                  GemmEpilogue(**epi_quant), g2, pdl_wait=pdl)
     if taps is not None:  # C3 is by route; rows of routes not held here were never written

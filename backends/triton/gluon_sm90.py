@@ -28,8 +28,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
-from ._jit import ACT_SILU  # the one activation the GATED epilogue implements
+from .host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
+from .jit import ACT_SILU  # the one activation the GATED epilogue implements
 
 __all__ = ["fp8_block_moe_gemm_kernel", "supported", "launch"]
 
@@ -193,7 +193,7 @@ def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, s
         h_smem.store(h)
         g = h_smem.slice(0, BLOCK_N, dim=1).load(out_layout).to(gl.float32)
         u = h_smem.slice(BLOCK_N, BLOCK_N, dim=1).load(out_layout).to(gl.float32)
-        out = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(c_ptr.dtype.element_ty)  # _jit.apply_act, SILU
+        out = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(c_ptr.dtype.element_ty)  # jit.apply_act, SILU
     else:
         out = gl.convert_layout(h, out_layout)
     _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, BLOCK_M, BLOCK_N, C_SORTED)
@@ -275,7 +275,7 @@ def _promote_step(k, base, nk, busy, free, acc, s_busy, a_desc, b_desc, a_smem, 
 
 
 def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict) -> str | None:
-    """``None`` when :func:`launch` computes this GEMM (arguments as ``experts._launch_gemm``'s), else why not (a
+    """``None`` when :func:`launch` computes this GEMM (arguments as ``experts.launch_gemm``'s), else why not (a
     table entry's ``GLUON`` key then falls back to ``fused_moe_kernel``). Looks at the tensors' dtypes, shapes,
     strides and devices only (meta tensors will do)."""
     a, w, c = ops.a, ops.w, ops.c
@@ -306,7 +306,7 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
 
 def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict,
            w_strides=None):
-    """Launch :func:`fp8_block_moe_gemm_kernel` for one GEMM (arguments as ``experts._launch_gemm``'s, ``ops.w_scale``
+    """Launch :func:`fp8_block_moe_gemm_kernel` for one GEMM (arguments as ``experts.launch_gemm``'s, ``ops.w_scale``
     as ``experts._scale_strides`` returns it; ``w_strides`` unused: its strides are read here; call
     :func:`supported` first)."""
     a, w, c, a_scale, w_scale = ops.a, ops.w, ops.c, ops.a_scale, ops.w_scale

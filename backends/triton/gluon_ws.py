@@ -42,8 +42,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
-from ._jit import ACT_SILU
+from .host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
+from .jit import ACT_SILU
 from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids
 
 GROUP_C = gl.constexpr(GROUP)  # the 128x128 weight block, inside kernels
@@ -446,7 +446,7 @@ def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, s
     h = acc.to(c_ptr.dtype.element_ty)
     if GATED:  # columns [0, BLOCK_N) are gate, [BLOCK_N, 2 BLOCK_N) up: a thread holds both of a pair
         g, u = h.to(gl.float32).reshape([ROWS, 2, BLOCK_N]).permute(0, 2, 1).split()
-        out = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(c_ptr.dtype.element_ty)  # _jit.apply_act, SILU
+        out = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(c_ptr.dtype.element_ty)  # jit.apply_act, SILU
         out = gl.convert_layout(out, out_layout)
     else:
         out = gl.convert_layout(h, out_layout)
@@ -512,7 +512,7 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
 
 def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict,
            w_strides=(0, 0, 0)):
-    """Launch :func:`ws_moe_gemm_kernel` for one GEMM, one CTA per SM (arguments as ``experts._launch_gemm``'s;
+    """Launch :func:`ws_moe_gemm_kernel` for one GEMM, one CTA per SM (arguments as ``experts.launch_gemm``'s;
     ``scales.a_mode`` / ``b_mode``: ``GROUP`` block FP8; ``TENSOR`` / ``ROW``: per-tensor / per-row or per-channel,
     applied in the epilogue; ``ops.w_scale`` as ``experts._scale_strides`` returns it, ``w_strides``: its
     ``(expert, row, K block)`` strides; ``layout.tiles`` set: ``HALF_TAIL``; call :func:`supported` first)."""

@@ -19,7 +19,7 @@ block layout); the kernel structure is the classic grouped-GEMM over an expert-s
 
 Numerics (all schemes): fp32 accumulation (int32 for INT8), scales applied in fp32 (per K tile for 128x128
 blocks, in the epilogue otherwise), bias added in fp32, one rounding to the output dtype per rounding point of the
-reference. Quantized activations use the exact encoders of ``_jit`` (recipe-exact, bit-identical to
+reference. Quantized activations use the exact encoders of ``jit`` (recipe-exact, bit-identical to
 ``reference.quant``).
 """
 
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._jit import apply_act, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn, to_act
+from .jit import apply_act, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn, to_act
 
 __all__ = ["fused_moe_kernel", "act_quant_kernel", "moe_sum_kernel", "permute_rows_kernel",
            "QMODE_NONE", "QMODE_FP8_GROUP", "QMODE_FP8_TOKEN", "QMODE_INT8_TOKEN", "QMODE_FP8_STATIC",
@@ -383,7 +383,7 @@ def _split_k_reduce(acc, part_ptr, cnt_ptr, slot, pid_k, SPLIT_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
 def fused_moe_kernel(
-    # operands (experts._launch_gemm's GemmOperands), split-K scratch (part, cnt), TMA descriptors (or None)
+    # operands (experts.launch_gemm's GemmOperands), split-K scratch (part, cnt), TMA descriptors (or None)
     a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
     a_desc, a_desc_h, b_desc,
     # the route layout (align.RouteLayout; tiles / num_tiles used with HALF_TAIL)
@@ -401,11 +401,11 @@ def fused_moe_kernel(
     HALF_TAIL: tl.constexpr, N_TILES: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_K: tl.constexpr,
     # rows (GemmShape)
     TOP_K: tl.constexpr, A_GATHER: tl.constexpr, C_SORTED: tl.constexpr,
-    # operands and accumulation (GemmScales: A_SCALE / B_SCALE are _host.ScaleMode values)
+    # operands and accumulation (GemmScales: A_SCALE / B_SCALE are host.ScaleMode values)
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, B_SCALAR: tl.constexpr, GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr, INT8: tl.constexpr, PROMOTE: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PREC: tl.constexpr,
     EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr, EMU: tl.constexpr,
-    # epilogue (GemmEpilogue: FUSE is a _host.Fusion value)
+    # epilogue (GemmEpilogue: FUSE is a host.Fusion value)
     HAS_BIAS: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
     RECIP_MUL: tl.constexpr,
@@ -425,12 +425,12 @@ def fused_moe_kernel(
     ``A_GATHER``: A row = route // TOP_K (GEMM1 reads hidden states), else A row = sorted position (GEMM2 reads
     GEMM1's sorted output). ``C_SORTED``: C row = sorted position (GEMM1), else the route id (GEMM2).
     ``N`` = output columns; ``NW`` = weight rows per expert (``2N`` when the gated activation is fused).
-    ``FUSE`` (``_host.Fusion``): 0 ``NONE`` plain; 1 ``GATED`` gate / up halves (gate row n, up row ``UP_OFF + n``;
+    ``FUSE`` (``host.Fusion``): 0 ``NONE`` plain; 1 ``GATED`` gate / up halves (gate row n, up row ``UP_OFF + n``;
     two MMA chains); 2 ``INTERLEAVED`` gated interleaved (rows 2n, 2n+1); 3 ``ACT`` non-gated activation on the
     tile; 4 ``GATED_JOINT`` gated halves as one ``[2 * BLOCK_N]`` weight tile (the N tile's gate rows, then its up
     rows: one MMA chain twice as wide, split in the epilogue; ``b_desc`` is then a rank-3 descriptor over the
     ``(E * 2, N, K)`` halves).
-    ``A_SCALE`` (``_host.ScaleMode``): 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K.
+    ``A_SCALE`` (``host.ScaleMode``): 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K.
     ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
     (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).
     ``OUT_QUANT``: quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns).

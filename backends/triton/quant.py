@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import INTERPRET, cdiv, check_device, next_pow2, recipe_params
-from ._jit import fp8_quant_rows
+from .host import INTERPRET, cdiv, check_device, next_pow2, recipe_params
+from .jit import fp8_quant_rows
 from .kernels import (
     QMODE_FP8_GROUP,
     QMODE_FP8_STATIC,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import INTERPRET, cdiv, check_device, next_pow2
+from .host import INTERPRET, cdiv, check_device, next_pow2
 
 __all__ = ["fused_topk"]
 

@@ -7,7 +7,7 @@ what the promotion costs (issue 22, item 5). One process on one H100 / H200, und
 
 (a) Accuracy: one FP8 per-tensor GEMM ``C = (A * s_a) @ (W * s_w)^T`` (``M = N = 1024``, ``K`` in {1024, 4096, 7168,
     16384}, ``A, W ~ N(0, 1)`` quantized per tensor with ``reference.quant.scaled_fp8_quant``) through the kernel's
-    own launch path (``experts._launch_gemm`` on a single expert with every token routed to it, fp32 output, so
+    own launch path (``experts.launch_gemm`` on a single expert with every token routed to it, fp32 output, so
     nothing is rounded after the accumulator), for each variant of :data:`ACC_VARIANTS` on each tile of :data:`ACC_CFGS`
     (a 64-row tile on wgmma, a 16-row one on mma.sync): relative RMS error against the
     float64 product of the dequantized operands, and its ratio to the error of plain fp32 accumulation (``torch``
@@ -124,8 +124,8 @@ def single_expert_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tens
     Returns: ``(M, N)`` ``out_dtype``.
     """
     from backends.triton import configs as C
-    from backends.triton._host import GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
-    from backends.triton.experts import _launch_gemm, layout_block, layout_rows, route_layout
+    from backends.triton.host import GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
+    from backends.triton.experts import launch_gemm, layout_block, layout_rows, route_layout
 
     M, K = a_q.shape
     N = w_q.shape[0]
@@ -136,7 +136,7 @@ def single_expert_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tens
     c = torch.empty(M, N, dtype=out_dtype, device=a_q.device)
     a_s = a_scale.reshape(1).float() if a_mode == 1 else a_scale.reshape(M, 1).float()
     w_s = w_scale.reshape(1).float() if b_mode == 1 else w_scale.reshape(1, N).float()
-    _launch_gemm(GemmOperands(a_q, w_q.reshape(1, N, K), c, a_scale=a_s, w_scale=w_s),
+    launch_gemm(GemmOperands(a_q, w_q.reshape(1, N, K), c, a_scale=a_s, w_scale=w_s),
                  GemmShape(lay, rows, num_valid=M, top_k=1, n_out=N, a_gather=True, c_sorted=False),
                  GemmScales(a_mode=ScaleMode(a_mode), b_mode=ScaleMode(b_mode)), GemmEpilogue(act_dtype=out_dtype),
                  cfg["gemm1"])

@@ -149,8 +149,8 @@ def compile_only(gpu_name: str = "NVIDIA_H200"):
     import triton.compiler
     from triton.runtime.driver import driver
 
-    from backends.triton import _host, align, configs, experts, quant, routing
-    from backends.triton._jit import INTERPRET
+    from backends.triton import host, align, configs, experts, quant, routing
+    from backends.triton.jit import INTERPRET
 
     if INTERPRET:
         raise RuntimeError("compile_only needs the real JIT: unset TRITON_INTERPRET")

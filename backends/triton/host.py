@@ -1,7 +1,7 @@
 """Host-side helpers of the triton backend: activation codes, recipe parameters, small integer helpers, and the
 grouped GEMM's launch surface (its mode enums and argument groups, shared by ``experts`` and the Gluon kernels).
 
-Imports triton only through ``_jit`` (the kernels' constants); everything else is plain Python / torch.
+Imports triton only through ``jit`` (the kernels' constants); everything else is plain Python / torch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from reference.activation import (
     MoEActivation,
 )
 
-from . import _jit
+from . import jit
 
 if TYPE_CHECKING:
     from .align import RouteLayout
@@ -30,18 +30,18 @@ __all__ = [
     "check_device", "fp8_capable", "Fusion", "ScaleMode", "GemmOperands", "GemmShape", "GemmScales", "GemmEpilogue",
 ]
 
-INTERPRET = _jit.INTERPRET
+INTERPRET = jit.INTERPRET
 
 _ACT_CODES = {
-    MoEActivation.SILU: _jit.ACT_SILU,
-    MoEActivation.GELU: _jit.ACT_GELU,
-    MoEActivation.GELU_TANH: _jit.ACT_GELU_TANH,
-    MoEActivation.SWIGLUOAI: _jit.ACT_SWIGLUOAI,
-    MoEActivation.SWIGLUOAI_UNINTERLEAVE: _jit.ACT_SWIGLUOAI_UNINTERLEAVE,
-    MoEActivation.SWIGLUSTEP: _jit.ACT_SWIGLUSTEP,
-    MoEActivation.SILU_NO_MUL: _jit.ACT_SILU_NO_MUL,
-    MoEActivation.GELU_NO_MUL: _jit.ACT_GELU_NO_MUL,
-    MoEActivation.RELU2_NO_MUL: _jit.ACT_RELU2_NO_MUL,
+    MoEActivation.SILU: jit.ACT_SILU,
+    MoEActivation.GELU: jit.ACT_GELU,
+    MoEActivation.GELU_TANH: jit.ACT_GELU_TANH,
+    MoEActivation.SWIGLUOAI: jit.ACT_SWIGLUOAI,
+    MoEActivation.SWIGLUOAI_UNINTERLEAVE: jit.ACT_SWIGLUOAI_UNINTERLEAVE,
+    MoEActivation.SWIGLUSTEP: jit.ACT_SWIGLUSTEP,
+    MoEActivation.SILU_NO_MUL: jit.ACT_SILU_NO_MUL,
+    MoEActivation.GELU_NO_MUL: jit.ACT_GELU_NO_MUL,
+    MoEActivation.RELU2_NO_MUL: jit.ACT_RELU2_NO_MUL,
 }
 
 SUPPORTED_ACTIVATIONS = frozenset(_ACT_CODES)
