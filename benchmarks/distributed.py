@@ -56,6 +56,8 @@ SHAPES = {
     "dsv3": dict(E=256, topk=8, K=7168, I=2048, scheme="fp8_block128", label="DeepSeek-V3 (E=256, topk=8, K=7168, "
                  "I=2048, fp8_block128)"),
     "small": dict(E=32, topk=4, K=256, I=128, scheme="bf16", label="synthetic (E=32, topk=4, K=256, I=128, bf16)"),
+    "small_fp8": dict(E=32, topk=4, K=256, I=128, scheme="fp8_block128",
+                      label="synthetic (E=32, topk=4, K=256, I=128, fp8_block128)"),
 }
 DEFAULT_MS = (1, 64, 1024, 4096)
 
