@@ -18,7 +18,9 @@ receives each rank's partial output in the activation dtype (one more rounding o
 DeepEP; the suite's bf16 bound is tight enough to reject one extra rounding, so it cannot be compared with
 ``fused_experts`` directly). The distance to ``fused_experts`` is recorded as ``single_process_*``.
 
-Cases: uneven tokens per rank (one rank with none), every token routed to the
+Cases (``SCENARIOS``), on the synthetic layer and on DeepSeek-V3's expert layout (``LAYOUTS["dsv3"]``: E=256, topk=8,
+at world size 8 its real EP=8 layout of 32 local experts per rank, at the suite's small K and I): uneven tokens per
+rank (one rank with none), every token routed to the
 experts of one rank (which has no tokens of its own), ``topk_ids`` with -1 padding (a token with no route at all),
 ``apply_router_weight_on_input`` (topk 1), linear and round-robin placement, bf16, FP8 1x128-group and per-token
 activations quantized before and after the dispatch, and, for the batched format, a rank over ``max_num_tokens``,
@@ -62,6 +64,9 @@ __all__ = ["DistCase", "RankCluster", "RankFailure", "dist_cases", "make_global_
 # The synthetic layer: small enough for CPU ranks, E divisible by 8 ranks with topk experts on each.
 E, TOPK, K, I = 32, 4, 256, 128
 MODEL = "synthetic_e32_k256"
+# DeepSeek-V3's expert-parallel layout (256 routed experts, top-8; at EP=8 32 local experts per rank) at the suite's
+# small K and I (DeepSeek-V3's real 7168 x 2048 experts do not fit CPU ranks): layout "dsv3".
+LAYOUTS = {"synthetic": (E, TOPK, MODEL), "dsv3": (256, 8, "deepseek_v3_ep_layout_e256_k256")}
 ACTIVATION = MoEActivation.SILU
 DTYPE = torch.bfloat16
 
@@ -78,6 +83,11 @@ SCENARIOS = [
     ("one_rank", "fp8_channel_token", "before", "linear"),
     ("uneven", "fp8_channel_token", "after", "linear"),
     ("overflow", "bf16", "-", "linear"),  # batched format only: a rank over max_num_tokens must raise
+    # DeepSeek-V3's layout (E=256, topk=8; 32 local experts per rank at world size 8)
+    ("uneven", "fp8_block128", "before", "linear", "dsv3"),
+    ("uneven", "fp8_block128", "after", "linear", "dsv3"),
+    ("one_rank", "bf16", "-", "linear", "dsv3"),
+    ("padded", "fp8_block128", "before", "round_robin", "dsv3"),
 ]
 
 
@@ -93,20 +103,31 @@ class DistCase:
     scheme: str  # bf16 | fp8_block128 | fp8_channel_token
     quant: str  # before | after | - (unquantized)
     placement: str  # linear | round_robin
+    layout: str = "synthetic"  # synthetic (E=32, topk=4) | dsv3 (E=256, topk=8): LAYOUTS
 
     @property
     def id(self) -> str:
         q = "" if self.quant == "-" else f"-q{self.quant}"
-        return f"w{self.world_size}-{self.scenario}-{self.scheme}{q}-{self.placement}"
+        lay = "" if self.layout == "synthetic" else f"-{self.layout}"
+        return f"w{self.world_size}-{self.scenario}-{self.scheme}{q}-{self.placement}{lay}"
 
     @property
     def seed(self) -> int:
         """From the id without the quantization placement: before/after dispatch see the same inputs."""
-        return seed_of(f"distributed-w{self.world_size}-{self.scenario}-{self.scheme}-{self.placement}")
+        lay = "" if self.layout == "synthetic" else f"-{self.layout}"
+        return seed_of(f"distributed-w{self.world_size}-{self.scenario}-{self.scheme}-{self.placement}{lay}")
+
+    @property
+    def E(self) -> int:  # noqa: N802 (vLLM's name)
+        return LAYOUTS[self.layout][0]
+
+    @property
+    def model(self) -> str:
+        return LAYOUTS[self.layout][2]
 
     @property
     def topk(self) -> int:
-        return 1 if self.scenario == "weight_on_input" else TOPK
+        return 1 if self.scenario == "weight_on_input" else LAYOUTS[self.layout][1]
 
     @property
     def apply_router_weight_on_input(self) -> bool:
@@ -126,6 +147,7 @@ class DistCase:
 
 
 def dist_cases(world_sizes: list[int]) -> list[DistCase]:
+    """Every scenario at every world size (a scenario's fifth field, if any, is its layout)."""
     return [DistCase(n, *s) for n in world_sizes for s in SCENARIOS]
 
 
@@ -144,6 +166,7 @@ def _gen(seed: int) -> torch.Generator:
 def make_global_inputs(case: DistCase) -> dict:
     """The layer's bf16 weights for all E experts and the union of the ranks' tokens with their routing (CPU; cached:
     callers only read it)."""
+    E = case.E
     g = _gen(seed_of(f"distributed-weights-E{E}-K{K}-I{I}"))
     w1 = (torch.randn(E, 2 * I, K, generator=g) * K**-0.5).to(DTYPE)
     w2 = (torch.randn(E, K, I, generator=g) * I**-0.5).to(DTYPE)
@@ -166,7 +189,7 @@ def make_global_inputs(case: DistCase) -> dict:
 
 
 def moe_config_for(case: DistCase, rank: int, num_local_experts: int) -> FusedMoEConfig:
-    return FusedMoEConfig(num_experts=E, experts_per_token=case.topk, hidden_dim=K, intermediate_size_per_partition=I,
+    return FusedMoEConfig(num_experts=case.E, experts_per_token=case.topk, hidden_dim=K, intermediate_size_per_partition=I,
                           num_local_experts=num_local_experts, activation=ACTIVATION, in_dtype=DTYPE,
                           moe_parallel_config=FusedMoEParallelConfig.make_ep(case.world_size, rank))
 
@@ -175,9 +198,9 @@ def rank_shard(case: DistCase, rank: int, gi: dict | None = None):
     """Rank ``rank``'s experts: ``(w1, w2, quant_config, expert_map, num_local)`` on the CPU, quantized locally
     (every scheme here quantizes per expert, so this equals slicing the quantized layer)."""
     gi = make_global_inputs(case) if gi is None else gi
-    num_local, emap, _ = determine_expert_map(case.world_size, rank, E, case.placement)
+    num_local, emap, _ = determine_expert_map(case.world_size, rank, case.E, case.placement)
     if emap is None:
-        held = torch.arange(E)
+        held = torch.arange(case.E)
     else:  # global expert of each local index
         held = torch.empty(num_local, dtype=torch.long)
         held[emap[emap >= 0].long()] = (emap >= 0).nonzero().squeeze(1)
@@ -205,7 +228,7 @@ def expected_output(case: DistCase, combine: str | None = None) -> torch.Tensor:
     experts; ``"partials"`` / ``"routes"``: ``reference.distributed.fused_experts_ep`` over the ranks' shards (the
     standard formats' combine rounds each rank's partial output once more; the batched one is ``fused_experts``)."""
     gi = make_global_inputs(case)
-    kw = dict(activation=ACTIVATION, global_num_experts=E,
+    kw = dict(activation=ACTIVATION, global_num_experts=case.E,
               apply_router_weight_on_input=case.apply_router_weight_on_input)
     if combine is None:
         w1, w2, qc = quantize_weights(case.scheme, gi["w1"], gi["w2"])
@@ -243,7 +266,7 @@ def run_rank_case(rank: int, world_size: int, device, case: DistCase, pf_cls: ty
     kernel = EPFusedMoEKernel(pf, experts, poison=float("nan"))
     try:
         out = kernel.apply(inp["hidden"], inp["w1"], inp["w2"], inp["topk_weights"], inp["topk_ids"],
-                           activation=ACTIVATION, global_num_experts=E, expert_map=inp["expert_map"],
+                           activation=ACTIVATION, global_num_experts=case.E, expert_map=inp["expert_map"],
                            apply_router_weight_on_input=case.apply_router_weight_on_input)
     except Exception as exc:
         if case.scenario == "overflow":
@@ -251,7 +274,7 @@ def run_rank_case(rank: int, world_size: int, device, case: DistCase, pf_cls: ty
         hint = ""
         if _is_batched(experts_cls):
             T = cap * world_size
-            _, _, out_shape = experts.workspace_shapes(T, inp["w1"].shape[1], K, case.topk, E,
+            _, _, out_shape = experts.workspace_shapes(T, inp["w1"].shape[1], K, case.topk, case.E,
                                                        moe_config.num_local_experts, None, ACTIVATION)
             if tuple(out_shape)[:2] != (moe_config.num_local_experts, T):
                 hint = (f"\n  {experts_cls.__name__}.workspace_shapes gives an output of {tuple(out_shape)} but the "
@@ -508,7 +531,7 @@ def _rank_of_row(row: int, sizes: list[int]) -> int:
 
 def test_distributed(backend, pf_cls, experts_cls, case: DistCase, tolerances, repro, record, dist_clusters):
     N = case.world_size
-    record(world_size=N, model=MODEL, scheme=case.scheme if case.quant == "-" else f"{case.scheme}-q{case.quant}",
+    record(world_size=N, model=case.model, scheme=case.scheme if case.quant == "-" else f"{case.scheme}-q{case.quant}",
            component="distributed", tokens=sum(case.tokens_per_rank()), experts_class=experts_cls.__name__,
            prepare_finalize=pf_cls.__name__, scenario=case.scenario, placement=case.placement)
     device = "cuda" if backend.device == "cuda" else "cpu"
@@ -519,7 +542,7 @@ def test_distributed(backend, pf_cls, experts_cls, case: DistCase, tolerances, r
     fmt = experts_cls.activation_format()
     inp_qc = quantize_weights(case.scheme, torch.zeros(1, 2 * I, K, dtype=DTYPE), torch.zeros(1, K, I, dtype=DTYPE))[2]
     for r in range(N):
-        num_local, _, _ = determine_expert_map(N, r, E, case.placement)
+        num_local, _, _ = determine_expert_map(N, r, case.E, case.placement)
         claimed, reason = experts_cls.is_supported_config(experts_cls, moe_config_for(case, r, num_local),
                                                           inp_qc.weight_key, inp_qc.activation_key, fmt)
         if not claimed:
@@ -527,7 +550,7 @@ def test_distributed(backend, pf_cls, experts_cls, case: DistCase, tolerances, r
             pytest.skip(f"unsupported: {experts_cls.__name__} on rank {r}: {reason}")
     pf_claim = getattr(pf_cls, "is_supported_config", None)
     if pf_claim is not None:
-        ok, reason = pf_claim(moe_config_for(case, 0, E // N), inp_qc, case.quant == "after")
+        ok, reason = pf_claim(moe_config_for(case, 0, case.E // N), inp_qc, case.quant == "after")
         if not ok:
             record(support="unsupported", reason=reason)
             pytest.skip(f"unsupported: {pf_cls.__name__}: {reason}")
