@@ -12,6 +12,18 @@ rm -rf "$dest"; mkdir -p "$dest"
 tar xzf "$src" -C "$dest" || exit 3
 cd "$dest"
 sed -i 's/find_spec("nvidia.nvshmem")/find_spec("nvidia.nvshmem_not_used_intranode_only")/' setup.py
+# 567632d's csrc/deep_ep.cpp calls three low-latency mask helpers (internode_ll.cu, not built without NVSHMEM)
+# outside its DISABLE_NVSHMEM guards: the import then fails with "undefined symbol:
+# _ZN7deep_ep12internode_ll18update_mask_bufferEPiibP11CUstream_st" (seen 2026-11-27). Guard them as the rest.
+python3 - <<'PY'
+import re
+p = "csrc/deep_ep.cpp"
+s = open(p).read()
+s, n = re.subn(r"(\n)(\s*internode_ll::(?:update|query|clean)_mask_buffer\([^;]*\);)",
+               r"\1#ifndef DISABLE_NVSHMEM\n\2\n#endif", s)
+open(p, "w").write(s)
+print(f"deep_ep.cpp: {n} low-latency mask calls guarded by DISABLE_NVSHMEM")
+PY
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 start=$(date +%s)
 python3 setup.py build_ext --inplace >build.log 2>&1

@@ -2,6 +2,9 @@
 # One device call on a multi-GPU machine: expert parallelism over NCCL. Run from the repository root (.whl/ carried,
 # scripts/fetch_gpu_wheels.sh), NVLink multicast off (NCCL_NVLS_ENABLE=0, set here again).
 #   bash tools/gpu/distributed.sh OUT [DEEPEP_SOURCE.tar.gz]
+# CONF_WORKERS=N runs each backend's conformance over N pytest-xdist workers (each with its own ranks; the first
+# call, without, needed ~8 s per case: each rank process compiles its kernels, and 3 backends shared 64 cores);
+# SKIP_BENCH=1 leaves out the triton timing table.
 # Steps, each under its own limit and all inside DEADLINE seconds (default 560) from the start:
 #   1. env: GPUs, NVLink topology, torch, NCCL version;
 #   2. DeepEP build in the background (tools/gpu/deepep_build.sh), if a source tarball is given;
@@ -36,11 +39,11 @@ fi
 for b in "${backends[@]}"; do
   timeout -s INT -k 20 "$(left ${CONF_LIMIT:-200})" python3 -m pytest conformance/test_distributed.py --backend "$b" \
     --world-size "$ws" -q -p no:cacheprovider --results-dir "$res/results" -o console_output_style=count \
-    >"$res/conformance-$b.log" 2>&1 &
+    ${CONF_WORKERS:+-n $CONF_WORKERS} >"$res/conformance-$b.log" 2>&1 &
 done
 wait $(jobs -p | grep -v "^${build_pid:-none}$") 2>/dev/null
 for b in "${backends[@]}"; do echo "== conformance $b ($(( $(date +%s) - t0 )) s)"; tail -n 6 "$res/conformance-$b.log"; done
-if [ "$(left 100000)" -gt 60 ]; then
+if [ -z "${SKIP_BENCH:-}" ] && [ "$(left 100000)" -gt 60 ]; then
   timeout -s INT -k 20 "$(left ${BENCH_LIMIT:-200})" python3 -m benchmarks --distributed --backend "${BENCH_BACKEND:-triton}" \
     --world-size "$ws" --ms "${BENCH_MS:-1,64,1024,4096}" --json "$res/bench-distributed.json" \
     --md "$res/bench-distributed.md" >"$res/bench.log" 2>&1
@@ -53,6 +56,7 @@ if [ -n "$deepep_src" ]; then
     export PYTHONPATH=/tmp/deepep:${PYTHONPATH:-}
     timeout -s INT -k 20 "$(left ${DEEPEP_LIMIT:-120})" python3 -m pytest conformance/test_distributed.py \
       --backend examples.clients.deepep:backend --world-size "$ws" -k DeepEPIntranode -q -p no:cacheprovider \
+      ${CONF_WORKERS:+-n 2} \
       --results-dir "$res/results" -o console_output_style=count >"$res/conformance-deepep.log" 2>&1
     echo "== conformance deepep rc=$? ($(( $(date +%s) - t0 )) s)"; tail -n 40 "$res/conformance-deepep.log"
   fi
