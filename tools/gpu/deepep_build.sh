@@ -24,6 +24,11 @@ s, n = re.subn(r"(\n)(\s*internode_ll::(?:update|query|clean)_mask_buffer\([^;]*
 open(p, "w").write(s)
 print(f"deep_ep.cpp: {n} low-latency mask calls guarded by DISABLE_NVSHMEM")
 PY
+# Without NVSHMEM setup.py still compiles with -rdc=true but adds no device-link step: the import then fails with
+# "undefined symbol: __cudaRegisterLinkedBinary_..._layout_cu_..." (seen 2026-11-27). The intranode kernels need no
+# relocatable device code: drop the flag.
+sed -i "s/'-rdc=true', //" setup.py
+grep -c "rdc=true" setup.py
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 start=$(date +%s)
 python3 setup.py build_ext --inplace >build.log 2>&1
