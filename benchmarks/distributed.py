@@ -475,7 +475,7 @@ def render(result: dict) -> str:
             lines.append(f"all-reduce of {ar['bytes'] / 2**30:.2f} GiB bf16: {ar['s'] * 1e3:.2f} ms, busbw "
                          f"{ar_bw / 1e9:.0f} GB/s")
             lines.append("")
-        lines.append("| M/rank | pair | experts | dispatch | experts | combine | step | step per rank | 1-GPU experts "
+        lines.append("| M/rank | pair | experts class | dispatch | experts | combine | step | step per rank | 1-GPU experts "
                      "| MB off rank | step busbw | % AR |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for m in ws["ms"]:
