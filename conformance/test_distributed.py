@@ -162,14 +162,21 @@ def _gen(seed: int) -> torch.Generator:
     return g
 
 
+@lru_cache(maxsize=2)
+def _layer_weights(E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 ``w1 (E, 2I, K)``, ``w2 (E, K, I)`` of a layer of E experts (the same for every case of that layout)."""
+    g = _gen(seed_of(f"distributed-weights-E{E}-K{K}-I{I}"))
+    w1 = (torch.randn(E, 2 * I, K, generator=g) * K**-0.5).to(DTYPE)
+    w2 = (torch.randn(E, K, I, generator=g) * I**-0.5).to(DTYPE)
+    return w1, w2
+
+
 @lru_cache(maxsize=4)
 def make_global_inputs(case: DistCase) -> dict:
     """The layer's bf16 weights for all E experts and the union of the ranks' tokens with their routing (CPU; cached:
     callers only read it)."""
     E = case.E
-    g = _gen(seed_of(f"distributed-weights-E{E}-K{K}-I{I}"))
-    w1 = (torch.randn(E, 2 * I, K, generator=g) * K**-0.5).to(DTYPE)
-    w2 = (torch.randn(E, K, I, generator=g) * I**-0.5).to(DTYPE)
+    w1, w2 = _layer_weights(E)
     g = _gen(case.seed)
     sizes = case.tokens_per_rank()
     M = sum(sizes)
@@ -198,14 +205,28 @@ def rank_shard(case: DistCase, rank: int, gi: dict | None = None):
     """Rank ``rank``'s experts: ``(w1, w2, quant_config, expert_map, num_local)`` on the CPU, quantized locally
     (every scheme here quantizes per expert, so this equals slicing the quantized layer)."""
     gi = make_global_inputs(case) if gi is None else gi
-    num_local, emap, _ = determine_expert_map(case.world_size, rank, case.E, case.placement)
+    if gi["w1"] is _layer_weights(case.E)[0] and gi["w2"] is _layer_weights(case.E)[1]:
+        return _quantized_shard(case.E, case.scheme, case.world_size, rank, case.placement)
+    return _shard(gi["w1"], gi["w2"], case.E, case.scheme, case.world_size, rank, case.placement)
+
+
+def _shard(w1_all, w2_all, E, scheme, world_size, rank, placement):
+    num_local, emap, _ = determine_expert_map(world_size, rank, E, placement)
     if emap is None:
-        held = torch.arange(case.E)
+        held = torch.arange(E)
     else:  # global expert of each local index
         held = torch.empty(num_local, dtype=torch.long)
         held[emap[emap >= 0].long()] = (emap >= 0).nonzero().squeeze(1)
-    w1, w2, qc = quantize_weights(case.scheme, gi["w1"][held], gi["w2"][held])
+    w1, w2, qc = quantize_weights(scheme, w1_all[held], w2_all[held])
     return w1, w2, qc, emap, num_local
+
+
+@lru_cache(maxsize=32)
+def _quantized_shard(E, scheme, world_size, rank, placement):
+    """``_shard`` of the layout's own weights, cached: the weights do not depend on the case (callers only read it;
+    quantizing DeepSeek-V3's 256 experts again for every case cost seconds a case on the CPU)."""
+    w1_all, w2_all = _layer_weights(E)
+    return _shard(w1_all, w2_all, E, scheme, world_size, rank, placement)
 
 
 def make_rank_inputs(case: DistCase, rank: int, device) -> dict:
@@ -231,7 +252,7 @@ def expected_output(case: DistCase, combine: str | None = None) -> torch.Tensor:
     kw = dict(activation=ACTIVATION, global_num_experts=case.E,
               apply_router_weight_on_input=case.apply_router_weight_on_input)
     if combine is None:
-        w1, w2, qc = quantize_weights(case.scheme, gi["w1"], gi["w2"])
+        w1, w2, qc = _quantized_shard(case.E, case.scheme, 1, 0, "linear")[:3]  # all E experts
         return fused_experts(gi["hidden"], w1, w2, gi["topk_weights"], gi["topk_ids"], quant_config=qc, **kw)
     shards = [rank_shard(case, r, gi)[:4] for r in range(case.world_size)]
     return fused_experts_ep(gi["hidden"], gi["topk_weights"], gi["topk_ids"], shards, combine=combine, **kw)
