@@ -5,8 +5,8 @@ experts step and the NCCL collectives alone at the same bytes.
     python -m benchmarks.distributed --backend triton --world-size 4 --ms 1,64 --json out.json
     python -m benchmarks.distributed --backend torch --world-size 2 --shape small --ms 1,8   # CPU, gloo (tests)
 
-Each world size starts N ranks (``conformance.test_distributed.RankCluster``: spawned processes, NCCL with rank r on
-``cuda:r``, gloo on the CPU). Every rank holds its ``determine_expert_map`` ("linear") share of the layer
+Each world size starts N ranks (``Ranks``: spawned processes, NCCL with rank r on ``cuda:r``, gloo on the CPU, as
+the conformance suite's ``RankCluster``). Every rank holds its ``determine_expert_map`` ("linear") share of the layer
 (``--shape dsv3``: DeepSeek-V3, E=256, topk=8, K=7168, I=2048, FP8 1x128-block activations and 128x128-block
 weights, quantized by the reference as conformance does; ``--shape small``: the conformance suite's synthetic layer,
 E=32, topk=4, K=256, I=128, bf16) and M tokens of its own, routed by top-k of random logits over all E experts
@@ -505,6 +505,106 @@ def render(result: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------
+# The ranks (the benchmarks may not import the conformance suite's RankCluster: tests/test_layers.py)
+# ------------------------------------------------------------------------------------------------------------
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or did not answer in time; the message names it."""
+
+
+def _rank_main(rank, world_size, init_file, device, timeout_s, inq, outq):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+            dev = torch.device("cuda", rank)
+        else:
+            torch.set_num_threads(1)
+            dev = torch.device("cpu")
+        extra = {"device_id": dev} if device == "cuda" else {}
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s), **extra)
+    except BaseException:
+        outq.put((rank, 0, False, traceback.format_exc()))
+        return
+    while True:
+        job = inq.get()
+        if job is None:
+            break
+        jid, fn, a = job
+        try:
+            outq.put((rank, jid, True, fn(rank, world_size, dev, *a)))
+        except BaseException:
+            outq.put((rank, jid, False, traceback.format_exc(limit=8)))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class Ranks:
+    """``world_size`` spawned ranks in one process group (NCCL with rank r on ``cuda:r``, gloo on the CPU);
+    ``run(fn, *args, timeout=...)`` calls ``fn(rank, world_size, device, *args)`` on every rank (``fn`` a module-level
+    function) and returns the results in rank order, or raises ``RankFailure``."""
+
+    def __init__(self, world_size: int, device: str, timeout_s: float = 120.0):
+        import tempfile
+
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.world_size, self._job = world_size, 0
+        self._dir = tempfile.TemporaryDirectory(prefix="moe-bench-dist-")
+        init = os.path.join(self._dir.name, "rendezvous")
+        self._out = ctx.Queue()
+        self._in = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_rank_main, daemon=True, args=(r, world_size, init, device, timeout_s,
+                                                                        self._in[r], self._out))
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 600.0) -> list:
+        import queue
+
+        self._job += 1
+        for q in self._in:
+            q.put((self._job, fn, args))
+        results: dict = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankFailure(f"ranks {sorted(set(range(self.world_size)) - set(results))} did not answer "
+                                  f"{getattr(fn, '__name__', fn)} within {timeout:.0f} s")
+            try:
+                rank, jid, ok, payload = self._out.get(timeout=min(1.0, left))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+                if dead:
+                    raise RankFailure(f"rank(s) {dead} died (exit codes "
+                                      f"{[self._procs[r].exitcode for r in dead]})") from None
+                continue
+            if not ok:
+                raise RankFailure(f"rank {rank} raised in {getattr(fn, '__name__', fn)}:\n{payload}")
+            if jid == self._job:
+                results[rank] = payload
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q in self._in:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        self._dir.cleanup()
+
+
+# ------------------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------------------
 
@@ -532,7 +632,6 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from backends import load_backend
-    from conformance.test_distributed import RankCluster, RankFailure
 
     backend = load_backend(args.backend)
     reason = backend.unavailable_reason()
@@ -556,7 +655,7 @@ def main(argv=None) -> int:
             _log(f"world size {W}: needs {W} GPUs, this machine has {torch.cuda.device_count()}; not run")
             continue
         t0 = time.monotonic()
-        cluster = RankCluster(W, device, timeout_s=max(60.0, args.timeout / 3))
+        cluster = Ranks(W, device, timeout_s=max(60.0, args.timeout / 3))
         ws = {"world_size": W, "ms": []}
         try:
             env = cluster.run(env_rank)[0]
