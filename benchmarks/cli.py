@@ -6,6 +6,7 @@
     python -m benchmarks --backend torch                     # CPU: the scaled-down shapes, wall clock
     python -m benchmarks --backend triton --list             # what the suite runs, nothing timed
     python -m benchmarks --backend triton --peer vllm --vllm-src /tmp/vcache/vllm-0.33.0   # vLLM's kernel live
+    python -m benchmarks --distributed --backend triton --world-size 2,4   # EP over N ranks: benchmarks/distributed.py
 
 What runs is data: ``benchmarks/suites.toml`` (shapes, token counts, the peer, router-gate shapes) and
 ``benchmarks/peers.toml`` (the peers' reference figures). For each experts shape and M:
@@ -100,6 +101,11 @@ def _plan(args, suite):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--distributed" in argv:  # the distributed step over N ranks: benchmarks/distributed.py
+        from benchmarks import distributed
+
+        return distributed.main([a for a in argv if a != "--distributed"])
     args = parse_args(argv)
     from backends import BackendNotFound, load_backend
     from benchmarks import suites

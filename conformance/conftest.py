@@ -345,6 +345,17 @@ def _claims(backend: Backend) -> dict:
     return out
 
 
+def _nccl_version(backend: Backend, config) -> str | None:
+    """NCCL's version when this run used NCCL (distributed cases of a CUDA backend), for the matrix header."""
+    if backend.device != "cuda" or not config.getoption("--world-size", default=None) or not torch.cuda.is_available():
+        return None
+    try:
+        v = torch.cuda.nccl.version()
+        return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception as exc:  # best effort: the header says why it is missing
+        return f"unknown ({type(exc).__name__})"
+
+
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if not hasattr(config, "_moe_backend") or hasattr(config, "workerinput"):
@@ -370,6 +381,7 @@ def pytest_sessionfinish(session, exitstatus):
         "backend": b.name, "version": b.version, "torch": torch.__version__,
         "device": _device_description(b), "capability": cap,
         "unavailable": b.unavailable_reason(), "time": now, "semantics": _semantics(config),
+        "nccl": _nccl_version(b, config),
         "selection": " ".join(selection) or None, "full": not selection,
         "runs": [{"time": now, "selection": " ".join(selection) or None, "cases": len(_RESULTS), **counts}],
         "results": _RESULTS,

@@ -34,6 +34,9 @@ __all__ = ["DistCase", "RankCluster", "RankFailure", "dist_cases", "make_global_
 # The synthetic layer: small enough for CPU ranks, E divisible by 8 ranks with topk experts on each.
 E, TOPK, K, I = 32, 4, 256, 128
 MODEL = "synthetic_e32_k256"
+# DeepSeek-V3's expert-parallel layout (256 routed experts, top-8; at EP=8 32 local experts per rank) at the suite's
+# small K and I (DeepSeek-V3's real 7168 x 2048 experts do not fit CPU ranks): layout "dsv3".
+LAYOUTS = {"synthetic": (E, TOPK, MODEL), "dsv3": (256, 8, "deepseek_v3_ep_layout_e256_k256")}
 ACTIVATION = MoEActivation.SILU
 DTYPE = torch.bfloat16
 
@@ -50,6 +53,11 @@ SCENARIOS = [
     ("one_rank", "fp8_channel_token", "before", "linear"),
     ("uneven", "fp8_channel_token", "after", "linear"),
     ("overflow", "bf16", "-", "linear"),  # batched format only: a rank over max_num_tokens must raise
+    # DeepSeek-V3's layout (E=256, topk=8; 32 local experts per rank at world size 8)
+    ("uneven", "fp8_block128", "before", "linear", "dsv3"),
+    ("uneven", "fp8_block128", "after", "linear", "dsv3"),
+    ("one_rank", "bf16", "-", "linear", "dsv3"),
+    ("padded", "fp8_block128", "before", "round_robin", "dsv3"),
 ]
 
 
@@ -65,20 +73,31 @@ class DistCase:
     scheme: str  # bf16 | fp8_block128 | fp8_channel_token
     quant: str  # before | after | - (unquantized)
     placement: str  # linear | round_robin
+    layout: str = "synthetic"  # synthetic (E=32, topk=4) | dsv3 (E=256, topk=8): LAYOUTS
 
     @property
     def id(self) -> str:
         q = "" if self.quant == "-" else f"-q{self.quant}"
-        return f"w{self.world_size}-{self.scenario}-{self.scheme}{q}-{self.placement}"
+        lay = "" if self.layout == "synthetic" else f"-{self.layout}"
+        return f"w{self.world_size}-{self.scenario}-{self.scheme}{q}-{self.placement}{lay}"
 
     @property
     def seed(self) -> int:
         """From the id without the quantization placement: before/after dispatch see the same inputs."""
-        return seed_of(f"distributed-w{self.world_size}-{self.scenario}-{self.scheme}-{self.placement}")
+        lay = "" if self.layout == "synthetic" else f"-{self.layout}"
+        return seed_of(f"distributed-w{self.world_size}-{self.scenario}-{self.scheme}-{self.placement}{lay}")
+
+    @property
+    def E(self) -> int:  # noqa: N802 (vLLM's name)
+        return LAYOUTS[self.layout][0]
+
+    @property
+    def model(self) -> str:
+        return LAYOUTS[self.layout][2]
 
     @property
     def topk(self) -> int:
-        return 1 if self.scenario == "weight_on_input" else TOPK
+        return 1 if self.scenario == "weight_on_input" else LAYOUTS[self.layout][1]
 
     @property
     def apply_router_weight_on_input(self) -> bool:
@@ -98,6 +117,7 @@ class DistCase:
 
 
 def dist_cases(world_sizes: list[int]) -> list[DistCase]:
+    """Every scenario at every world size (a scenario's fifth field, if any, is its layout)."""
     return [DistCase(n, *s) for n in world_sizes for s in SCENARIOS]
 
 
@@ -112,13 +132,21 @@ def _gen(seed: int) -> torch.Generator:
     return g
 
 
+@lru_cache(maxsize=2)
+def _layer_weights(E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 ``w1 (E, 2I, K)``, ``w2 (E, K, I)`` of a layer of E experts (the same for every case of that layout)."""
+    g = _gen(seed_of(f"distributed-weights-E{E}-K{K}-I{I}"))
+    w1 = (torch.randn(E, 2 * I, K, generator=g) * K**-0.5).to(DTYPE)
+    w2 = (torch.randn(E, K, I, generator=g) * I**-0.5).to(DTYPE)
+    return w1, w2
+
+
 @lru_cache(maxsize=4)
 def make_global_inputs(case: DistCase) -> dict:
     """The layer's bf16 weights for all E experts and the union of the ranks' tokens with their routing (CPU; cached:
     callers only read it)."""
-    g = _gen(seed_of(f"distributed-weights-E{E}-K{K}-I{I}"))
-    w1 = (torch.randn(E, 2 * I, K, generator=g) * K**-0.5).to(DTYPE)
-    w2 = (torch.randn(E, K, I, generator=g) * I**-0.5).to(DTYPE)
+    E = case.E
+    w1, w2 = _layer_weights(E)
     g = _gen(case.seed)
     sizes = case.tokens_per_rank()
     M = sum(sizes)
@@ -138,7 +166,7 @@ def make_global_inputs(case: DistCase) -> dict:
 
 
 def moe_config_for(case: DistCase, rank: int, num_local_experts: int) -> FusedMoEConfig:
-    return FusedMoEConfig(num_experts=E, experts_per_token=case.topk, hidden_dim=K, intermediate_size_per_partition=I,
+    return FusedMoEConfig(num_experts=case.E, experts_per_token=case.topk, hidden_dim=K, intermediate_size_per_partition=I,
                           num_local_experts=num_local_experts, activation=ACTIVATION, in_dtype=DTYPE,
                           moe_parallel_config=FusedMoEParallelConfig.make_ep(case.world_size, rank))
 
@@ -147,14 +175,28 @@ def rank_shard(case: DistCase, rank: int, gi: dict | None = None):
     """Rank ``rank``'s experts: ``(w1, w2, quant_config, expert_map, num_local)`` on the CPU, quantized locally
     (every scheme here quantizes per expert, so this equals slicing the quantized layer)."""
     gi = make_global_inputs(case) if gi is None else gi
-    num_local, emap, _ = determine_expert_map(case.world_size, rank, E, case.placement)
+    if gi["w1"] is _layer_weights(case.E)[0] and gi["w2"] is _layer_weights(case.E)[1]:
+        return _quantized_shard(case.E, case.scheme, case.world_size, rank, case.placement)
+    return _shard(gi["w1"], gi["w2"], case.E, case.scheme, case.world_size, rank, case.placement)
+
+
+def _shard(w1_all, w2_all, E, scheme, world_size, rank, placement):
+    num_local, emap, _ = determine_expert_map(world_size, rank, E, placement)
     if emap is None:
         held = torch.arange(E)
     else:  # global expert of each local index
         held = torch.empty(num_local, dtype=torch.long)
         held[emap[emap >= 0].long()] = (emap >= 0).nonzero().squeeze(1)
-    w1, w2, qc = quantize_weights(case.scheme, gi["w1"][held], gi["w2"][held])
+    w1, w2, qc = quantize_weights(scheme, w1_all[held], w2_all[held])
     return w1, w2, qc, emap, num_local
+
+
+@lru_cache(maxsize=32)
+def _quantized_shard(E, scheme, world_size, rank, placement):
+    """``_shard`` of the layout's own weights, cached: the weights do not depend on the case (callers only read it;
+    quantizing DeepSeek-V3's 256 experts again for every case cost seconds a case on the CPU)."""
+    w1_all, w2_all = _layer_weights(E)
+    return _shard(w1_all, w2_all, E, scheme, world_size, rank, placement)
 
 
 def make_rank_inputs(case: DistCase, rank: int, device) -> dict:
@@ -177,10 +219,10 @@ def expected_output(case: DistCase, combine: str | None = None) -> torch.Tensor:
     experts; ``"partials"`` / ``"routes"``: ``reference.distributed.fused_experts_ep`` over the ranks' shards (the
     standard formats' combine rounds each rank's partial output once more; the batched one is ``fused_experts``)."""
     gi = make_global_inputs(case)
-    kw = dict(activation=ACTIVATION, global_num_experts=E,
+    kw = dict(activation=ACTIVATION, global_num_experts=case.E,
               apply_router_weight_on_input=case.apply_router_weight_on_input)
     if combine is None:
-        w1, w2, qc = quantize_weights(case.scheme, gi["w1"], gi["w2"])
+        w1, w2, qc = _quantized_shard(case.E, case.scheme, 1, 0, "linear")[:3]  # all E experts
         return fused_experts(gi["hidden"], w1, w2, gi["topk_weights"], gi["topk_ids"], quant_config=qc, **kw)
     shards = [rank_shard(case, r, gi)[:4] for r in range(case.world_size)]
     return fused_experts_ep(gi["hidden"], gi["topk_weights"], gi["topk_ids"], shards, combine=combine, **kw)
@@ -217,7 +259,7 @@ def run_rank_case(rank: int, world_size: int, device, case: DistCase, pf_cls: ty
     kernel = EPFusedMoEKernel(pf, experts, poison=float("nan"))
     try:
         out = kernel.apply(inp["hidden"], inp["w1"], inp["w2"], inp["topk_weights"], inp["topk_ids"],
-                           activation=ACTIVATION, global_num_experts=E, expert_map=inp["expert_map"],
+                           activation=ACTIVATION, global_num_experts=case.E, expert_map=inp["expert_map"],
                            apply_router_weight_on_input=case.apply_router_weight_on_input)
     except Exception as exc:
         if case.scenario == "overflow":
@@ -225,7 +267,7 @@ def run_rank_case(rank: int, world_size: int, device, case: DistCase, pf_cls: ty
         hint = ""
         if _is_batched(experts_cls):
             T = cap * world_size
-            _, _, out_shape = experts.workspace_shapes(T, inp["w1"].shape[1], K, case.topk, E,
+            _, _, out_shape = experts.workspace_shapes(T, inp["w1"].shape[1], K, case.topk, case.E,
                                                        moe_config.num_local_experts, None, ACTIVATION)
             if tuple(out_shape)[:2] != (moe_config.num_local_experts, T):
                 hint = (f"\n  {experts_cls.__name__}.workspace_shapes gives an output of {tuple(out_shape)} but the "

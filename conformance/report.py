@@ -255,6 +255,8 @@ def render(payload: dict) -> str:
     ]
     if payload.get("semantics"):
         lines.append(f"- vLLM semantics checked: {payload['semantics']}")
+    if payload.get("nccl"):
+        lines.append(f"- NCCL: {payload['nccl']} (distributed cases: one process per GPU)")
     if payload.get("unavailable"):
         lines.append(f"- **unavailable here**: {payload['unavailable']}")
     runs = payload.get("runs") or []

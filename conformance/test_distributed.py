@@ -19,7 +19,9 @@ receives each rank's partial output in the activation dtype (one more rounding o
 DeepEP; the suite's bf16 bound is tight enough to reject one extra rounding, so it cannot be compared with
 ``fused_experts`` directly). The distance to ``fused_experts`` is recorded as ``single_process_*``.
 
-Cases: uneven tokens per rank (one rank with none), every token routed to the
+Cases (``SCENARIOS``), on the synthetic layer and on DeepSeek-V3's expert layout (``LAYOUTS["dsv3"]``: E=256, topk=8,
+at world size 8 its real EP=8 layout of 32 local experts per rank, at the suite's small K and I): uneven tokens per
+rank (one rank with none), every token routed to the
 experts of one rank (which has no tokens of its own), ``topk_ids`` with -1 padding (a token with no route at all),
 ``apply_router_weight_on_input`` (topk 1), linear and round-robin placement, bf16, FP8 1x128-group and per-token
 activations quantized before and after the dispatch, and, for the batched format, a rank over ``max_num_tokens``,
@@ -37,7 +39,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.distributed_case import (ACTIVATION, DTYPE, MODEL, E, I, K, ClusterPool, DistCase, RankFailure,
+from conformance.distributed_case import (ACTIVATION, DTYPE, I, K, ClusterPool, DistCase, RankFailure,
                                           dist_cases, expected_output, make_global_inputs, moe_config_for,
                                           run_rank_case, unpack_tensor)
 from conformance.experts_case import routes_error_bound
@@ -119,7 +121,7 @@ def _rank_of_row(row: int, sizes: list[int]) -> int:
 
 def test_distributed(backend, pf_cls, experts_cls, case: DistCase, repro, record, dist_clusters):
     N = case.world_size
-    record(world_size=N, model=MODEL, scheme=case.scheme if case.quant == "-" else f"{case.scheme}-q{case.quant}",
+    record(world_size=N, model=case.model, scheme=case.scheme if case.quant == "-" else f"{case.scheme}-q{case.quant}",
            component="distributed", tokens=sum(case.tokens_per_rank()), experts_class=experts_cls.__name__,
            prepare_finalize=pf_cls.__name__, scenario=case.scenario, placement=case.placement)
     device = "cuda" if backend.device == "cuda" else "cpu"
@@ -130,7 +132,7 @@ def test_distributed(backend, pf_cls, experts_cls, case: DistCase, repro, record
     fmt = experts_cls.activation_format()
     inp_qc = quantize_weights(case.scheme, torch.zeros(1, 2 * I, K, dtype=DTYPE), torch.zeros(1, K, I, dtype=DTYPE))[2]
     for r in range(N):
-        num_local, _, _ = determine_expert_map(N, r, E, case.placement)
+        num_local, _, _ = determine_expert_map(N, r, case.E, case.placement)
         claimed, reason = experts_cls.is_supported_config(experts_cls, moe_config_for(case, r, num_local),
                                                           inp_qc.weight_key, inp_qc.activation_key, fmt)
         if not claimed:
@@ -138,7 +140,7 @@ def test_distributed(backend, pf_cls, experts_cls, case: DistCase, repro, record
             pytest.skip(f"unsupported: {experts_cls.__name__} on rank {r}: {reason}")
     pf_claim = getattr(pf_cls, "is_supported_config", None)
     if pf_claim is not None:
-        ok, reason = pf_claim(moe_config_for(case, 0, E // N), inp_qc, case.quant == "after")
+        ok, reason = pf_claim(moe_config_for(case, 0, case.E // N), inp_qc, case.quant == "after")
         if not ok:
             record(support="unsupported", reason=reason)
             pytest.skip(f"unsupported: {pf_cls.__name__}: {reason}")
