@@ -49,6 +49,7 @@ import torch
 
 from reference.activation import MoEActivation, adjust_N_for_activation, apply_moe_activation
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
+from reference.quant.moe import moe_kernel_quantize_input
 from reference.moe_output import UnfinalizedMoEOutput, moe_fused_mul_sum, route_major_moe_output
 from reference.routing import RoutingMethodType
 from reference.semantics import SemanticsError, SemanticsVersion, register_point, resolve_semantics
@@ -632,56 +633,6 @@ class FusedMoEExpertsMonolithic(FusedMoEExperts):
 # ------------------------------------------------------------------------------------------------------------
 # Prepare / finalize
 # ------------------------------------------------------------------------------------------------------------
-
-
-def moe_kernel_quantize_input(
-    A: torch.Tensor,
-    A_scale: torch.Tensor | None,
-    quant_config: FusedMoEQuantConfig,
-    desc_name: str = "a1",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Quantize an activation as the quant config's ``a1`` (or ``a2``) descriptor says.
-
-    Returns ``(A, None)`` unchanged when the activation is not quantized. FP8: static per-tensor when a scale is
-    given, else dynamic per-tensor / per-token / per-1x``block_k`` group (row-major fp32 scales ``(M, K/block_k)``,
-    UE8M0-rounded when ``quant_config.use_ue8m0``) under ``quant_config.recipe``. INT8: dynamic per-token or static
-    per-tensor. Mirrors ``vllm/model_executor/layers/fused_moe/utils.py::moe_kernel_quantize_input``.
-
-    Raises:
-        NotImplementedError: a format with no activation quantizer here (its name says which).
-    """
-    desc = getattr(quant_config, desc_name)
-    if desc.dtype is None:
-        return A, None
-    from reference import quant as q
-
-    if desc.dtype == torch.float8_e4m3fn:
-        if desc.shape is not None and desc.shape[0] == 1 and desc.shape[1] > 0:
-            return q.per_token_group_quant_fp8(
-                A, desc.shape[1], use_ue8m0=quant_config.use_ue8m0, recipe=quant_config.recipe
-            )
-        return q.scaled_fp8_quant(A, A_scale, use_per_token_if_dynamic=desc.shape == (1, -1))
-    if desc.dtype == torch.int8:
-        if A_scale is not None:
-            return q.int8_quant_static(A, A_scale)
-        if desc.shape == (1, -1):
-            return q.int8_quant_per_token(A)
-        return q.int8_quant_per_tensor(A)  # kInt8DynamicTensorSym (vLLM 0.33 utils.py::_int8_quantize)
-    if desc.dtype == "mxfp8":
-        return q.mxfp8_quantize(A, scale_rule=q.get_recipe(quant_config.recipe).mx_scale_rule)
-    if desc.dtype == "mxfp4":  # kMxfp4Dynamic (W4A4): codes and E8M0 scales, dequantized by the experts
-        return q.mxfp4_quantize(A, scale_rule=q.get_recipe(quant_config.recipe).mx_scale_rule)
-    if desc.dtype == "nvfp4" and desc.per_token_gscale:
-        # kNvfp4DynamicToken: the scale handed on is the per-block decode factor SF / gs_token (fp32 (M, K // 16)),
-        # so it slices by rows like every other activation scale; the bits are nvfp4_quantize_per_token's.
-        packed, block_scales, gs = q.nvfp4_quantize_per_token(A)
-        return packed, block_scales.to(torch.float32) / gs
-    if desc.dtype == "nvfp4":
-        if desc.alpha_or_gscale is None:
-            raise ValueError(f"NVFP4 activation quantization needs the global scale ({desc_name}_gscale)")
-        packed, block_scales, _ = q.nvfp4_quantize(A, desc.alpha_or_gscale)
-        return packed, block_scales
-    raise NotImplementedError(f"activation quantization to {desc.dtype!r} is not defined in the reference")
 
 
 class FusedMoEPrepareAndFinalize(ABC):
