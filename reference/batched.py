@@ -23,7 +23,7 @@ from reference.modular import (
     FusedMoEPrepareAndFinalizeModular,
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNaiveBatched,
-    _apply_router_weight_on_input,
+    apply_router_weight_to_input,
     moe_kernel_quantize_input,
 )
 
@@ -102,7 +102,7 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
                 quant_config: FusedMoEQuantConfig, defer_input_quant=False):
         if apply_router_weight_on_input:
-            a1 = _apply_router_weight_on_input(a1, topk_weights)
+            a1 = apply_router_weight_to_input(a1, topk_weights)
         emap = self._map(expert_map, num_experts)
         self._expert_map = None if emap is None else emap.to(a1.device)
         batched, counts, token_lists = batch_by_expert(a1, topk_ids, self.num_local_experts, self.max_num_tokens,
