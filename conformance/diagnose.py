@@ -22,7 +22,7 @@ import torch
 
 from conformance.metrics import ConformanceFailure, assert_close, assert_exact
 from reference import quant as rq
-from reference.experts import _experts_unreduced
+from reference.experts import experts_unreduced
 from reference.modular import moe_kernel_quantize_input
 
 __all__ = ["reference_stages", "diagnose"]
@@ -34,7 +34,7 @@ def reference_stages(inputs, activation) -> dict[str, torch.Tensor]:
     qc, x = inputs.quant_config, inputs.hidden_states
     a1q, a1s = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
     out = {}
-    out["gemm2"] = _experts_unreduced(a1q, a1s, inputs.w1, inputs.w2, inputs.topk_ids, inputs.expert_map, qc,
+    out["gemm2"] = experts_unreduced(a1q, a1s, inputs.w1, inputs.w2, inputs.topk_ids, inputs.expert_map, qc,
                                       activation, x.dtype, stages=out)
     return out
 

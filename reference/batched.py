@@ -15,7 +15,7 @@ import torch
 
 from reference.activation import MoEActivation, adjust_N_for_activation
 from reference.config import FusedMoEQuantConfig
-from reference.experts import _experts_unreduced, local_expert_ids, reference_support
+from reference.experts import experts_unreduced, local_expert_ids, reference_support
 from reference.modular import (
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
@@ -165,7 +165,7 @@ class BatchedReferenceExperts(FusedMoEExpertsModular):
             scale = None if a1q_scale is None else (a1q_scale[e, :n] if a1q_scale[e].numel() > 1 else a1q_scale[e])
             one_expert = torch.full((n, 1), e, dtype=torch.int64, device=hidden_states.device)
             # Run the reference loop on this slot alone (expert e only, ids already local).
-            y = _experts_unreduced(hidden_states[e, :n], scale, w1, w2, one_expert, None, self.quant_config,
+            y = experts_unreduced(hidden_states[e, :n], scale, w1, w2, one_expert, None, self.quant_config,
                                    activation, output.dtype,
                                    situ_beta=getattr(self.moe_config, "activation_situ_beta", None),
                                    situ_linear_beta=getattr(self.moe_config, "activation_situ_linear_beta", None))

@@ -89,7 +89,7 @@ import torch.distributed as dist
 from reference.activation import MoEActivation
 from reference.batched import BatchedReferenceExperts
 from reference.config import FusedMoEConfig, FusedMoEQuantConfig
-from reference.experts import _experts_unreduced, check_moe_inputs, fused_experts
+from reference.experts import experts_unreduced, check_moe_inputs, fused_experts
 from reference.modular import (
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
@@ -115,6 +115,7 @@ __all__ = [
     "BatchedReferenceExpertsEP",
     "REFERENCE_PREPARE_FINALIZE",
     "fused_experts_ep",
+    "quantize_slots",
 ]
 
 
@@ -557,7 +558,7 @@ class DeepEPLLPrepareAndFinalize(_EPPrepareAndFinalize):
             row[idx] = torch.arange(n, device=row.device)
             counts.append(n)
         if self.quantize_after_dispatch and not defer_input_quant and quant_config.a1.dtype is not None:
-            slots, slot_scale = _quantize_slots(slots, counts, quant_config)
+            slots, slot_scale = quantize_slots(slots, counts, quant_config)
         self._handle = _Handle(num_tokens=M, send_counts=send_counts, recv_counts=recv_counts, send_routes=routes,
                                recv_slot=torch.stack([recv_slot, row], dim=1))
         meta = ExpertTokensMetadata.make_from_list(counts, a1.device)
@@ -580,10 +581,11 @@ class DeepEPLLPrepareAndFinalize(_EPPrepareAndFinalize):
         output.copy_((y * w.unsqueeze(-1)).sum(dim=1))
 
 
-def _quantize_slots(slots: torch.Tensor, counts: list[int], quant_config: FusedMoEQuantConfig):
-    """Quantize each slot's first ``counts[e]`` rows (``reference.batched.BatchedPrepareAndFinalize``'s rule):
+def quantize_slots(slots: torch.Tensor, counts: list[int], quant_config: FusedMoEQuantConfig):
+    """Quantize each slot of ``slots (E_local, T, K)`` in its first ``counts[e]`` rows as ``quant_config.a1`` says
+    (``reference.batched.BatchedPrepareAndFinalize``'s rule): codes ``(E_local, T, K')`` with zero rows past the count;
     row-aligned scales padded with zero rows to ``(E_local, T, G)``, a per-tensor scale one per slot
-    ``(E_local, 1)``."""
+    ``(E_local, 1)``; scales None when a1 is not quantized. Raises as ``moe_kernel_quantize_input``."""
     E, T, _ = slots.shape
     qs, ss = [], []
     for e in range(E):
@@ -692,7 +694,7 @@ def fused_experts_ep(
     for w1, w2, qc, emap in shards:
         check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, emap, global_num_experts, qc)
         a1q, a1q_scale = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
-        part = _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, emap, qc, activation, hidden_states.dtype)
+        part = experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, emap, qc, activation, hidden_states.dtype)
         y = part if y is None else y + part  # each route is held by exactly one rank: the others add zeros
     w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
     return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)

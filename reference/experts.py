@@ -40,7 +40,7 @@ from reference.modular import (
 from reference.quant.moe import dequant_activation, dequant_groups, dequant_weight, moe_kernel_quantize_input, \
     weight_pack_factor
 
-__all__ = ["fused_experts", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
+__all__ = ["fused_experts", "experts_unreduced", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
 
 
 def local_expert_ids(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -106,21 +106,35 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
             raise ValueError(f"expert_map has {expert_map.numel()} entries, expected global_num_experts={E}")
 
 
-def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
+def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                        acc_dtype: torch.dtype = torch.float32, gemm=None, *, situ_beta=None,
                        situ_linear_beta=None, stages: dict | None = None) -> torch.Tensor:
-    """(M, topk, K) unweighted expert outputs in act dtype; zeros for routes to experts not held here.
+    """Every route's expert output, unweighted and unreduced: the reference loop up to GEMM2 (see the module
+    docstring), ``(M, topk, K)`` in ``act_dtype``, zeros for routes to experts not held here (``expert_map``).
 
-    ``acc_dtype`` is the GEMMs' accumulation dtype: fp32 defines the reference; float64 gives the (nearly) exact
-    products of the dequantized operands that ``reference.error_model`` measures accumulation errors against.
-    ``gemm(a (R, K), w (N, K)) -> (R, N)`` replaces the matmul of both GEMMs (dequantized fp32 operands in, the
-    accumulated product out): a hook for emulating a kernel's accumulator (tests/emulated_backends.py).
-    ``stages``: a dict that receives GEMM1's rounded output (``"gemm1"``, ``(M, topk, N)``) and the activation's
-    (``"activation"``, ``(M, topk, N')``) per route, zeros for routes not held here (``conformance/diagnose.py``).
+    Args:
+        a1q, a1q_scale: the quantized activations ``(M, K')`` and their scales, as ``moe_kernel_quantize_input``
+            returns them for ``qc.a1`` (``K'`` = K, or K / 2 for packed FP4).
+        w1: ``(E_local, N, K / pack)``; w2: ``(E_local, K, N' / pack)`` (``N'`` = N / 2 for gated activations).
+        topk_ids: ``(M, topk)`` integer global expert ids (-1: no route). expert_map: int32 ``(E,)`` or None.
+        qc: the ``FusedMoEQuantConfig`` (weight scales, a2 quantization, biases, gemm1 alpha/beta/limit).
+        activation: the ``MoEActivation`` between the GEMMs. act_dtype: the rounding dtype of each GEMM's output.
+        acc_dtype: the GEMMs' accumulation dtype: fp32 defines the reference; float64 gives the (nearly) exact
+            products of the dequantized operands that ``reference.error_model`` measures accumulation errors
+            against.
+        gemm: ``gemm(a (R, K), w (N, K)) -> (R, N)`` replaces the matmul of both GEMMs (dequantized fp32 operands
+            in, the accumulated product out): a hook for emulating a kernel's accumulator (tests/emulated_backends.py).
+        situ_beta, situ_linear_beta: SITU's parameters.
+        stages: a dict that receives GEMM1's rounded output (``"gemm1"``, ``(M, topk, N)``) and the activation's
+            (``"activation"``, ``(M, topk, N')``) per route, zeros for routes not held here (``conformance/diagnose.py``).
 
     Three passes, because the requantization of a2 may need every routed row at once: a *per-tensor* dynamic a2
     scale is the amax over all routed rows of the call (one chunk of the modular kernel), as vLLM's Triton path
     quantizes ``intermediate_cache2`` in one go. Per-token and per-group scales only see their own row.
+
+    Raises:
+        NotImplementedError / ValueError: as ``moe_kernel_quantize_input`` and the dequantizers for a format the
+            reference does not define or a missing scale. Operands are not validated here (``check_moe_inputs``).
     """
     M, topk = topk_ids.shape
     if gemm is None:
@@ -210,7 +224,7 @@ def fused_experts(
     if qc.a1.dtype is not None and not x.is_contiguous():  # as the prepare step: quantizers read contiguous rows
         x = x.contiguous()
     a1q, a1q_scale = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
-    y = _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
+    y = experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                            accumulate_dtype, situ_beta=activation_situ_beta,
                            situ_linear_beta=activation_situ_linear_beta)
     w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
@@ -255,7 +269,7 @@ class ReferenceExperts(FusedMoEExpertsModular):
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
         act_dtype = output.dtype
-        y = _experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
+        y = experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
                                activation, act_dtype, situ_beta=getattr(self.moe_config, "activation_situ_beta", None),
                                situ_linear_beta=getattr(self.moe_config, "activation_situ_linear_beta", None))
         output.copy_(y.view(output.shape))

@@ -82,7 +82,7 @@ if __name__ == "__main__" and "--deep" not in sys.argv:
 def deep(model="mixtral_8x7b", scheme="fp8_tensor", M=512, ep=4, rank=0) -> None:
     """The per-tensor amax and the activation rows the kernel quantizes, against the reference's (``--deep``)."""
     import backends.triton.experts as tx
-    from reference.experts import _experts_unreduced
+    from reference.experts import experts_unreduced
     from reference.modular import moe_kernel_quantize_input
 
     m = load_models()[model]
@@ -107,7 +107,7 @@ def deep(model="mixtral_8x7b", scheme="fp8_tensor", M=512, ep=4, rank=0) -> None
         tx._launch_act_quant = real
     a1q, a1s = moe_kernel_quantize_input(inp.hidden_states, qc.a1_scale, qc, "a1")
     st: dict = {}
-    _experts_unreduced(a1q, a1s, inp.w1, inp.w2, inp.topk_ids, inp.expert_map, qc, case.activation,
+    experts_unreduced(a1q, a1s, inp.w1, inp.w2, inp.topk_ids, inp.expert_map, qc, case.activation,
                        inp.hidden_states.dtype, stages=st)
     ref_act = st["activation"].float()  # (M, topk, I), zeros off this rank
     kw = seen[0]

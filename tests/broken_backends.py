@@ -13,7 +13,7 @@ import torch
 from backends import Backend
 from backends.torch import backend as _torch
 from backends.torch.experts import TorchExperts
-from reference.experts import ReferenceExperts, _experts_unreduced
+from reference.experts import ReferenceExperts, experts_unreduced
 from reference.modular import moe_kernel_quantize_input
 
 
@@ -274,7 +274,7 @@ class _Gemm2WrongExpert(ReferenceExperts):
         qc = self.quant_config
         a1q, a1s = moe_kernel_quantize_input(hidden_states, qc.a1_scale, qc, "a1")
         out = {}
-        out["gemm2"] = _experts_unreduced(a1q, a1s, w1, w2.roll(1, dims=0), topk_ids, expert_map, qc, activation,
+        out["gemm2"] = experts_unreduced(a1q, a1s, w1, w2.roll(1, dims=0), topk_ids, expert_map, qc, activation,
                                           hidden_states.dtype, stages=out)
         del out["gemm1"]  # hands out the activation (right) and GEMM2 (wrong), as a fused kernel would
         return out

@@ -23,7 +23,7 @@ import torch
 
 from backends import Backend
 from backends.torch import backend as _torch
-from reference.experts import ReferenceExperts, _experts_unreduced
+from reference.experts import ReferenceExperts, experts_unreduced
 from reference.error_model import emulate_mma16
 from reference.modular import TopKWeightAndReduceContiguous
 
@@ -61,7 +61,7 @@ class _EmulatedExperts(ReferenceExperts):
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
-        y = _experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
+        y = experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
                                activation, output.dtype, gemm=type(self).gemm)
         output.copy_(y.view(output.shape))
 

@@ -42,11 +42,11 @@ from reference.distributed import (
     DeepEPLLPrepareAndFinalize,
     MoEPrepareAndFinalizeNaiveDPEPModular,
     REFERENCE_PREPARE_FINALIZE,
-    _quantize_slots,
+    quantize_slots,
     expert_placement,
     fused_experts_ep,
 )
-from reference.experts import ReferenceExperts, _experts_unreduced
+from reference.experts import ReferenceExperts, experts_unreduced
 from reference.modular import FusedMoEActivationFormat, moe_kernel_quantize_input
 from reference.routing import determine_expert_map
 from specs import load_tolerances
@@ -250,7 +250,7 @@ class DeferredQuantExperts(ReferenceExperts):
               apply_router_weight_on_input):
         assert hidden_states.dtype == torch.bfloat16 and a1q_scale is None, "prepare quantized a deferred input"
         a1q, scale = moe_kernel_quantize_input(hidden_states, None, self.quant_config, "a1")
-        y = _experts_unreduced(a1q, scale, w1, w2, topk_ids, expert_map, self.quant_config, activation, output.dtype)
+        y = experts_unreduced(a1q, scale, w1, w2, topk_ids, expert_map, self.quant_config, activation, output.dtype)
         output.copy_(y.view(output.shape))
 
 
@@ -263,7 +263,7 @@ class DeferredQuantBatchedExperts(BatchedReferenceExpertsEP):
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
         assert hidden_states.dtype == torch.bfloat16 and a1q_scale is None, "prepare quantized a deferred input"
-        q, s = _quantize_slots(hidden_states, expert_tokens_meta.expert_num_tokens.tolist(), self.quant_config)
+        q, s = quantize_slots(hidden_states, expert_tokens_meta.expert_num_tokens.tolist(), self.quant_config)
         super().apply(output, q, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map, s,
                       a2_scale, workspace13, workspace2, expert_tokens_meta, apply_router_weight_on_input)
 

@@ -22,7 +22,7 @@ from conformance.cases import ExpertsCase
 from conformance.inputs import make_experts_inputs
 from reference.activation import MoEActivation
 from reference.error_model import Accumulation, acc_rel, emulate_mma16, experts_error_bound, mma16_rel
-from reference.experts import _experts_unreduced, fused_experts
+from reference.experts import experts_unreduced, fused_experts
 from reference.metrics import error_stats
 from reference.modular import moe_kernel_quantize_input
 from reference.routing import fused_topk
@@ -128,7 +128,7 @@ def test_float64_reference_sits_well_inside(model, scheme):
 def _emulated(cls, x, w1q, w2q, w, ids, qc):
     out = torch.empty_like(x)
     a1q, a1s = moe_kernel_quantize_input(x, None, qc, "a1")
-    y = _experts_unreduced(a1q, a1s, w1q, w2q, ids, None, qc, MoEActivation.SILU, x.dtype,
+    y = experts_unreduced(a1q, a1s, w1q, w2q, ids, None, qc, MoEActivation.SILU, x.dtype,
                            gemm=getattr(cls, "gemm", None))
     impl = cls.finalize_weight_and_reduce_impl(cls.__new__(cls))
     impl.apply(out, y, w, ids, False)
