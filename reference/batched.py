@@ -25,6 +25,7 @@ from reference.modular import (
     TopKWeightAndReduceNaiveBatched,
     apply_router_weight_to_input,
     moe_kernel_quantize_input,
+    resolve_delegate,
 )
 
 __all__ = ["BatchedPrepareAndFinalize", "BatchedReferenceExperts", "batch_by_expert"]
@@ -126,8 +127,8 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
                  weight_and_reduce_impl):
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
-            weight_and_reduce_impl = TopKWeightAndReduceNaiveBatched(self.rank, self._expert_map)
+        weight_and_reduce_impl = resolve_delegate(weight_and_reduce_impl,
+                                                  TopKWeightAndReduceNaiveBatched(self.rank, self._expert_map))
         weight_and_reduce_impl.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
 
 

@@ -101,6 +101,7 @@ from reference.modular import (
     TopKWeightAndReduceNaiveBatched,
     apply_router_weight_to_input,
     moe_kernel_quantize_input,
+    resolve_delegate,
 )
 from reference.routing import determine_expert_map
 from reference.semantics import SemanticsVersion
@@ -305,6 +306,14 @@ class _EPPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
             return x, None
         return moe_kernel_quantize_input(x, quant_config.a1_scale, quant_config, "a1")
 
+    @staticmethod
+    def _reduce_local(fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                      weight_and_reduce_impl) -> torch.Tensor:
+        """This rank's weighted top-k partial of the tokens it computed, before the combine (``Delegate`` ->
+        ``Contiguous``)."""
+        impl = resolve_delegate(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
+        return impl.apply(None, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
+
     def _take_handle(self) -> _Handle:
         if self._handle is None:
             raise RuntimeError(f"{type(self).__name__}.finalize called without a prepare on this rank")
@@ -370,10 +379,8 @@ class MoEPrepareAndFinalizeNaiveDPEPModular(_EPPrepareAndFinalize):
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
                  weight_and_reduce_impl):
         h = self._take_handle()
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
-            weight_and_reduce_impl = TopKWeightAndReduceContiguous()
-        partial = weight_and_reduce_impl.apply(None, fused_expert_output, topk_weights, topk_ids,
-                                               apply_router_weight_on_input)
+        partial = self._reduce_local(fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                                     weight_and_reduce_impl)
         # Reduce-scatter: rank s receives every rank's rows of its own tokens and sums them.
         M = h.num_tokens
         rows = self._all_to_all_rows(partial, h.sizes, [M] * self.world_size)
@@ -446,10 +453,8 @@ class DeepEPHTPrepareAndFinalize(_EPPrepareAndFinalize):
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
                  weight_and_reduce_impl):
         h = self._take_handle()
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
-            weight_and_reduce_impl = TopKWeightAndReduceContiguous()
-        partial = weight_and_reduce_impl.apply(None, fused_expert_output, topk_weights, topk_ids,
-                                               apply_router_weight_on_input)
+        partial = self._reduce_local(fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                                     weight_and_reduce_impl)
         back = self._all_to_all_rows(partial, h.recv_counts, h.send_counts)  # this rank's send order
         output.copy_(_sum_partials(back, h.send_tokens, h.send_counts, h.num_tokens))
 

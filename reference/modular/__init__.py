@@ -68,6 +68,7 @@ from reference.modular.prepare_finalize import (
     FusedMoEPrepareAndFinalizeModular,
     FusedMoEPrepareAndFinalizeMonolithic,
     MoEPrepareAndFinalizeNoEP,
+    NoDispatch,
     apply_router_weight_to_input,
 )
 from reference.modular.support import SupportRecord
@@ -77,6 +78,7 @@ from reference.modular.topk_weight_and_reduce import (
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNaiveBatched,
     TopKWeightAndReduceNoOP,
+    resolve_delegate,
 )
 from reference.moe_output import UnfinalizedMoEOutput, moe_fused_mul_sum, route_major_moe_output
 from reference.quant.moe import moe_kernel_quantize_input
@@ -94,10 +96,12 @@ __all__ = [
     "TopKWeightAndReduceContiguous",
     "TopKWeightAndReduceNaiveBatched",
     "TopKWeightAndReduceDelegate",
+    "resolve_delegate",
     "FusedMoEPrepareAndFinalize",
     "FusedMoEPrepareAndFinalizeModular",
     "FusedMoEPrepareAndFinalizeMonolithic",
     "MoEPrepareAndFinalizeNoEP",
+    "NoDispatch",
     "FusedMoEKernel",
     "ExpertsCall",
     "KernelSemantics",

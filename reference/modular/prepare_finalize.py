@@ -14,12 +14,12 @@ from reference.modular.experts_base import ExpertTokensMetadata, FusedMoEActivat
 from reference.modular.topk_weight_and_reduce import (
     TopKWeightAndReduce,
     TopKWeightAndReduceContiguous,
-    TopKWeightAndReduceDelegate,
+    resolve_delegate,
 )
 from reference.quant.moe import moe_kernel_quantize_input
 
 __all__ = ["FusedMoEPrepareAndFinalize", "FusedMoEPrepareAndFinalizeModular", "FusedMoEPrepareAndFinalizeMonolithic",
-           "MoEPrepareAndFinalizeNoEP", "apply_router_weight_to_input"]
+           "MoEPrepareAndFinalizeNoEP", "NoDispatch", "apply_router_weight_to_input"]
 
 
 class FusedMoEPrepareAndFinalize(ABC):
@@ -123,10 +123,9 @@ def apply_router_weight_to_input(a1: torch.Tensor, topk_weights: torch.Tensor) -
     return a1 * topk_weights.to(a1.dtype)
 
 
-class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
-    """No dispatch: optionally apply the router weight on the input (topk == 1), quantize a1, and in finalize run
-    the experts' ``TopKWeightAndReduce`` (``Delegate`` -> ``Contiguous``). Mirrors vLLM ``MoEPrepareAndFinalizeNoEP``.
-    """
+class NoDispatch:
+    """What a prepare/finalize without dispatch answers (mixed in before the ABC, single process, Standard
+    format): no index dtype preference, no per-rank token cap, one dispatcher, an unreduced output."""
 
     @property
     def activation_format(self) -> FusedMoEActivationFormat:
@@ -141,13 +140,19 @@ class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
     def num_dispatchers(self) -> int:
         return 1
 
+    def output_is_reduced(self) -> bool:
+        return False
+
+
+class MoEPrepareAndFinalizeNoEP(NoDispatch, FusedMoEPrepareAndFinalizeModular):
+    """No dispatch: optionally apply the router weight on the input (topk == 1), quantize a1, and in finalize run
+    the experts' ``TopKWeightAndReduce`` (``Delegate`` -> ``Contiguous``). Mirrors vLLM ``MoEPrepareAndFinalizeNoEP``.
+    """
+
     def supports_deferred_moe_finalize(self) -> bool:
         # finalize here is the top-k weight-and-reduce and nothing else: exactly what a deferring consumer takes
         # over (vLLM 0.33 MoEPrepareAndFinalizeNoDPEPModular).
         return True
-
-    def output_is_reduced(self) -> bool:
-        return False
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
                 quant_config, defer_input_quant=False):
@@ -164,6 +169,5 @@ class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
                  weight_and_reduce_impl):
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
-            weight_and_reduce_impl = TopKWeightAndReduceContiguous()
+        weight_and_reduce_impl = resolve_delegate(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
         weight_and_reduce_impl.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 import torch
 
 __all__ = ["TopKWeightAndReduce", "TopKWeightAndReduceNoOP", "TopKWeightAndReduceContiguous",
-           "TopKWeightAndReduceNaiveBatched", "TopKWeightAndReduceDelegate"]
+           "TopKWeightAndReduceNaiveBatched", "TopKWeightAndReduceDelegate", "resolve_delegate"]
 
 
 class TopKWeightAndReduce(ABC):
@@ -101,3 +101,9 @@ class TopKWeightAndReduceDelegate(TopKWeightAndReduce):
 
     def apply(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
         raise RuntimeError("TopKWeightAndReduceDelegate must be replaced by the prepare/finalize's own reduction")
+
+
+def resolve_delegate(impl: TopKWeightAndReduce, default: TopKWeightAndReduce) -> TopKWeightAndReduce:
+    """The reduction a prepare/finalize runs: ``default`` (its own) where the experts delegate
+    (``TopKWeightAndReduceDelegate``), else the experts' ``impl`` (vLLM's ``finalize`` implementations)."""
+    return default if isinstance(impl, TopKWeightAndReduceDelegate) else impl
