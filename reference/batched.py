@@ -23,8 +23,9 @@ from reference.modular import (
     FusedMoEPrepareAndFinalizeModular,
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNaiveBatched,
-    _apply_router_weight_on_input,
+    apply_router_weight_to_input,
     moe_kernel_quantize_input,
+    resolve_delegate,
 )
 
 __all__ = ["BatchedPrepareAndFinalize", "BatchedReferenceExperts", "batch_by_expert"]
@@ -102,7 +103,7 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
                 quant_config: FusedMoEQuantConfig, defer_input_quant=False):
         if apply_router_weight_on_input:
-            a1 = _apply_router_weight_on_input(a1, topk_weights)
+            a1 = apply_router_weight_to_input(a1, topk_weights)
         emap = self._map(expert_map, num_experts)
         self._expert_map = None if emap is None else emap.to(a1.device)
         batched, counts, token_lists = batch_by_expert(a1, topk_ids, self.num_local_experts, self.max_num_tokens,
@@ -126,8 +127,8 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
                  weight_and_reduce_impl):
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
-            weight_and_reduce_impl = TopKWeightAndReduceNaiveBatched(self.rank, self._expert_map)
+        weight_and_reduce_impl = resolve_delegate(weight_and_reduce_impl,
+                                                  TopKWeightAndReduceNaiveBatched(self.rank, self._expert_map))
         weight_and_reduce_impl.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
 
 

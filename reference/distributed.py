@@ -89,19 +89,22 @@ import torch.distributed as dist
 from reference.activation import MoEActivation
 from reference.batched import BatchedReferenceExperts
 from reference.config import FusedMoEConfig, FusedMoEQuantConfig
-from reference.experts import check_moe_inputs, experts_unreduced, fused_experts
+from reference.experts import experts_unreduced, check_moe_inputs, fused_experts
 from reference.modular import (
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
+    ExpertsCall,
     FusedMoEKernel,
     FusedMoEPrepareAndFinalizeModular,
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNaiveBatched,
-    _apply_router_weight_on_input,
+    apply_router_weight_to_input,
     moe_kernel_quantize_input,
+    resolve_delegate,
 )
 from reference.routing import determine_expert_map
+from reference.semantics import SemanticsVersion
 
 __all__ = [
     "DispatchCapacityError",
@@ -113,6 +116,7 @@ __all__ = [
     "BatchedReferenceExpertsEP",
     "REFERENCE_PREPARE_FINALIZE",
     "fused_experts_ep",
+    "quantize_slots",
 ]
 
 
@@ -302,6 +306,14 @@ class _EPPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
             return x, None
         return moe_kernel_quantize_input(x, quant_config.a1_scale, quant_config, "a1")
 
+    @staticmethod
+    def _reduce_local(fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                      weight_and_reduce_impl) -> torch.Tensor:
+        """This rank's weighted top-k partial of the tokens it computed, before the combine (``Delegate`` ->
+        ``Contiguous``)."""
+        impl = resolve_delegate(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
+        return impl.apply(None, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
+
     def _take_handle(self) -> _Handle:
         if self._handle is None:
             raise RuntimeError(f"{type(self).__name__}.finalize called without a prepare on this rank")
@@ -352,7 +364,7 @@ class MoEPrepareAndFinalizeNaiveDPEPModular(_EPPrepareAndFinalize):
         sizes = self._sync(topk_ids)[:, 0].tolist()
         self._placement(num_experts, expert_map)
         if apply_router_weight_on_input:
-            a1 = _apply_router_weight_on_input(a1, topk_weights)
+            a1 = apply_router_weight_to_input(a1, topk_weights)
         x, scale, scale_travels = self._quantize_before_dispatch(a1, quant_config, defer_input_quant)
         x = self._all_gather_rows(x, sizes)
         if scale_travels:
@@ -367,10 +379,8 @@ class MoEPrepareAndFinalizeNaiveDPEPModular(_EPPrepareAndFinalize):
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
                  weight_and_reduce_impl):
         h = self._take_handle()
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
-            weight_and_reduce_impl = TopKWeightAndReduceContiguous()
-        partial = weight_and_reduce_impl.apply(None, fused_expert_output, topk_weights, topk_ids,
-                                               apply_router_weight_on_input)
+        partial = self._reduce_local(fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                                     weight_and_reduce_impl)
         # Reduce-scatter: rank s receives every rank's rows of its own tokens and sums them.
         M = h.num_tokens
         rows = self._all_to_all_rows(partial, h.sizes, [M] * self.world_size)
@@ -408,7 +418,7 @@ class DeepEPHTPrepareAndFinalize(_EPPrepareAndFinalize):
         owner, local_index = self._placement(num_experts, expert_map)
         owner, local_index = owner.to(a1.device), local_index.to(a1.device)
         if apply_router_weight_on_input:
-            a1 = _apply_router_weight_on_input(a1, topk_weights)
+            a1 = apply_router_weight_to_input(a1, topk_weights)
         x, scale, scale_travels = self._quantize_before_dispatch(a1, quant_config, defer_input_quant)
 
         ids = topk_ids.long()
@@ -443,10 +453,8 @@ class DeepEPHTPrepareAndFinalize(_EPPrepareAndFinalize):
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
                  weight_and_reduce_impl):
         h = self._take_handle()
-        if isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
-            weight_and_reduce_impl = TopKWeightAndReduceContiguous()
-        partial = weight_and_reduce_impl.apply(None, fused_expert_output, topk_weights, topk_ids,
-                                               apply_router_weight_on_input)
+        partial = self._reduce_local(fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                                     weight_and_reduce_impl)
         back = self._all_to_all_rows(partial, h.recv_counts, h.send_counts)  # this rank's send order
         output.copy_(_sum_partials(back, h.send_tokens, h.send_counts, h.num_tokens))
 
@@ -518,7 +526,7 @@ class DeepEPLLPrepareAndFinalize(_EPPrepareAndFinalize):
         owner, local_index = self._placement(num_experts, expert_map)
         owner, local_index = owner.to(a1.device), local_index.to(a1.device)
         if apply_router_weight_on_input:
-            a1 = _apply_router_weight_on_input(a1, topk_weights)
+            a1 = apply_router_weight_to_input(a1, topk_weights)
         x, scale, scale_travels = self._quantize_before_dispatch(a1, quant_config, defer_input_quant)
 
         routes = valid.nonzero()  # (R, 2) = (token, k), row-major: increasing token, then k
@@ -555,7 +563,7 @@ class DeepEPLLPrepareAndFinalize(_EPPrepareAndFinalize):
             row[idx] = torch.arange(n, device=row.device)
             counts.append(n)
         if self.quantize_after_dispatch and not defer_input_quant and quant_config.a1.dtype is not None:
-            slots, slot_scale = _quantize_slots(slots, counts, quant_config)
+            slots, slot_scale = quantize_slots(slots, counts, quant_config)
         self._handle = _Handle(num_tokens=M, send_counts=send_counts, recv_counts=recv_counts, send_routes=routes,
                                recv_slot=torch.stack([recv_slot, row], dim=1))
         meta = ExpertTokensMetadata.make_from_list(counts, a1.device)
@@ -578,10 +586,11 @@ class DeepEPLLPrepareAndFinalize(_EPPrepareAndFinalize):
         output.copy_((y * w.unsqueeze(-1)).sum(dim=1))
 
 
-def _quantize_slots(slots: torch.Tensor, counts: list[int], quant_config: FusedMoEQuantConfig):
-    """Quantize each slot's first ``counts[e]`` rows (``reference.batched.BatchedPrepareAndFinalize``'s rule):
+def quantize_slots(slots: torch.Tensor, counts: list[int], quant_config: FusedMoEQuantConfig):
+    """Quantize each slot of ``slots (E_local, T, K)`` in its first ``counts[e]`` rows as ``quant_config.a1`` says
+    (``reference.batched.BatchedPrepareAndFinalize``'s rule): codes ``(E_local, T, K')`` with zero rows past the count;
     row-aligned scales padded with zero rows to ``(E_local, T, G)``, a per-tensor scale one per slot
-    ``(E_local, 1)``."""
+    ``(E_local, 1)``; scales None when a1 is not quantized. Raises as ``moe_kernel_quantize_input``."""
     E, T, _ = slots.shape
     qs, ss = [], []
     for e in range(E):
@@ -616,54 +625,19 @@ class EPFusedMoEKernel(FusedMoEKernel):
       ``topk_ids``).
     """
 
-    def _fused_experts(self, in_dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids, activation,
-                       global_num_experts, local_num_experts, expert_map, apply_router_weight_on_input,
-                       expert_tokens_meta):
-        if a1q.dim() != 3:
-            return super()._fused_experts(in_dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids, activation,
-                                          global_num_experts, local_num_experts, expert_map,
-                                          apply_router_weight_on_input, expert_tokens_meta)
-        fe = self.fused_experts
-        _, T, N, K, top_k = fe.moe_problem_size(a1q, w1, w2, topk_ids)
-        ws13, ws2, fused_out = self._allocate_buffers(in_dtype, a1q.device, T, T, N, K, top_k, global_num_experts,
-                                                      local_num_experts, expert_tokens_meta, activation)
-        fe.apply(output=fused_out, hidden_states=a1q, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
-                 activation=activation, global_num_experts=global_num_experts, expert_map=expert_map,
-                 a1q_scale=a1q_scale, a2_scale=fe.a2_scale, workspace13=ws13, workspace2=ws2,
-                 expert_tokens_meta=expert_tokens_meta, apply_router_weight_on_input=apply_router_weight_on_input)
-        return fused_out
+    #: The combine is a collective: a rank without tokens still finalizes (0.17 ``FinalizeWithTokens``; 0.33 always
+    #: finalizes).
+    finalizes_empty_batch = True
 
-    def apply(self, hidden_states, w1, w2, topk_weights, topk_ids, activation: MoEActivation = MoEActivation.SILU,
-              global_num_experts: int = -1, expert_map: torch.Tensor | None = None,
-              apply_router_weight_on_input: bool = False, shared_experts_input: torch.Tensor | None = None):
-        """As ``FusedMoEKernel.apply``; on a rank with no tokens, still dispatch, compute and combine."""
-        if self.is_monolithic or hidden_states.size(0) > 0:
-            return super().apply(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-                                 expert_map, apply_router_weight_on_input, shared_experts_input)
-        if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or hidden_states.dim() != 2:
-            raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be "
-                             f"(M=0, topk) and hidden_states (0, K), got {tuple(hidden_states.shape)}")
-        if expert_map is not None and not self.fused_experts.supports_expert_map():
-            raise ValueError(f"{type(self.fused_experts).__name__} does not support expert_map")
-        output = hidden_states if self.inplace else torch.empty_like(hidden_states)
-        local_num_experts = w1.size(0)
-        if global_num_experts == -1:
-            global_num_experts = local_num_experts
-        a1q, a1q_scale, meta, d_ids, d_weights = self.prepare_finalize.prepare(
-            hidden_states, topk_weights, topk_ids, global_num_experts, expert_map, apply_router_weight_on_input,
-            self.fused_experts.quant_config, defer_input_quant=self.fused_experts.expects_unquantized_inputs,
-        )
-        topk_ids = topk_ids if d_ids is None else d_ids
-        topk_weights = topk_weights if d_weights is None else d_weights
-        fused_out = self._fused_experts(hidden_states.dtype, a1q, a1q_scale, w1, w2, topk_weights, topk_ids,
-                                        activation, global_num_experts, local_num_experts, expert_map,
-                                        apply_router_weight_on_input, meta)
-        self.prepare_finalize.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
-                                       self.fused_experts.finalize_weight_and_reduce_impl())
-        if self.shared_experts is None:
-            return output
-        se_in = shared_experts_input if shared_experts_input is not None else hidden_states
-        return self.shared_experts(se_in), output
+    def _fused_experts(self, call: ExpertsCall):
+        if call.a1q.dim() != 3 or self.semantics >= SemanticsVersion.V0_33:
+            return super()._fused_experts(call)
+        # 0.17, batched format: one call over every dispatched slot, whatever this rank's own token count.
+        fe = self.fused_experts
+        _, T, N, K, top_k = fe.moe_problem_size(call.a1q, call.w1, call.w2, call.topk_ids)
+        ws13, ws2, fused_out = self._allocate_buffers(call, M_chunk=T, M_full=T, N=N, K=K, top_k=top_k)
+        call.run(fe, output=fused_out, workspace13=ws13, workspace2=ws2)
+        return fused_out
 
 
 class BatchedReferenceExpertsEP(BatchedReferenceExperts):
@@ -720,7 +694,7 @@ def fused_experts_ep(
         raise ValueError(f"combine must be 'partials' or 'routes', got {combine!r}")
     x = hidden_states
     if apply_router_weight_on_input:
-        x = _apply_router_weight_on_input(x, topk_weights)
+        x = apply_router_weight_to_input(x, topk_weights)
     y = None
     for w1, w2, qc, emap in shards:
         check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, emap, global_num_experts, qc)

@@ -29,93 +29,18 @@ from __future__ import annotations
 import torch
 
 from reference.activation import MoEActivation, adjust_N_for_activation, apply_moe_activation
-from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig, FusedMoEQuantDesc, is_wna16
+from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig
 from reference.modular import (
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
     FusedMoEExpertsModular,
     SupportRecord,
     TopKWeightAndReduceContiguous,
-    cdiv,
-    moe_kernel_quantize_input,
 )
+from reference.quant.moe import dequant_activation, dequant_groups, dequant_weight, moe_kernel_quantize_input, \
+    weight_pack_factor
 
-__all__ = ["fused_experts", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs",
-           "experts_unreduced"]
-
-
-def dequant_groups(q: torch.Tensor, scale: torch.Tensor | None, group_shape: tuple[int, int] | None) -> torch.Tensor:
-    """Dequantize a 2-D code tensor ``q (R, C)``: ``q * scale`` with one scale per ``group_shape`` tile, in fp32.
-
-    ``group_shape`` entries of -1 mean "the whole dimension". ``scale`` may be None (unquantized: just upcast),
-    a single element, or hold ``cdiv(R, gr) * cdiv(C, gc)`` elements in row-major tile order (any strides).
-    """
-    x = q.float()
-    if scale is None:
-        return x
-    s = scale.float()
-    if s.numel() == 1:
-        return x * s.reshape(())
-    R, C = q.shape
-    gr, gc = group_shape if group_shape is not None else (-1, -1)
-    gr = R if gr == -1 else gr
-    gc = C if gc == -1 else gc
-    tiles = (cdiv(R, gr), cdiv(C, gc))
-    if s.numel() != tiles[0] * tiles[1]:
-        raise ValueError(f"scale has {s.numel()} elements; {tuple(q.shape)} in {gr}x{gc} tiles needs {tiles}")
-    s = s.reshape(tiles).repeat_interleave(gr, 0)[:R].repeat_interleave(gc, 1)[:, :C]
-    return x * s
-
-
-# Elements per stored element of the packed weight formats (w1 is (E, N, K // pack)).
-_PACK = {"mxfp4": 2, "nvfp4": 2, "int4_w4a8": 8, "int4": 2}
-
-
-def _per_expert(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
-    """Expert e's slice of a per-expert scale; a single (per-tensor, shared) scale is returned as is."""
-    if t is None or t.numel() == 1:
-        return t
-    return t[e]
-
-
-def _dequant_weight(w: torch.Tensor, desc: FusedMoEQuantDesc, e: int) -> torch.Tensor:
-    """Expert e's weight as fp32 ``(N, K)``: codes times scales (exact in fp32 for every format here)."""
-    from reference import quant as q
-
-    if desc.dtype is None:
-        return w[e].float()
-    if is_wna16(desc):  # weight-only INT4 / INT8: ((u - zp) * s) rounded to the activation dtype (= the scales')
-        zp = None if desc.zp is None else desc.zp[e]
-        return q.wna16_dequantize(w[e], desc.scale[e], zp, num_bits=4 if desc.dtype == "int4" else 8,
-                                  group_size=desc.shape[1], out_dtype=desc.scale.dtype).float()
-    if desc.dtype == "mxfp4":
-        return q.mxfp4_dequantize(w[e], desc.scale[e])
-    if desc.dtype == "mxfp8":
-        return q.mxfp8_dequantize(w[e], desc.scale[e])
-    if desc.dtype == "nvfp4":
-        return q.nvfp4_dequantize(w[e], desc.scale[e], _per_expert(desc.alpha_or_gscale, e))
-    if desc.dtype == "int4_w4a8":
-        wq = q.w4a8_dequantize_weight(w[e], desc.scale[e], desc.shape[1])
-        chan = _per_expert(desc.alpha_or_gscale, e)
-        return wq if chan is None else wq * chan.float().reshape(-1, 1)
-    return dequant_groups(w[e], _per_expert(desc.scale, e), desc.shape)
-
-
-def dequant_activation(aq: torch.Tensor, scale: torch.Tensor | None, desc: FusedMoEQuantDesc) -> torch.Tensor:
-    """A quantized activation ``(M, K)`` (as ``moe_kernel_quantize_input`` returns it) back to fp32."""
-    from reference import quant as q
-
-    if desc.dtype is None:
-        return aq.float()
-    if desc.dtype == "mxfp8":
-        return q.mxfp8_dequantize(aq, scale)
-    if desc.dtype == "mxfp4":
-        return q.mxfp4_dequantize(aq, scale)
-    if desc.dtype == "nvfp4" and desc.per_token_gscale:  # scale: per-block decode factors SF / gs_token (fp32)
-        return q.e2m1_decode(q.unpack_fp4(aq)) * scale.float().repeat_interleave(q.NVFP4_BLOCK_SIZE, dim=-1)
-    if desc.dtype == "nvfp4":
-        return q.nvfp4_dequantize(aq, scale, desc.alpha_or_gscale)
-    return dequant_groups(aq, scale, desc.shape)
+__all__ = ["fused_experts", "experts_unreduced", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
 
 
 def local_expert_ids(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -144,7 +69,7 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
         raise ValueError(f"w1/w2 must be (E, N, K) / (E, K, I), got {tuple(w1.shape)} / {tuple(w2.shape)}")
     M, K = hidden_states.shape
     qc = quant_config or FUSED_MOE_UNQUANTIZED_CONFIG
-    pack1, pack2 = _PACK.get(qc.w1.dtype, 1), _PACK.get(qc.w2.dtype, 1)
+    pack1, pack2 = weight_pack_factor(qc.w1), weight_pack_factor(qc.w2)
     E_local, N, K1 = w1.shape
     K1 *= pack1
     if w2.size(0) != E_local:
@@ -184,18 +109,32 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
 def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                        acc_dtype: torch.dtype = torch.float32, gemm=None, *, situ_beta=None,
                        situ_linear_beta=None, stages: dict | None = None) -> torch.Tensor:
-    """(M, topk, K) unweighted expert outputs in act dtype; zeros for routes to experts not held here.
+    """Every route's expert output, unweighted and unreduced: the reference loop up to GEMM2 (see the module
+    docstring), ``(M, topk, K)`` in ``act_dtype``, zeros for routes to experts not held here (``expert_map``).
 
-    ``acc_dtype`` is the GEMMs' accumulation dtype: fp32 defines the reference; float64 gives the (nearly) exact
-    products of the dequantized operands that ``reference.error_model`` measures accumulation errors against.
-    ``gemm(a (R, K), w (N, K)) -> (R, N)`` replaces the matmul of both GEMMs (dequantized fp32 operands in, the
-    accumulated product out): a hook for emulating a kernel's accumulator (tests/emulated_backends.py).
-    ``stages``: a dict that receives GEMM1's rounded output (``"gemm1"``, ``(M, topk, N)``) and the activation's
-    (``"activation"``, ``(M, topk, N')``) per route, zeros for routes not held here (``conformance/diagnose.py``).
+    Args:
+        a1q, a1q_scale: the quantized activations ``(M, K')`` and their scales, as ``moe_kernel_quantize_input``
+            returns them for ``qc.a1`` (``K'`` = K, or K / 2 for packed FP4).
+        w1: ``(E_local, N, K / pack)``; w2: ``(E_local, K, N' / pack)`` (``N'`` = N / 2 for gated activations).
+        topk_ids: ``(M, topk)`` integer global expert ids (-1: no route). expert_map: int32 ``(E,)`` or None.
+        qc: the ``FusedMoEQuantConfig`` (weight scales, a2 quantization, biases, gemm1 alpha/beta/limit).
+        activation: the ``MoEActivation`` between the GEMMs. act_dtype: the rounding dtype of each GEMM's output.
+        acc_dtype: the GEMMs' accumulation dtype: fp32 defines the reference; float64 gives the (nearly) exact
+            products of the dequantized operands that ``reference.error_model`` measures accumulation errors
+            against.
+        gemm: ``gemm(a (R, K), w (N, K)) -> (R, N)`` replaces the matmul of both GEMMs (dequantized fp32 operands
+            in, the accumulated product out): a hook for emulating a kernel's accumulator (tests/emulated_backends.py).
+        situ_beta, situ_linear_beta: SITU's parameters.
+        stages: a dict that receives GEMM1's rounded output (``"gemm1"``, ``(M, topk, N)``) and the activation's
+            (``"activation"``, ``(M, topk, N')``) per route, zeros for routes not held here (``conformance/diagnose.py``).
 
     Three passes, because the requantization of a2 may need every routed row at once: a *per-tensor* dynamic a2
     scale is the amax over all routed rows of the call (one chunk of the modular kernel), as vLLM's Triton path
     quantizes ``intermediate_cache2`` in one go. Per-token and per-group scales only see their own row.
+
+    Raises:
+        NotImplementedError / ValueError: as ``moe_kernel_quantize_input`` and the dequantizers for a format the
+            reference does not define or a missing scale. Operands are not validated here (``check_moe_inputs``).
     """
     M, topk = topk_ids.shape
     if gemm is None:
@@ -209,7 +148,7 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
     # Pass 1: GEMM1 (+ bias) rounded to the act dtype, then the activation (fp32 math, rounded once).
     g_rows = {}
     for e, t, k in routes:
-        h = gemm(a[t], _dequant_weight(w1, qc.w1, e))
+        h = gemm(a[t], dequant_weight(w1, qc.w1, e))
         if qc.w1_bias is not None:
             h = h + qc.w1_bias[e].to(acc_dtype)
         h = h.to(act_dtype)
@@ -232,7 +171,7 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
     for e, t, k in routes:
         g = g_all[start : start + t.numel()]
         start += t.numel()
-        y = gemm(g, _dequant_weight(w2, qc.w2, e))
+        y = gemm(g, dequant_weight(w2, qc.w2, e))
         if qc.w2_bias is not None:
             y = y + qc.w2_bias[e].to(acc_dtype)
         out[t, k] = y.to(act_dtype)

@@ -16,30 +16,15 @@ from reference.modular import (
     FusedMoEActivationFormat,
     FusedMoEExpertsMonolithic,
     FusedMoEPrepareAndFinalizeMonolithic,
+    NoDispatch,
 )
 from reference.routing import RoutingMethodType, select_experts
 
 __all__ = ["ReferenceMonolithicExperts", "MoEPrepareAndFinalizeNoEPMonolithic"]
 
 
-class MoEPrepareAndFinalizeNoEPMonolithic(FusedMoEPrepareAndFinalizeMonolithic):
+class MoEPrepareAndFinalizeNoEPMonolithic(NoDispatch, FusedMoEPrepareAndFinalizeMonolithic):
     """No dispatch; input quantization is left to the experts (they see router logits and the bf16 input)."""
-
-    @property
-    def activation_format(self):
-        return FusedMoEActivationFormat.Standard
-
-    def topk_indices_dtype(self):
-        return None
-
-    def max_num_tokens_per_rank(self):
-        return None
-
-    def num_dispatchers(self) -> int:
-        return 1
-
-    def output_is_reduced(self) -> bool:
-        return False
 
     def prepare(self, a1, router_logits, quant_config, defer_input_quant=False):
         return a1, None, router_logits

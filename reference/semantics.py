@@ -251,6 +251,80 @@ def format_table(markdown: bool = False, component: str | None = None) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# ------------------------------------------------------------------------------------------------------------
+# The modular kernel's points (reference.modular; strategies in reference.modular.modular_kernel)
+# ------------------------------------------------------------------------------------------------------------
+
+_MK017 = "vLLM 0.17.0 fused_moe/modular_kernel.py"
+_MK033 = "vLLM 0.33.0 fused_moe/modular_kernel.py"
+
+register_point(
+    "modular.activation_chunking", component="modular",
+    behaviour={"0.17": "FusedMoEKernel chunks the experts over tokens (chunk_size, VLLM_FUSED_MOE_CHUNK_SIZE default "
+                       "16*1024, VLLM_ENABLE_FUSED_MOE_ACTIVATION_CHUNKING, supports_chunking); per-chunk "
+                       "ExpertTokensMetadata; a dynamic per-tensor a2 scale is one per chunk; inplace allowed.",
+               "0.33": "no chunking: one experts call over all M tokens (chunk_size raises, the environment "
+                       "variables are not read); a dynamic per-tensor a2 scale spans the whole call; no inplace."},
+    upstream={"0.17": _MK017 + " (FusedMoEModularKernel._chunk_info, _slice_*)",
+              "0.33": _MK033 + " (FusedMoEKernelModularImpl._fused_experts: M_chunk == M_full)"},
+    reference="reference.modular.FusedMoEKernel")
+register_point(
+    "modular.supports_expert_map", component="modular",
+    behaviour={"0.17": "FusedMoEExperts.supports_expert_map() (from SupportRecord.expert_map); the kernel raises "
+                       "ValueError for an expert_map given to experts that do not support it.",
+               "0.33": "not in the base class and never called by the kernel; the reference keeps the claim as "
+                       "SupportRecord.expert_map (conformance derives EP cases from it) and the 0.33 kernel does not "
+                       "check it."},
+    upstream={"0.17": _MK017 + " (FusedMoEExperts.supports_expert_map)",
+              "0.33": _MK033 + " (absent; kept unused by experts/cpu_moe.py, b12x.py, trtllm_mxint4_moe.py, ...)"},
+    reference="reference.modular.FusedMoEExperts.supports_expert_map")
+register_point(
+    "modular.deferred_finalize", component="modular",
+    behaviour={"0.17": "experts always write their output; an UnfinalizedMoEOutput raises SemanticsError.",
+               "0.33": "experts may return an UnfinalizedMoEOutput (permuted unweighted GEMM2 rows, weights, int32 "
+                       "permute map, -1 = not local) or hand it to post_gemm2_hook; the kernel returns it when "
+                       "prepare_finalize.supports_deferred_moe_finalize() (NoEP: True), else raises; "
+                       "UnfinalizedMoEOutput.finalize is the top-k reduction the consumer owes."},
+    upstream={"0.17": _MK017 + " (absent)",
+              "0.33": _MK033 + ", fused_moe/moe_output.py, prepare_finalize/no_dp_ep.py"},
+    reference="reference.moe_output.UnfinalizedMoEOutput / reference.modular.FusedMoEKernel")
+register_point(
+    "modular.output_hidden_dim", component="modular",
+    behaviour={"0.17": "the output is (M, K) like hidden_states (or hidden_states itself when inplace).",
+               "0.33": "the output is (M, fused_experts.output_hidden_dim(K)) (experts may drop a hidden padding); "
+                       "prepare_finalize.allocate_fused_expert_output may supply the experts' output buffer; the "
+                       "caller's output is the experts' buffer when the shapes match."},
+    upstream={"0.17": _MK017,
+              "0.33": _MK033 + " (output_hidden_dim, _allocate_buffers), experts/trtllm_mxfp4_moe.py, "
+                               "prepare_finalize/naive_dp_ep.py"},
+    reference="reference.modular.FusedMoEExpertsModular.output_hidden_dim")
+register_point(
+    "modular.empty_batch", component="modular",
+    behaviour={"0.17": "M == 0: zero chunks, no experts call; finalize only when num_dispatchers() > 1.",
+               "0.33": "M == 0: _fused_experts returns an empty (0, output_hidden_dim(K)) tensor before allocating "
+                       "or calling the experts; finalize still runs."},
+    upstream={"0.17": _MK017, "0.33": _MK033 + " (_fused_experts: 'if M_full == 0')"},
+    reference="reference.modular.FusedMoEKernel (UnchunkedExperts)")
+register_point(
+    "modular.shared_experts_order", component="modular",
+    behaviour={"0.17": "a shared-experts callable given to the kernel runs after the routed experts; apply returns "
+                       "(shared, routed).",
+               "0.33": "SharedExperts picks one order per call (NO_OVERLAP when overlap is disabled, else "
+                       "MK_INTERNAL_OVERLAPPED when the prepare/finalize supports async, else "
+                       "MULTI_STREAM_OVERLAPPED on a CUDA-like aux stream for M <= 256, else NO_OVERLAP) and runs "
+                       "once at that site; the runner adds shared + routed (routed scaled, fp16: shared divided)."},
+    upstream={"0.17": _MK017 + " (FusedMoEModularKernel shared_experts)",
+              "0.33": "vLLM 0.33.0 fused_moe/runner/shared_experts.py, runner/moe_runner.py, " + _MK033},
+    reference="reference.shared_experts.SharedExperts / FusedMoEKernel.forward_with_shared_experts")
+register_point(
+    "modular.moe_fused_mul_sum", component="modular",
+    behaviour={"0.17": "not defined (the experts' moe_sum / TopKWeightAndReduce reduce over top-k).",
+               "0.33": "moe_fused_mul_sum: fp32 weighted top-k sum in slot order, skipping -1 and non-local slots; "
+                       "all-padding rows and rows past num_valid_tokens are left untouched."},
+    upstream={"0.17": "vLLM 0.17.0 (absent)", "0.33": "vLLM 0.33.0 fused_moe/moe_fused_mul_sum.py"},
+    reference="reference.moe_output.moe_fused_mul_sum")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     md = "--markdown" in argv

@@ -48,7 +48,7 @@ from reference.distributed import (
     DeepEPLLPrepareAndFinalize,
     MoEPrepareAndFinalizeNaiveDPEPModular,
     REFERENCE_PREPARE_FINALIZE,
-    _quantize_slots,
+    quantize_slots,
     expert_placement,
     fused_experts_ep,
 )
@@ -269,7 +269,7 @@ class DeferredQuantBatchedExperts(BatchedReferenceExpertsEP):
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
         assert hidden_states.dtype == torch.bfloat16 and a1q_scale is None, "prepare quantized a deferred input"
-        q, s = _quantize_slots(hidden_states, expert_tokens_meta.expert_num_tokens.tolist(), self.quant_config)
+        q, s = quantize_slots(hidden_states, expert_tokens_meta.expert_num_tokens.tolist(), self.quant_config)
         super().apply(output, q, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map, s,
                       a2_scale, workspace13, workspace2, expert_tokens_meta, apply_router_weight_on_input)
 

@@ -9,7 +9,7 @@ import torch
 from reference.activation import MoEActivation
 from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEConfig
 from reference.experts import ReferenceExperts, fused_experts
-from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP, _slice_scales
+from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP, slice_scales
 from reference.routing import determine_expert_map, fused_topk
 
 
@@ -146,11 +146,11 @@ def test_shared_experts_and_inplace():
         kernel(inplace=True, shared_experts=lambda h: h)
 
 
-def test_slice_scales():
+def testslice_scales():
     s = torch.arange(10.0).unsqueeze(1)
-    assert torch.equal(_slice_scales(s, 2, 5), s[2:5])
+    assert torch.equal(slice_scales(s, 2, 5), s[2:5])
     one = torch.tensor([3.0])
-    assert _slice_scales(one, 2, 5) is one and _slice_scales(None, 0, 1) is None
+    assert slice_scales(one, 2, 5) is one and slice_scales(None, 0, 1) is None
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -9,6 +9,7 @@ from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
 from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEConfig
 from reference.experts import ReferenceExperts, fused_experts
 from reference.modular import (
+    ExpertsCall,
     ExpertTokensMetadata,
     FusedMoEKernel,
     MoEPrepareAndFinalizeNoEP,
@@ -131,14 +132,22 @@ def test_each_chunk_gets_its_own_expert_counts():
     assert torch.equal(out, fused_experts(x, w1, w2, w, ids, expert_map=emap, global_num_experts=8))
 
 
+def _call(x, w1, w2, w, ids):
+    """The operands of one experts step: 8 global experts, 4 local, bf16 on the CPU."""
+    return ExpertsCall(in_dtype=torch.bfloat16, a1q=x, a1q_scale=None, w1=w1, w2=w2, topk_weights=w, topk_ids=ids,
+                       activation=CFG.activation, global_num_experts=8, local_num_experts=4, expert_map=None,
+                       apply_router_weight_on_input=False, expert_tokens_meta=None)
+
+
 def test_single_chunk_shares_workspace13_with_the_output():
     x, w1, w2, w, ids = make()
+    call = _call(x, w1, w2, w, ids)
     k = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ReferenceExperts(CFG, FUSED_MOE_UNQUANTIZED_CONFIG))
-    ws13, ws2, out = k._allocate_buffers(torch.bfloat16, "cpu", 19, 19, 256, 256, 2, 8, 4, None, CFG.activation)
+    ws13, ws2, out = k._allocate_buffers(call, M_chunk=19, M_full=19, N=256, K=256, top_k=2)
     assert ws13.data_ptr() == out.data_ptr() and ws2.data_ptr() != out.data_ptr()
     k = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), ReferenceExperts(CFG, FUSED_MOE_UNQUANTIZED_CONFIG), chunk_size=4,
                        semantics="0.17")
-    ws13, ws2, out = k._allocate_buffers(torch.bfloat16, "cpu", 4, 19, 256, 256, 2, 8, 4, None, CFG.activation)
+    ws13, ws2, out = k._allocate_buffers(call, M_chunk=4, M_full=19, N=256, K=256, top_k=2)
     assert ws13.data_ptr() != out.data_ptr() and ws13.shape[0] == 8 and out.shape[0] == 19
     assert not k.output_is_reduced()
 

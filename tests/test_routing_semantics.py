@@ -1,4 +1,4 @@
-"""Versioned routing semantics (reference.semantics, reference.routing_033) against independent oracles: hand-computed
+"""Versioned routing semantics (reference.semantics, reference.routing) against independent oracles: hand-computed
 tables, numpy re-computations and properties, under both versions for every point that differs."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from reference import routing_033 as r33
+from reference import routing as r33
 from reference.routing import (
     RoutingMethodType,
     fused_topk,

@@ -118,6 +118,16 @@ def _load_old(path: str, package: str, stand_ins: dict[str, types.ModuleType] | 
 _OLD: dict[str, types.ModuleType] = {}
 
 
+def _baseline_modular() -> types.ModuleType:
+    """``reference.modular`` under the names the baseline's reference modules import (one was private then)."""
+    import reference.modular as modular
+
+    mod = types.ModuleType("reference.modular")
+    mod.__dict__.update(modular.__dict__)
+    mod._apply_router_weight_on_input = modular.apply_router_weight_to_input
+    return mod
+
+
 def _old(which: str) -> types.ModuleType:
     if which not in _OLD:
         if which == "torch":
@@ -131,11 +141,13 @@ def _old(which: str) -> types.ModuleType:
         elif which == "broken":
             _OLD[which] = _load_old("tests/broken_backends.py", "tests", {"backends.torch.experts": _old("torch")})
         elif which == "reference":
-            _OLD[which] = _load_old("reference/experts.py", "reference")
+            _OLD[which] = _load_old("reference/experts.py", "reference", {"reference.modular": _baseline_modular()})
         elif which == "batched":
-            _OLD[which] = _load_old("reference/batched.py", "reference", {"reference.experts": _old("reference")})
+            _OLD[which] = _load_old("reference/batched.py", "reference", {"reference.experts": _old("reference"),
+                                                                          "reference.modular": _baseline_modular()})
         elif which == "monolithic":
-            _OLD[which] = _load_old("reference/monolithic.py", "reference", {"reference.experts": _old("reference")})
+            _OLD[which] = _load_old("reference/monolithic.py", "reference", {"reference.experts": _old("reference"),
+                                                                                "reference.modular": _baseline_modular()})
     return _OLD[which]
 
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from reference import routing_033 as r33
+from reference import routing as r33
 from reference.routing import RoutingMethodType, fused_topk, fused_topk_bias, grouped_topk
 from reference.semantics import SemanticsVersion
 from tests.parity._vllm_src import load, stub_envs, stub_platform
