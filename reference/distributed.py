@@ -217,7 +217,7 @@ class _EPPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         """``(True, None)``, or ``(False, reason)`` for a configuration this dispatch cannot carry (the conformance
         suite skips those with the reason). The reference carries everything but a dynamic per-tensor activation
         scale quantized before dispatch."""
-        if not quantize_after_dispatch and _per_tensor_dynamic(quant_config):
+        if not quantize_after_dispatch and per_tensor_dynamic(quant_config):
             return False, "a dynamic per-tensor a1 scale cannot be quantized before dispatch (one scale per rank)"
         return True, None
 
@@ -288,7 +288,7 @@ class _EPPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         (travels with the rows) rather than one replicated static scale."""
         if defer_input_quant or self.quantize_after_dispatch or quant_config.a1.dtype is None:
             return a1, None, False
-        if _per_tensor_dynamic(quant_config):
+        if per_tensor_dynamic(quant_config):
             raise ValueError(
                 "a dynamic per-tensor a1 scale cannot be quantized before dispatch: each rank would use its own "
                 "amax under one per-tensor scale; construct the prepare/finalize with quantize_after_dispatch=True")
@@ -321,7 +321,9 @@ class _EPPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         return h
 
 
-def _per_tensor_dynamic(qc: FusedMoEQuantConfig) -> bool:
+def per_tensor_dynamic(qc: FusedMoEQuantConfig) -> bool:
+    """Whether ``a1`` is quantized with one dynamic scale for the whole tensor (FP8 / INT8, no static ``a1_scale``):
+    such a scale spans every rank's tokens, so it must be computed before the dispatch (or all-reduced after)."""
     return (qc.a1.dtype in (torch.float8_e4m3fn, torch.int8) and qc.a1.shape in (None, (-1, -1))
             and qc.a1_scale is None)
 

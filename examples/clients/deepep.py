@@ -48,7 +48,7 @@ from reference.modular import (
     FusedMoEPrepareAndFinalizeModular,
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
-    _apply_router_weight_on_input,
+    apply_router_weight_to_input,
     moe_kernel_quantize_input,
 )
 
@@ -192,9 +192,9 @@ class DeepEPIntranodePrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
             return True, None
         probe = torch.randn(2, moe_config.hidden_dim).to(torch.bfloat16)
         try:
-            from reference.distributed import _per_tensor_dynamic
+            from reference.distributed import per_tensor_dynamic
 
-            if _per_tensor_dynamic(quant_config):
+            if per_tensor_dynamic(quant_config):
                 return False, "a dynamic per-tensor a1 scale cannot be quantized before dispatch (one scale per rank)"
             q, s = moe_kernel_quantize_input(probe, quant_config.a1_scale, quant_config, "a1")
         except Exception as exc:
@@ -221,7 +221,7 @@ class DeepEPIntranodePrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
                 raise ValueError(f"rank {self.rank}'s expert_map is not its {self.expert_placement_strategy!r} "
                                  f"placement of {num_experts} experts over {W} ranks")
         if apply_router_weight_on_input:
-            a1 = _apply_router_weight_on_input(a1, topk_weights)
+            a1 = apply_router_weight_to_input(a1, topk_weights)
         scale = None
         if defer_input_quant or self.quantize_after_dispatch or quant_config.a1.dtype is None:
             x = a1
