@@ -143,3 +143,190 @@ def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, 
         key = logits.float().softmax(-1) if op_name == "fused_topk" else logits.float().sigmoid()
         assert_routing(w[finite], ids[finite], ref_w[finite], ref_ids[finite], key[finite], tolerances["routing"],
                        case=f"routing-nonfinite[{op_name}-{bad}] finite rows", repro=repro)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# vLLM 0.33's routing pieces as ops a backend may offer (each skipped where the backend does not offer it, and
+# under the 0.17 semantics, which has none of them). Shapes are the real models' routing settings; sources:
+# - DeepSeek-V4: E=256, k=6, routed_scaling_factor 1.5, sqrtsoftplus + correction bias, renormalize, hash routing in
+#   the first layers (NeMo AutoModel ``DeepseekV4Config`` defaults; vLLM 0.33.0 ``router/dsv4_topk.py``:
+#   ``_TOPK = 6``, E in (256, 384)). Image sentinel block and vocabulary are drawn (no public value read).
+# - Gemma-4 26B-A4B: E=128, k=8, per-expert scale (Megatron-Bridge ``gemma4_provider``: "128 experts, top-k=8";
+#   vLLM 0.33.0 ``models/gemma4.py``).
+# - MiniMax-M2, DeepSeek-V3: specs/models.toml.
+ROUTING_033_TOKENS = (1, 7, 64)
+DSV4 = dict(E=256, k=6, rsf=1.5)
+GEMMA4 = dict(E=128, k=8)
+
+
+def _need_033():
+    from reference.semantics import current_semantics
+
+    if current_semantics() < SemanticsVersion.V0_33:
+        pytest.skip("vLLM 0.17 semantics: the 0.33 routing pieces are not defined (SemanticsError)")
+
+
+def _op(backend, name, *params):
+    op = backend.ops.get(name)
+    if op is None:
+        pytest.skip(f"backend {backend.name} does not implement {name}")
+    import inspect
+
+    try:
+        sig = inspect.signature(op).parameters
+    except (TypeError, ValueError):
+        return op
+    lacking = [p for p in params if p not in sig and not any(v.kind is v.VAR_KEYWORD for v in sig.values())]
+    if lacking:
+        pytest.skip(f"backend {backend.name}'s {name} takes no {', '.join(lacking)}")
+    return op
+
+
+def _ref_fused_topk_bias(*args, input_tokens=None, **kw):
+    """The reference's fused_topk_bias with vLLM's ``input_tokens`` (named ``input_ids`` before issue 41's rename)."""
+    import inspect
+
+    name = "input_tokens" if "input_tokens" in inspect.signature(reference_routing.fused_topk_bias).parameters \
+        else "input_ids"
+    return reference_routing.fused_topk_bias(*args, **{name: input_tokens}, **kw)
+
+
+def _dev(backend, *ts):
+    return [t.to(backend.device) if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+def _same_rows(out_w, out_ids, ref_w, ref_ids, tol, case):
+    """Exact ids per token as sets (order free), weights matched by id within the routing tolerances; ids may be
+    -1 (padding) or >= E (shared slots) here, so the set compare replaces assert_routing's range check."""
+    ow, oi = out_w.detach().cpu().float(), out_ids.detach().cpu().long()
+    rw, ri = ref_w.float(), ref_ids.long()
+    assert oi.shape == ri.shape and ow.shape == rw.shape, f"{case}: shapes {tuple(oi.shape)} vs {tuple(ri.shape)}"
+    assert out_w.dtype == torch.float32, f"{case}: weights must be float32, got {out_w.dtype}"
+    so, po = oi.sort(-1)
+    sr, pr = ri.sort(-1)
+    bad = (so != sr).any(-1)
+    assert not bool(bad.any()), f"{case}: token {int(bad.nonzero()[0])} ids {oi[bad][0].tolist()} != {ri[bad][0].tolist()}"
+    torch.testing.assert_close(ow.gather(1, po), rw.gather(1, pr), atol=tol["weights_atol"], rtol=tol["weights_rtol"],
+                               msg=lambda m: f"{case}: {m}")
+
+
+def _dsv4_inputs(M, g, *, hash_table=False, image=False):
+    E, k = DSV4["E"], DSV4["k"]
+    logits = torch.randn(M, E, generator=g)
+    bias = torch.randn(E, generator=g) * 0.1
+    vocab = 1024
+    tokens = torch.randint(0, vocab, (M,), generator=g)
+    kw = {}
+    if hash_table:
+        # a hash table of distinct experts per token id (DeepSeek-V4's tid2eid)
+        kw["hash_indices_table"] = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(vocab)]).int()
+    if image:
+        lo = 1000
+        tokens[::3] = lo + torch.arange(0, M, 3) % 5  # every third token an image sentinel
+        kw.update(bias_vl=torch.randn(E, generator=g) * 0.1, image_sentinel_lo=lo)
+    return logits, bias, tokens, kw
+
+
+@pytest.mark.parametrize("variant", ["sqrtsoftplus", "hash", "bias_vl", "hash_bias_vl", "padding"])
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_deepseek_v4_fused_topk_bias(backend, variant, M, tolerances, repro, record):
+    """DeepSeek-V4's router (vLLM 0.33 ``fused_topk_bias(scoring_func="sqrtsoftplus", ...)``): sqrtsoftplus scores,
+    hash routing (``input_tokens``, ``hash_indices_table``), the image-token bias (``bias_vl``) and padding rows."""
+    _need_033()
+    params = {"sqrtsoftplus": (), "hash": ("input_tokens", "hash_indices_table"),
+              "bias_vl": ("input_tokens", "bias_vl", "image_sentinel_lo"),
+              "hash_bias_vl": ("input_tokens", "hash_indices_table", "bias_vl"), "padding": ("is_padding",)}[variant]
+    op = _op(backend, "fused_topk_bias", *params)
+    g = _gen(seed_of_033(f"dsv4-{variant}-M{M}"))
+    logits, bias, tokens, kw = _dsv4_inputs(M, g, hash_table="hash" in variant, image="bias_vl" in variant)
+    if variant == "padding":
+        kw["is_padding"] = torch.arange(M) % 4 == 3
+    if "input_tokens" in params:
+        kw["input_tokens"] = tokens
+    record(model="deepseek_v4", component="routing", scheme=f"fused_topk_bias[{variant}]", tokens=M)
+    args = (None, logits, bias, DSV4["k"], True)
+    common = dict(scoring_func="sqrtsoftplus", routed_scaling_factor=DSV4["rsf"])
+    ref_w, ref_ids = _ref_fused_topk_bias(*args, **common, **kw)
+    dev_kw = dict(zip(kw, _dev(backend, *kw.values())))
+    out_w, out_ids = op(*_dev(backend, *args), **common, **dev_kw)
+    _same_rows(out_w, out_ids, ref_w, ref_ids, tolerances["routing"], f"routing_033[deepseek_v4-{variant}-M{M}]")
+
+
+def seed_of_033(name: str) -> int:
+    from conformance.cases import seed_of
+
+    return seed_of("routing033-" + name)
+
+
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_gemma4_per_expert_scale(backend, M, tolerances, record):
+    _need_033()
+    op = _op(backend, "gemma4_routing")
+    g = _gen(seed_of_033(f"gemma4-M{M}"))
+    logits = torch.randn(M, GEMMA4["E"], generator=g)
+    scale = 0.5 + torch.rand(GEMMA4["E"], generator=g)  # a learned parameter (ones at init)
+    record(model="gemma4_26b_a4b", component="routing", scheme="gemma4_routing", tokens=M)
+    ref = reference_routing.gemma4_routing(logits, GEMMA4["k"], scale)
+    out = op(*_dev(backend, logits), GEMMA4["k"], *_dev(backend, scale))
+    _same_rows(*out, *ref, tolerances["routing"], f"routing_033[gemma4-M{M}]")
+
+
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_minimax2_epsilon(backend, M, tolerances, record):
+    """MiniMax-M2's shapes (specs/models.toml); every third token has logits near -40 so that the epsilon 1e-20 of
+    ``RoutingMethodType.MiniMax2`` decides the weights (they stay tiny instead of summing to the scale)."""
+    _need_033()
+    from conformance.cases import load_models
+
+    m = load_models()["minimax_m2"]
+    op = _op(backend, "minimax2_routing")
+    g = _gen(seed_of_033(f"minimax2-M{M}"))
+    logits = torch.randn(M, m.num_experts, generator=g)
+    logits[::3] -= 40.0
+    bias = torch.randn(m.num_experts, generator=g) * 0.01
+    record(model=m.name, component="routing", scheme="minimax2_routing", tokens=M)
+    ref = reference_routing.minimax2_routing(logits, bias, m.top_k, m.routed_scaling_factor)
+    out = op(*_dev(backend, logits, bias), m.top_k, m.routed_scaling_factor)
+    tol = dict(tolerances["routing"])
+    _same_rows(*out, *ref, tol, f"routing_033[minimax2-M{M}]")
+
+
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_padding_shared_slots_and_eplb(backend, M, tolerances, record):
+    """DeepSeek-V3's routing (specs/models.toml) through the 0.33 router's tail: padding rows (id -1, weight 0),
+    one fused shared-expert slot (id E, weight 1), then EPLB with 32 redundant experts (two replicas of experts
+    0..31), compared with the reference piece by piece on the reference's own routing."""
+    _need_033()
+    from conformance.cases import load_models
+
+    m = load_models()["deepseek_v3"]
+    pad_op = _op(backend, "apply_padding_rows")
+    shared_op = _op(backend, "append_fused_shared_experts")
+    eplb_op = _op(backend, "eplb_logical_to_physical")
+    g = _gen(seed_of_033(f"tail-M{M}"))
+    logits = router_logits(m, M, g)
+    bias = routing_bias(m, g)
+    w, ids = route(m, logits, bias)
+    is_padding = torch.arange(M) % 5 == 4
+    record(model=m.name, component="routing", scheme="padding+shared+eplb", tokens=M)
+    tol = tolerances["routing"]
+    padded = reference_routing.apply_padding_rows(w, ids, is_padding)
+    out = pad_op(*_dev(backend, w, ids, is_padding))
+    _same_rows(*out, *padded, tol, f"routing_033[{m.name}-padding-M{M}]")
+    ref = reference_routing.append_fused_shared_experts(*padded, m.num_experts, 1, 1.0)
+    out = shared_op(*_dev(backend, *padded), m.num_experts, 1, 1.0)
+    _same_rows(*out, *ref, tol, f"routing_033[{m.name}-shared-M{M}]")
+    E, R = m.num_experts, 32
+    l2p = torch.full((E, 2), -1, dtype=torch.int64)
+    l2p[:, 0] = torch.arange(E)
+    l2p[:R, 1] = E + torch.arange(R)
+    count = torch.ones(E, dtype=torch.int64)
+    count[:R] = 2
+    padded_ids = padded[1]
+    load_ref = torch.zeros(E + R, dtype=torch.int64)
+    ref_phys = reference_routing.eplb_logical_to_physical(padded_ids, l2p, count, expert_load_view=load_ref,
+                                                          num_unpadded_tokens=M - 1)
+    load_out = torch.zeros(E + R, dtype=torch.int64, device=backend.device)
+    out_phys = eplb_op(*_dev(backend, padded_ids, l2p, count), expert_load_view=load_out, num_unpadded_tokens=M - 1)
+    assert torch.equal(out_phys.cpu().long(), ref_phys.long()), f"routing_033[{m.name}-eplb-M{M}]: physical ids differ"
+    assert torch.equal(load_out.cpu(), load_ref), f"routing_033[{m.name}-eplb-M{M}]: expert_load_view differs"

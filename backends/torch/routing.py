@@ -124,15 +124,50 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
 
 def fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize, *,
                     scoring_func="sigmoid", routed_scaling_factor=1.0, indices_type=None, check_finite=None,
+                    input_tokens=None, hash_indices_table=None, bias_vl=None, image_sentinel_lo=0,
                     is_padding=None, semantics=None):
-    """The biased scores choose, the unbiased scores weigh; renormalize, then scale. Non-finite rule per version."""
-    if e_score_correction_bias is None and resolve_semantics(semantics) < SemanticsVersion.V0_33:
-        raise SemanticsError("fused_topk_bias without a bias is not defined under vLLM 0.17 semantics; select 0.33")
-    raises, clamp = _clamps(semantics, check_finite)
-    _check(gating_output, raises)
-    scores = _score(gating_output, scoring_func, clamp)
+    """The biased scores choose, the unbiased scores weigh; renormalize, then scale. Non-finite rule per version.
+
+    0.33 only: ``scoring_func="sqrtsoftplus"`` (DeepSeek-V4: sqrt(softplus(x)), softplus linear above 20; a NaN
+    score is 0, a +inf logit stays +inf), hash routing (ids = ``hash_indices_table[input_tokens]``) and the image
+    bias (tokens with id in ``[image_sentinel_lo, image_sentinel_lo + 5)`` choose by ``score + bias_vl``)."""
+    new = resolve_semantics(semantics) >= SemanticsVersion.V0_33
+    extras = scoring_func == "sqrtsoftplus" or hash_indices_table is not None or bias_vl is not None
+    if (e_score_correction_bias is None or extras) and not new:
+        raise SemanticsError("fused_topk_bias without a bias, sqrtsoftplus, hash routing and bias_vl are not defined "
+                             "under vLLM 0.17 semantics; select 0.33")
+    if scoring_func == "sqrtsoftplus":
+        _check(gating_output, check_finite is True)
+        x = gating_output.float()
+        scores = torch.where(x > 20, x, torch.log1p(torch.exp(torch.clamp(x, max=20)))).sqrt()
+        scores = torch.nan_to_num(scores, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    else:
+        raises, clamp = _clamps(semantics, check_finite)
+        _check(gating_output, raises)
+        scores = _score(gating_output, scoring_func, clamp)
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
-    ids = _topk(choice, topk)
+    image = None
+    if bias_vl is not None and image_sentinel_lo > 0:
+        if input_tokens is None:
+            raise ValueError("bias_vl routing requires input_tokens")
+        tok = input_tokens.long()
+        image = (tok >= image_sentinel_lo) & (tok < image_sentinel_lo + 5)
+        choice = torch.where(image[:, None], scores + bias_vl.float(), choice)
+    if hash_indices_table is not None:
+        if input_tokens is None:
+            raise ValueError("hash routing requires input_tokens")
+        tok = input_tokens.long()
+        if image is not None:
+            tok = tok.masked_fill(image, 0)
+        if is_padding is not None:
+            tok = tok.masked_fill(is_padding.to(tok.device), 0)
+        if tok.numel() and (int(tok.min()) < 0 or int(tok.max()) >= hash_indices_table.shape[0]):
+            raise ValueError("a token id is outside the hash table")
+        ids = hash_indices_table.long()[tok]
+        if image is not None:
+            ids = torch.where(image[:, None], _topk(choice, topk), ids)
+    else:
+        ids = _topk(choice, topk)
     w = scores.gather(1, ids)
     if renormalize:
         w = _renorm(w)
@@ -151,3 +186,73 @@ def llama4_routing(hidden_states, gating_output, topk, renormalize=False, *, ind
     _check(gating_output, _no_clamp(semantics, check_finite))
     vals, ids = torch.topk(torch.nan_to_num(gating_output.float(), nan=float("-inf")), topk, dim=-1)
     return vals.sigmoid(), ids.to(indices_type or torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# vLLM 0.33 routing pieces (each raises SemanticsError under 0.17, which has none of them)
+
+
+def _require_033(what, semantics):
+    if resolve_semantics(semantics) < SemanticsVersion.V0_33:
+        raise SemanticsError(f"{what} is not defined under vLLM 0.17 semantics; select 0.33")
+
+
+def apply_padding_rows(topk_weights, topk_ids, is_padding, *, semantics=None):
+    """Padding rows: id -1, weight 0 (vLLM 0.33 ``is_padding``)."""
+    _require_033("padding rows", semantics)
+    return _pad(topk_weights, topk_ids, is_padding, semantics)
+
+
+def append_fused_shared_experts(topk_weights, topk_ids, global_num_experts, num_fused_shared_experts,
+                                shared_expert_weight=1.0, *, semantics=None):
+    """Append ids ``E .. E+n-1`` with weight ``shared_expert_weight`` to every row (vLLM 0.33 FusedTopKBiasRouter)."""
+    _require_033("fused shared-expert slots", semantics)
+    n = int(num_fused_shared_experts)
+    if n < 0:
+        raise ValueError("num_fused_shared_experts must be >= 0")
+    m = topk_ids.shape[0]
+    sid = (global_num_experts + torch.arange(n, device=topk_ids.device)).to(topk_ids.dtype).repeat(m, 1)
+    sw = topk_weights.new_full((m, n), shared_expert_weight)
+    return torch.cat((topk_weights, sw), 1), torch.cat((topk_ids, sid), 1)
+
+
+def gemma4_routing(gating_output, topk, per_expert_scale, *, check_finite=None, semantics=None):
+    """Gemma4: top-k of the logits, softmax over those k (fp32), times ``per_expert_scale[id]``."""
+    _require_033("Gemma4 routing", semantics)
+    _check(gating_output, check_finite is not False)
+    vals, ids = torch.topk(torch.nan_to_num(gating_output.float(), nan=float("-inf")), topk, dim=-1)
+    w = (vals - vals[:, :1]).exp()
+    w = w / w.sum(-1, keepdim=True)
+    return w * per_expert_scale.float()[ids], ids.to(torch.int32)
+
+
+def minimax2_routing(gating_output, e_score_correction_bias, topk, routed_scaling_factor=1.0, *, check_finite=None,
+                     indices_type=None, semantics=None):
+    """RoutingMethodType.MiniMax2: sigmoid + bias choose, ``w = s * rsf / (sum s + 1e-20)``."""
+    _require_033("MiniMax2 routing", semantics)
+    _check(gating_output, check_finite is not False)
+    s = gating_output.float().sigmoid()
+    ids = _topk(s + e_score_correction_bias.float(), topk)
+    w = s.gather(1, ids)
+    return w * (routed_scaling_factor / (w.sum(-1, keepdim=True) + 1e-20)), ids.to(indices_type or torch.int32)
+
+
+def eplb_logical_to_physical(topk_ids, logical_to_physical_map, logical_replica_count, *, expert_load_view=None,
+                             record_enabled=True, num_unpadded_tokens=None, semantics=None):
+    """EPLB (vLLM 0.33 ``_eplb_map_and_record_i32_kernel``): replica ``(t * 2654435769 mod 2^32) mod count`` of token
+    t; invalid logical ids map to -1; counted when recording, ``t < num_unpadded_tokens`` and in range."""
+    _require_033("EPLB ids (0.33 rule)", semantics)
+    M, k = topk_ids.shape
+    L = logical_replica_count.numel()
+    lid = topk_ids.long()
+    ok = (lid >= 0) & (lid < L)
+    lid0 = lid.clamp(0, max(L - 1, 0))
+    tok = torch.arange(M, device=lid.device)[:, None].expand(M, k)
+    rep = ((tok * 2654435769) % (1 << 32)) % logical_replica_count.long()[lid0].clamp(min=1)
+    phys = logical_to_physical_map.long()[lid0, rep].masked_fill(~ok, -1)
+    if expert_load_view is not None and record_enabled:
+        use = (phys >= 0) & (phys < expert_load_view.numel())
+        if num_unpadded_tokens is not None:
+            use &= tok < num_unpadded_tokens
+        expert_load_view += torch.bincount(phys[use], minlength=expert_load_view.numel()).to(expert_load_view.dtype)
+    return phys.to(topk_ids.dtype)
