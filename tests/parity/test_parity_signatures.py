@@ -24,7 +24,7 @@ MIRRORED = [
     ("reference.routing", "fused_topk_bias", FMOE + "router/fused_topk_bias_router.py", "fused_topk_bias"),
     ("reference.routing", "grouped_topk", FMOE + "router/grouped_topk_router.py", "grouped_topk"),
     ("reference.routing", "determine_expert_map", FMOE + "expert_map_manager.py", "determine_expert_map"),
-    ("reference.routing_033", "get_routing_method_type", FMOE + "config.py", "get_routing_method_type"),
+    ("reference.routing", "get_routing_method_type", FMOE + "config.py", "get_routing_method_type"),
     ("reference.align", "moe_align_block_size", FMOE + "moe_align_block_size.py", "moe_align_block_size"),
     ("reference.align", "count_expert_num_tokens", FMOE + "utils.py", "count_expert_num_tokens"),
     ("reference.align", "compute_aligned_M_and_alignment", FMOE + "deep_gemm_utils.py",
