@@ -63,15 +63,17 @@ def _weights_key(case: ExpertsCase) -> tuple:
     return (m.name, m.activation, str(case.dtype), case.ep_size, case.ep_rank, case.scheme)
 
 
-def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None) -> ErrorBound:
-    """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml)."""
+def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None, profile=None) -> ErrorBound:
+    """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml).
+    ``profile``: the ``reference.profiles.NumericsProfile`` judged under (its accumulation, where it names one)."""
     m = case.model
     rows = case.tokens * m.top_k * (m.num_experts // case.ep_size) / m.num_experts  # expected local routes
     return experts_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
                                activation=case.activation, routed_rows=rows,
                                routes_per_row=max(rows / max(case.tokens, 1), 1.0),
                                router_weight_rounding=getattr(getattr(experts_cls, "support", None),
-                                                              "router_weight_rounding", "reference"))
+                                                              "router_weight_rounding", "reference"),
+                               accumulation=None if profile is None else profile.error_model_accumulation(quant_config))
 
 
 def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:
@@ -128,11 +130,17 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
            chunk_size=case.chunk_size)
     kwargs = dict(activation=case.activation, global_num_experts=inputs.global_num_experts,
                   expert_map=inputs.expert_map, apply_router_weight_on_input=case.model.apply_router_weight_on_input)
-    bound = case_error_bound(case, qc, experts_cls)
+    from conformance.profile_match import judged_profile, profile_verdict
+
+    profile = judged_profile(request.config, backend, experts_cls)
+    bound = case_error_bound(case, qc, experts_cls, profile)
     tol = bound.as_tolerance()
-    record(bounds=tol, expected_rms=bound.expected_rms)
+    record(bounds=tol, expected_rms=bound.expected_rms, profile=profile.name)
     what = f"{experts_cls.__name__} output"
     batched = fmt == FusedMoEActivationFormat.BatchedExperts
+    if batched and not profile.is_default:
+        pytest.skip(f"numerics profile {profile.name}: the batched format's reference (per-slot activation scales) "
+                    "is specified for the vllm profile only")
     cap = max(case.tokens, 1)  # batched capacity: each token routes to an expert at most once
 
     def kernel_for(cls):
@@ -146,13 +154,15 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         return kernel_for(experts_cls).apply(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
                                              inputs.topk_ids, **kwargs)
 
-    def reference():
+    def reference(prof=profile):
         # The batched format defines per-tensor activation scales per expert slot, so it has its own reference.
         if batched:
+            if not prof.is_default:
+                raise NotImplementedError(f"numerics profile {prof.name}: the batched reference is vLLM's only")
             return kernel_for(BatchedReferenceExperts).apply(inputs.hidden_states, inputs.w1, inputs.w2,
                                                              inputs.topk_weights, inputs.topk_ids, **kwargs)
         return fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
-                             quant_config=qc, **kwargs, **situ_params(case.activation))
+                             quant_config=qc, **kwargs, **situ_params(case.activation), profile=prof)
 
     if not claimed and case.tokens == 0:
         pytest.skip(f"unsupported ({reason}); with M == 0 nothing runs, so the refusal cannot be observed")
@@ -189,7 +199,10 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
             diagnosis = diagnose(backend, experts_cls, kernel_for, inputs, case, tol)
         except Exception as dexc:  # diagnosis is best effort; never hide the failure itself
             diagnosis = f"diagnosis failed: {type(dexc).__name__}: {dexc}"
+        verdict = profile_verdict(out.cpu(), lambda p: reference(p).cpu(),
+                                  lambda p: case_error_bound(case, qc, experts_cls, p).as_tolerance(), profile,
+                                  case=case.id)
         dumped = dump_case(request, case, inputs, out, expected, diagnosis)
-        raise ConformanceFailure(f"{exc}\n  diagnosis: {diagnosis}\n  error model (reference/error_model.py): "
-                                 + "; ".join(bound.derivation) + dumped) from None
+        raise ConformanceFailure(f"{exc}\n  {verdict}\n  diagnosis: {diagnosis}\n  error model "
+                                 "(reference/error_model.py): " + "; ".join(bound.derivation) + dumped) from None
     record(**stats.as_dict())
