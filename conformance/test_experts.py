@@ -196,7 +196,8 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         from conformance.diagnose import diagnose
 
         try:
-            diagnosis = diagnose(backend, experts_cls, kernel_for, inputs, case, tol)
+            diagnosis = diagnose(backend, experts_cls, kernel_for, inputs, case, tol, profile=profile,
+                                 apply_router_weight_on_input=case.model.apply_router_weight_on_input)
         except Exception as dexc:  # diagnosis is best effort; never hide the failure itself
             diagnosis = f"diagnosis failed: {type(dexc).__name__}: {dexc}"
         verdict = profile_verdict(out.cpu(), lambda p: reference(p).cpu(),

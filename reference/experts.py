@@ -182,7 +182,8 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
 
 def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                        acc_dtype: torch.dtype = torch.float32, gemm=None, *, situ_beta=None,
-                       situ_linear_beta=None, stages: dict | None = None, profile=None) -> torch.Tensor:
+                       situ_linear_beta=None, stages: dict | None = None, profile=None,
+                       substitute: dict | None = None) -> torch.Tensor:
     """(M, topk, K) unweighted expert outputs in act dtype; zeros for routes to experts not held here.
 
     ``acc_dtype`` is the GEMMs' accumulation dtype: fp32 defines the reference; float64 gives the (nearly) exact
@@ -198,8 +199,13 @@ def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activat
 
     ``profile``: a ``reference.profiles.NumericsProfile`` (None: the default, ``vllm``): its ``activation``,
     ``gemm_bias`` and ``fp8_accumulation`` rounding points apply here (the router weight and top-k sum in
-    ``fused_experts``). ``stages`` then also receives ``"gemm2"`` (the per-route output, as returned).
+    ``fused_experts``). ``stages`` then also receives ``"input"`` (the dequantized a1, fp32 ``(M, K)``), ``"a2"``
+    (the dequantized requantized activation per route, fp32 ``(M, topk, N')``) and ``"gemm2"`` (as returned).
+    ``substitute``: taps of the same names (``input``, ``gemm1``, ``activation``, ``a2``, ``gemm2``) that replace
+    the reference's own values at that stage (held routes only), so each later stage runs on them: the diagnosis
+    compares each stage of a kernel on its own inputs (``conformance/diagnose.py``).
     """
+    sub = substitute or {}
     from reference.profiles import DEFAULT_PROFILE, apply_activation_per_op, inplace_fp8_gemm, uses_inplace_fp8
 
     profile = DEFAULT_PROFILE if profile is None else profile
@@ -223,6 +229,10 @@ def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activat
 
     act_fn = apply_activation_per_op if profile.activation == "per_op" else apply_moe_activation
     a = dequant_activation(a1q, a1q_scale, qc.a1)
+    if "input" in sub:
+        a, inplace = sub["input"].float(), False  # a substituted input has no codes: the fp32 product of its values
+    if stages is not None:
+        stages["input"] = a
     K = a.size(1)  # packed activations (NVFP4) hold K // 2 bytes
     local = local_expert_ids(topk_ids, w1.size(0), expert_map)
     routes = [(e, *(local == e).nonzero(as_tuple=True)) for e in range(w1.size(0))]
@@ -236,9 +246,13 @@ def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activat
         else:
             h = gemm(a[t], _dequant_weight(w1, qc.w1, e))
         h = add_bias(h, None if qc.w1_bias is None else qc.w1_bias[e])
+        if "gemm1" in sub:
+            h = sub["gemm1"][t, k].to(act_dtype)
         g_rows[e] = act_fn(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta,
                            limit=qc.gemm1_clamp_limit, situ_beta=situ_beta,
                            situ_linear_beta=situ_linear_beta)
+        if "activation" in sub:
+            g_rows[e] = sub["activation"][t, k].to(act_dtype)
         if stages is not None:
             for name, val in (("gemm1", h), ("activation", g_rows[e])):
                 buf = stages.setdefault(name, torch.zeros(M, topk, val.shape[1], dtype=val.dtype, device=val.device))
@@ -250,6 +264,14 @@ def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activat
     g_all = torch.cat([g_rows[e] for e, _, _ in routes])
     gq, gs = moe_kernel_quantize_input(g_all, qc.a2_scale, qc, "a2")
     g_all = dequant_activation(gq, gs, qc.a2)
+    if "a2" in sub or stages is not None:
+        a2_rows = torch.cat([torch.stack([t, k], 1) for _, t, k in routes])
+        if "a2" in sub:
+            g_all, inplace = sub["a2"][a2_rows[:, 0], a2_rows[:, 1]].float(), False
+        if stages is not None:
+            buf = torch.zeros(M, topk, g_all.shape[1], dtype=torch.float32, device=g_all.device)
+            buf[a2_rows[:, 0], a2_rows[:, 1]] = g_all
+            stages["a2"] = buf
     # Pass 3: GEMM2 (+ bias) rounded to the act dtype.
     start = 0
     for e, t, k in routes:
@@ -261,6 +283,8 @@ def _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activat
         else:
             y = gemm(g_all[rows], _dequant_weight(w2, qc.w2, e))
         out[t, k] = add_bias(y, None if qc.w2_bias is None else qc.w2_bias[e])
+        if "gemm2" in sub:
+            out[t, k] = sub["gemm2"][t, k].to(act_dtype)
     if stages is not None:
         stages["gemm2"] = out
     return out
@@ -282,6 +306,7 @@ def fused_experts(
     activation_situ_beta: float | None = None,
     activation_situ_linear_beta: float | None = None,
     profile=None,
+    substitute: dict | None = None,
 ) -> torch.Tensor:
     """The reference MoE experts: ``(M, K)`` output in ``hidden_states.dtype``.
 
@@ -300,6 +325,7 @@ def fused_experts(
         activation_situ_beta, activation_situ_linear_beta: SITU's parameters (vLLM 0.33 ``FusedMoEConfig``).
         profile: the numerics profile (``reference.profiles``: a ``NumericsProfile`` or its name; None: the current
             one, ``$MOE_NUMERICS_PROFILE`` / ``use_profile``, default ``vllm``, which is the loop described above).
+        substitute: per-stage taps replacing the reference's values (``_experts_unreduced``), for the diagnosis.
 
     Raises:
         ValueError: bad shapes/dtypes/devices (``check_moe_inputs``), apply_router_weight_on_input with topk > 1.
@@ -320,7 +346,7 @@ def fused_experts(
     prof = resolve_profile(profile)
     y = _experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                            accumulate_dtype, situ_beta=activation_situ_beta,
-                           situ_linear_beta=activation_situ_linear_beta, profile=prof)
+                           situ_linear_beta=activation_situ_linear_beta, profile=prof, substitute=substitute)
     w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
     if prof.router_weight == "fp32" and prof.topk_sum == "fp32":
         return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(act_dtype)
