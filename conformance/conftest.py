@@ -52,6 +52,10 @@ def pytest_addoption(parser):
     group.addoption("--vllm-semantics", default=None, choices=("0.17", "0.33"),
                     help="vLLM release whose semantics the reference specifies (reference.semantics; default: "
                          "$MOE_VLLM_SEMANTICS or the newest, 0.33)")
+    group.addoption("--numerics-profile", default=None, metavar="NAME",
+                    help="judge the experts under this numerics profile (reference.profiles: vllm, "
+                         "torch_native_activation, transformers_eager, fp8_inplace_accumulation) instead of the one "
+                         "the backend declares (Backend.profile; default: $MOE_NUMERICS_PROFILE or the declared)")
 
 
 def _backend_spec(config) -> str:
@@ -103,7 +107,19 @@ def pytest_report_header(config):
         "  vLLM semantics: "  # the version the routing reference checks (conformance/test_routing.py applies it)
         f"{__import__('reference.semantics').semantics.resolve_semantics(config.getoption('--vllm-semantics'))}"
         " (--vllm-semantics / $MOE_VLLM_SEMANTICS; python -m reference.semantics lists the points)",
+        f"  numerics profile: {_profile_line(config, b)}",
     ]
+
+
+def _profile_line(config, b: Backend) -> str:
+    try:
+        from conformance.profile_match import declared_profile, judged_profile
+
+        judged, declared = judged_profile(config, b), declared_profile(b)
+    except ValueError as exc:
+        return f"INVALID: {exc}"
+    how = "declared by the backend" if judged == declared else f"selected (the backend declares {declared.name})"
+    return f"{judged.name} ({how}; --numerics-profile / $MOE_NUMERICS_PROFILE; reference/profiles.py)"
 
 
 @pytest.fixture(scope="session")

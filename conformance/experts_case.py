@@ -30,22 +30,24 @@ def _router_weight_rounding(experts_cls) -> str:
 
 
 def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None, *, topk_ids: torch.Tensor | None = None,
-                     expert_map: torch.Tensor | None = None) -> ErrorBound:
+                     expert_map: torch.Tensor | None = None, profile=None) -> ErrorBound:
     """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml):
     the one rule every comparison of an experts or layer output in the suite is judged by.
 
     Without ``topk_ids`` the GEMM rows are the case's expected local routes (``M * topk * E_local / E``); with them
     (and ``expert_map``), the routes actually held here (``routes_error_bound``): padded (-1) or remote routes
-    add no rows."""
+    add no rows. ``profile``: the ``reference.profiles.NumericsProfile`` judged under (its accumulation, where it
+    names one; None: the default)."""
     m = case.model
+    accumulation = None if profile is None else profile.error_model_accumulation(quant_config)
     if topk_ids is not None:
         return routes_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
                                   activation=case.activation, topk_ids=topk_ids, expert_map=expert_map,
-                                  experts_cls=experts_cls)
+                                  experts_cls=experts_cls, accumulation=accumulation)
     rows = case.tokens * m.top_k * (m.num_experts // case.ep_size) / m.num_experts  # expected local routes
     return experts_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
                                activation=case.activation, routed_rows=rows,
-                               routes_per_row=max(rows / max(case.tokens, 1), 1.0),
+                               routes_per_row=max(rows / max(case.tokens, 1), 1.0), accumulation=accumulation,
                                router_weight_rounding=_router_weight_rounding(experts_cls))
 
 
