@@ -50,11 +50,13 @@ def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None, *, topk_
 
 
 def routes_error_bound(quant_config, *, act_dtype: torch.dtype, K: int, I: int, activation, topk_ids: torch.Tensor,
-                       expert_map: torch.Tensor | None = None, experts_cls=None, accumulation=None) -> ErrorBound:
+                       expert_map: torch.Tensor | None = None, experts_cls=None, accumulation=None,
+                       stage: str = "output") -> ErrorBound:
     """The error model's bound on one experts output over the routes it holds: ids ``>= 0`` of ``topk_ids (M, topk)``
     that ``expert_map`` (``(E,)``, -1 = not here; None: every expert) maps to a local expert. ``experts_cls``: its
     ``SupportRecord.router_weight_rounding`` is allowed; ``accumulation``: a ``reference.error_model.Accumulation``
-    other than the allowed default."""
+    other than the allowed default; ``stage``: the intermediate compared (``reference.error_model.STAGES``;
+    default the output)."""
     ids = topk_ids.long()
     local = ids >= 0
     if expert_map is not None:
@@ -62,7 +64,7 @@ def routes_error_bound(quant_config, *, act_dtype: torch.dtype, K: int, I: int, 
     rows, M = int(local.sum()), max(int(ids.shape[0]), 1)
     return experts_error_bound(quant_config, act_dtype=act_dtype, K=K, I=I, activation=activation,
                                routed_rows=rows, routes_per_row=max(rows / M, 1.0), accumulation=accumulation,
-                               router_weight_rounding=_router_weight_rounding(experts_cls))
+                               router_weight_rounding=_router_weight_rounding(experts_cls), stage=stage)
 
 
 def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:

@@ -13,6 +13,7 @@ import torch
 from backends import Backend
 from backends.torch import backend as _torch
 from backends.torch.experts import TorchExperts
+from reference.distributed import BatchedReferenceExpertsEP, DeepEPHTPrepareAndFinalize, DeepEPLLPrepareAndFinalize
 from reference.experts import ReferenceExperts, experts_unreduced
 from reference.modular import moe_kernel_quantize_input
 
@@ -281,3 +282,47 @@ class _Gemm2WrongExpert(ReferenceExperts):
 
 
 gemm2_wrong_expert = dataclasses.replace(_torch, name="broken_gemm2_wrong_expert", experts=[_Gemm2WrongExpert])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Distributed: planted communication faults (tests/test_distributed.py runs conformance/test_distributed.py on them)
+# ------------------------------------------------------------------------------------------------------------
+
+
+class DropLastTokenDispatch(DeepEPHTPrepareAndFinalize):
+    """Planted fault: the dispatch loses the last token of each rank (its routes are never sent)."""
+
+    def prepare(self, a1, topk_weights, topk_ids, *args, **kwargs):
+        if topk_ids.shape[0]:
+            topk_ids = topk_ids.clone()
+            topk_ids[-1] = -1
+        return super().prepare(a1, topk_weights, topk_ids, *args, **kwargs)
+
+
+class WeightsTwiceCombine(DeepEPLLPrepareAndFinalize):
+    """Planted fault: the combine applies the router weights twice (w * w * y)."""
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                 weight_and_reduce_impl):
+        super().finalize(output, fused_expert_output, topk_weights * topk_weights, topk_ids,
+                         apply_router_weight_on_input, weight_and_reduce_impl)
+
+
+class SilentOverflowDispatch(DeepEPLLPrepareAndFinalize):
+    """Planted fault: tokens past ``max_num_tokens`` are dropped silently instead of raising."""
+
+    def _check_capacity(self, stats):
+        return None
+
+    def prepare(self, a1, topk_weights, topk_ids, *args, **kwargs):
+        if topk_ids.shape[0] > self.max_num_tokens:
+            topk_ids = topk_ids.clone()
+            topk_ids[self.max_num_tokens :] = -1
+        return super().prepare(a1, topk_weights, topk_ids, *args, **kwargs)
+
+
+_REF_EXPERTS = [ReferenceExperts, BatchedReferenceExpertsEP]
+dist_reference = Backend(name="dist_reference", version="reference", experts=_REF_EXPERTS,
+                         description="the reference experts classes (checks the distributed suite itself)")
+dist_planted = Backend(name="broken_dist_planted", version="test", experts=_REF_EXPERTS,
+                       prepare_finalize=[DropLastTokenDispatch, WeightsTwiceCombine, SilentOverflowDispatch])
