@@ -11,13 +11,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_conformance(backend: str, *args: str, tmp_path: Path, quiet: bool = True) -> subprocess.CompletedProcess:
+def run_conformance(backend: str, *args: str, tmp_path: Path, quiet: bool = True,
+                    timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m pytest conformance --backend BACKEND ARGS`` from the repository root, results into ``tmp_path``
-    (``-q`` unless ``quiet=False``); returns the finished process (stdout and stderr captured as text)."""
+    (``-q`` unless ``quiet=False``); returns the finished process (stdout and stderr captured as text). Raises
+    ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
     cmd = [sys.executable, "-m", "pytest", "conformance", "--backend", backend, "-p", "no:cacheprovider",
            "--results-dir", str(tmp_path), *(["-q"] if quiet else []), *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def experts_bound(x, w1, ids, *, quant_config=None, expert_map=None, activation=None, experts_cls=None,

@@ -25,10 +25,12 @@ from tests.emulated_backends import NoisyExperts, tile_reversed_gemm
 from tests.harness_util import run_conformance
 
 # One selection of every test that compares an experts or layer output (0.17 semantics: the chunked cases run too).
-SELECTION = ("(test_experts and qwen3_30b_a3b-bf16-M16-) or test_padding or test_router_weight_on_input "
+SELECTION = ("(test_experts and qwen3_30b_a3b-bf16-M16-ep8r0 and not (gelu or relu2 or swiglu or no_mul)) "
+             "or (test_padding and bf16) or (test_router_weight_on_input and bf16-M16) "
              "or (test_distributed and uneven-bf16-linear)")
 FAMILIES = ("test_experts", "test_padding_ids_under_expert_map", "test_router_weight_on_input", "test_distributed")
 ARGS = ("--world-size", "2", "--vllm-semantics", "0.17")
+TIMEOUT = 1800  # a subprocess run of 8 experts cases and two world-size-2 distributed cases, on busy cores
 
 
 def _outcomes(tmp_path, name: str) -> dict[str, list[str]]:
@@ -57,7 +59,7 @@ def test_the_noisy_backend_is_noisy_and_within_the_bound(scheme):
 
 @pytest.mark.slow  # a subprocess run of the suite: nox -s slow
 def test_a_conforming_noisy_backend_passes_every_output_comparison(tmp_path):
-    r = run_conformance("tests.emulated_backends:noisy", "-k", SELECTION, *ARGS, tmp_path=tmp_path)
+    r = run_conformance("tests.emulated_backends:noisy", "-k", SELECTION, *ARGS, tmp_path=tmp_path, timeout=TIMEOUT)
     assert r.returncode == 0, r.stdout[-4000:]
     by_test = _outcomes(tmp_path, "emulated_noisy")
     for family in FAMILIES:
@@ -73,7 +75,7 @@ def test_a_conforming_noisy_backend_passes_every_output_comparison(tmp_path):
 ])
 def test_planted_bugs_still_fail_under_the_one_rule(planted, name, families, tmp_path):
     """The same selection on each planted bug: red, with failures in every family whose comparison the bug reaches."""
-    r = run_conformance(f"tests.broken_backends:{planted}", "-k", SELECTION, *ARGS, tmp_path=tmp_path)
+    r = run_conformance(f"tests.broken_backends:{planted}", "-k", SELECTION, *ARGS, tmp_path=tmp_path, timeout=TIMEOUT)
     assert r.returncode == 1, r.stdout[-4000:]
     by_test = _outcomes(tmp_path, name)
     for family in families:
