@@ -326,3 +326,36 @@ dist_reference = Backend(name="dist_reference", version="reference", experts=_RE
                          description="the reference experts classes (checks the distributed suite itself)")
 dist_planted = Backend(name="broken_dist_planted", version="test", experts=_REF_EXPERTS,
                        prepare_finalize=[DropLastTokenDispatch, WeightsTwiceCombine, SilentOverflowDispatch])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Variants: a correct backend that declines two variants the suite exercises (tests/test_variant_claims.py)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _activation_without_limit(act, x, *, limit=None, **kw):
+    """The torch activation, refusing a clamp limit (``NotImplementedError``), as a kernel without it would."""
+    if limit is not None:
+        raise NotImplementedError("no clamp limit in this kernel")
+    return _torch.ops["apply_moe_activation"](act, x, **kw)
+
+
+class _DeclinesVariants(TorchExperts):
+    """TorchExperts claiming no activation parameter and fp32 block scales only; UE8M0 raises NotImplementedError."""
+
+    support = dataclasses.replace(TorchExperts.support, activation_params=frozenset(), ue8m0_scales=False,
+                                  notes="declines every activation parameter and UE8M0 scales (tests)")
+
+    def apply(self, output, *args, **kwargs):
+        if self.quant_config.use_ue8m0:
+            raise NotImplementedError("no UE8M0 scales in this kernel")
+        return super().apply(output, *args, **kwargs)
+
+
+declines_variants = dataclasses.replace(_torch, name="declines_variants", experts=[_DeclinesVariants],
+                                        ops={**_torch.ops, "apply_moe_activation": _activation_without_limit})
+# The same refusals, but the variants claimed: a NotImplementedError on a claimed variant is a failure.
+_ClaimsVariantsRaises = type("_ClaimsVariantsRaises", (_DeclinesVariants,), {
+    "support": dataclasses.replace(TorchExperts.support, notes="claims every variant, raises on two (tests)")})
+claims_variants_raises = dataclasses.replace(declines_variants, name="claims_variants_raises",
+                                             experts=[_ClaimsVariantsRaises])

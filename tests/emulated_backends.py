@@ -141,3 +141,7 @@ inplace_13bit = _backend("emulated_inplace_13bit", InplaceExperts)
 extra_rounding = _backend("emulated_extra_rounding", ExtraRoundingExperts)
 dropped_weight = _backend("emulated_dropped_weight", DroppedWeightExperts)
 noisy = _backend("emulated_noisy", NoisyExperts)
+# Two classes, one named after a model (as an adapter of transformers' experts would be): case selection by
+# --model / --scheme must not match class names (tests/test_variant_claims.py).
+hf_named = dataclasses.replace(_torch, name="emulated_hf_named",
+                               experts=[_torch.experts[0], type("HFMixtralExperts", (ReferenceExperts,), {})])
