@@ -73,7 +73,8 @@ class _EmulatedExperts(ReferenceExperts):
 
 
 def _experts_class(name: str, gemm) -> type:
-    return type(name, (_EmulatedExperts,), {"gemm": staticmethod(gemm)})
+    # __module__ and __qualname__ name this module: the distributed suite pickles the class to its rank processes.
+    return type(name, (_EmulatedExperts,), {"gemm": staticmethod(gemm), "__module__": __name__, "__qualname__": name})
 
 
 PromotedExperts = _experts_class(
@@ -144,4 +145,4 @@ noisy = _backend("emulated_noisy", NoisyExperts)
 # Two classes, one named after a model (as an adapter of transformers' experts would be): case selection by
 # --model / --scheme must not match class names (tests/test_variant_claims.py).
 hf_named = dataclasses.replace(_torch, name="emulated_hf_named",
-                               experts=[_torch.experts[0], type("HFMixtralExperts", (ReferenceExperts,), {})])
+                               experts=[_torch.experts[0], type("HFMixtralExperts", (ReferenceExperts,), {"__module__": __name__})])
