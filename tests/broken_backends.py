@@ -355,7 +355,12 @@ class _DeclinesVariants(TorchExperts):
 declines_variants = dataclasses.replace(_torch, name="declines_variants", experts=[_DeclinesVariants],
                                         ops={**_torch.ops, "apply_moe_activation": _activation_without_limit})
 # The same refusals, but the variants claimed: a NotImplementedError on a claimed variant is a failure.
-_ClaimsVariantsRaises = type("_ClaimsVariantsRaises", (_DeclinesVariants,), {"__module__": __name__,
-    "support": dataclasses.replace(TorchExperts.support, notes="claims every variant, raises on two (tests)")})
+class _ClaimsVariantsRaises(TorchExperts):
+    """The refusals of ``_DeclinesVariants`` with every variant claimed."""
+
+    support = dataclasses.replace(TorchExperts.support, notes="claims every variant, raises on two (tests)")
+    apply = _DeclinesVariants.apply
+
+
 claims_variants_raises = dataclasses.replace(declines_variants, name="claims_variants_raises",
                                              experts=[_ClaimsVariantsRaises])
