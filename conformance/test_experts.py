@@ -15,7 +15,7 @@ import pytest
 
 from conformance.cases import (ExpertsCase, chunking_defined, claim_cases, claim_coverage, experts_cases,
                                kernel_chunk_kwargs, situ_params)
-from conformance.experts_case import case_error_bound, dump_case, load_inputs, moe_config_for, weights_key
+from conformance.experts_case import case_error_bound, dump_case, load_inputs, moe_config_for, variant_reason, weights_key
 from conformance.metrics import ConformanceFailure, assert_close
 from reference.experts import fused_experts
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
@@ -102,6 +102,10 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         return fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
                              quant_config=qc, **kwargs, **situ_params(case.activation), profile=prof)
 
+    variant = variant_reason(experts_cls, case.activation, qc) if claimed else None
+    if variant is not None:  # the keys are claimed, a variant of them is not: skipped, the kernel never called
+        record(support="variant unclaimed", reason=variant)
+        pytest.skip(f"unclaimed variant: {variant}")
     if not claimed and case.tokens == 0:
         pytest.skip(f"unsupported ({reason}); with M == 0 nothing runs, so the refusal cannot be observed")
     if not claimed:

@@ -31,6 +31,7 @@ import torch
 from reference.activation import MoEActivation, adjust_N_for_activation, apply_moe_activation
 from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig
 from reference.modular import (
+    ACTIVATION_PARAMS,
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
     FusedMoEExpertsModular,
@@ -297,6 +298,7 @@ def reference_support(activation_format: FusedMoEActivationFormat, **overrides) 
     """The claims of every reference experts class: any device, every activation vLLM can apply (not the
     unprojected RELU2), every quantization scheme the loop dequantizes, every parallel config."""
     return SupportRecord(activation_format, activations=frozenset(a for a in MoEActivation if a is not MoEActivation.RELU2),
+                         activation_params=ACTIVATION_PARAMS, ue8m0_scales=True,
                          notes="the reference loop (reference.experts)", **overrides)
 
 

@@ -12,7 +12,10 @@ to accept what a conforming kernel does and to reject reduced-precision accumula
   DeepGEMM on Hopper: must pass), ``mma16`` (the SM90 16-bit MMA: must pass), ``inplace_13bit`` (13 bits every 32 products, never promoted: the planted
   reduced-precision accumulator of issue 22, must fail), ``extra_rounding`` (the reference plus one more bf16
   rounding of every GEMM output element: split-K with bf16 partials, must fail), ``dropped_weight`` (the router
-  weight of the last top-k slot dropped: must fail).
+  weight of the last top-k slot dropped: must fail), ``noisy`` (conforming but noisy: every GEMM accumulates in
+  fp32 over K tiles of 64 summed last tile first, another order than the reference's, so the act-dtype roundings
+  after it flip; the conforming kernel the one rule must pass in every test that compares an output: experts,
+  padding, hygiene, distributed; tests/test_one_rule.py).
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ class _EmulatedExperts(ReferenceExperts):
 
 
 def _experts_class(name: str, gemm) -> type:
-    return type(name, (_EmulatedExperts,), {"gemm": staticmethod(gemm)})
+    # __module__ and __qualname__ name this module: the distributed suite pickles the class to its rank processes.
+    return type(name, (_EmulatedExperts,), {"gemm": staticmethod(gemm), "__module__": __name__, "__qualname__": name})
 
 
 PromotedExperts = _experts_class(
@@ -113,6 +117,21 @@ class _DropLastSlot(TopKWeightAndReduceContiguous):
         return super().apply(output, fused_expert_output, w, topk_ids, apply_router_weight_on_input)
 
 
+def tile_reversed_gemm(a: torch.Tensor, w: torch.Tensor, tile: int = 64) -> torch.Tensor:
+    """``a (R, K) @ w (N, K).T`` in fp32, each K tile of ``tile`` elements summed on its own and the tiles' partial
+    sums added last tile first (a GPU kernel's split over K tiles, in the order of a reversed K loop): the reference's
+    fp32 sum in another order, exactly what the error model's step 1 allows. Returns fp32 ``(R, N)``."""
+    a32, w32 = a.float(), w.float()
+    K = a32.shape[1]
+    out = torch.zeros(a32.shape[0], w32.shape[0], dtype=torch.float32)
+    for k0 in reversed(range(0, K, tile)):
+        out = out + a32[:, k0:k0 + tile] @ w32[:, k0:k0 + tile].T
+    return out
+
+
+NoisyExperts = _experts_class("NoisyExperts", tile_reversed_gemm)
+
+
 def _backend(name, cls):
     return dataclasses.replace(_torch, name=name, experts=[cls], description=f"emulation: {cls.__name__}")
 
@@ -122,3 +141,8 @@ mma16 = _backend("emulated_mma16", Mma16Experts)
 inplace_13bit = _backend("emulated_inplace_13bit", InplaceExperts)
 extra_rounding = _backend("emulated_extra_rounding", ExtraRoundingExperts)
 dropped_weight = _backend("emulated_dropped_weight", DroppedWeightExperts)
+noisy = _backend("emulated_noisy", NoisyExperts)
+# Two classes, one named after a model (as an adapter of transformers' experts would be): case selection by
+# --model / --scheme must not match class names (tests/test_variant_claims.py).
+hf_named = dataclasses.replace(_torch, name="emulated_hf_named",
+                               experts=[_torch.experts[0], type("HFMixtralExperts", (ReferenceExperts,), {"__module__": __name__})])
