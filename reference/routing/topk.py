@@ -168,8 +168,10 @@ def fused_topk_bias(
     ``csrc/moe/topk_softplus_sqrt_kernels.cu``; ``SemanticsError`` under 0.17, which has none of them):
 
     - ``scoring_func="sqrtsoftplus"`` (DeepSeek-V4, point ``routing.sqrtsoftplus``): score =
-      ``sqrt(softplus(x))`` in fp32, softplus(x) = x for x > 20 else log(1 + exp(x)). Non-finite: a NaN score is 0
-      (the kernels' clamp); +inf logits raise unless ``check_finite=False`` (upstream weights are NaN). The
+      ``sqrt(softplus(x))`` in fp32, softplus(x) = x for x > 20 else log(1 + exp(x)). Non-finite (vLLM 0.33.0's
+      ``topk_softplus_sqrt_kernels.cu``): a NaN score is 0 (the kernels' clamp), a -inf logit scores 0, a +inf
+      logit scores +inf and is selected first; renormalizing then gives its slot a NaN weight and every other slot
+      0 (``rsf / inf``), without renormalization its weight is +inf. The
       ``e_score_correction_bias`` may be None (no bias).
     - Hash routing (``hash_indices_table`` ``(vocab, topk)`` int, ``input_ids`` ``(M,)`` int; point
       ``routing.hash_routing``; sqrtsoftplus only, as on CUDA): ids = ``hash_indices_table[input_ids]`` (a lookup:
