@@ -182,13 +182,8 @@ def _op(backend, name, *params):
     return op
 
 
-def _ref_fused_topk_bias(*args, input_tokens=None, **kw):
-    """The reference's fused_topk_bias with vLLM's ``input_tokens`` (named ``input_ids`` before issue 41's rename)."""
-    import inspect
-
-    name = "input_tokens" if "input_tokens" in inspect.signature(reference_routing.fused_topk_bias).parameters \
-        else "input_ids"
-    return reference_routing.fused_topk_bias(*args, **{name: input_tokens}, **kw)
+def _ref_fused_topk_bias(*args, **kw):
+    return reference_routing.fused_topk_bias(*args, **kw)
 
 
 def _dev(backend, *ts):

@@ -381,7 +381,7 @@ def _hash_case(seed=2, M=24, E=32, k=6, vocab=40):
 def test_hash_routing_is_a_lookup():
     logits, table, input_ids = _hash_case()
     bias = torch.randn(32, generator=_gen(9)) * 10  # a bias must not change hashed rows
-    w, ids = fused_topk_bias(None, logits, bias, 6, True, scoring_func="sqrtsoftplus", input_ids=input_ids,
+    w, ids = fused_topk_bias(None, logits, bias, 6, True, scoring_func="sqrtsoftplus", input_tokens=input_ids,
                              hash_indices_table=table, routed_scaling_factor=2.5, semantics=V033)
     assert torch.equal(ids, table[input_ids.long()])  # exactly the table's rows, in the table's order
     s = np_sqrtsoftplus(logits.numpy())
@@ -397,13 +397,13 @@ def test_hash_routing_errors():
     logits, table, input_ids = _hash_case()
     kw = dict(scoring_func="sqrtsoftplus", hash_indices_table=table, semantics=V033)
     with pytest.raises(ValueError, match="vocabulary"):
-        fused_topk_bias(None, logits, None, 6, True, input_ids=input_ids + 100, **kw)
+        fused_topk_bias(None, logits, None, 6, True, input_tokens=input_ids + 100, **kw)
     with pytest.raises(ValueError, match="experts per token"):
-        fused_topk_bias(None, logits, None, 4, True, input_ids=input_ids, **kw)
-    with pytest.raises(ValueError, match="input_ids"):
+        fused_topk_bias(None, logits, None, 4, True, input_tokens=input_ids, **kw)
+    with pytest.raises(ValueError, match="input_tokens"):
         fused_topk_bias(None, logits, None, 6, True, **kw)
     with pytest.raises(ValueError, match="sqrtsoftplus"):
-        fused_topk_bias(None, logits, torch.zeros(32), 6, True, scoring_func="sigmoid", input_ids=input_ids,
+        fused_topk_bias(None, logits, torch.zeros(32), 6, True, scoring_func="sigmoid", input_tokens=input_ids,
                         hash_indices_table=table, semantics=V033)
     with pytest.raises(SemanticsError):
         r33.hash_topk_ids(input_ids, table, 6, 32, semantics=V017)
@@ -418,7 +418,7 @@ def test_image_token_bias_sentinel_block():
     M, E, k = 6, 16, 3
     logits = torch.randn(M, E, generator=g)
     bias, bias_vl = torch.randn(E, generator=g), torch.randn(E, generator=g) * 5
-    w, ids = fused_topk_bias(None, logits, bias, k, True, scoring_func="sqrtsoftplus", input_ids=ids_in,
+    w, ids = fused_topk_bias(None, logits, bias, k, True, scoring_func="sqrtsoftplus", input_tokens=ids_in,
                              bias_vl=bias_vl, image_sentinel_lo=lo, semantics=V033)
     s = np_sqrtsoftplus(logits.numpy())
     img = np.array([False, True, True, True, False, False])
@@ -428,12 +428,12 @@ def test_image_token_bias_sentinel_block():
     np.testing.assert_allclose(w.numpy(), np_renorm(np.take_along_axis(s, ref_ids, 1)), rtol=2e-6)
     # with a hash table: text rows look up, image rows choose by score + bias_vl
     table = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(110)]).to(torch.int64)
-    w, ids = fused_topk_bias(None, logits, None, k, True, scoring_func="sqrtsoftplus", input_ids=ids_in,
+    w, ids = fused_topk_bias(None, logits, None, k, True, scoring_func="sqrtsoftplus", input_tokens=ids_in,
                              hash_indices_table=table, bias_vl=bias_vl, image_sentinel_lo=lo, semantics=V033)
     assert torch.equal(ids[~torch.from_numpy(img)], table[ids_in[~torch.from_numpy(img)]].int())
     assert np.array_equal(ids.numpy()[img], np_topk(s + bias_vl.numpy(), k)[img])
     with pytest.raises(SemanticsError):
-        fused_topk_bias(None, logits, bias, k, True, scoring_func="sqrtsoftplus", input_ids=ids_in,
+        fused_topk_bias(None, logits, bias, k, True, scoring_func="sqrtsoftplus", input_tokens=ids_in,
                         bias_vl=bias_vl, image_sentinel_lo=lo, semantics=V017)
 
 

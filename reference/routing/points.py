@@ -34,7 +34,7 @@ register_point(
 register_point(
     "routing.hash_routing", component="routing", reference="reference.routing.hash_topk_ids",
     behaviour={V017: "not defined (SemanticsError).",
-               V033: "ids = hash_indices_table[input_ids] (a lookup, sqrtsoftplus only); weights = unbiased scores "
+               V033: "ids = hash_indices_table[input_tokens] (a lookup, sqrtsoftplus only); weights = unbiased scores "
                      "of those ids, renormalized, scaled."},
     upstream={V017: _F017 + "(absent)",
               V033: _F033 + "fused_moe/router/fused_topk_bias_router.py, csrc/moe/topk_softplus_sqrt_kernels.cu"},

@@ -361,7 +361,7 @@ def route(
     elif kind == "FusedTopKBiasRouter":
         w, ids = fused_topk_bias(hidden_states, router_logits, e_score_correction_bias, top_k, renormalize,
                                  scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
-                                 indices_type=indices_type, check_finite=check_finite, input_ids=input_ids,
+                                 indices_type=indices_type, check_finite=check_finite, input_tokens=input_ids,
                                  hash_indices_table=hash_indices_table, bias_vl=bias_vl,
                                  image_sentinel_lo=image_sentinel_lo, is_padding=is_padding, semantics=v)
         if v >= V033:
