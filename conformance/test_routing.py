@@ -182,13 +182,8 @@ def _op(backend, name, *params):
     return op
 
 
-def _ref_fused_topk_bias(*args, input_tokens=None, **kw):
-    """The reference's fused_topk_bias with vLLM's ``input_tokens`` (named ``input_ids`` before issue 41's rename)."""
-    import inspect
-
-    name = "input_tokens" if "input_tokens" in inspect.signature(reference_routing.fused_topk_bias).parameters \
-        else "input_ids"
-    return reference_routing.fused_topk_bias(*args, **{name: input_tokens}, **kw)
+def _ref_fused_topk_bias(*args, **kw):
+    return reference_routing.fused_topk_bias(*args, **kw)
 
 
 def _dev(backend, *ts):
@@ -330,3 +325,42 @@ def test_routing_padding_shared_slots_and_eplb(backend, M, tolerances, record):
     out_phys = eplb_op(*_dev(backend, padded_ids, l2p, count), expert_load_view=load_out, num_unpadded_tokens=M - 1)
     assert torch.equal(out_phys.cpu().long(), ref_phys.long()), f"routing_033[{m.name}-eplb-M{M}]: physical ids differ"
     assert torch.equal(load_out.cpu(), load_ref), f"routing_033[{m.name}-eplb-M{M}]: expert_load_view differs"
+
+
+@pytest.mark.parametrize("model_name", ["kimi_k2", "nemotron_3_nano"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_grouped_topk_single_group_nonfinite(backend, model_name, renormalize, tolerances, repro, record,
+                                                     _vllm_semantics):
+    """The single-group fused grouped top-k's non-finite rule (point ``routing.grouped_topk_nonfinite``; vLLM 0.33.0
+    ``csrc/moe/grouped_topk_kernels.cu`` ``single_group_topk``, ``tests/kernels/moe/test_grouped_topk.py::
+    test_grouped_topk_single_group_nonfinite_scores``) on the models that run it (one group, a correction bias):
+    NaN / +-inf logits and a NaN bias entry make those experts invalid (weight 0, ranked after the valid ones); a
+    token with no valid expert gets ids 0..k-1 and weights 1/k (renormalize) or 0. Under 0.17 the op raises."""
+    from conformance.cases import load_models
+
+    m = load_models()[model_name]
+    op = _op(backend, "grouped_topk")
+    g = _gen(seed_of_033(f"sg-nonfinite-{model_name}-{renormalize}"))
+    E, k = m.num_experts, m.top_k
+    logits = torch.randn(8, E, generator=g)
+    bias = torch.randn(E, generator=g) * 0.05
+    logits[1, 5] = float("nan")
+    logits[2, :3] = float("inf")
+    logits[3, 7] = -float("inf")
+    logits[4] = float("nan")  # a CUDA-graph padding row: no valid expert
+    logits[5, : E - k + 2] = float("nan")  # fewer valid experts than k
+    bias[11] = float("nan")  # invalid in every row
+    args = (None, logits, k, renormalize, 1, 1)
+    kw = dict(scoring_func=m.scoring_func, routed_scaling_factor=m.routed_scaling_factor, e_score_correction_bias=bias)
+    record(model=m.name, component="routing", scheme="grouped_topk-single-group-nonfinite",
+           vllm_semantics=_vllm_semantics.value)
+    dev_args = _dev(backend, *args)
+    dev_kw = dict(zip(kw, _dev(backend, *kw.values())))
+    if _vllm_semantics < SemanticsVersion.V0_33:
+        with pytest.raises(ValueError):
+            op(*dev_args, **dev_kw)
+        return
+    ref_w, ref_ids = reference_routing.grouped_topk(*args, **kw)
+    out_w, out_ids = op(*dev_args, **dev_kw)
+    _same_rows(out_w, out_ids, ref_w, ref_ids, tolerances["routing"],
+               f"routing_033[{m.name}-single-group-nonfinite-renorm{renormalize}]\n  reproduce: {repro}")
