@@ -37,7 +37,7 @@ point (``NumericsProfile`` field) ``vllm`` (default)                         the
 
 ``"inplace"`` FP8 accumulation (vLLM's Triton ``fused_moe_kernel`` for FP8 per-tensor / per-channel x per-token
 scales: ``accumulator = tl.dot(a, b, acc=accumulator)`` on the codes, scales applied once after the K loop;
-``backends/triton/NOTES.md`` "FP8 accumulation promotion" measured it at 5.4e-4 relative RMS at K = 1024, 1.9e-3 at
+``docs/notes/triton.md`` "FP8 accumulation promotion" measured it at 5.4e-4 relative RMS at K = 1024, 1.9e-3 at
 K = 7168): the GEMM of codes ``aq (R, K)``, ``wq (N, K)`` with per-row scale ``sa`` and per-column scale ``sw`` is::
 
     partial = 0
@@ -168,7 +168,7 @@ PROFILES: dict[str, NumericsProfile] = {p.name: p for p in (
         summary="FP8 per-tensor / per-channel GEMMs accumulated in place in the FP8 MMA's ~14-bit partial, never "
                 "promoted to fp32 (a known accuracy defect: error grows with K)",
         upstream="vLLM 0.17-0.33 fused_moe/fused_moe.py fused_moe_kernel (acc = tl.dot(a, b, acc) with "
-                 "per-tensor / per-channel FP8 scales); backends/triton/NOTES.md FAST_ACCUM"),
+                 "per-tensor / per-channel FP8 scales); docs/notes/triton.md FAST_ACCUM"),
 )}
 
 
