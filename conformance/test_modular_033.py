@@ -8,6 +8,9 @@
   unpadded ``(M, K)`` output, matching the reference on the unpadded inputs;
 - shared experts: in each of the three orders they run exactly once, at the order's site, and the routed output is
   bitwise the one without shared experts;
+- async prepare/finalize: the class run behind ``AsyncMoEPrepareAndFinalizeNoEP`` (hook + receiver, or receiver
+  only) gives bitwise the synchronous kernel's output; under DBO (two ubatches, each hook run by the other ubatch)
+  each ubatch's output is bitwise the synchronous kernel's on its tokens, and every hook ran before its receiver;
 - ``moe_fused_mul_sum`` (a backend op): the reference's rows within the activation ulps, untouched rows untouched.
 
 Skipped under ``--vllm-semantics 0.17`` (none of this exists there). Small: Qwen3-30B-A3B at its CPU EP size, 16 tokens.
@@ -23,7 +26,13 @@ from conformance.inputs import make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, assert_ulps
 from conformance.experts_case import case_error_bound, claims_config, moe_config_for
 from reference.experts import fused_experts
-from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
+from reference.modular import (
+    AsyncMoEPrepareAndFinalizeNoEP,
+    FusedMoEActivationFormat,
+    FusedMoEKernel,
+    MoEPrepareAndFinalizeNoEP,
+)
+from reference.modular.ubatching import run_ubatches
 from reference.moe_output import UnfinalizedMoEOutput, moe_fused_mul_sum
 from reference.semantics import SemanticsVersion, current_semantics
 from reference.shared_experts import SharedExperts, SharedExpertsOrder
@@ -137,11 +146,35 @@ def test_hidden_padding_is_dropped(backend, experts_cls, repro, record):
                  what=f"{experts_cls.__name__} output with the hidden padding dropped", repro=repro)
 
 
-class _AsyncNoEP(MoEPrepareAndFinalizeNoEP):
-    """A prepare/finalize that declares async support: the kernel then runs shared experts itself."""
+class _AsyncNoEP(AsyncMoEPrepareAndFinalizeNoEP):
+    """The reference's async prepare/finalize: the kernel then runs shared experts itself."""
 
-    def supports_async(self) -> bool:
-        return True
+
+@pytest.mark.parametrize("order", ["hook_receiver", "receiver_only", "dbo", "dbo_receiver_only"])
+def test_async_prepare_finalize_hooks(backend, experts_cls, order, repro, record):
+    case = _case()
+    inputs, qc, cfg, kw = _setup(backend, experts_cls, case)
+    record(component="modular-0.33", scheme=f"async-{order}", model=case.model.name, tokens=case.tokens,
+           experts_class=experts_cls.__name__)
+    events = []
+    pf = AsyncMoEPrepareAndFinalizeNoEP(return_hook=not order.endswith("receiver_only"), events=events)
+    x, w1, w2, w, ids = inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids
+    sync = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(cfg, qc))
+    k = FusedMoEKernel(pf, experts_cls(cfg, qc), poison=float("nan"))
+    if order.startswith("dbo"):
+        h = x.size(0) // 2
+        parts = [slice(0, h), slice(h, None)]
+        outs = run_ubatches([lambda s=s: k.apply(x[s], w1, w2, w[s], ids[s], **kw) for s in parts])
+        wants = [sync.apply(x[s], w1, w2, w[s], ids[s], **kw) for s in parts]
+    else:
+        outs, wants = [k.apply(x, w1, w2, w, ids, **kw)], [sync.apply(x, w1, w2, w, ids, **kw)]
+    for i, (out, want) in enumerate(zip(outs, wants)):
+        if not torch.equal(out.cpu(), want.cpu()):
+            raise ConformanceFailure(f"{experts_cls.__name__} behind an async prepare/finalize ({order}), ubatch "
+                                     f"{i}: the output differs from the synchronous kernel's\n  reproduce: {repro}")
+    hooks = [e for e in events if e[0].endswith("_hook")]
+    if order == "dbo" and (len(hooks) != 4 or any(u == owner for (_, u), owner in zip(hooks, (0, 1, 0, 1)))):
+        raise ConformanceFailure(f"under DBO each hook must run in the other ubatch; ran {events}")
 
 
 @pytest.mark.parametrize("order", [SharedExpertsOrder.NO_OVERLAP, SharedExpertsOrder.MULTI_STREAM_OVERLAPPED,

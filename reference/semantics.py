@@ -317,6 +317,19 @@ register_point(
               "0.33": "vLLM 0.33.0 fused_moe/runner/shared_experts.py, runner/moe_runner.py, " + _MK033},
     reference="reference.shared_experts.SharedExperts / FusedMoEKernel.forward_with_shared_experts")
 register_point(
+    "modular.supports_dbo", component="modular",
+    behaviour={"0.17": "no supports_dbo: under DBO (dual-batch overlap) the prepare/finalize must be async "
+                       "(supports_async); a synchronous prepare/finalize under DBO fails (assert not dbo_enabled()).",
+               "0.33": "FusedMoEPrepareAndFinalize.supports_dbo() (default supports_async()): a synchronous "
+                       "prepare/finalize runs under DBO when it says supports_dbo() (it hands the collective to the "
+                       "comm stream itself: MoEPrepareAndFinalizeNaiveDPEP on ROCm); else it fails. The async "
+                       "hook/receiver protocol (prepare_async / finalize_async, the hook registered in the next "
+                       "ubatch under DBO) is the same in both versions."},
+    upstream={"0.17": _MK017 + " (FusedMoEModularKernel._prepare / _finalize), vllm/v1/worker/ubatching.py",
+              "0.33": _MK033 + " (FusedMoEPrepareAndFinalize.supports_dbo, FusedMoEKernelModularImpl._prepare / "
+                               "_finalize), prepare_finalize/naive_dp_ep.py"},
+    reference="reference.modular.FusedMoEPrepareAndFinalize.supports_dbo / FusedMoEKernel._prepare")
+register_point(
     "modular.moe_fused_mul_sum", component="modular",
     behaviour={"0.17": "not defined (the experts' moe_sum / TopKWeightAndReduce reduce over top-k).",
                "0.33": "moe_fused_mul_sum: fp32 weighted top-k sum in slot order, skipping -1 and non-local slots; "

@@ -31,8 +31,12 @@ Versions (``reference.semantics``; the kernel reads the version in force when it
 - shared experts are a ``reference.shared_experts.SharedExperts`` passed to ``apply``; the kernel runs them only in
   the ``MK_INTERNAL_OVERLAPPED`` order (prepare/finalize with async support) and returns the routed output alone.
 
-Not modelled: async prepare/finalize (a ``supports_async`` prepare/finalize runs synchronously), DBO, all2all
-dispatch across real ranks (``reference.distributed`` does it over torch.distributed), the workspace manager
+Async prepare/finalize and DBO (both versions): a ``supports_async()`` prepare/finalize is driven through
+``prepare_async`` / ``finalize_async`` (hook, receiver; ``AsyncMoEPrepareAndFinalizeNoEP`` is the reference's), and
+under dual-batch overlap (``reference.modular.ubatching.run_ubatches``) the hook runs in the other ubatch; 0.33 adds
+``supports_dbo`` (semantics point ``modular.supports_dbo``).
+
+Not modelled: CUDA streams and events (the reference runs on one stream), all2all dispatch across real ranks (``reference.distributed`` does it over torch.distributed), the workspace manager
 (buffers are allocated per call, with the same sharing rules).
 
 The package follows vLLM's own files (``vllm/model_executor/layers/fused_moe/``):
@@ -47,6 +51,7 @@ module                               contents
 ``reference.modular.topk_weight_and_reduce`` ``TopKWeightAndReduce`` NoOP / Contiguous / NaiveBatched / Delegate
 ``reference.modular.experts_base``   ``ExpertTokensMetadata``, ``FusedMoEActivationFormat``, the experts ABCs
 ``reference.modular.support``        ``SupportRecord`` (this project's claims as data)
+``reference.modular.ubatching``      DBO ubatch contexts (``vllm/v1/worker/ubatching.py``), ``run_ubatches``
 ``reference.modular.envs``           ``VLLM_FUSED_MOE_CHUNK_SIZE`` / ``VLLM_ENABLE_FUSED_MOE_ACTIVATION_CHUNKING``
 ==================================== ===========================================================================
 
@@ -67,9 +72,11 @@ from reference.modular.prepare_finalize import (
     FusedMoEPrepareAndFinalize,
     FusedMoEPrepareAndFinalizeModular,
     FusedMoEPrepareAndFinalizeMonolithic,
+    AsyncMoEPrepareAndFinalizeNoEP,
     MoEPrepareAndFinalizeNoEP,
     NoDispatch,
     apply_router_weight_to_input,
+    split_hook_receiver,
 )
 from reference.modular.support import ACTIVATION_PARAMS, SupportRecord
 from reference.modular.topk_weight_and_reduce import (
@@ -102,6 +109,8 @@ __all__ = [
     "FusedMoEPrepareAndFinalizeModular",
     "FusedMoEPrepareAndFinalizeMonolithic",
     "MoEPrepareAndFinalizeNoEP",
+    "AsyncMoEPrepareAndFinalizeNoEP",
+    "split_hook_receiver",
     "NoDispatch",
     "FusedMoEKernel",
     "ExpertsCall",

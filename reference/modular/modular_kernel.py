@@ -18,8 +18,18 @@ semantics point                 0.17                           0.33
 ``modular.deferred_finalize``   (skipped on an empty rank      passes through when the prepare/finalize
                                 with one dispatcher)           supports it)
 ``modular.shared_experts_order`` ``ConstructorSharedExperts``  ``RunnerSharedExperts`` (MK_INTERNAL_OVERLAPPED
-                                (``(shared, routed)``)         inside the kernel)
+                                (``(shared, routed)``)         inside the kernel, between ``finalize_async`` and
+                                                               its hook)
+``modular.supports_dbo``        ``AsyncOnlyDbo`` (under DBO a  ``SupportsDbo`` (a synchronous one is allowed
+                                synchronous prepare/finalize   when its ``supports_dbo()``, default
+                                raises)                        ``supports_async()``)
 =============================== ============================== ===============================================
+
+Both versions drive an async prepare/finalize (``supports_async()``) the same way (``_prepare`` / ``_finalize``):
+``prepare_async`` / ``finalize_async`` return ``(hook, receiver)`` or a receiver; without DBO the kernel calls the
+hook and then the receiver; under DBO (``reference.modular.ubatching``) it registers the hook in the next ubatch's
+context, yields, and calls the receiver when resumed (the other ubatch has run the hook by then). ``_prepare`` first
+runs a hook another ubatch left in this one's context (``dbo_maybe_run_recv_hook``).
 """
 
 from __future__ import annotations
@@ -43,7 +53,9 @@ from reference.modular.prepare_finalize import (
     FusedMoEPrepareAndFinalize,
     FusedMoEPrepareAndFinalizeModular,
     FusedMoEPrepareAndFinalizeMonolithic,
+    split_hook_receiver,
 )
+from reference.modular.ubatching import dbo_enabled, dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
 from reference.moe_output import UnfinalizedMoEOutput
 from reference.semantics import SemanticsError, SemanticsVersion, resolve_semantics
 from reference.shared_experts import SharedExperts, SharedExpertsOrder
@@ -283,6 +295,11 @@ class ConstructorSharedExperts:
             raise SemanticsError("apply(shared_experts=SharedExperts) is vLLM 0.33 semantics; the 0.17 kernel takes "
                                  "a shared-experts callable in its constructor")
 
+    def overlapped(self, kernel: "FusedMoEKernel", hidden_states, shared_experts_input, shared_experts):
+        # 0.17 runs its shared experts after finalize (or between finalize_async and its hook): on one stream the
+        # result is the same, so ``after`` runs them.
+        return None
+
     def after(self, kernel: "FusedMoEKernel", output, hidden_states, shared_experts_input, shared_experts):
         if self.shared_experts is None:
             return output
@@ -299,13 +316,39 @@ class RunnerSharedExperts:
     def check(self, shared_experts: SharedExperts | None) -> None:
         return None
 
+    def overlapped(self, kernel: "FusedMoEKernel", hidden_states, shared_experts_input, shared_experts):
+        """What runs between ``finalize_async`` and its hook (vLLM ``_maybe_apply_shared_experts``): the shared
+        experts in the MK_INTERNAL_OVERLAPPED order (only an async prepare/finalize gets there)."""
+        if shared_experts is None:
+            return None
+        return lambda: shared_experts(shared_experts_input if shared_experts_input is not None else hidden_states,
+                                      SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
+
     def after(self, kernel: "FusedMoEKernel", output, hidden_states, shared_experts_input, shared_experts):
-        if shared_experts is not None and kernel.can_overlap_shared_experts:
-            # Upstream launches finalize asynchronously and runs the shared experts before receiving it; the result
-            # is the same in any order on one stream.
-            shared_experts(shared_experts_input if shared_experts_input is not None else hidden_states,
-                           SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
         return output
+
+
+# ------------------------------------------------------------------------------------------------------------
+# modular.supports_dbo: which prepare/finalize may run under dual-batch overlap
+# ------------------------------------------------------------------------------------------------------------
+
+
+class AsyncOnlyDbo:
+    """0.17: under DBO the prepare/finalize must be async (``assert not dbo_enabled()`` on the synchronous path)."""
+
+    def check(self, pf: FusedMoEPrepareAndFinalize) -> None:
+        if dbo_enabled() and not pf.supports_async():
+            raise ValueError(f"{type(pf).__name__} is synchronous (supports_async() is False) and vLLM 0.17 runs no "
+                             "synchronous prepare/finalize under DBO (modular_kernel.py: assert not dbo_enabled())")
+
+
+class SupportsDbo:
+    """0.33: under DBO a synchronous prepare/finalize must say ``supports_dbo()`` (it does its own hand-off)."""
+
+    def check(self, pf: FusedMoEPrepareAndFinalize) -> None:
+        if dbo_enabled() and not pf.supports_dbo():
+            raise ValueError(f"{type(pf).__name__} does not support DBO (supports_dbo() is False; vLLM 0.33 "
+                             "modular_kernel.py: assert not dbo_enabled() or supports_dbo())")
 
 
 @dataclass(frozen=True)
@@ -317,6 +360,7 @@ class KernelSemantics:
     expert_map: CheckedExpertMap | UncheckedExpertMap
     finalize: FinalizeWithTokens | FinalizeAlways
     shared_experts: ConstructorSharedExperts | RunnerSharedExperts
+    dbo: AsyncOnlyDbo | SupportsDbo
 
     @staticmethod
     def for_version(version: SemanticsVersion, *, chunk_size: int | None, inplace: bool,
@@ -334,10 +378,10 @@ class KernelSemantics:
                     raise SemanticsError(f"FusedMoEKernel({name}=...) is vLLM 0.17 semantics: {hint}. Use "
                                          "semantics='0.17' for the 0.17 kernel.")
             return KernelSemantics(UnchunkedExperts(), OutputHiddenDimOutput(), UncheckedExpertMap(),
-                                   FinalizeAlways(), RunnerSharedExperts())
+                                   FinalizeAlways(), RunnerSharedExperts(), SupportsDbo())
         chunking = ChunkedExperts(chunk_size_from_env() if chunk_size is None else chunk_size)
         return KernelSemantics(chunking, InputShapedOutput(inplace), CheckedExpertMap(), FinalizeWithTokens(),
-                               ConstructorSharedExperts(shared_experts))
+                               ConstructorSharedExperts(shared_experts), AsyncOnlyDbo())
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -619,16 +663,53 @@ class FusedMoEKernel:
             # Nothing below can run on an unfinalized output: finalize (top-k reduction, combine) is the consumer's.
             return sem.finalize.pass_through(self, fused_out)
         if sem.finalize.runs(self, hidden_states.size(0)):
-            self.prepare_finalize.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
-                                           fe.finalize_weight_and_reduce_impl())
+            self._finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
+                           sem.shared_experts.overlapped(self, hidden_states, shared_experts_input, shared_experts))
         return sem.shared_experts.after(self, output, hidden_states, shared_experts_input, shared_experts)
+
+    @staticmethod
+    def _await(hook, receiver):
+        """Complete an async step (vLLM's hook handling in ``_prepare`` / ``_finalize``): without DBO call the hook
+        now; under DBO register it in the next ubatch's context and yield (that ubatch runs it); then receive."""
+        if hook is not None:
+            if dbo_enabled():
+                dbo_register_recv_hook(hook)
+                dbo_yield()
+            else:
+                hook()
+        return receiver()
+
+    def _finalize(self, output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
+                  overlapped: Callable[[], object] | None = None) -> None:
+        """``prepare_finalize.finalize``, or (``supports_async()``) ``finalize_async`` -> ``overlapped()`` (0.33:
+        the MK_INTERNAL_OVERLAPPED shared experts) -> hook -> receiver. Raises ValueError for a prepare/finalize that
+        may not run under the DBO in force (``modular.supports_dbo``)."""
+        pf, impl = self.prepare_finalize, self.fused_experts.finalize_weight_and_reduce_impl()
+        if not pf.supports_async():
+            self._sem.dbo.check(pf)
+            pf.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input, impl)
+            return
+        hook, receiver = split_hook_receiver(
+            pf.finalize_async(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input, impl))
+        if overlapped is not None:
+            overlapped()
+        self._await(hook, receiver)
 
     def _prepare(self, hidden_states, topk_weights, topk_ids, global_num_experts, expert_map,
                  apply_router_weight_on_input):
-        a1q, a1q_scale, meta, d_ids, d_weights = self.prepare_finalize.prepare(
-            hidden_states, topk_weights, topk_ids, global_num_experts, expert_map, apply_router_weight_on_input,
-            self.fused_experts.quant_config, defer_input_quant=self.fused_experts.expects_unquantized_inputs,
-        )
+        """``prepare_finalize.prepare``, or (``supports_async()``) a pending recv hook of another ubatch ->
+        ``prepare_async`` -> hook -> receiver (vLLM ``_prepare``, 0.17.0 and 0.33.0 alike but for the DBO check)."""
+        pf = self.prepare_finalize
+        args = (hidden_states, topk_weights, topk_ids, global_num_experts, expert_map, apply_router_weight_on_input,
+                self.fused_experts.quant_config)
+        defer = self.fused_experts.expects_unquantized_inputs
+        if not pf.supports_async():
+            self._sem.dbo.check(pf)
+            ret = pf.prepare(*args, defer_input_quant=defer)
+        else:
+            dbo_maybe_run_recv_hook()  # overlap the other ubatch's receive with this one's dispatch
+            ret = self._await(*split_hook_receiver(pf.prepare_async(*args, defer_input_quant=defer)))
+        a1q, a1q_scale, meta, d_ids, d_weights = ret
         # Dispatching prepare/finalizes hand back the topk ids and weights of the tokens they gathered.
         topk_ids = topk_ids if d_ids is None else d_ids
         topk_weights = topk_weights if d_weights is None else d_weights

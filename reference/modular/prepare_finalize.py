@@ -6,6 +6,7 @@ communicate are ``reference.distributed``."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import torch
 
@@ -19,7 +20,8 @@ from reference.modular.topk_weight_and_reduce import (
 from reference.quant.moe import moe_kernel_quantize_input
 
 __all__ = ["FusedMoEPrepareAndFinalize", "FusedMoEPrepareAndFinalizeModular", "FusedMoEPrepareAndFinalizeMonolithic",
-           "MoEPrepareAndFinalizeNoEP", "NoDispatch", "apply_router_weight_to_input"]
+           "MoEPrepareAndFinalizeNoEP", "AsyncMoEPrepareAndFinalizeNoEP", "NoDispatch", "apply_router_weight_to_input",
+           "split_hook_receiver"]
 
 
 class FusedMoEPrepareAndFinalize(ABC):
@@ -57,6 +59,19 @@ class FusedMoEPrepareAndFinalize(ABC):
         its identity. Not called under 0.17."""
         return None
 
+    def supports_async(self) -> bool:
+        """Whether this class implements ``prepare_async`` / ``finalize_async`` (vLLM 0.17.0 and 0.33.0); the
+        kernel then drives those instead of ``prepare`` / ``finalize`` (and, 0.33, runs MK_INTERNAL_OVERLAPPED
+        shared experts between ``finalize_async`` and its hook)."""
+        return False
+
+    def supports_dbo(self) -> bool:
+        """vLLM 0.33 (semantics point ``modular.supports_dbo``): whether this class may run under dual-batch overlap.
+        Defaults to ``supports_async()``; a class whose synchronous prepare/finalize do their own compute/comm
+        hand-off (0.33 ``MoEPrepareAndFinalizeNaiveDPEP`` on ROCm) returns True while ``supports_async()`` stays
+        False. Under 0.17 the method does not exist: DBO needs ``supports_async()``."""
+        return self.supports_async()
+
     def supports_deferred_moe_finalize(self) -> bool:
         """vLLM 0.33: whether ``finalize`` may be skipped for a consumer that takes an ``UnfinalizedMoEOutput``:
         only if everything finalize does (the top-k reduction, any combine) is work the consumer takes over."""
@@ -81,8 +96,30 @@ class FusedMoEPrepareAndFinalizeModular(FusedMoEPrepareAndFinalize):
         """Returns ``(a1q, a1q_scale, expert_tokens_meta, dispatched topk_ids or None, dispatched weights or None)``."""
         raise NotImplementedError
 
-    def supports_async(self) -> bool:
-        return False
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                      quant_config, defer_input_quant: bool = False):
+        """``prepare`` without waiting for the other workers (vLLM ``prepare_async``, 0.17.0 and 0.33.0 alike).
+
+        Returns:
+            ``(hook, receiver)`` or ``receiver`` alone. ``hook()`` is the light "the receive is complete" step (under
+            DBO another ubatch runs it, ``reference.modular.ubatching``); ``receiver()`` then returns what ``prepare``
+            returns. Calling the hook (when there is one) and then the receiver equals ``prepare(...)``.
+
+        Raises:
+            NotImplementedError: the class does not support async (``supports_async()`` is False).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement prepare_async")
+
+    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                       weight_and_reduce_impl):
+        """``finalize`` without waiting (vLLM ``finalize_async``). Returns ``(hook, receiver)`` or ``receiver``;
+        ``output`` is valid only after the hook (if any) and then the receiver ran: together they equal
+        ``finalize(output, ...)``.
+
+        Raises:
+            NotImplementedError: the class does not support async.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement finalize_async")
 
     @abstractmethod
     def finalize(
@@ -171,3 +208,99 @@ class MoEPrepareAndFinalizeNoEP(NoDispatch, FusedMoEPrepareAndFinalizeModular):
                  weight_and_reduce_impl):
         weight_and_reduce_impl = resolve_delegate(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
         weight_and_reduce_impl.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
+
+
+def split_hook_receiver(ret) -> tuple[Callable[[], object] | None, Callable[[], object]]:
+    """vLLM's unpacking of an async prepare/finalize result: ``(hook, receiver)`` or ``(None, receiver)``.
+
+    Raises:
+        TypeError: neither a pair of callables nor a callable.
+    """
+    hook, receiver = ret if isinstance(ret, tuple) else (None, ret)
+    if not callable(receiver) or (hook is not None and not callable(hook)):
+        raise TypeError(f"an async prepare/finalize returns (hook, receiver) or receiver, got {type(ret).__name__}")
+    return hook, receiver
+
+
+class AsyncMoEPrepareAndFinalizeNoEP(MoEPrepareAndFinalizeNoEP):
+    """``MoEPrepareAndFinalizeNoEP`` with vLLM's async protocol (the reference of ``prepare_async`` /
+    ``finalize_async``; the shape of ``prepare_finalize/deepep_ll.py``'s, without communication).
+
+    ``prepare_async`` returns ``(hook, receiver)`` (``return_hook=True``) or a bare receiver. The hook does the
+    work (the stand-in for the receive completing); a receiver called before its hook raises RuntimeError, as reading
+    an all-to-all's receive buffer early would return garbage; each hook and receiver runs once. ``finalize_async``
+    first runs a recv hook another ubatch left in this one's context (``dbo_maybe_run_recv_hook``, as DeepEP-LL's
+    ``_finalize``), then returns the same pair for the weight-and-reduce into ``output``.
+
+    ``events`` (a list, optional) records ``("prepare_hook" | "prepare_receiver" | "finalize_hook" |
+    "finalize_receiver", ubatch id)`` in call order, for tests of who ran what when.
+    """
+
+    def __init__(self, return_hook: bool = True, events: list | None = None):
+        self.return_hook = return_hook
+        self.events = events
+
+    def supports_async(self) -> bool:
+        return True
+
+    def _log(self, what: str) -> None:
+        if self.events is not None:
+            from reference.modular.ubatching import dbo_current_ubatch_id
+
+            self.events.append((what, dbo_current_ubatch_id()))
+
+    def _pair(self, name: str, work: Callable[[], object]):
+        state: dict = {}
+
+        def hook():
+            if "done" in state:
+                raise RuntimeError(f"{name} hook called twice")
+            self._log(f"{name}_hook")
+            state["result"] = work()
+            state["done"] = True
+
+        def receiver():
+            if not self.return_hook and "done" not in state:  # receiver-only form: the receiver waits itself
+                state["result"] = work()
+                state["done"] = True
+            if "done" not in state:
+                raise RuntimeError(f"{name} receiver called before its hook: the receive is not complete")
+            if state.get("received"):
+                raise RuntimeError(f"{name} receiver called twice")
+            state["received"] = True
+            self._log(f"{name}_receiver")
+            return state["result"]
+
+        return (hook, receiver) if self.return_hook else receiver
+
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                      quant_config, defer_input_quant: bool = False):
+        return self._pair("prepare", lambda: MoEPrepareAndFinalizeNoEP.prepare(
+            self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input, quant_config,
+            defer_input_quant))
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                quant_config, defer_input_quant=False):
+        hook, receiver = split_hook_receiver(self.prepare_async(
+            a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input, quant_config,
+            defer_input_quant))
+        if hook is not None:
+            hook()
+        return receiver()
+
+    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                       weight_and_reduce_impl):
+        from reference.modular.ubatching import dbo_maybe_run_recv_hook
+
+        dbo_maybe_run_recv_hook()
+        return self._pair("finalize", lambda: MoEPrepareAndFinalizeNoEP.finalize(
+            self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+            weight_and_reduce_impl))
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                 weight_and_reduce_impl):
+        hook, receiver = split_hook_receiver(self.finalize_async(
+            output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, weight_and_reduce_impl))
+        if hook is not None:
+            hook()
+        receiver()
