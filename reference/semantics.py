@@ -330,6 +330,33 @@ register_point(
                                "_finalize), prepare_finalize/naive_dp_ep.py"},
     reference="reference.modular.FusedMoEPrepareAndFinalize.supports_dbo / FusedMoEKernel._prepare")
 register_point(
+    "modular.apply_monolithic", component="modular",
+    behaviour={"0.17": "apply_monolithic(..., topk_group): prepare -> experts.apply -> finalize; the experts return "
+                       "the reduced output.",
+               "0.33": "apply_monolithic(..., topk_group, *, routing_sink, input_ids, hash_indices_table): with a "
+                       "routing sink the experts must supports_routing_replay_capture (else ValueError, per call), "
+                       "get routing_replay_out = sink.buffer[:M] (int16 routed ids) and sink.capture_fn(it) runs "
+                       "after them; input_ids / hash_indices_table reach the experts only with a table; an "
+                       "UnfinalizedMoEOutput passes through when prepare_finalize.supports_deferred_moe_finalize() "
+                       "(NoDPEPMonolithic: True), else raises."},
+    upstream={"0.17": _MK017 + " (FusedMoEKernelMonolithicImpl.apply)",
+              "0.33": _MK033 + " (FusedMoEKernelMonolithicImpl.apply, FusedMoEExpertsMonolithic."
+                               "supports_routing_replay_capture), fused_moe/routed_experts_capturer.py"},
+    reference="reference.modular.FusedMoEKernel.apply_monolithic")
+register_point(
+    "modular.is_supported_config", component="modular",
+    behaviour={"0.17": "is_supported_config: device, act_and_mul, activation, quant scheme, parallel config, "
+                       "routing method, router logits dtype, shape, activation format.",
+               "0.33": "adds, in vLLM's order: hash routing (a layer with a hash table and monolithic experts that "
+                       "do not _supports_hash_routing) and a decomposed backend (require_decomposed_backend: no "
+                       "monolithic experts) after the parallel config; batch invariance (VLLM_BATCH_INVARIANT=1 "
+                       "needs _supports_batch_invariance) and LoRA (is_lora_enabled needs supports_lora) after the "
+                       "activation format."},
+    upstream={"0.17": _MK017 + " (FusedMoEExperts.is_supported_config)",
+              "0.33": _MK033 + " (FusedMoEExperts.is_supported_config), fused_moe/config.py (FusedMoEConfig."
+                               "has_hash_routing, require_decomposed_backend, is_lora_enabled), fused_moe/layer.py"},
+    reference="reference.modular.FusedMoEExperts.is_supported_config")
+register_point(
     "modular.moe_fused_mul_sum", component="modular",
     behaviour={"0.17": "not defined (the experts' moe_sum / TopKWeightAndReduce reduce over top-k).",
                "0.33": "moe_fused_mul_sum: fp32 weighted top-k sum in slot order, skipping -1 and non-local slots; "

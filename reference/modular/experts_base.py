@@ -13,11 +13,12 @@ import torch
 
 from reference.activation import MoEActivation, adjust_N_for_activation, apply_moe_activation
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
-from reference.modular.envs import chunking_enabled_from_env
+from reference.modular.envs import batch_invariant_from_env, chunking_enabled_from_env
 from reference.modular.support import SupportRecord
 from reference.modular.topk_weight_and_reduce import TopKWeightAndReduce
 from reference.moe_output import UnfinalizedMoEOutput
 from reference.routing import RoutingMethodType
+from reference.semantics import SemanticsVersion, current_semantics
 
 __all__ = ["ExpertTokensMetadata", "FusedMoEActivationFormat", "FusedMoEExperts", "FusedMoEExpertsModular",
            "FusedMoEExpertsMonolithic"]
@@ -26,10 +27,28 @@ __all__ = ["ExpertTokensMetadata", "FusedMoEActivationFormat", "FusedMoEExperts"
 @dataclass
 class ExpertTokensMetadata:
     """Tokens routed to each local expert: ``expert_num_tokens`` int32 ``(E_local,)`` on the device, and an
-    optional CPU copy (some kernels size buffers from it)."""
+    optional CPU copy (some kernels size buffers from it).
 
-    expert_num_tokens: torch.Tensor
+    vLLM 0.33 (``fused_moe/modular_kernel.py``) adds two optional fields, set by DeepEP-v2 INDEXED prepare/finalizes
+    (``all2all_utils.py``) for experts that globalize the received ids themselves (``fused_humming_moe.py``,
+    ``fused_globalize_align_block_size.py``); both default to None, and under 0.33 ``expert_num_tokens`` may be None
+    with only ``psum_recv_per_rank`` set (a CUDA-graph decode carrier):
+
+    - ``psum_recv_per_rank``: int32 ``(num_ranks,)`` inclusive prefix sum of the rows received from each source rank;
+      its last element is the number of valid received rows (later rows are padding);
+    - ``rank_expert_offset``: the local -> global expert-id offset (``rank * E_local``) when globalization is
+      deferred to the experts.
+    """
+
+    expert_num_tokens: torch.Tensor | None
     expert_num_tokens_cpu: torch.Tensor | None
+    psum_recv_per_rank: torch.Tensor | None = None
+    rank_expert_offset: int | None = None
+
+    def num_valid_tokens(self) -> torch.Tensor | None:
+        """``psum_recv_per_rank[-1:]`` (int32 ``(1,)``, on the device) or None: what a 0.33 consumer reads as the
+        valid-token count (``fused_humming_moe.py``: ``valid_tokens = psum_recv_per_rank[-1:]``)."""
+        return None if self.psum_recv_per_rank is None else self.psum_recv_per_rank[-1:]
 
     @staticmethod
     def make_from_list(expert_num_tokens_list: list[int], device: str | torch.device) -> "ExpertTokensMetadata":
@@ -119,6 +138,11 @@ class FusedMoEExperts(ABC):
             return False, _make_reason(f"quantization scheme {weight_key}x{activation_key}")
         if not cls._supports_parallel_config(moe_config.moe_parallel_config):
             return False, _make_reason(f"parallel config {moe_config.moe_parallel_config}")
+        v033 = current_semantics() >= SemanticsVersion.V0_33  # point modular.is_supported_config
+        if v033 and moe_config.has_hash_routing and cls.is_monolithic() and not cls._supports_hash_routing():
+            return False, _make_reason("hash routing")
+        if v033 and moe_config.require_decomposed_backend and cls.is_monolithic():
+            return False, _make_reason("routes adjusted after routing")
         if not cls._supports_routing_method(moe_config.routing_method, weight_key, activation_key):
             return False, _make_reason(f"routing method {moe_config.routing_method}")
         if not cls._supports_router_logits_dtype(moe_config.router_logits_dtype, moe_config.routing_method):
@@ -127,6 +151,10 @@ class FusedMoEExperts(ABC):
             return False, _make_reason(f"{moe_config.hidden_dim} hidden dim is not supported")
         if activation_format != cls.activation_format():
             return False, _make_reason(f"{activation_format.value} activation format")
+        if v033 and batch_invariant_from_env() and not cls._supports_batch_invariance():
+            return False, _make_reason("batch invariance")
+        if v033 and moe_config.is_lora_enabled and not cls.supports_lora():
+            return False, _make_reason("LoRA")
         if cls.support is not None and moe_config.in_dtype not in cls.support.act_dtypes:
             short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
             claimed = ", ".join(sorted(short.get(d, str(d)) for d in cls.support.act_dtypes))
@@ -178,6 +206,23 @@ class FusedMoEExperts(ABC):
     @staticmethod
     def _supports_router_logits_dtype(router_logits_dtype, routing_method: RoutingMethodType) -> bool:
         return True
+
+    @staticmethod
+    def _supports_hash_routing() -> bool:
+        """vLLM 0.33: whether a monolithic kernel implements hash routing itself (it then receives ``input_ids`` and
+        ``hash_indices_table`` in ``apply``). Default False."""
+        return False
+
+    @staticmethod
+    def _supports_batch_invariance() -> bool:
+        """vLLM 0.33: whether the output of a token does not depend on the rest of the batch (required under
+        ``VLLM_BATCH_INVARIANT=1``). Default False."""
+        return False
+
+    @staticmethod
+    def supports_lora() -> bool:
+        """vLLM 0.33: whether the class handles LoRA natively (``LoRAExpertsMixin``). Default False."""
+        return False
 
     @classmethod
     def _supports_shape(cls, hidden_dim: int) -> bool:
@@ -336,6 +381,11 @@ class FusedMoEExpertsMonolithic(FusedMoEExperts):
     def _supports_router_logits_dtype(router_logits_dtype, routing_method) -> bool:
         raise NotImplementedError("monolithic kernels must opt in to router logits dtypes")
 
+    def supports_routing_replay_capture(self) -> bool:
+        """vLLM 0.33: whether ``apply`` writes each token's routed expert ids into ``routing_replay_out`` (so a
+        ``RoutedExpertsSink`` can capture them). Default False."""
+        return False
+
     @abstractmethod
     def apply(
         self,
@@ -352,5 +402,12 @@ class FusedMoEExpertsMonolithic(FusedMoEExperts):
         e_score_correction_bias: torch.Tensor | None = None,
         routed_scaling_factor: float | None = None,
         topk_group: int | None = None,
-    ) -> torch.Tensor:
+        routing_replay_out: torch.Tensor | None = None,
+        **hash_kwargs,
+    ) -> torch.Tensor | UnfinalizedMoEOutput:
+        """Route and compute (vLLM ``FusedMoEExpertsMonolithic.apply``). 0.33: ``routing_replay_out`` (``(M, topk)``
+        int16, given only to classes that ``supports_routing_replay_capture``) receives the routed logical expert
+        ids; ``input_ids`` / ``hash_indices_table`` arrive as keywords only for classes that
+        ``_supports_hash_routing`` and a layer with a hash table; the result may be an ``UnfinalizedMoEOutput``
+        (deferred finalize)."""
         raise NotImplementedError

@@ -742,19 +742,52 @@ class FusedMoEKernel:
 
     def apply_monolithic(self, hidden_states, w1, w2, router_logits, activation, global_num_experts, expert_map,
                          apply_router_weight_on_input, num_expert_group=None, e_score_correction_bias=None,
-                         routed_scaling_factor=None, topk_group=None):
-        """Monolithic path: ``prepare`` (quantize) -> experts route + compute -> ``finalize``."""
+                         routed_scaling_factor=None, topk_group=None, *, routing_sink=None, input_ids=None,
+                         hash_indices_table=None):
+        """Monolithic path (vLLM ``FusedMoEKernelMonolithicImpl.apply``): ``prepare`` (quantize) -> experts route +
+        compute -> ``finalize``.
+
+        0.33 keywords (point ``modular.apply_monolithic``): ``routing_sink`` (a ``reference.routing.RoutedExpertsSink``
+        or None; required keyword upstream, default None here): the experts must ``supports_routing_replay_capture``
+        (else ValueError, checked per call), get ``routing_replay_out = routing_sink.buffer[:M]`` and, after they ran,
+        ``routing_sink.capture_fn(routing_replay_out)`` is called. ``input_ids`` / ``hash_indices_table``: forwarded
+        to the experts as keywords only when ``hash_indices_table`` is given (only classes that
+        ``_supports_hash_routing`` are selected for such a layer). Deferred finalize: an ``UnfinalizedMoEOutput``
+        from the experts is returned when ``prepare_finalize.supports_deferred_moe_finalize()``, else ValueError.
+
+        Raises:
+            ValueError: a modular kernel; capture with experts that cannot; an unfinalized output the
+                prepare/finalize cannot pass through. SemanticsError: a 0.33 keyword, or an ``UnfinalizedMoEOutput``,
+                under 0.17.
+        """
         if not self.is_monolithic:
             raise ValueError("this kernel is modular: call apply with topk ids and weights")
+        v033 = self.semantics >= SemanticsVersion.V0_33
+        if not v033 and (routing_sink is not None or input_ids is not None or hash_indices_table is not None):
+            raise SemanticsError("apply_monolithic(routing_sink=, input_ids=, hash_indices_table=) is vLLM 0.33 "
+                                 "semantics (fused_moe/modular_kernel.py FusedMoEKernelMonolithicImpl.apply)")
+        hash_kwargs = {}
+        if hash_indices_table is not None:
+            hash_kwargs = {"input_ids": input_ids, "hash_indices_table": hash_indices_table}
         a1q, a1q_scale, router_logits = self.prepare_finalize.prepare(
             hidden_states, router_logits, self.fused_experts.quant_config,
             defer_input_quant=self.fused_experts.expects_unquantized_inputs,
         )
+        replay = {}
+        if routing_sink is not None:
+            if not self.fused_experts.supports_routing_replay_capture():
+                raise ValueError("Routed-experts capture is not supported with monolithic MoE kernel "
+                                 f"{type(self.fused_experts).__name__}.")
+            replay["routing_replay_out"] = routing_sink.buffer[: len(a1q)]
         out = self.fused_experts.apply(
             hidden_states=a1q, w1=w1, w2=w2, router_logits=router_logits, activation=activation,
             global_num_experts=global_num_experts, expert_map=expert_map, a1q_scale=a1q_scale,
             apply_router_weight_on_input=apply_router_weight_on_input, num_expert_group=num_expert_group,
             e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=routed_scaling_factor,
-            topk_group=topk_group,
+            topk_group=topk_group, **replay, **hash_kwargs,
         )
+        if routing_sink is not None:
+            routing_sink.capture_fn(replay["routing_replay_out"])
+        if isinstance(out, UnfinalizedMoEOutput):
+            return self._sem.finalize.pass_through(self, out)
         return self.prepare_finalize.finalize(out)

@@ -58,6 +58,7 @@ from reference.routing.grouped import (
     single_group_kernel_applies,
     valid_grouping,
 )
+from reference.routing.capture import RoutedExpertsSink
 from reference.routing.router import (
     RoutingMethodType017,
     append_fused_shared_experts,
@@ -78,6 +79,7 @@ from reference.routing.topk import (
 )
 
 __all__ = [
+    "RoutedExpertsSink",
     "RoutingMethodType",
     "fused_topk",
     "fused_topk_bias",

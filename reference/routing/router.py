@@ -331,6 +331,7 @@ def route(
     eplb: tuple[torch.Tensor, torch.Tensor] | None = None,
     indices_type: torch.dtype | None = None,
     check_finite: bool | None = None,
+    capture_fn: Callable[[torch.Tensor], None] | None = None,
     semantics=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The router end to end, as ``create_fused_moe_router(...)`` + ``select_experts`` run it (on CUDA).
@@ -339,8 +340,10 @@ def route(
     2. that router's routing: ``fused_topk`` (``FusedTopKRouter``, padding rows masked), ``fused_topk_bias`` +
        ``append_fused_shared_experts`` (``FusedTopKBiasRouter``), ``grouped_topk_router`` (``GroupedTopKRouter``),
        or ``custom_routing_function(hidden_states, gating_output, topk, renormalize)`` (weights fp32, ids int32);
-    3. EPLB (``eplb=(logical_to_physical_map, logical_replica_count)``): ``eplb_logical_to_physical``;
-    4. ids to ``indices_type``.
+    3. routed-expert capture: ``capture_fn(ids)`` with the logical ids (``BaseRouter.capture_fn``, 0.17.0 and 0.33.0;
+       ``reference.routing.capture``);
+    4. EPLB (``eplb=(logical_to_physical_map, logical_replica_count)``): ``eplb_logical_to_physical``;
+    5. ids to ``indices_type``.
     Under 0.17 the 0.33-only inputs raise SemanticsError. Mirrors ``fused_moe/router/router_factory.py`` and
     ``base_router.py::BaseRouter._select_experts`` (vLLM 0.17.0 / 0.33.0).
     """
@@ -381,6 +384,8 @@ def route(
         w, ids = w.float(), ids.to(indices_type or torch.int32)
     else:
         raise ValueError(f"router {kind} is not specified by the reference")
+    if capture_fn is not None:
+        capture_fn(ids)  # logical ids, before the EPLB mapping (base_router.py)
     if eplb is not None:
         ids = eplb_logical_to_physical(ids, eplb[0], eplb[1], semantics=v)
     return w, ids.to(indices_type or ids.dtype)
