@@ -318,10 +318,10 @@ def _stage_values(activation_name: str | None) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _stage_max(activation_name: str | None, n: int) -> float:
-    """The largest |value| among ``n`` elements of a stage, relative to its RMS: the ``1 - 1 / n`` quantile of
-    |f(g) u| (gated; ``f`` the activation's gate function, g, u ~ N(0, 1) independent) or |f(g)| (no mul; Gaussian:
-    ``f(g) = g``), by quadrature of the tail ``P(|f(g) u| > t) = E_g[erfc(t / (|f(g)| sqrt 2))]`` (step 7b)."""
+def _stage_quantile(activation_name: str | None, p: float) -> float:
+    """The value ``t`` (relative to the stage's RMS) that a stage's |values| exceed with probability ``p``: for a
+    gated product |f(g) u| (``f`` the activation's gate function, g, u ~ N(0, 1) independent) by quadrature of
+    ``P(|f(g) u| > t) = E_g[erfc(t / (|f(g)| sqrt 2))]``; without a mul |f(g)|; Gaussian (``None``): |g|. Step 7b."""
     g = torch.linspace(-12.0, 12.0, 48001, dtype=torch.float64)
     dens = torch.exp(-0.5 * g * g)
     dens /= dens.sum()
@@ -337,7 +337,6 @@ def _stage_max(activation_name: str | None, n: int) -> float:
         x = torch.stack([g, torch.ones_like(g)], dim=1) if gated else g[:, None]  # the gate at unit up
         f = apply_moe_activation(act, x.float(), **kw).double().flatten().abs()
     rms = math.sqrt(float((dens * f * f).sum()))  # E[u^2] = 1
-    target = 1.0 / max(n, 2)
 
     def tail(t: float) -> float:
         if gated:
@@ -347,7 +346,7 @@ def _stage_max(activation_name: str | None, n: int) -> float:
     lo, hi = 0.0, 64.0 * rms
     for _ in range(60):
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if tail(mid) > target else (lo, mid)
+        lo, hi = (mid, hi) if tail(mid) > p else (lo, mid)
     return hi / rms
 
 
@@ -664,22 +663,18 @@ def _is_fp8_mma(desc: FusedMoEQuantDesc) -> bool:
     return desc.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, "mxfp8")
 
 
-def _heavy_event(rows: float, I: int, p: int, activation, gated: bool, c: dict) -> "_State | None":
-    """Step 7b: the state of ONE flip at GEMM2's input, alone: one step ``2^-p v_max`` of the coarsest grid in front
-    of GEMM2 at the largest of the call's ``rows x I`` values (``_stage_max``), relative to that stage's RMS; None
-    when the call's rows are unknown (many rows: no single event matters)."""
-    if not math.isfinite(rows):
-        return None
-    n = max(int(rows * I), 2)
+def _heavy_event(st: "_State", I: int, p: int, activation, gated: bool, z: float) -> tuple[float, float]:
+    """Step 7b: ``(b, t)``: the output mean square (relative) of one flip at GEMM2's input at the value ``t`` (relative
+    to that stage's RMS) beyond which the call's expected number of flips is the normal tail beyond ``z``; ``(0, 0)``
+    when the call's rows are unknown or a flip anywhere is that unlikely."""
+    n = st.rows * I
+    lam = n * (st.q + st.qk)  # expected flipped elements of the call at GEMM2's input
+    alpha = 0.5 * math.erfc(z / math.sqrt(2.0))
+    if not math.isfinite(n) or lam <= alpha:
+        return 0.0, 0.0
     name = activation.name if activation is not None else ("SILU" if gated else "SILU_NO_MUL")
-    v_max = _stage_max(name, n)
-    h = _State(rows=rows)
-    h.q = 1.0 / n
-    h.e = 2.0**-p  # its relative step (mantissa 1: the largest step of the grid at that value)
-    h.w = v_max * v_max
-    h.s2 = (h.e * v_max) ** 2 / n
-    h.ls = 1.0
-    return h
+    t = _stage_quantile(name, alpha / lam)
+    return (2.0**-p * t) ** 2 / n, t
 
 
 def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.dtype, K: int, I: int,
@@ -753,15 +748,10 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     st.scale(cond * cond + (1.0 if gated else 0.0), 2 if gated else 1, cond)
     st.round(act_grid, act_values, "activation rounded", I)
     p_a2 = _requantize(st, quant_config.a2, quant_config, I, act_values, "a2 requantized", z=c["z_events"])
-    # Step 7b: the one heavy event, followed alone through what comes after GEMM2's input (its range, for the
-    # Bernstein term): one step of the coarsest grid in front of GEMM2 at the stage's largest value.
-    heavy = _heavy_event(st.rows, I, p_a2 if p_a2 is not None else p_act, activation, gated, c)
+    # Step 7b: the heaviest flip at GEMM2's input that the call makes with more than the normal tail's probability.
+    b, t_heavy = _heavy_event(st, I, p_a2 if p_a2 is not None else p_act, activation, gated, c["z_events"])
     st.gemm(I, *acc(I, quant_config.a2), stage="GEMM2")
-    for h in ([heavy] if heavy is not None else []):
-        h.gemm(I, 0.0, stage="GEMM2")
     st.round(act_grid, gaussian, "GEMM2 rounded", K)
-    if heavy is not None:
-        heavy.round(act_grid, gaussian, "GEMM2 rounded", K)
     # Step 6: where the router weight is applied is not fixed: the reference rounds y and weights it in fp32; vLLM's
     # fused_moe_kernel weights the fp32 accumulator before its store (MUL_ROUTED_WEIGHT) and rounds w * y, its
     # TopKWeightAndReduceContiguous rounds y and then w * y in the output dtype. Each side's rounding of a term is
@@ -771,11 +761,6 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
         st.log("router weight applied before or after the GEMM2 rounding")
     st.reduce(routes_per_row)
     st.round(act_grid, gaussian, "top-k sum rounded", K)
-    b = 0.0
-    if heavy is not None:
-        heavy.reduce(routes_per_row)
-        heavy.round(act_grid, gaussian, "top-k sum rounded", K)
-        b = heavy.m2
     # Step 7: a mean square made of ~lam independent flip events is realised within its Poisson upper quantile, and
     # (7b) within Bernstein's range term for its largest single event b.
     lam, z = st.events, c["z_events"]
@@ -783,7 +768,8 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     if st.m2 > 0 and b > 0:
         few_b = 1.0 + (z / math.sqrt(lam) if lam < math.inf else 0.0) + c["bernstein_range"] * z * z * b / st.m2
         if few_b > few:
-            st.trace.append(f"one heavy event (step 7b): {math.sqrt(b):.2e} rms alone, range term "
+            st.trace.append(f"one heavy event (step 7b): a flip at {t_heavy:.1f}x the RMS of GEMM2's input, "
+                            f"{math.sqrt(b):.2e} rms alone, range term "
                             f"{c['bernstein_range'] * z * z * b / st.m2:.2f} of the mean square")
             few = few_b
     rms = math.sqrt(st.m2 * few)

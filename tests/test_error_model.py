@@ -28,8 +28,8 @@ from reference.modular import moe_kernel_quantize_input
 from reference.routing import fused_topk
 from reference.schemes import quantize_weights
 from specs import load_models
-from tests.emulated_backends import (DroppedWeightExperts, ExtraRoundingExperts, InplaceExperts, Mma16Experts,
-                                     PromotedExperts)
+from tests.emulated_backends import (A2FlipExperts, DroppedWeightExperts, ExtraRoundingExperts, HFlipExperts,
+                                     InplaceExperts, Mma16Experts, PromotedExperts)
 from tests.harness_util import run_conformance
 
 
@@ -244,3 +244,48 @@ def test_int8_per_tensor_step_spans_the_routed_rows():
     weight_only = experts_error_bound(_qc("int4_w4a16"), act_dtype=torch.bfloat16, K=2048, I=768)
     bf16 = experts_error_bound(_qc("bf16"), act_dtype=torch.bfloat16, K=2048, I=768)
     assert weight_only.rms_norm == pytest.approx(bf16.rms_norm)  # no activation requantized
+
+
+def _run_class(cls, cfg, x, w1q, w2q, w, ids, emap, qc, act, E):
+    from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP
+
+    return FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(cfg, qc)).apply(
+        x, w1q, w2q, w, ids, activation=act, global_num_experts=E, expert_map=emap)
+
+
+def _one_heavy_event(cls, E, topk, K, I, M, scheme, act, ep_size=1, ep_rank=0, placement="linear", nc=False):
+    """(stats, bound, bound without step 7b) of ``cls``'s output on a fuzz case (``conformance.fuzz``: its inputs
+    are seeded from the case id, so a regression's fields give its inputs)."""
+    from specs import load_tolerances
+    from conformance.fuzz import FuzzCase, case_bound, make_inputs
+
+    fc = FuzzCase(E=E, topk=topk, K=K, I=I, M=M, scheme=scheme, activation=act, dtype="bfloat16", ep_size=ep_size,
+                  ep_rank=ep_rank, placement=placement, noncontiguous=nc, pad=0)
+    x, w1q, w2q, w, ids, emap, qc, cfg = make_inputs(fc, "cpu")
+    ref = fused_experts(x, w1q, w2q, w, ids, activation=fc.act, global_num_experts=E, expert_map=emap,
+                        quant_config=qc)
+    out = _run_class(cls, cfg, x, w1q, w2q, w, ids, emap, qc, fc.act, E)
+    local = (ids.long() >= 0) & (emap[ids.long()] >= 0) if emap is not None else ids.long() >= 0
+    c = dict(load_tolerances()["error_model"])
+    without = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, activation=fc.act,
+                                  routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / M, 1.0),
+                                  constants=dict(c, bernstein_range=0.0))
+    return error_stats(out, ref), case_bound(fc, qc, ids, emap), without
+
+
+def test_one_requantization_flip_at_the_largest_code_passes():
+    """The fp8_tensor_static gelu_tanh regression (specs/regressions.toml, E8 k5 K96 I192 M157 EP8 rank 5): one FP8
+    a2 code one step off at the call's largest code gives what the H100 and H200 measured (1.39e-2, 1.57x the bound
+    without step 7b); step 7b's heavy event covers it."""
+    s, b, without = _one_heavy_event(A2FlipExperts, 8, 5, 96, 192, 157, "fp8_tensor_static", "gelu_tanh", 8, 5,
+                                     "round_robin", True)
+    assert s.rms_norm > 1.2 * without.rms_norm, (s, without)  # the mechanism of the known failure
+    assert s.rms_norm <= b.rms_norm and s.max_norm <= b.max_norm, (s, b)
+
+
+@pytest.mark.parametrize(("K", "I", "M"), [(1024, 2048, 1), pytest.param(4096, 14336, 1, marks=pytest.mark.slow)])
+def test_one_activation_flip_at_the_largest_product_passes(K, I, M):
+    """Mixtral bf16 M1's heavy event (one GEMM1 output rounded the other way under the call's largest gated product;
+    the GPU's 1.841e-3 against 1.70e-3 without step 7b): inside the bound with step 7b."""
+    s, b, without = _one_heavy_event(HFlipExperts, 1, 1, K, I, M, "bf16", "silu")
+    assert s.rms_norm <= b.rms_norm and s.max_norm <= b.max_norm, (s, b)
