@@ -54,8 +54,7 @@ differences):
 3. **Rounding to a grid** with spacing ``s`` at an element: two values ``d`` apart, each rounded, differ by ``k`` or
    ``k + 1`` steps where ``|d| / s = k + f`` (the latter with probability ``f``), so ``E[diff^2] = s^2 (k^2 +
    (2k + 1) f)`` with variance ``s^4 f (1 - f) (2k + 1)^2`` (``_round_pair``): ``s |d|`` for a difference under a
-   step (a *flip* with probability ``|d| / s``), never less than ``d^2`` (a rounding never shrinks a difference: until
-   2026-11-26 the model let it, and was too tight by up to 1.3x where the difference neared a step). For a floating
+   step (a *flip* with probability ``|d| / s``), never less than ``d^2`` (a rounding never shrinks a difference). For a floating
    format ``s = 2^-p |v| / mant``; INT8's uniform grid has ``s = tail(n) / 127`` of the RMS, ``tail(n) = sqrt(2 ln n)``.
    The expectation is taken by quadrature (``_expect``) over the stage's values (``_stage_values``: Gaussian for GEMM
    outputs, the activation's output on Gaussian gate and up otherwise, a heavy-tailed product), logarithmically
@@ -73,9 +72,7 @@ differences):
    additive differences rarely flip), the whole group is rounded on a grid moved by that element's relative step: a
    proportional difference of every element (step 3). A dense difference moves it by ``sqrt(d2) / tail(group)``
    always. Per token or per 1xG group, the moved groups are ``groups x qt`` events (step 7); a *per-tensor* scale is
-   one draw, all or nothing, so its move is counted in full when ``qt`` exceeds the normal tail beyond ``z_events``
-   (H200: the Triton kernel's Mixtral fp8_tensor M512 EP4 amax 13.1875 against the reference's 13.25, one bf16 step,
-   gave rms 1.74e-2 where the same call without the move gives 5.7e-3). A power-of-two (UE8M0, MX) scale moves
+   one draw, all or nothing, so its move is counted in full when ``qt`` exceeds the normal tail beyond ``z_events``. A power-of-two (UE8M0, MX) scale moves
    only across a power of two, under which a floating grid is invariant: no term. Static scales never move.
 
 5. **The activation**: a gated activation multiplies two rounded halves, so relative differences add in quadrature
@@ -99,6 +96,24 @@ differences):
    product drives every rounding after it). The realised mean square is bounded by the upper quantile
    ``(lam + z sqrt(lam) + z^2) / lam`` times the expectation (``z_events`` in specs).
 
+7b. **One heavy event**. The random variable is the realised output mean square ``S = sum_j Y_j`` over the flips
+   at GEMM2's input (the last grid before it: a2's, else the activation's), a compound Poisson sum: ``N ~
+   Poisson(lam)`` flips, ``lam = rows x I x q`` (``q``: the flipped fraction there), each at an element of value
+   ``v`` (relative to the stage's RMS) and one grid step ``2^-p v / mant`` in size; GEMM2 and the top-k sum carry
+   its relative mean square (steps 2, 6), so it adds ``Y = (2^-p v / mant)^2 / (rows x I)``. Step 7's quantile
+   treats ``S`` as nearly Gaussian; one flip at an extreme gated product is not. Split the flips at a value ``t``:
+   with ``P(|v| > t) = alpha / lam`` the call holds a flip beyond ``t`` with probability at most ``alpha = P(N(0,1)
+   > z)`` (the normal tail of step 4's all-or-nothing rule; flips of an additive difference favour small values, so
+   the value-independent rate is an upper bound beyond ``t``). The rest are independent, non-negative and at most
+   ``b = (2^-p t)^2 / (rows x I)`` (mantissa 1: the grid's largest relative step), so Bernstein's inequality bounds
+   their sum by ``E S + z sqrt(Var S) + (z^2 / 3) b`` except with probability ``exp(-z^2 / 2)``: the few-events
+   factor is the larger of step 7's and ``1 + z / sqrt(lam_eff) + (z^2 / 3) b / m2`` (``bernstein_range = 1/3``,
+   the inequality's own constant). ``t`` comes from the stage's distribution (``_stage_quantile``: |f(g) u| for a
+   gated product, g, u ~ N(0, 1)); it grows only logarithmically with the call, and ``b`` falls as ``1 / rows``,
+   so the term matters for calls of a few rows (decode) and short reductions with a coarse a2 grid. Not in ``b``:
+   the router weights' spread (a flip on a route weighted above the mean weighs more; the term's ``t`` lies beyond
+   the call's largest value by far more than that spread in every case measured).
+
 Bounds (``k_rms``, ``k_max``, ``tail`` in specs): ``rms_norm <= k_rms * sqrt(m2 * few)`` (``k_rms = 1``: the constants of
 steps 1 and 4 are worst cases, so the expectation is already a bound, and step 7 covers its scatter); ``calc_diff`` is
 ``sum (x - y)^2 / sum (x^2 + y^2) ~= rms_norm^2 / 2``, so ``calc_diff <= (k_rms sqrt(m2))^2 / 2``. The worst
@@ -111,9 +126,9 @@ Where this model is honest about its limits: a *per-tensor* dynamic scale's move
 precision accumulator adds, so for those schemes the output bound cannot reject one; the conformance suite's
 accumulation probe (``conformance/test_accumulation.py``) is the sharp instrument for accumulation precision
 (it uses inputs on which every conforming accumulation is exact), and below K ~ 4096 an in-place FP8 accumulation
-adds less than the conforming roundings scatter at the output even per token: only the probe rejects it. Step 7's quantile treats the
-realised mean square as nearly Gaussian; a single flip at an extreme gated product (Mixtral bf16 M = 1: one event
-at 15.6x the stage's RMS carried 99.9% of it, docs/notes/gpu-sessions.md 2026-11-26) lies beyond it. Step 5's condition
+adds less than the conforming roundings scatter at the output even per token: only the probe rejects it. Step 7b takes heavy events only
+at GEMM2's input (earlier ones reach it through the flips they cause there) and without the router weights'
+spread. Step 5's condition
 numbers are taken where the activations carry the output, not at their clamps.
 """
 
