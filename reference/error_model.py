@@ -97,22 +97,28 @@ differences):
    ``(lam + z sqrt(lam) + z^2) / lam`` times the expectation (``z_events`` in specs).
 
 7b. **One heavy event**. The random variable is the realised output mean square ``S = sum_j Y_j`` over the flips
-   at GEMM2's input (the last grid before it: a2's, else the activation's), a compound Poisson sum: ``N ~
-   Poisson(lam)`` flips, ``lam = rows x I x q`` (``q``: the flipped fraction there), each at an element of value
-   ``v`` (relative to the stage's RMS) and one grid step ``2^-p v / mant`` in size; GEMM2 and the top-k sum carry
-   its relative mean square (steps 2, 6), so it adds ``Y = (2^-p v / mant)^2 / (rows x I)``. Step 7's quantile
-   treats ``S`` as nearly Gaussian; one flip at an extreme gated product is not. Split the flips at a value ``t``:
-   with ``P(|v| > t) = alpha / lam`` the call holds a flip beyond ``t`` with probability at most ``alpha = P(N(0,1)
-   > z)`` (the normal tail of step 4's all-or-nothing rule; flips of an additive difference favour small values, so
-   the value-independent rate is an upper bound beyond ``t``). The rest are independent, non-negative and at most
-   ``b = (2^-p t)^2 / (rows x I)`` (mantissa 1: the grid's largest relative step), so Bernstein's inequality bounds
-   their sum by ``E S + z sqrt(Var S) + (z^2 / 3) b`` except with probability ``exp(-z^2 / 2)``: the few-events
-   factor is the larger of step 7's and ``1 + z / sqrt(lam_eff) + (z^2 / 3) b / m2`` (``bernstein_range = 1/3``,
-   the inequality's own constant). ``t`` comes from the stage's distribution (``_stage_quantile``: |f(g) u| for a
-   gated product, g, u ~ N(0, 1)); it grows only logarithmically with the call, and ``b`` falls as ``1 / rows``,
-   so the term matters for calls of a few rows (decode) and short reductions with a coarse a2 grid. Not in ``b``:
-   the router weights' spread (a flip on a route weighted above the mean weighs more; the term's ``t`` lies beyond
-   the call's largest value by far more than that spread in every case measured).
+   at GEMM2's input (the last grid before it: a2's, else the activation's), a compound Poisson sum: each of the
+   ``n = rows x I`` elements flips with odds ``o(v)`` that depend on its value ``v`` (relative to the stage's RMS),
+   by one grid step ``2^-p v / mant``; GEMM2 and the top-k sum carry its relative mean square (steps 2, 6), so a
+   flip adds ``Y = (2^-p v / mant)^2 / n``. Step 7's quantile treats ``S`` as nearly Gaussian; one flip at an
+   extreme gated product is not. The odds ``o(v)`` do not grow with ``|v|``: a flip of an additive difference has
+   odds ``|d| / s`` with ``s`` proportional to ``|v|``, one of a proportional difference (a shrink, an earlier flip)
+   the same odds at every value; so beyond the top quadrature node ``v_top`` they are at most its odds ``qt``
+   (tracked through every stage, step 4). Split the flips at ``t >= v_top`` with ``n qt P(|v| > t) = alpha``,
+   ``alpha = P(N(0,1) > z)`` (the normal tail of step 4's all-or-nothing rule): the expected number of flips
+   beyond ``t``, hence the probability of one (Markov), is at most ``alpha``. The rest are independent,
+   non-negative and at most ``b = (2^-p t)^2 / n`` (mantissa 1: the grid's largest relative step), and their sum
+   has variance at most ``V = m2^2 / lam_eff`` (step 7's effective count). Bennett's inequality,
+   ``P(S - E S >= s) <= exp(-(V / b^2) h(b s / V))`` with ``h(u) = (1 + u) ln(1 + u) - u``, set equal to
+   ``exp(-z^2 / 2)``, gives the ``s`` that the realised sum exceeds its mean by only with that probability; the
+   few-events factor is the larger of step 7's and ``1 + s / m2``. Bennett, not its relaxation Bernstein
+   (``s <= z sqrt(V) + (z^2 / 3) b``): the latter pays up to 3x more range than the inequality needs when the sum
+   is one or two events of size ``b``. No constant is set here: ``z`` is step 7's. ``t`` comes from the stage's
+   distribution (``_stage_quantile``: |f(g) u| for a gated product, g, u ~ N(0, 1)); it grows only
+   logarithmically with the call, and ``b`` falls as ``1 / rows``, so the term matters for calls of a few rows
+   (decode) and short reductions with a coarse a2 grid. Not in ``b``: the router weights' spread (a flip on a
+   route weighted above the mean weighs more, by ``w^2 / E[w^2]``; the model is not given the routing's weights).
+   Left out, at probability ``alpha`` per case: a flip beyond ``t``.
 
 Bounds (``k_rms``, ``k_max``, ``tail`` in specs): ``rms_norm <= k_rms * sqrt(m2 * few)`` (``k_rms = 1``: the constants of
 steps 1 and 4 are worst cases, so the expectation is already a bound, and step 7 covers its scatter); ``calc_diff`` is
@@ -680,16 +686,35 @@ def _is_fp8_mma(desc: FusedMoEQuantDesc) -> bool:
 
 def _heavy_event(st: "_State", I: int, p: int, activation, gated: bool, z: float) -> tuple[float, float]:
     """Step 7b: ``(b, t)``: the output mean square (relative) of one flip at GEMM2's input at the value ``t`` (relative
-    to that stage's RMS) beyond which the call's expected number of flips is the normal tail beyond ``z``; ``(0, 0)``
-    when the call's rows are unknown or a flip anywhere is that unlikely."""
+    to that stage's RMS, at least the top quadrature node's) beyond which the call's expected number of flips, at
+    the top values' odds ``qt``, is the normal tail beyond ``z``; ``(0, 0)`` when the call's rows are unknown or a
+    flip at the largest values is that unlikely anywhere."""
     n = st.rows * I
-    lam = n * (st.q + st.qk)  # expected flipped elements of the call at GEMM2's input
+    lam = n * st.qt  # flips per call if every element had the flip odds of the largest values
     alpha = 0.5 * math.erfc(z / math.sqrt(2.0))
     if not math.isfinite(n) or lam <= alpha:
         return 0.0, 0.0
     name = activation.name if activation is not None else ("SILU" if gated else "SILU_NO_MUL")
-    t = _stage_quantile(name, alpha / lam)
+    # qt is the flip odds at the top node's value: an upper bound on the odds beyond it only, so t never below it.
+    t = max(_stage_quantile(name, alpha / lam), float(_stage_values(name)[-1]))
     return (2.0**-p * t) ** 2 / n, t
+
+
+def _bennett_excess(var: float, b: float, z: float) -> float:
+    """Step 7b: the excess ``s`` over its mean that a sum of independent terms in ``[0, b]`` with variance ``var``
+    exceeds with probability at most ``exp(-z^2 / 2)`` by Bennett's inequality: the root of ``(var / b^2) h(b s /
+    var) = z^2 / 2``, ``h(u) = (1 + u) ln(1 + u) - u`` (bisection; ``h`` is increasing)."""
+    if var <= 0 or b <= 0:
+        return 0.0
+    target = z * z * b * b / (2.0 * var)
+    h = lambda u: (1.0 + u) * math.log1p(u) - u  # noqa: E731
+    lo, hi = 0.0, 1.0
+    while h(hi) < target:
+        hi *= 2.0
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if h(mid) < target else (lo, mid)
+    return hi * var / b
 
 
 def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.dtype, K: int, I: int,
@@ -777,15 +802,14 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     st.reduce(routes_per_row)
     st.round(act_grid, gaussian, "top-k sum rounded", K)
     # Step 7: a mean square made of ~lam independent flip events is realised within its Poisson upper quantile, and
-    # (7b) within Bernstein's range term for its largest single event b.
+    # (7b) within Bennett's bound for a sum of variance m2^2 / lam whose single events are at most b.
     lam, z = st.events, c["z_events"]
     few = 1.0 if lam == math.inf else (lam + z * math.sqrt(lam) + z * z) / lam
-    if st.m2 > 0 and b > 0:
-        few_b = 1.0 + (z / math.sqrt(lam) if lam < math.inf else 0.0) + c["bernstein_range"] * z * z * b / st.m2
+    if st.m2 > 0 and b > 0 and lam < math.inf:
+        few_b = 1.0 + _bennett_excess(st.m2 * st.m2 / lam, b, z) / st.m2
         if few_b > few:
             st.trace.append(f"one heavy event (step 7b): a flip at {t_heavy:.1f}x the RMS of GEMM2's input, "
-                            f"{math.sqrt(b):.2e} rms alone, range term "
-                            f"{c['bernstein_range'] * z * z * b / st.m2:.2f} of the mean square")
+                            f"{math.sqrt(b):.2e} rms alone ({b / st.m2:.2f} of the mean square)")
             few = few_b
     rms = math.sqrt(st.m2 * few)
     expected = math.sqrt(st.m2)

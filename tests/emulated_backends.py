@@ -132,7 +132,10 @@ class HFlipExperts(_EmulatedExperts):
 class A2FlipExperts(_EmulatedExperts):
     """The reference with one requantized FP8 a2 code moved one step away from zero where it weighs most in the
     output: the largest |code| x router weight of the call (a conforming activation that landed on the other side of
-    an FP8 rounding boundary there; the fp8_tensor_static gelu_tanh regression's heavy event). FP8 a2 only."""
+    an FP8 rounding boundary there; the fp8_tensor_static gelu_tanh regression's heavy event). FP8 a2 only.
+    ``by_router_weight = False`` (``A2FlipCodeExperts``): at the largest |code| alone."""
+
+    by_router_weight = True
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
@@ -143,6 +146,8 @@ class A2FlipExperts(_EmulatedExperts):
         local = rx.local_expert_ids(topk_ids, w1.size(0), expert_map)
         # the router weight of each row of a2, in experts_unreduced's order (expert by expert, routes by nonzero)
         row_w = torch.cat([topk_weights[local == e] for e in range(w1.size(0))]).float()
+        if not self.by_router_weight:
+            row_w = torch.ones_like(row_w)
 
         def flipped(A, scale, qc, name="a1"):
             q, s = quantize(A, scale, qc, name)
@@ -172,6 +177,12 @@ def _extra_rounding_gemm(a, w):
 
 
 ExtraRoundingExperts = _experts_class("ExtraRoundingExperts", _extra_rounding_gemm)
+
+
+class A2FlipCodeExperts(A2FlipExperts):
+    """``A2FlipExperts`` at the call's largest |code| whatever its route's weight."""
+
+    by_router_weight = False
 
 
 class DroppedWeightExperts(ReferenceExperts):
