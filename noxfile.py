@@ -293,3 +293,29 @@ def fuzz(session: nox.Session) -> None:
     backend, _ = split_backend_arg(args)
     _skip_unless_available(session, backend or "torch")  # installs; skips (never passes) where it cannot run
     session.run("python", "-m", "conformance.fuzz", *args)
+
+
+# Client adapters (examples/clients/): third-party experts modules run through the suite under the numerics profile
+# each declares (reference/profiles.py). Not part of CI; docs/clients.md records the verdicts.
+CLIENTS = {
+    "examples.clients.transformers_moe:MixtralBackend": "mixtral_8x7b",
+    "examples.clients.transformers_moe:Qwen3MoeBackend": "qwen3_30b_a3b",
+    "examples.clients.transformers_moe:GptOssBackend": "gpt_oss_120b",
+}
+
+
+@nox.session(default=False)
+def clients(session: nox.Session) -> None:
+    """transformers' Mixtral, Qwen3-MoE and gpt-oss experts (eager) through ``conformance/test_experts.py`` on their
+    models' cases, on the CPU (about 15 min on 2 cores): ``nox -s clients``; extra pytest arguments after ``--``.
+    Each run's results go to results/conformance-hf_*.json; a failing adapter fails the session."""
+    _install(session, "test,clients")
+    failed = []
+    for spec, model in CLIENTS.items():
+        try:
+            session.run("python", "-m", "pytest", "conformance/test_experts.py", "--backend", spec, "-k", model,
+                        "-n", "2", "-rs", *session.posargs)
+        except Exception:  # nox raises on a non-zero exit: run the others, then fail
+            failed.append(spec)
+    if failed:
+        session.error(f"client adapters failing: {', '.join(failed)}")

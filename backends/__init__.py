@@ -106,6 +106,10 @@ class Backend:
             through the same cases as the reference pairs of ``reference.distributed``; each is constructed as
             ``cls(group=None, moe_config=..., max_num_tokens=..., expert_placement_strategy=...,
             quantize_after_dispatch=...)`` inside an initialized ``torch.distributed`` process group.
+        profile: the numerics profile its experts implement (``reference.profiles``: ``"vllm"``,
+            ``"torch_native_activation"``, ``"transformers_eager"``, ``"fp8_inplace_accumulation"``); conformance
+            judges its experts against that profile's reference. An experts class may override it with a
+            ``numerics_profile`` class attribute.
     """
 
     name: str
@@ -119,6 +123,7 @@ class Backend:
     gate_platforms: Callable[[], Sequence] | None = None
     description: str = ""
     prepare_finalize: Sequence[type] = ()
+    profile: str = "vllm"
 
     def unavailable_reason(self) -> str | None:
         """None if the backend can run on this machine, else why not (never raises). The string is an

@@ -158,7 +158,11 @@ def _claimed(cls, case: ExpertsCase) -> bool:
     w, a = get_scheme(case.scheme).quant_keys()
     ok, _ = cls.is_supported_config(cls, cfg, w, a, cls.activation_format())
     rec = cls.support
-    return ok and case.tokens >= rec.min_tokens and (rec.max_tokens is None or case.tokens <= rec.max_tokens)
+    if not ok or not (case.tokens >= rec.min_tokens and (rec.max_tokens is None or case.tokens <= rec.max_tokens)):
+        return False
+    from conformance.experts_case import case_variant_reason
+
+    return case_variant_reason(cls, case) is None  # an unclaimed variant (activation parameter, UE8M0 scales)
 
 
 def prefill_tokens(model: ModelSpec, per_expert: int) -> int:

@@ -49,9 +49,23 @@ def pytest_addoption(parser):
     group.addoption("--progress-interval", type=float, default=float(os.environ.get("MOE_PROGRESS_INTERVAL", "30")),
                     help="seconds between progress lines (cases done, outcomes, elapsed); 0 turns them off "
                          "(default: $MOE_PROGRESS_INTERVAL or 30)")
+    group.addoption("--model", default=None, metavar="NAME[,NAME...]",
+                    help="only cases of these models (specs/models.toml names, e.g. mixtral_8x7b); matched on the "
+                         "case's model field, never on test ids (so an experts class named HFMixtralExperts is not "
+                         "selected by it); cases without a model are deselected")
+    group.addoption("--scheme", default=None, metavar="NAME[,NAME...]",
+                    help="only cases of these quantization schemes (specs/schemes.toml names, e.g. bf16, "
+                         "fp8_block128); matched on the case's scheme field; cases without one are deselected")
+    group.addoption("--M", dest="moe_tokens", default=None, metavar="N[,N...]",
+                    help="only cases of these token counts (the case's tokens field); cases without one are "
+                         "deselected")
     group.addoption("--vllm-semantics", default=None, choices=("0.17", "0.33"),
                     help="vLLM release whose semantics the reference specifies (reference.semantics; default: "
                          "$MOE_VLLM_SEMANTICS or the newest, 0.33)")
+    group.addoption("--numerics-profile", default=None, metavar="NAME",
+                    help="judge the experts under this numerics profile (reference.profiles: vllm, "
+                         "torch_native_activation, transformers_eager, fp8_inplace_accumulation) instead of the one "
+                         "the backend declares (Backend.profile; default: $MOE_NUMERICS_PROFILE or the declared)")
 
 
 def _backend_spec(config) -> str:
@@ -103,7 +117,19 @@ def pytest_report_header(config):
         "  vLLM semantics: "  # the version the routing reference checks (conformance/test_routing.py applies it)
         f"{__import__('reference.semantics').semantics.resolve_semantics(config.getoption('--vllm-semantics'))}"
         " (--vllm-semantics / $MOE_VLLM_SEMANTICS; python -m reference.semantics lists the points)",
+        f"  numerics profile: {_profile_line(config, b)}",
     ]
+
+
+def _profile_line(config, b: Backend) -> str:
+    try:
+        from conformance.profile_match import declared_profile, judged_profile
+
+        judged, declared = judged_profile(config, b), declared_profile(b)
+    except ValueError as exc:
+        return f"INVALID: {exc}"
+    how = "declared by the backend" if judged == declared else f"selected (the backend declares {declared.name})"
+    return f"{judged.name} ({how}; --numerics-profile / $MOE_NUMERICS_PROFILE; reference/profiles.py)"
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +168,43 @@ def record(request):
     return _record
 
 
+def _case_fields(item) -> dict[str, str]:
+    """The selectable fields of an item's case (``--model`` / ``--scheme`` / ``--M``), read from its parameters: a
+    case object's ``model`` (a ``ModelSpec`` or its name), ``scheme`` and ``tokens``, or a plain ``scheme`` argument."""
+    fields: dict[str, str] = {}
+    for name, v in getattr(getattr(item, "callspec", None), "params", {}).items():
+        if name == "scheme" and isinstance(v, str):
+            fields.setdefault("scheme", v)
+            continue
+        model = getattr(v, "model", None)
+        if model is not None:
+            fields.setdefault("model", model if isinstance(model, str) else getattr(model, "name", str(model)))
+        for f, key in (("scheme", "scheme"), ("tokens", "M")):
+            val = getattr(v, f, None)
+            if isinstance(val, (str, int)) and not isinstance(val, bool):
+                fields.setdefault(key, str(val))
+    return fields
+
+
+def _case_filter(config, items) -> list:
+    """Apply ``--model`` / ``--scheme`` / ``--M``: keep the items whose case carries every given field with one of
+    the given values; report the rest as deselected."""
+    wanted = {key: {v.strip() for v in raw.split(",") if v.strip()}
+              for key, raw in (("model", config.getoption("--model")), ("scheme", config.getoption("--scheme")),
+                               ("M", config.getoption("moe_tokens"))) if raw}
+    if not wanted:
+        return items
+    keep, drop = [], []
+    for item in items:
+        fields = _case_fields(item)
+        (keep if all(fields.get(k) in vals for k, vals in wanted.items()) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    return keep
+
+
 def pytest_collection_modifyitems(config, items):
+    items[:] = _case_filter(config, items)
     b: Backend = config._moe_backend
     xfails = load_xfails(b.name)
     used = set()
@@ -166,6 +228,9 @@ def _selection(config) -> list[str]:
         sel.append(f"--deselect {shlex.quote(d)}")
     if config.getoption("--replay"):
         sel.append(f"--replay {config.getoption('--replay')}")
+    for opt_name, dest in (("--model", "--model"), ("--scheme", "--scheme"), ("--M", "moe_tokens")):
+        if config.getoption(dest):
+            sel.append(f"{opt_name} {shlex.quote(config.getoption(dest))}")
     if getattr(opt, "lf", False) or getattr(opt, "last_failed", False):
         sel.append("--last-failed")
     invocation = Path(config.invocation_params.dir)

@@ -15,7 +15,8 @@ from conformance.inputs import ExpertsInputs, make_experts_inputs
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
 from reference.error_model import ErrorBound, experts_error_bound
 
-__all__ = ["case_error_bound", "dump_case", "load_inputs", "moe_config_for", "routes_error_bound", "weights_key"]
+__all__ = ["case_error_bound", "case_variant_reason", "claims_config", "dump_case", "load_inputs", "moe_config_for",
+           "routes_error_bound", "variant_reason", "weights_key"]
 
 
 def weights_key(case: ExpertsCase) -> tuple:
@@ -30,31 +31,35 @@ def _router_weight_rounding(experts_cls) -> str:
 
 
 def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None, *, topk_ids: torch.Tensor | None = None,
-                     expert_map: torch.Tensor | None = None) -> ErrorBound:
+                     expert_map: torch.Tensor | None = None, profile=None) -> ErrorBound:
     """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml):
     the one rule every comparison of an experts or layer output in the suite is judged by.
 
     Without ``topk_ids`` the GEMM rows are the case's expected local routes (``M * topk * E_local / E``); with them
     (and ``expert_map``), the routes actually held here (``routes_error_bound``): padded (-1) or remote routes
-    add no rows."""
+    add no rows. ``profile``: the ``reference.profiles.NumericsProfile`` judged under (its accumulation, where it
+    names one; None: the default)."""
     m = case.model
+    accumulation = None if profile is None else profile.error_model_accumulation(quant_config)
     if topk_ids is not None:
         return routes_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
                                   activation=case.activation, topk_ids=topk_ids, expert_map=expert_map,
-                                  experts_cls=experts_cls)
+                                  experts_cls=experts_cls, accumulation=accumulation)
     rows = case.tokens * m.top_k * (m.num_experts // case.ep_size) / m.num_experts  # expected local routes
     return experts_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
                                activation=case.activation, routed_rows=rows,
-                               routes_per_row=max(rows / max(case.tokens, 1), 1.0),
+                               routes_per_row=max(rows / max(case.tokens, 1), 1.0), accumulation=accumulation,
                                router_weight_rounding=_router_weight_rounding(experts_cls))
 
 
 def routes_error_bound(quant_config, *, act_dtype: torch.dtype, K: int, I: int, activation, topk_ids: torch.Tensor,
-                       expert_map: torch.Tensor | None = None, experts_cls=None, accumulation=None) -> ErrorBound:
+                       expert_map: torch.Tensor | None = None, experts_cls=None, accumulation=None,
+                       stage: str = "output") -> ErrorBound:
     """The error model's bound on one experts output over the routes it holds: ids ``>= 0`` of ``topk_ids (M, topk)``
     that ``expert_map`` (``(E,)``, -1 = not here; None: every expert) maps to a local expert. ``experts_cls``: its
     ``SupportRecord.router_weight_rounding`` is allowed; ``accumulation``: a ``reference.error_model.Accumulation``
-    other than the allowed default."""
+    other than the allowed default; ``stage``: the intermediate compared (``reference.error_model.STAGES``;
+    default the output)."""
     ids = topk_ids.long()
     local = ids >= 0
     if expert_map is not None:
@@ -62,7 +67,36 @@ def routes_error_bound(quant_config, *, act_dtype: torch.dtype, K: int, I: int, 
     rows, M = int(local.sum()), max(int(ids.shape[0]), 1)
     return experts_error_bound(quant_config, act_dtype=act_dtype, K=K, I=I, activation=activation,
                                routed_rows=rows, routes_per_row=max(rows / M, 1.0), accumulation=accumulation,
-                               router_weight_rounding=_router_weight_rounding(experts_cls))
+                               router_weight_rounding=_router_weight_rounding(experts_cls), stage=stage)
+
+
+def variant_reason(cls, activation, quant_config=None, *, params=(), ue8m0: bool = False) -> str | None:
+    """Why ``cls`` does not claim a variant of the call (``SupportRecord.variant_reason``: an activation parameter,
+    UE8M0 block scales), or None: every variant claimed, or a class without a ``SupportRecord`` (claims everything).
+    Conformance skips an unclaimed variant with this reason and never calls the kernel on it."""
+    rec = getattr(cls, "support", None)
+    return None if rec is None else rec.variant_reason(activation, quant_config, params, ue8m0)
+
+
+def case_variant_reason(cls, case: ExpertsCase) -> str | None:
+    """``variant_reason`` from the case alone (no inputs built): the model's ``gemm1_alpha`` / ``gemm1_clamp_limit``
+    and the scheme's UE8M0 scales."""
+    from reference.schemes import get_scheme
+
+    m = case.model
+    params = [p for p, v in (("alpha", m.gemm1_alpha), ("limit", m.gemm1_clamp_limit)) if v is not None]
+    return variant_reason(cls, case.activation, params=params, ue8m0=get_scheme(case.scheme).use_ue8m0)
+
+
+def claims_config(cls, moe_config: FusedMoEConfig, quant_config) -> tuple[bool, str | None]:
+    """``cls.is_supported_config`` on the quant config's keys, then every variant of it (``variant_reason``):
+    ``(True, None)`` or ``(False, reason)``."""
+    ok, reason = cls.is_supported_config(cls, moe_config, quant_config.weight_key, quant_config.activation_key,
+                                         cls.activation_format())
+    if not ok:
+        return ok, reason
+    reason = variant_reason(cls, moe_config.activation, quant_config)
+    return reason is None, reason
 
 
 def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:

@@ -170,6 +170,10 @@ class Outcome:
 def check_case(cls, fc: FuzzCase, device: str) -> Outcome:
     """Run ``fc`` on ``cls`` against the reference (see the module docstring)."""
     claimed, reason = claim_of(cls, fc)
+    rec = getattr(cls, "support", None)
+    variant = rec.variant_reason(fc.act, ue8m0=get_scheme(fc.scheme).use_ue8m0) if claimed and rec else None
+    if variant is not None:  # the keys are claimed, a variant of them (UE8M0 scales) is not: not run
+        return Outcome("refused", f"unclaimed variant, not run: {variant}")
     if not claimed and fc.M == 0:
         return Outcome("refused", f"{reason} (M == 0: nothing runs, so the refusal cannot be observed)")
     x, w1, w2, w, ids, emap, qc, cfg = make_inputs(fc, device)
@@ -218,7 +222,8 @@ def _strategy(cls):
     names = list(schemes())
     # Only the members of the semantics version in force (SITU and GELU_TANH_NO_MUL are 0.33's).
     acts = [a.value for a in MoEActivation if a is not MoEActivation.RELU2 and activation_defined(a)]
-    inside_schemes = [n for n in names if rec is None or rec.claims_quant(*get_scheme(n).quant_keys())]
+    inside_schemes = [n for n in names if rec is None or (rec.claims_quant(*get_scheme(n).quant_keys())
+                                                          and (rec.ue8m0_scales or not get_scheme(n).use_ue8m0))]
     inside_acts = [a for a in acts if rec is None or rec.claims_activation(MoEActivation.from_str(a))]
     can_claim = bool(inside_schemes and inside_acts) and (rec is None or rec.device_reason() is None)
 

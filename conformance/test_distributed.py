@@ -42,7 +42,7 @@ import torch
 from conformance.distributed_case import (ACTIVATION, DTYPE, I, K, ClusterPool, DistCase, RankFailure,
                                           dist_cases, expected_output, make_global_inputs, moe_config_for,
                                           run_rank_case, unpack_tensor)
-from conformance.experts_case import routes_error_bound
+from conformance.experts_case import claims_config, routes_error_bound
 from conformance.metrics import ConformanceFailure, assert_close, error_stats
 from reference.distributed import REFERENCE_PREPARE_FINALIZE
 from reference.modular import FusedMoEActivationFormat
@@ -129,12 +129,10 @@ def test_distributed(backend, pf_cls, experts_cls, case: DistCase, repro, record
         pytest.skip(f"world size {N} needs {N} GPUs (one per rank, NCCL); this machine has "
                     f"{torch.cuda.device_count()}")
     # Claims: the experts class on every rank's configuration, the prepare/finalize on the quantization placement.
-    fmt = experts_cls.activation_format()
     inp_qc = quantize_weights(case.scheme, torch.zeros(1, 2 * I, K, dtype=DTYPE), torch.zeros(1, K, I, dtype=DTYPE))[2]
     for r in range(N):
         num_local, _, _ = determine_expert_map(N, r, case.E, case.placement)
-        claimed, reason = experts_cls.is_supported_config(experts_cls, moe_config_for(case, r, num_local),
-                                                          inp_qc.weight_key, inp_qc.activation_key, fmt)
+        claimed, reason = claims_config(experts_cls, moe_config_for(case, r, num_local), inp_qc)
         if not claimed:
             record(support="unsupported", reason=reason)
             pytest.skip(f"unsupported: {experts_cls.__name__} on rank {r}: {reason}")

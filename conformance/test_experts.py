@@ -15,7 +15,7 @@ import pytest
 
 from conformance.cases import (ExpertsCase, chunking_defined, claim_cases, claim_coverage, experts_cases,
                                kernel_chunk_kwargs, situ_params)
-from conformance.experts_case import case_error_bound, dump_case, load_inputs, moe_config_for, weights_key
+from conformance.experts_case import case_error_bound, dump_case, load_inputs, moe_config_for, variant_reason, weights_key
 from conformance.metrics import ConformanceFailure, assert_close
 from reference.experts import fused_experts
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
@@ -68,11 +68,17 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
            chunk_size=case.chunk_size)
     kwargs = dict(activation=case.activation, global_num_experts=inputs.global_num_experts,
                   expert_map=inputs.expert_map, apply_router_weight_on_input=case.model.apply_router_weight_on_input)
-    bound = case_error_bound(case, qc, experts_cls)
+    from conformance.profile_match import judged_profile, profile_verdict
+
+    profile = judged_profile(request.config, backend, experts_cls)
+    bound = case_error_bound(case, qc, experts_cls, profile=profile)
     tol = bound.as_tolerance()
-    record(bounds=tol, expected_rms=bound.expected_rms)
+    record(bounds=tol, expected_rms=bound.expected_rms, profile=profile.name)
     what = f"{experts_cls.__name__} output"
     batched = fmt == FusedMoEActivationFormat.BatchedExperts
+    if batched and not profile.is_default:
+        pytest.skip(f"numerics profile {profile.name}: the batched format's reference (per-slot activation scales) "
+                    "is specified for the vllm profile only")
     cap = max(case.tokens, 1)  # batched capacity: each token routes to an expert at most once
 
     def kernel_for(cls):
@@ -86,14 +92,20 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         return kernel_for(experts_cls).apply(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
                                              inputs.topk_ids, **kwargs)
 
-    def reference():
+    def reference(prof=profile):
         # The batched format defines per-tensor activation scales per expert slot, so it has its own reference.
         if batched:
+            if not prof.is_default:
+                raise NotImplementedError(f"numerics profile {prof.name}: the batched reference is vLLM's only")
             return kernel_for(BatchedReferenceExperts).apply(inputs.hidden_states, inputs.w1, inputs.w2,
                                                              inputs.topk_weights, inputs.topk_ids, **kwargs)
         return fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
-                             quant_config=qc, **kwargs, **situ_params(case.activation))
+                             quant_config=qc, **kwargs, **situ_params(case.activation), profile=prof)
 
+    variant = variant_reason(experts_cls, case.activation, qc) if claimed else None
+    if variant is not None:  # the keys are claimed, a variant of them is not: skipped, the kernel never called
+        record(support="variant unclaimed", reason=variant)
+        pytest.skip(f"unclaimed variant: {variant}")
     if not claimed and case.tokens == 0:
         pytest.skip(f"unsupported ({reason}); with M == 0 nothing runs, so the refusal cannot be observed")
     if not claimed:
@@ -126,10 +138,14 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         from conformance.diagnose import diagnose
 
         try:
-            diagnosis = diagnose(backend, experts_cls, kernel_for, inputs, case, tol)
+            diagnosis = diagnose(backend, experts_cls, kernel_for, inputs, case, tol, profile=profile,
+                                 apply_router_weight_on_input=case.model.apply_router_weight_on_input)
         except Exception as dexc:  # diagnosis is best effort; never hide the failure itself
             diagnosis = f"diagnosis failed: {type(dexc).__name__}: {dexc}"
+        verdict = profile_verdict(out.cpu(), lambda p: reference(p).cpu(),
+                                  lambda p: case_error_bound(case, qc, experts_cls, profile=p).as_tolerance(), profile,
+                                  case=case.id)
         dumped = dump_case(request, case, inputs, out, expected, diagnosis)
-        raise ConformanceFailure(f"{exc}\n  diagnosis: {diagnosis}\n  error model (reference/error_model.py): "
-                                 + "; ".join(bound.derivation) + dumped) from None
+        raise ConformanceFailure(f"{exc}\n  {verdict}\n  diagnosis: {diagnosis}\n  error model "
+                                 "(reference/error_model.py): " + "; ".join(bound.derivation) + dumped) from None
     record(**stats.as_dict())

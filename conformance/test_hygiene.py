@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conformance.cases import ExpertsCase
-from conformance.experts_case import moe_config_for
+from conformance.experts_case import claims_config, moe_config_for
 from conformance.hygiene import (OFFSETS_PAST_INT32, OffsetsCase, check_offsets_case, inputs_error_bound,
                                  run_with_reference)
 from conformance.inputs import make_experts_inputs
@@ -46,8 +46,7 @@ def _kernel(cls, moe_config, qc, M):
 
 
 def _claimed(cls, case, qc):
-    ok, reason = cls.is_supported_config(cls, moe_config_for(case), qc.weight_key, qc.activation_key,
-                                         cls.activation_format())
+    ok, reason = claims_config(cls, moe_config_for(case), qc)
     if not ok:
         pytest.skip(f"{cls.__name__}: {reason}")
 

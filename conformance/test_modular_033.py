@@ -21,7 +21,7 @@ import torch
 from conformance.cases import ExpertsCase, seed_of
 from conformance.inputs import make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, assert_ulps
-from conformance.experts_case import case_error_bound, moe_config_for
+from conformance.experts_case import case_error_bound, claims_config, moe_config_for
 from reference.experts import fused_experts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 from reference.moe_output import UnfinalizedMoEOutput, moe_fused_mul_sum
@@ -59,8 +59,7 @@ def _setup(backend, experts_cls, case):
     inputs = make_experts_inputs(case, backend.device)
     qc = inputs.quant_config
     cfg = moe_config_for(case)
-    ok, reason = experts_cls.is_supported_config(experts_cls, cfg, qc.weight_key, qc.activation_key,
-                                                 experts_cls.activation_format())
+    ok, reason = claims_config(experts_cls, cfg, qc)
     if not ok:
         pytest.skip(f"{experts_cls.__name__} does not claim {case.id}: {reason}")
     kw = dict(activation=case.activation, global_num_experts=inputs.global_num_experts, expert_map=inputs.expert_map)

@@ -30,9 +30,9 @@ import torch
 from conformance.cases import ExpertsCase, seed_of
 from conformance.inputs import ExpertsInputs, make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close
-from conformance.experts_case import moe_config_for
+from conformance.experts_case import claims_config, moe_config_for
 from conformance.hygiene import inputs_error_bound, run_with_reference
-from specs import load_models
+from specs import ModelSpec, load_models
 
 __all__ = ["PaddingCase", "PADDING_CASES", "pad_routes", "padding_inputs"]
 
@@ -49,8 +49,12 @@ class PaddingCase:
     rank: str
     chunk_size: int | None = None
 
+    @property
+    def model(self) -> ModelSpec:
+        return load_models()[MODEL]
+
     def experts_case(self) -> ExpertsCase:
-        m = load_models()[MODEL]
+        m = self.model
         return ExpertsCase(m, self.scheme, self.tokens, m.cpu_ep_size, 0 if self.rank == "first" else
                            m.cpu_ep_size - 1, self.chunk_size)
 
@@ -112,8 +116,7 @@ def test_padding_ids_under_expert_map(backend, experts_cls, padding_case: Paddin
         pytest.skip(f"backend {backend.name} offers no experts implementation")
     case, inputs, all_pad = padding_inputs(padding_case, backend.device)
     qc = inputs.quant_config
-    ok, reason = experts_cls.is_supported_config(experts_cls, moe_config_for(case), qc.weight_key,
-                                                 qc.activation_key, experts_cls.activation_format())
+    ok, reason = claims_config(experts_cls, moe_config_for(case), qc)
     if not ok:
         pytest.skip(f"{experts_cls.__name__} does not claim {case.scheme} here: {reason}")
     record(component="hygiene", scheme=f"padding-ids-{case.scheme}", model=case.model.name, tokens=case.tokens,

@@ -182,13 +182,8 @@ def _op(backend, name, *params):
     return op
 
 
-def _ref_fused_topk_bias(*args, input_tokens=None, **kw):
-    """The reference's fused_topk_bias with vLLM's ``input_tokens`` (named ``input_ids`` before issue 41's rename)."""
-    import inspect
-
-    name = "input_tokens" if "input_tokens" in inspect.signature(reference_routing.fused_topk_bias).parameters \
-        else "input_ids"
-    return reference_routing.fused_topk_bias(*args, **{name: input_tokens}, **kw)
+def _ref_fused_topk_bias(*args, **kw):
+    return reference_routing.fused_topk_bias(*args, **kw)
 
 
 def _dev(backend, *ts):
@@ -249,7 +244,7 @@ def test_routing_deepseek_v4_fused_topk_bias(backend, variant, M, tolerances, re
     ref_w, ref_ids = _ref_fused_topk_bias(*args, **common, **kw)
     dev_kw = dict(zip(kw, _dev(backend, *kw.values())))
     out_w, out_ids = op(*_dev(backend, *args), **common, **dev_kw)
-    _same_rows(out_w, out_ids, ref_w, ref_ids, tolerances["routing"], f"routing_033[deepseek_v4-{variant}-M{M}]")
+    _same_rows(out_w, out_ids, ref_w, ref_ids, tolerances["routing"], f"routing[deepseek_v4-{variant}-M{M}]")
 
 
 def seed_of_033(name: str) -> int:
@@ -268,7 +263,7 @@ def test_routing_gemma4_per_expert_scale(backend, M, tolerances, record):
     record(model="gemma4_26b_a4b", component="routing", scheme="gemma4_routing", tokens=M)
     ref = reference_routing.gemma4_routing(logits, GEMMA4["k"], scale)
     out = op(*_dev(backend, logits), GEMMA4["k"], *_dev(backend, scale))
-    _same_rows(*out, *ref, tolerances["routing"], f"routing_033[gemma4-M{M}]")
+    _same_rows(*out, *ref, tolerances["routing"], f"routing[gemma4-M{M}]")
 
 
 @pytest.mark.parametrize("M", ROUTING_033_TOKENS)
@@ -288,7 +283,7 @@ def test_routing_minimax2_epsilon(backend, M, tolerances, record):
     ref = reference_routing.minimax2_routing(logits, bias, m.top_k, m.routed_scaling_factor)
     out = op(*_dev(backend, logits, bias), m.top_k, m.routed_scaling_factor)
     tol = dict(tolerances["routing"])
-    _same_rows(*out, *ref, tol, f"routing_033[minimax2-M{M}]")
+    _same_rows(*out, *ref, tol, f"routing[minimax2-M{M}]")
 
 
 @pytest.mark.parametrize("M", ROUTING_033_TOKENS)
@@ -312,10 +307,10 @@ def test_routing_padding_shared_slots_and_eplb(backend, M, tolerances, record):
     tol = tolerances["routing"]
     padded = reference_routing.apply_padding_rows(w, ids, is_padding)
     out = pad_op(*_dev(backend, w, ids, is_padding))
-    _same_rows(*out, *padded, tol, f"routing_033[{m.name}-padding-M{M}]")
+    _same_rows(*out, *padded, tol, f"routing[{m.name}-padding-M{M}]")
     ref = reference_routing.append_fused_shared_experts(*padded, m.num_experts, 1, 1.0)
     out = shared_op(*_dev(backend, *padded), m.num_experts, 1, 1.0)
-    _same_rows(*out, *ref, tol, f"routing_033[{m.name}-shared-M{M}]")
+    _same_rows(*out, *ref, tol, f"routing[{m.name}-shared-M{M}]")
     E, R = m.num_experts, 32
     l2p = torch.full((E, 2), -1, dtype=torch.int64)
     l2p[:, 0] = torch.arange(E)
@@ -328,5 +323,44 @@ def test_routing_padding_shared_slots_and_eplb(backend, M, tolerances, record):
                                                           num_unpadded_tokens=M - 1)
     load_out = torch.zeros(E + R, dtype=torch.int64, device=backend.device)
     out_phys = eplb_op(*_dev(backend, padded_ids, l2p, count), expert_load_view=load_out, num_unpadded_tokens=M - 1)
-    assert torch.equal(out_phys.cpu().long(), ref_phys.long()), f"routing_033[{m.name}-eplb-M{M}]: physical ids differ"
-    assert torch.equal(load_out.cpu(), load_ref), f"routing_033[{m.name}-eplb-M{M}]: expert_load_view differs"
+    assert torch.equal(out_phys.cpu().long(), ref_phys.long()), f"routing[{m.name}-eplb-M{M}]: physical ids differ"
+    assert torch.equal(load_out.cpu(), load_ref), f"routing[{m.name}-eplb-M{M}]: expert_load_view differs"
+
+
+@pytest.mark.parametrize("model_name", ["kimi_k2", "nemotron_3_nano"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_grouped_topk_single_group_nonfinite(backend, model_name, renormalize, tolerances, repro, record,
+                                                     _vllm_semantics):
+    """The single-group fused grouped top-k's non-finite rule (point ``routing.grouped_topk_nonfinite``; vLLM 0.33.0
+    ``csrc/moe/grouped_topk_kernels.cu`` ``single_group_topk``, ``tests/kernels/moe/test_grouped_topk.py::
+    test_grouped_topk_single_group_nonfinite_scores``) on the models that run it (one group, a correction bias):
+    NaN / +-inf logits and a NaN bias entry make those experts invalid (weight 0, ranked after the valid ones); a
+    token with no valid expert gets ids 0..k-1 and weights 1/k (renormalize) or 0. Under 0.17 the op raises."""
+    from conformance.cases import load_models
+
+    m = load_models()[model_name]
+    op = _op(backend, "grouped_topk")
+    g = _gen(seed_of_033(f"sg-nonfinite-{model_name}-{renormalize}"))
+    E, k = m.num_experts, m.top_k
+    logits = torch.randn(8, E, generator=g)
+    bias = torch.randn(E, generator=g) * 0.05
+    logits[1, 5] = float("nan")
+    logits[2, :3] = float("inf")
+    logits[3, 7] = -float("inf")
+    logits[4] = float("nan")  # a CUDA-graph padding row: no valid expert
+    logits[5, : E - k + 2] = float("nan")  # fewer valid experts than k
+    bias[11] = float("nan")  # invalid in every row
+    args = (None, logits, k, renormalize, 1, 1)
+    kw = dict(scoring_func=m.scoring_func, routed_scaling_factor=m.routed_scaling_factor, e_score_correction_bias=bias)
+    record(model=m.name, component="routing", scheme="grouped_topk-single-group-nonfinite",
+           vllm_semantics=_vllm_semantics.value)
+    dev_args = _dev(backend, *args)
+    dev_kw = dict(zip(kw, _dev(backend, *kw.values())))
+    if _vllm_semantics < SemanticsVersion.V0_33:
+        with pytest.raises(ValueError):
+            op(*dev_args, **dev_kw)
+        return
+    ref_w, ref_ids = reference_routing.grouped_topk(*args, **kw)
+    out_w, out_ids = op(*dev_args, **dev_kw)
+    _same_rows(out_w, out_ids, ref_w, ref_ids, tolerances["routing"],
+               f"routing[{m.name}-single-group-nonfinite-renorm{renormalize}]\n  reproduce: {repro}")

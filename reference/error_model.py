@@ -150,7 +150,8 @@ import torch
 
 from reference.config import FusedMoEQuantConfig, FusedMoEQuantDesc
 
-__all__ = ["Accumulation", "ErrorBound", "experts_error_bound", "format_mantissa_bits", "acc_rel", "mma16_rel",
+__all__ = ["STAGES", "Accumulation", "ErrorBound", "experts_error_bound", "format_mantissa_bits", "acc_rel",
+           "mma16_rel",
            "emulate_mma16"]
 
 # Mantissa bits of each floating format (s = 2^-p relative spacing at mantissa 1.0).
@@ -159,6 +160,8 @@ __all__ = ["Accumulation", "ErrorBound", "experts_error_bound", "format_mantissa
 # scale shift), NVFP4 (E2M1 under an E4M3 block scale; with the per-tensor encode scale or one per token, the
 # block scale moves with the block's amax either way). Weight-only schemes (WNA16, FP8 W8A16) quantize no
 # activation: their weights are the same bits on both sides, so only accumulation and the act-dtype roundings count.
+STAGES = ("gemm1", "activation", "gemm2", "output")  # what ``experts_error_bound(stage=...)`` can bound
+
 _MANTISSA = {
     torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52,
     torch.float8_e4m3fn: 3, torch.float8_e5m2: 2,
@@ -722,8 +725,8 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
                         gated: bool = True, activation=None, accumulation: Accumulation | None = None,
                         gemm1_exact: bool = False, routed_rows: float | None = None,
                         router_weight_rounding: str = "reference", routes_per_row: float = 1.0,
-                        constants: dict | None = None) -> ErrorBound:
-    """Bounds on the experts output's metrics against the reference for one case.
+                        constants: dict | None = None, stage: str = "output") -> ErrorBound:
+    """Bounds on the experts output's metrics against the reference for one case (or on one of its intermediates).
 
     Args:
         quant_config: the case's ``FusedMoEQuantConfig`` (formats of a1, a2, weights; UE8M0 scales).
@@ -744,13 +747,24 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
             ``SupportRecord.router_weight_rounding``): ``"reference"`` (round y, weight in fp32) or a vLLM form,
             ``"before_store"`` / ``"output_dtype"`` (step 6).
         constants: ``[error_model]`` of ``specs/tolerances.toml`` (read from specs when None).
+        stage: what is compared (``STAGES``): ``"output"`` (the experts output ``(M, K)``, the default), or an
+            intermediate of ``reference.experts.experts_unreduced(stages=...)`` by route: ``"gemm1"`` (GEMM1's
+            output rounded to the act dtype, ``(M, topk, N)``), ``"activation"`` (the activation's output rounded,
+            ``(M, topk, N')``, before any requantization) or ``"gemm2"`` (GEMM2's output rounded, before the router
+            weight and the top-k sum, ``(M, topk, K)``). The model is followed up to that stage only and bounded
+            there by the same rule as the output (step 7's scatter of the events made so far; ``max_norm``: ``k_max``
+            times that plus the largest difference a single event leaves at the stage's largest element: one act-dtype
+            step at GEMM1; a gate flip carried times the condition number, an up flip and the activation's own
+            step at the activation; one a2 code flip carried by a weight of ``w2`` and GEMM2's own step at GEMM2).
 
     Returns:
         ``ErrorBound`` (see the module docstring for the arithmetic).
 
     Raises:
-        ValueError: an activation dtype or a format the model has no grid for.
+        ValueError: an activation dtype or a format the model has no grid for, or an unknown ``stage``.
     """
+    if stage not in STAGES:
+        raise ValueError(f"error model: stage must be one of {STAGES}, got {stage!r}")
     if constants is None:
         from specs import load_tolerances
 
@@ -785,14 +799,21 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     else:
         st.gemm(K, *acc(K, quant_config.a1), stage="GEMM1")
     st.round(act_grid, gaussian, "h rounded", N)
+    step_act = 2.0**-p_act
+    if stage == "gemm1":  # one h flip at the largest element
+        return _stage_bound(st, c, step_act, accumulation)
     cond = _ACT_CONDITION.get(getattr(activation, "name", None), 1.0)
     st.scale(cond * cond + (1.0 if gated else 0.0), 2 if gated else 1, cond)
     st.round(act_grid, act_values, "activation rounded", I)
+    if stage == "activation":  # a flip of its gate (carried times cond) and of its up half, then its own rounding
+        return _stage_bound(st, c, (cond + (1.0 if gated else 0.0) + 1.0) * step_act, accumulation)
     p_a2 = _requantize(st, quant_config.a2, quant_config, I, act_values, "a2 requantized", z=c["z_events"])
     # Step 7b: the heaviest flip at GEMM2's input that the call makes with more than the normal tail's probability.
     b, t_heavy = _heavy_event(st, I, p_a2 if p_a2 is not None else p_act, activation, gated, c["z_events"])
     st.gemm(I, *acc(I, quant_config.a2), stage="GEMM2")
     st.round(act_grid, gaussian, "GEMM2 rounded", K)
+    if stage == "gemm2":  # one a2 code flip carried by one weight of w2 (as at the output), then its own rounding
+        return _stage_bound(st, c, _single_flip(quant_config, p_a2, p_act, I, st.rows, c) + step_act, accumulation)
     # Step 6: where the router weight is applied is not fixed: the reference rounds y and weights it in fp32; vLLM's
     # fused_moe_kernel weights the fp32 accumulator before its store (MUL_ROUTED_WEIGHT) and rounds w * y, its
     # TopKWeightAndReduceContiguous rounds y and then w * y in the output dtype. Each side's rounding of a term is
@@ -804,6 +825,26 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     st.round(act_grid, gaussian, "top-k sum rounded", K)
     # Step 7: a mean square made of ~lam independent flip events is realised within its Poisson upper quantile, and
     # (7b) within Bennett's bound for a sum of variance m2^2 / lam whose single events are at most b.
+    return _stage_bound(st, c, _single_flip(quant_config, p_a2, p_act, I, st.rows, c) + step_act, accumulation,
+                        heavy=(b, t_heavy))
+
+
+def _single_flip(quant_config: FusedMoEQuantConfig, p_a2: int | None, p_act: int, I: int, rows: float,
+                 c: dict) -> float:
+    """The largest element's share of one code flip in front of GEMM2 (one step of the coarsest grid there, carried
+    by one weight of ``w2``): ``step * tail / sqrt(I)``."""
+    step = 2.0 ** -(p_a2 if p_a2 is not None else p_act)
+    if quant_config.a2.dtype == torch.int8:
+        step = _tail(_int8_group(quant_config.a2, I, rows)) / 127.0
+    return step * c["tail"] / math.sqrt(I)
+
+
+def _stage_bound(st: _State, c: dict, single_event: float, accumulation: Accumulation,
+                 heavy: tuple[float, float] = (0.0, 0.0)) -> ErrorBound:
+    """Step 7 and the bounds: the mean square so far, realised within the Poisson upper quantile of its effective
+    events; ``max_norm`` adds ``single_event`` (the largest difference one event can leave at the stage's largest
+    element, relative to it); ``heavy``: step 7b's ``(b, t)`` (the experts output only)."""
+    b, t_heavy = heavy
     lam, z = st.events, c["z_events"]
     few = 1.0 if lam == math.inf else (lam + z * math.sqrt(lam) + z * z) / lam
     if st.m2 > 0 and b > 0 and lam < math.inf:
@@ -813,17 +854,12 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
                             f"{math.sqrt(b):.2e} rms alone ({b / st.m2:.2f} of the mean square)")
             few = few_b
     rms = math.sqrt(st.m2 * few)
-    expected = math.sqrt(st.m2)
-    step = 2.0 ** -(p_a2 if p_a2 is not None else p_act)
-    if quant_config.a2.dtype == torch.int8:
-        step = _tail(_int8_group(quant_config.a2, I, st.rows)) / 127.0
-    single_flip = step * c["tail"] / math.sqrt(I)
     rms_bound = c["k_rms"] * rms
     return ErrorBound(
-        max_norm=c["k_max"] * rms + single_flip + 2.0**-p_act,
+        max_norm=c["k_max"] * rms + single_event,
         rms_norm=rms_bound,
         calc_diff=rms_bound**2 / 2.0,
-        expected_rms=expected,
+        expected_rms=math.sqrt(st.m2),
         derivation=tuple(st.trace) + (f"accumulation allowed: {accumulation.name}",
                                       f"few-events factor {few:.2f} on the mean square"),
     )

@@ -31,13 +31,14 @@ import torch
 from reference.activation import MoEActivation, adjust_N_for_activation, apply_moe_activation
 from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig
 from reference.modular import (
+    ACTIVATION_PARAMS,
     ExpertTokensMetadata,
     FusedMoEActivationFormat,
     FusedMoEExpertsModular,
     SupportRecord,
     TopKWeightAndReduceContiguous,
 )
-from reference.quant.moe import dequant_activation, dequant_groups, dequant_weight, moe_kernel_quantize_input, \
+from reference.quant.moe import _per_expert, dequant_activation, dequant_groups, dequant_weight, moe_kernel_quantize_input, \
     weight_pack_factor
 
 __all__ = ["fused_experts", "experts_unreduced", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
@@ -108,7 +109,8 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
 
 def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                        acc_dtype: torch.dtype = torch.float32, gemm=None, *, situ_beta=None,
-                       situ_linear_beta=None, stages: dict | None = None) -> torch.Tensor:
+                       situ_linear_beta=None, stages: dict | None = None, profile=None,
+                       substitute: dict | None = None) -> torch.Tensor:
     """Every route's expert output, unweighted and unreduced: the reference loop up to GEMM2 (see the module
     docstring), ``(M, topk, K)`` in ``act_dtype``, zeros for routes to experts not held here (``expert_map``).
 
@@ -135,12 +137,43 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
     Raises:
         NotImplementedError / ValueError: as ``moe_kernel_quantize_input`` and the dequantizers for a format the
             reference does not define or a missing scale. Operands are not validated here (``check_moe_inputs``).
+
+    ``profile``: a ``reference.profiles.NumericsProfile`` (None: the default, ``vllm``): its ``activation``,
+    ``gemm_bias`` and ``fp8_accumulation`` rounding points apply here (the router weight and top-k sum in
+    ``fused_experts``). ``stages`` then also receives ``"input"`` (the dequantized a1, fp32 ``(M, K)``), ``"a2"``
+    (the dequantized requantized activation per route, fp32 ``(M, topk, N')``) and ``"gemm2"`` (as returned).
+    ``substitute``: taps of the same names (``input``, ``gemm1``, ``activation``, ``a2``, ``gemm2``) that replace
+    the reference's own values at that stage (held routes only), so each later stage runs on them: the diagnosis
+    compares each stage of a kernel on its own inputs (``conformance/diagnose.py``).
     """
+    sub = substitute or {}
+    from reference.profiles import DEFAULT_PROFILE, apply_activation_per_op, inplace_fp8_gemm, uses_inplace_fp8
+
+    profile = DEFAULT_PROFILE if profile is None else profile
     M, topk = topk_ids.shape
+    inplace = profile.fp8_accumulation == "inplace" and gemm is None and uses_inplace_fp8(qc)
     if gemm is None:
         def gemm(x, w):
             return x.to(acc_dtype) @ w.to(acc_dtype).T
+
+    def gemm_codes(xq, xs, wq, desc, e):
+        """The profile's in-place FP8 GEMM on the codes, scales in the epilogue (reference.profiles)."""
+        return inplace_fp8_gemm(xq.float(), xs, wq[e].float(), _per_expert(desc.scale, e),
+                                mantissa_bits=profile.fp8_mma_bits, k_step=profile.fp8_mma_k)
+
+    def add_bias(h, bias):
+        if bias is None:
+            return h.to(act_dtype)
+        if profile.gemm_bias == "after_store":  # R(R(acc) + b): the bias added to the stored GEMM output
+            return (h.to(act_dtype).float() + bias.float()).to(act_dtype)
+        return (h + bias.to(acc_dtype)).to(act_dtype)
+
+    act_fn = apply_activation_per_op if profile.activation == "per_op" else apply_moe_activation
     a = dequant_activation(a1q, a1q_scale, qc.a1)
+    if "input" in sub:
+        a, inplace = sub["input"].float(), False  # a substituted input has no codes: the fp32 product of its values
+    if stages is not None:
+        stages["input"] = a
     K = a.size(1)  # packed activations (NVFP4) hold K // 2 bytes
     local = local_expert_ids(topk_ids, w1.size(0), expert_map)
     routes = [(e, *(local == e).nonzero(as_tuple=True)) for e in range(w1.size(0))]
@@ -148,13 +181,19 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
     # Pass 1: GEMM1 (+ bias) rounded to the act dtype, then the activation (fp32 math, rounded once).
     g_rows = {}
     for e, t, k in routes:
-        h = gemm(a[t], dequant_weight(w1, qc.w1, e))
-        if qc.w1_bias is not None:
-            h = h + qc.w1_bias[e].to(acc_dtype)
-        h = h.to(act_dtype)
-        g_rows[e] = apply_moe_activation(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta,
-                                         limit=qc.gemm1_clamp_limit, situ_beta=situ_beta,
-                                         situ_linear_beta=situ_linear_beta)
+        if inplace:
+            a_s = a1q_scale if a1q_scale is None or a1q_scale.numel() == 1 else a1q_scale.reshape(M, -1)[t]
+            h = gemm_codes(a1q[t], a_s, w1, qc.w1, e)
+        else:
+            h = gemm(a[t], dequant_weight(w1, qc.w1, e))
+        h = add_bias(h, None if qc.w1_bias is None else qc.w1_bias[e])
+        if "gemm1" in sub:
+            h = sub["gemm1"][t, k].to(act_dtype)
+        g_rows[e] = act_fn(activation, h, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta,
+                           limit=qc.gemm1_clamp_limit, situ_beta=situ_beta,
+                           situ_linear_beta=situ_linear_beta)
+        if "activation" in sub:
+            g_rows[e] = sub["activation"][t, k].to(act_dtype)
         if stages is not None:
             for name, val in (("gemm1", h), ("activation", g_rows[e])):
                 buf = stages.setdefault(name, torch.zeros(M, topk, val.shape[1], dtype=val.dtype, device=val.device))
@@ -166,15 +205,29 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
     g_all = torch.cat([g_rows[e] for e, _, _ in routes])
     gq, gs = moe_kernel_quantize_input(g_all, qc.a2_scale, qc, "a2")
     g_all = dequant_activation(gq, gs, qc.a2)
+    if "a2" in sub or stages is not None:
+        a2_rows = torch.cat([torch.stack([t, k], 1) for _, t, k in routes])
+        if "a2" in sub:
+            g_all, inplace = sub["a2"][a2_rows[:, 0], a2_rows[:, 1]].float(), False
+        if stages is not None:
+            buf = torch.zeros(M, topk, g_all.shape[1], dtype=torch.float32, device=g_all.device)
+            buf[a2_rows[:, 0], a2_rows[:, 1]] = g_all
+            stages["a2"] = buf
     # Pass 3: GEMM2 (+ bias) rounded to the act dtype.
     start = 0
     for e, t, k in routes:
-        g = g_all[start : start + t.numel()]
+        rows = slice(start, start + t.numel())
         start += t.numel()
-        y = gemm(g, dequant_weight(w2, qc.w2, e))
-        if qc.w2_bias is not None:
-            y = y + qc.w2_bias[e].to(acc_dtype)
-        out[t, k] = y.to(act_dtype)
+        if inplace:
+            g_s = gs if gs is None or gs.numel() == 1 else gs.reshape(g_all.size(0), -1)[rows]
+            y = gemm_codes(gq[rows], g_s, w2, qc.w2, e)
+        else:
+            y = gemm(g_all[rows], dequant_weight(w2, qc.w2, e))
+        out[t, k] = add_bias(y, None if qc.w2_bias is None else qc.w2_bias[e])
+        if "gemm2" in sub:
+            out[t, k] = sub["gemm2"][t, k].to(act_dtype)
+    if stages is not None:
+        stages["gemm2"] = out
     return out
 
 
@@ -193,6 +246,8 @@ def fused_experts(
     accumulate_dtype: torch.dtype = torch.float32,
     activation_situ_beta: float | None = None,
     activation_situ_linear_beta: float | None = None,
+    profile=None,
+    substitute: dict | None = None,
 ) -> torch.Tensor:
     """The reference MoE experts: ``(M, K)`` output in ``hidden_states.dtype``.
 
@@ -209,6 +264,9 @@ def fused_experts(
             exact products of the dequantized operands, for measuring accumulation error
             (``reference.error_model``, ``conformance/test_accumulation.py``).
         activation_situ_beta, activation_situ_linear_beta: SITU's parameters (vLLM 0.33 ``FusedMoEConfig``).
+        profile: the numerics profile (``reference.profiles``: a ``NumericsProfile`` or its name; None: the current
+            one, ``$MOE_NUMERICS_PROFILE`` / ``use_profile``, default ``vllm``, which is the loop described above).
+        substitute: per-stage taps replacing the reference's values (``experts_unreduced``), for the diagnosis.
 
     Raises:
         ValueError: bad shapes/dtypes/devices (``check_moe_inputs``), apply_router_weight_on_input with topk > 1.
@@ -224,17 +282,23 @@ def fused_experts(
     if qc.a1.dtype is not None and not x.is_contiguous():  # as the prepare step: quantizers read contiguous rows
         x = x.contiguous()
     a1q, a1q_scale = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
+    from reference.profiles import reduce_topk, resolve_profile
+
+    prof = resolve_profile(profile)
     y = experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                            accumulate_dtype, situ_beta=activation_situ_beta,
-                           situ_linear_beta=activation_situ_linear_beta)
+                           situ_linear_beta=activation_situ_linear_beta, profile=prof, substitute=substitute)
     w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
-    return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(act_dtype)
+    if prof.router_weight == "fp32" and prof.topk_sum == "fp32":
+        return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(act_dtype)
+    return reduce_topk(y, w, local_expert_ids(topk_ids, w1.size(0), expert_map), prof, act_dtype)
 
 
 def reference_support(activation_format: FusedMoEActivationFormat, **overrides) -> SupportRecord:
     """The claims of every reference experts class: any device, every activation vLLM can apply (not the
     unprojected RELU2), every quantization scheme the loop dequantizes, every parallel config."""
     return SupportRecord(activation_format, activations=frozenset(a for a in MoEActivation if a is not MoEActivation.RELU2),
+                         activation_params=ACTIVATION_PARAMS, ue8m0_scales=True,
                          notes="the reference loop (reference.experts)", **overrides)
 
 

@@ -95,6 +95,12 @@ class Scheme:
     def quantized(self) -> bool:
         return self.name not in UNQUANTIZED
 
+    @property
+    def use_ue8m0(self) -> bool:
+        """Block scales rounded up to powers of two (``FusedMoEQuantConfig.use_ue8m0``): a variant that the quant keys
+        do not name (``SupportRecord.ue8m0_scales``)."""
+        return self.name.endswith("_ue8m0")
+
     def quant_keys(self) -> tuple[q.QuantKey | None, q.QuantKey | None]:
         """The ``(weight, activation)`` ``QuantKey`` objects (``None`` for ``"none"``)."""
         return tuple(None if n == "none" else getattr(q, n) for n in (self.weight_key, self.activation_key))

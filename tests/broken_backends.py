@@ -13,6 +13,7 @@ import torch
 from backends import Backend
 from backends.torch import backend as _torch
 from backends.torch.experts import TorchExperts
+from reference.distributed import BatchedReferenceExpertsEP, DeepEPHTPrepareAndFinalize, DeepEPLLPrepareAndFinalize
 from reference.experts import ReferenceExperts, experts_unreduced
 from reference.modular import moe_kernel_quantize_input
 
@@ -281,3 +282,85 @@ class _Gemm2WrongExpert(ReferenceExperts):
 
 
 gemm2_wrong_expert = dataclasses.replace(_torch, name="broken_gemm2_wrong_expert", experts=[_Gemm2WrongExpert])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Distributed: planted communication faults (tests/test_distributed.py runs conformance/test_distributed.py on them)
+# ------------------------------------------------------------------------------------------------------------
+
+
+class DropLastTokenDispatch(DeepEPHTPrepareAndFinalize):
+    """Planted fault: the dispatch loses the last token of each rank (its routes are never sent)."""
+
+    def prepare(self, a1, topk_weights, topk_ids, *args, **kwargs):
+        if topk_ids.shape[0]:
+            topk_ids = topk_ids.clone()
+            topk_ids[-1] = -1
+        return super().prepare(a1, topk_weights, topk_ids, *args, **kwargs)
+
+
+class WeightsTwiceCombine(DeepEPLLPrepareAndFinalize):
+    """Planted fault: the combine applies the router weights twice (w * w * y)."""
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                 weight_and_reduce_impl):
+        super().finalize(output, fused_expert_output, topk_weights * topk_weights, topk_ids,
+                         apply_router_weight_on_input, weight_and_reduce_impl)
+
+
+class SilentOverflowDispatch(DeepEPLLPrepareAndFinalize):
+    """Planted fault: tokens past ``max_num_tokens`` are dropped silently instead of raising."""
+
+    def _check_capacity(self, stats):
+        return None
+
+    def prepare(self, a1, topk_weights, topk_ids, *args, **kwargs):
+        if topk_ids.shape[0] > self.max_num_tokens:
+            topk_ids = topk_ids.clone()
+            topk_ids[self.max_num_tokens :] = -1
+        return super().prepare(a1, topk_weights, topk_ids, *args, **kwargs)
+
+
+_REF_EXPERTS = [ReferenceExperts, BatchedReferenceExpertsEP]
+dist_reference = Backend(name="dist_reference", version="reference", experts=_REF_EXPERTS,
+                         description="the reference experts classes (checks the distributed suite itself)")
+dist_planted = Backend(name="broken_dist_planted", version="test", experts=_REF_EXPERTS,
+                       prepare_finalize=[DropLastTokenDispatch, WeightsTwiceCombine, SilentOverflowDispatch])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Variants: a correct backend that declines two variants the suite exercises (tests/test_variant_claims.py)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _activation_without_limit(act, x, *, limit=None, **kw):
+    """The torch activation, refusing a clamp limit (``NotImplementedError``), as a kernel without it would."""
+    if limit is not None:
+        raise NotImplementedError("no clamp limit in this kernel")
+    return _torch.ops["apply_moe_activation"](act, x, **kw)
+
+
+class _DeclinesVariants(TorchExperts):
+    """TorchExperts claiming no activation parameter and fp32 block scales only; UE8M0 raises NotImplementedError."""
+
+    support = dataclasses.replace(TorchExperts.support, activation_params=frozenset(), ue8m0_scales=False,
+                                  notes="declines every activation parameter and UE8M0 scales (tests)")
+
+    def apply(self, output, *args, **kwargs):
+        if self.quant_config.use_ue8m0:
+            raise NotImplementedError("no UE8M0 scales in this kernel")
+        return super().apply(output, *args, **kwargs)
+
+
+declines_variants = dataclasses.replace(_torch, name="declines_variants", experts=[_DeclinesVariants],
+                                        ops={**_torch.ops, "apply_moe_activation": _activation_without_limit})
+# The same refusals, but the variants claimed: a NotImplementedError on a claimed variant is a failure.
+class _ClaimsVariantsRaises(TorchExperts):
+    """The refusals of ``_DeclinesVariants`` with every variant claimed."""
+
+    support = dataclasses.replace(TorchExperts.support, notes="claims every variant, raises on two (tests)")
+    apply = _DeclinesVariants.apply
+
+
+claims_variants_raises = dataclasses.replace(declines_variants, name="claims_variants_raises",
+                                             experts=[_ClaimsVariantsRaises])

@@ -12,10 +12,14 @@ to accept what a conforming kernel does and to reject reduced-precision accumula
   DeepGEMM on Hopper: must pass), ``mma16`` (the SM90 16-bit MMA: must pass), ``inplace_13bit`` (13 bits every 32 products, never promoted: the planted
   reduced-precision accumulator of issue 22, must fail), ``extra_rounding`` (the reference plus one more bf16
   rounding of every GEMM output element: split-K with bf16 partials, must fail), ``dropped_weight`` (the router
-  weight of the last top-k slot dropped: must fail), ``h_flip`` (GEMM1's output rounded to the other neighbouring
-  act-dtype value at the element under the largest activation output of each expert's rows: Mixtral bf16 M1's
-  heavy event, must pass), ``a2_flip`` (one requantized FP8 a2 code moved one step away from zero at the call's
-  largest code: the fp8_tensor_static gelu_tanh regression's heavy event, must pass).
+  weight of the last top-k slot dropped: must fail), ``noisy`` (conforming but noisy: every GEMM accumulates in
+  fp32 over K tiles of 64 summed last tile first, another order than the reference's, so the act-dtype roundings
+  after it flip; the conforming kernel the one rule must pass in every test that compares an output: experts,
+  padding, hygiene, distributed; tests/test_one_rule.py), ``h_flip`` (GEMM1's output rounded to the other
+  neighbouring act-dtype value at the element under the largest activation output of each expert's rows: Mixtral
+  bf16 M1's heavy event), ``a2_flip`` (one requantized FP8 a2 code moved one step away from zero at the call's
+  largest |code| x router weight: the fp8_tensor_static gelu_tanh regression's heavy event; step 7b covers the flip
+  at the largest code alone, ``A2FlipCodeExperts``, not this one: tests/test_error_model.py).
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ class _EmulatedExperts(ReferenceExperts):
 
 
 def _experts_class(name: str, gemm) -> type:
-    return type(name, (_EmulatedExperts,), {"gemm": staticmethod(gemm)})
+    # __module__ and __qualname__ name this module: the distributed suite pickles the class to its rank processes.
+    return type(name, (_EmulatedExperts,), {"gemm": staticmethod(gemm), "__module__": __name__, "__qualname__": name})
 
 
 PromotedExperts = _experts_class(
@@ -199,6 +204,21 @@ class _DropLastSlot(TopKWeightAndReduceContiguous):
         return super().apply(output, fused_expert_output, w, topk_ids, apply_router_weight_on_input)
 
 
+def tile_reversed_gemm(a: torch.Tensor, w: torch.Tensor, tile: int = 64) -> torch.Tensor:
+    """``a (R, K) @ w (N, K).T`` in fp32, each K tile of ``tile`` elements summed on its own and the tiles' partial
+    sums added last tile first (a GPU kernel's split over K tiles, in the order of a reversed K loop): the reference's
+    fp32 sum in another order, exactly what the error model's step 1 allows. Returns fp32 ``(R, N)``."""
+    a32, w32 = a.float(), w.float()
+    K = a32.shape[1]
+    out = torch.zeros(a32.shape[0], w32.shape[0], dtype=torch.float32)
+    for k0 in reversed(range(0, K, tile)):
+        out = out + a32[:, k0:k0 + tile] @ w32[:, k0:k0 + tile].T
+    return out
+
+
+NoisyExperts = _experts_class("NoisyExperts", tile_reversed_gemm)
+
+
 def _backend(name, cls):
     return dataclasses.replace(_torch, name=name, experts=[cls], description=f"emulation: {cls.__name__}")
 
@@ -210,3 +230,8 @@ extra_rounding = _backend("emulated_extra_rounding", ExtraRoundingExperts)
 dropped_weight = _backend("emulated_dropped_weight", DroppedWeightExperts)
 h_flip = _backend("emulated_h_flip", HFlipExperts)
 a2_flip = _backend("emulated_a2_flip", A2FlipExperts)
+noisy = _backend("emulated_noisy", NoisyExperts)
+# Two classes, one named after a model (as an adapter of transformers' experts would be): case selection by
+# --model / --scheme must not match class names (tests/test_variant_claims.py).
+hf_named = dataclasses.replace(_torch, name="emulated_hf_named",
+                               experts=[_torch.experts[0], type("HFMixtralExperts", (ReferenceExperts,), {"__module__": __name__})])

@@ -9,8 +9,9 @@ stays green:
 - ``WeightsTwiceCombine``: the combine applies the router weights twice;
 - ``SilentOverflowDispatch``: a rank over ``max_num_tokens`` has its extra tokens dropped instead of raising.
 
-By hand: ``python -m pytest conformance/test_distributed.py --backend tests.test_distributed:planted --world-size 2``
-(``tests.test_distributed:reference_backend`` runs the reference experts classes alone).
+The faults and their backends live in ``tests/broken_backends.py`` (a test module is never imported by the suite).
+By hand: ``python -m pytest conformance/test_distributed.py --backend tests.broken_backends:dist_planted --world-size 2``
+(``tests.broken_backends:dist_reference`` runs the reference experts classes alone).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends import Backend
 from conformance.distributed_case import (
     DistCase,
     RankCluster,
@@ -60,47 +60,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Planted faults and the backends that carry them
+# The planted faults (tests/broken_backends.py), run as a user would
 # ------------------------------------------------------------------------------------------------------------
-
-
-class DropLastTokenDispatch(DeepEPHTPrepareAndFinalize):
-    """Planted fault: the dispatch loses the last token of each rank (its routes are never sent)."""
-
-    def prepare(self, a1, topk_weights, topk_ids, *args, **kwargs):
-        if topk_ids.shape[0]:
-            topk_ids = topk_ids.clone()
-            topk_ids[-1] = -1
-        return super().prepare(a1, topk_weights, topk_ids, *args, **kwargs)
-
-
-class WeightsTwiceCombine(DeepEPLLPrepareAndFinalize):
-    """Planted fault: the combine applies the router weights twice (w * w * y)."""
-
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl):
-        super().finalize(output, fused_expert_output, topk_weights * topk_weights, topk_ids,
-                         apply_router_weight_on_input, weight_and_reduce_impl)
-
-
-class SilentOverflowDispatch(DeepEPLLPrepareAndFinalize):
-    """Planted fault: tokens past ``max_num_tokens`` are dropped silently instead of raising."""
-
-    def _check_capacity(self, stats):
-        return None
-
-    def prepare(self, a1, topk_weights, topk_ids, *args, **kwargs):
-        if topk_ids.shape[0] > self.max_num_tokens:
-            topk_ids = topk_ids.clone()
-            topk_ids[self.max_num_tokens :] = -1
-        return super().prepare(a1, topk_weights, topk_ids, *args, **kwargs)
-
-
-_REF_EXPERTS = [ReferenceExperts, BatchedReferenceExpertsEP]
-reference_backend = Backend(name="dist_reference", version="reference", experts=_REF_EXPERTS,
-                            description="the reference experts classes (checks the distributed suite itself)")
-planted = Backend(name="broken_dist_planted", version="test", experts=_REF_EXPERTS,
-                  prepare_finalize=[DropLastTokenDispatch, WeightsTwiceCombine, SilentOverflowDispatch])
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +70,7 @@ def planted_run(tmp_path_factory):
     planted faults, as a user would run it: ``(CompletedProcess, {prepare_finalize: [result entries]})``."""
     tmp = tmp_path_factory.mktemp("planted")
     cmd = [sys.executable, "-m", "pytest", "conformance/test_distributed.py", "--backend",
-           "tests.test_distributed:planted", "--world-size", "2", "-k", "uneven-bf16-linear or overflow",
+           "tests.broken_backends:dist_planted", "--world-size", "2", "-k", "uneven-bf16-linear or overflow",
            "-p", "no:cacheprovider", "-q", "--results-dir", str(tmp)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                        timeout=900)

@@ -174,6 +174,22 @@ def test_weight_and_reduce_impls():
     batched[2, :1, 0] = torch.tensor([7.0])  # token 2
     out = TopKWeightAndReduceNaiveBatched().apply(None, batched, w, ids, False)
     assert out[:, 0].tolist() == [0.5 * 10 + 0.25 * 1, 2.0 * 20 + 1.0 * 2, 3.0 * 30 + 4.0 * 7]
+    # rank 1 without a map reduces its own range [3, 6) (vLLM: first_expert = num_local_experts * rank)
+    out1 = TopKWeightAndReduceNaiveBatched(rank=1).apply(None, batched, w, ids + 3, False)
+    assert torch.equal(out1, out)
+    assert not TopKWeightAndReduceNaiveBatched(rank=1).apply(None, batched, w, ids, False).any()
+
+
+def test_topk_weight_and_reduce_equality():
+    """vLLM's ``__eq__``: same class (NaiveBatched: same rank)."""
+    assert TopKWeightAndReduceContiguous() == TopKWeightAndReduceContiguous()
+    assert TopKWeightAndReduceNoOP() == TopKWeightAndReduceNoOP()
+    assert TopKWeightAndReduceDelegate() == TopKWeightAndReduceDelegate()
+    assert TopKWeightAndReduceNoOP() != TopKWeightAndReduceContiguous()
+    assert TopKWeightAndReduceNaiveBatched(1) == TopKWeightAndReduceNaiveBatched(1)
+    assert TopKWeightAndReduceNaiveBatched(0) != TopKWeightAndReduceNaiveBatched(1)
+    assert TopKWeightAndReduceNaiveBatched(0) != TopKWeightAndReduceContiguous()
+    assert len({TopKWeightAndReduceNoOP(), TopKWeightAndReduceNoOP(), TopKWeightAndReduceNaiveBatched(2)}) == 2
 
 
 def test_support_oracle_reason_for_the_current_device():

@@ -245,6 +245,28 @@ def test_non_finite_poisons_only_its_group(bad):
     assert (int(p[0, 0]) & 0xFF) == 0xFF
 
 
+def test_group_quant_vllm_eps_dtype_out_q():
+    """vLLM's ``eps`` is the amax floor (an all-zero group's scale is eps / 448), ``dtype`` only float8_e4m3fn,
+    ``out_q`` receives the codes (fp8_utils.py::per_token_group_quant_fp8, vLLM 0.33.0)."""
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    x[1] = torch.linspace(-3, 3, 256).to(torch.bfloat16)
+    q, s = per_token_group_quant_fp8(x, 128, eps=1e-3)
+    assert s[0, 0].item() == float(F32(F32(1e-3) / F32(448)))
+    q0, s0 = per_token_group_quant_fp8(x, 128)
+    assert torch.equal(s[1], s0[1]) and np.array_equal(codes(q), codes(q0))  # amax 3 >> eps: only the zero row moves
+    q1, s1 = per_token_group_quant_fp8(x, 128, eps=1e-10, dtype=torch.float8_e4m3fn)
+    assert torch.equal(s1, s0)  # vLLM's default eps is the vllm recipe's floor
+    out = torch.empty(2, 256, dtype=torch.float8_e4m3fn)
+    q2, s2 = per_token_group_quant_fp8(x, 128, out_q=out)
+    assert q2 is out and np.array_equal(codes(out), codes(q0)) and torch.equal(s2, s0)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        per_token_group_quant_fp8(x, 128, dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="out_q"):
+        per_token_group_quant_fp8(x, 128, out_q=torch.empty(2, 128, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="amax_floor"):
+        per_token_group_quant_fp8(x, 128, eps=-1.0)
+
+
 def test_group_quant_errors():
     with pytest.raises(ValueError, match="multiple"):
         per_token_group_quant_fp8(torch.randn(2, 200), 128)

@@ -133,6 +133,17 @@ def test_determine_expert_map_round_robin():
         determine_expert_map(2, 0, 8, "random")
 
 
+def test_determine_expert_map_return_expert_mask():
+    """vLLM's ``return_expert_mask`` (AITER): the mask holds 1 for held and shared experts, 0 for the others and the
+    sentinel; the map grows by the shared experts' local ids. Without it the mask is None."""
+    local, emap, mask = determine_expert_map(2, 1, 6, num_fused_shared_experts=2, return_expert_mask=True)
+    assert local == 3
+    assert emap.tolist() == [-1, -1, -1, 0, 1, 2, 3, 4]
+    assert mask.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 0] and mask.dtype == torch.int32
+    local, emap, mask = determine_expert_map(2, 1, 6, num_fused_shared_experts=2)
+    assert mask is None and emap.tolist() == [-1, -1, -1, 0, 1, 2]
+
+
 def test_every_expert_on_exactly_one_rank():
     for strategy in ("linear", "round_robin"):
         held = torch.zeros(37, dtype=torch.int32)

@@ -109,7 +109,7 @@ EXPECTED_POINTS = {
     "routing.nonfinite_logits", "routing.sqrtsoftplus", "routing.hash_routing", "routing.image_token_bias",
     "routing.padding_rows", "routing.fused_shared_expert_slots", "routing.gemma4_per_expert_scale",
     "routing.minimax2_epsilon", "routing.eplb_replica_choice", "routing.routing_method_type_values",
-    "routing.router_factory", "routing.invalid_grouping_fallback",
+    "routing.router_factory", "routing.invalid_grouping_fallback", "routing.grouped_topk_nonfinite",
 }
 
 
@@ -222,6 +222,96 @@ def test_no_clamp_points_keep_raising_under_033():
                 call()
 
 
+@pytest.mark.parametrize("num_experts", [512, 896, 1024])
+@pytest.mark.parametrize("num_finite", [0, 15])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_grouped_topk_single_group_nonfinite_like_vllm(num_experts, num_finite, renormalize):
+    """vLLM 0.33.0 tests/kernels/moe/test_grouped_topk.py::test_grouped_topk_single_group_nonfinite_scores, the
+    expectations re-derived by hand: NaN logits everywhere but ``arange(num_finite)``, then one +inf and one -inf;
+    sigmoid, bias 0, k = 16, rsf 2.5."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.full((1, num_experts), nan, dtype=torch.bfloat16)
+    if num_finite:
+        logits[0, :num_finite] = torch.arange(num_finite, dtype=torch.bfloat16)
+    logits[0, num_finite], logits[0, num_finite + 1] = inf, -inf
+    w, ids = grouped_topk(None, logits, 16, renormalize, 1, 1, scoring_func="sigmoid", routed_scaling_factor=2.5,
+                          e_score_correction_bias=torch.zeros(num_experts), semantics=V033)
+    if num_finite == 0:  # no valid expert: ids 0..k-1, 1/k or 0, no scaling
+        assert ids.tolist() == [list(range(16))]
+        assert w.tolist() == [[1 / 16 if renormalize else 0.0] * 16]
+    else:  # valid ones by score, then the invalid ones by index (+inf at num_finite comes first)
+        assert ids.tolist() == [list(range(num_finite - 1, -1, -1)) + [num_finite]]
+        fv = np_sigmoid(np.arange(num_finite - 1, -1, -1, dtype=np.float64))
+        if renormalize:
+            fv = fv / fv.sum()
+        np.testing.assert_allclose(w[0].numpy(), np.append(fv * 2.5, 0.0), rtol=0, atol=2e-6)
+    with pytest.raises(ValueError, match="not finite"):  # 0.17: no single-group kernel, no rule
+        grouped_topk(None, logits, 16, renormalize, 1, 1, scoring_func="sigmoid",
+                     e_score_correction_bias=torch.zeros(num_experts), semantics=V017)
+
+
+def test_grouped_topk_single_group_softmax_bias_and_mixed_rows():
+    """Softmax is computed over the row first (fused_grouped_topk), so -inf logits are valid experts of score 0 and
+    any NaN / +inf logit invalidates the whole row; a non-finite bias invalidates its expert in every row; finite
+    rows route exactly as without the rule."""
+    nan, inf = float("nan"), float("inf")
+    g = _gen(21)
+    E, k = 128, 4
+    logits = torch.randn(5, E, generator=g)
+    bias = torch.randn(E, generator=g) * 0.05
+    logits[1, 3] = -inf
+    logits[2, 9] = nan
+    logits[3, 0] = inf
+    w, ids = grouped_topk(None, logits, k, True, 1, 1, scoring_func="softmax", routed_scaling_factor=2.0,
+                          e_score_correction_bias=bias, semantics=V033)
+    w0, ids0 = grouped_topk(None, logits[[0, 4]], k, True, 1, 1, scoring_func="softmax", routed_scaling_factor=2.0,
+                            e_score_correction_bias=bias, semantics=V033)
+    assert torch.equal(ids[[0, 4]], ids0) and torch.equal(w[[0, 4]], w0)
+    x = logits[1].double().numpy()
+    p = np_softmax(x)  # expert 3 has score 0 and stays valid
+    ref = np_topk(p + bias.double().numpy(), k)
+    assert ids[1].tolist() == ref.tolist()
+    np.testing.assert_allclose(w[1].numpy(), p[ref] / p[ref].sum() * 2.0, rtol=2e-6)
+    for row in (2, 3):  # softmax row NaN: no valid expert
+        assert ids[row].tolist() == list(range(k)) and w[row].tolist() == [1 / k] * k
+    bad_bias = bias.clone()
+    top = int(ids[0, 0])
+    bad_bias[top] = nan
+    w, ids = grouped_topk(None, logits[:1], k, False, 1, 1, scoring_func="sigmoid", e_score_correction_bias=bad_bias,
+                          semantics=V033)
+    s = np_sigmoid(logits[0].double().numpy())
+    key = np.where(np.arange(E) == top, -np.inf, s + bad_bias.double().numpy())
+    ref = np_topk(key, k)
+    assert ids[0].tolist() == ref.tolist() and top not in ids[0].tolist()
+    np.testing.assert_allclose(w[0].numpy(), s[ref], rtol=1e-6)
+
+
+def test_grouped_topk_nonfinite_without_the_single_group_kernel_raises():
+    """No rule where the single-group kernels do not run: several groups, no bias, E / k outside the tiers, 0.17;
+    check_finite=True raises even where the rule exists."""
+    logits = torch.randn(2, 1152)
+    logits[0, 1] = float("nan")
+    bias = torch.zeros(1152)
+    cases = [
+        dict(logits=logits[:, :256], k=8, G=8, tg=4, bias=bias[:256], v=V033),  # DeepSeek-V3: multi-group
+        dict(logits=logits[:, :384], k=8, G=1, tg=1, bias=None, v=V033),  # no bias: native torch path
+        dict(logits=logits, k=8, G=1, tg=1, bias=bias, v=V033),  # E = 1152 > 1024: no tier
+        dict(logits=logits[:, :768], k=17, G=1, tg=1, bias=bias[:768], v=V033),  # k = 17 > 16 at E = 768
+        dict(logits=logits[:, :384], k=8, G=1, tg=1, bias=bias[:384], v=V017),
+    ]
+    for c in cases:
+        with pytest.raises(ValueError, match="not finite"):
+            grouped_topk(None, c["logits"], c["k"], True, c["G"], c["tg"], scoring_func="sigmoid",
+                         e_score_correction_bias=c["bias"], semantics=c["v"])
+    with pytest.raises(ValueError, match="not finite"):
+        grouped_topk(None, logits[:, :384], 8, True, 1, 1, scoring_func="sigmoid", e_score_correction_bias=bias[:384],
+                     check_finite=True, semantics=V033)
+    assert r33.single_group_kernel_applies(512, 22, 1, 1, "sigmoid", True, semantics=V033)
+    assert not r33.single_group_kernel_applies(768, 22, 1, 1, "sigmoid", True, semantics=V033)
+    assert r33.single_group_kernel_applies(512, 32, 1, 1, "softmax", True, semantics=V033)
+    assert not r33.single_group_kernel_applies(512, 32, 1, 1, "sigmoid", True, semantics=V033)
+
+
 def test_017_check_finite_false_ranks_nan_lowest_weights_unspecified():
     logits = torch.tensor([[float("nan"), 0.0, 1.0]])
     _, ids = fused_topk(None, logits, 3, False, scoring_func="sigmoid", check_finite=False, semantics=V017)
@@ -257,12 +347,19 @@ def test_sqrtsoftplus_nonfinite_and_versions():
     x = torch.tensor([[float("nan"), 1.0, 2.0, 0.5]])
     w, ids = fused_topk_bias(None, x, None, 4, True, scoring_func="sqrtsoftplus", semantics=V033)
     assert ids[0, -1] == 0 and w[0, -1] == 0.0 and torch.isfinite(w).all()  # NaN score clamped to 0, ranked last
-    x[0, 0] = float("inf")
-    with pytest.raises(ValueError, match=r"\+inf"):
-        fused_topk_bias(None, x, None, 2, True, scoring_func="sqrtsoftplus", semantics=V033)
-    _, ids = fused_topk_bias(None, x, None, 2, True, scoring_func="sqrtsoftplus", check_finite=False,
+    # topk_softplus_sqrt_kernels.cu: +inf scores +inf (chosen first); renormalized its weight is inf / inf = NaN and
+    # the others x / inf = 0; unnormalized it stays +inf * rsf. -inf scores sqrt(softplus(-inf)) = 0.
+    x = torch.tensor([[1.0, float("inf"), -float("inf"), 2.0, float("inf")]])
+    w, ids = fused_topk_bias(None, x, None, 4, True, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
                              semantics=V033)
-    assert bool(((ids >= 0) & (ids < 4)).all())
+    assert ids.tolist() == [[1, 4, 3, 0]]
+    assert torch.isnan(w[0, :2]).all() and w[0, 2:].tolist() == [0.0, 0.0]
+    w, ids = fused_topk_bias(None, x, torch.full((5,), 0.25), 5, False, scoring_func="sqrtsoftplus",
+                             routed_scaling_factor=1.5, semantics=V033)
+    assert ids.tolist() == [[1, 4, 3, 0, 2]] and w[0, :2].tolist() == [math.inf] * 2 and w[0, 4] == 0.0
+    np.testing.assert_allclose(w[0, 2:4].numpy(), 1.5 * np_sqrtsoftplus(np.array([2.0, 1.0])), rtol=1e-6)
+    with pytest.raises(ValueError, match="not finite"):
+        fused_topk_bias(None, x, None, 2, True, scoring_func="sqrtsoftplus", check_finite=True, semantics=V033)
     with pytest.raises(SemanticsError, match="0.33"):
         fused_topk_bias(None, torch.randn(2, 4), torch.zeros(4), 2, True, scoring_func="sqrtsoftplus",
                         semantics=V017)
@@ -284,7 +381,7 @@ def _hash_case(seed=2, M=24, E=32, k=6, vocab=40):
 def test_hash_routing_is_a_lookup():
     logits, table, input_ids = _hash_case()
     bias = torch.randn(32, generator=_gen(9)) * 10  # a bias must not change hashed rows
-    w, ids = fused_topk_bias(None, logits, bias, 6, True, scoring_func="sqrtsoftplus", input_ids=input_ids,
+    w, ids = fused_topk_bias(None, logits, bias, 6, True, scoring_func="sqrtsoftplus", input_tokens=input_ids,
                              hash_indices_table=table, routed_scaling_factor=2.5, semantics=V033)
     assert torch.equal(ids, table[input_ids.long()])  # exactly the table's rows, in the table's order
     s = np_sqrtsoftplus(logits.numpy())
@@ -300,13 +397,13 @@ def test_hash_routing_errors():
     logits, table, input_ids = _hash_case()
     kw = dict(scoring_func="sqrtsoftplus", hash_indices_table=table, semantics=V033)
     with pytest.raises(ValueError, match="vocabulary"):
-        fused_topk_bias(None, logits, None, 6, True, input_ids=input_ids + 100, **kw)
+        fused_topk_bias(None, logits, None, 6, True, input_tokens=input_ids + 100, **kw)
     with pytest.raises(ValueError, match="experts per token"):
-        fused_topk_bias(None, logits, None, 4, True, input_ids=input_ids, **kw)
-    with pytest.raises(ValueError, match="input_ids"):
+        fused_topk_bias(None, logits, None, 4, True, input_tokens=input_ids, **kw)
+    with pytest.raises(ValueError, match="input_tokens"):
         fused_topk_bias(None, logits, None, 6, True, **kw)
     with pytest.raises(ValueError, match="sqrtsoftplus"):
-        fused_topk_bias(None, logits, torch.zeros(32), 6, True, scoring_func="sigmoid", input_ids=input_ids,
+        fused_topk_bias(None, logits, torch.zeros(32), 6, True, scoring_func="sigmoid", input_tokens=input_ids,
                         hash_indices_table=table, semantics=V033)
     with pytest.raises(SemanticsError):
         r33.hash_topk_ids(input_ids, table, 6, 32, semantics=V017)
@@ -321,7 +418,7 @@ def test_image_token_bias_sentinel_block():
     M, E, k = 6, 16, 3
     logits = torch.randn(M, E, generator=g)
     bias, bias_vl = torch.randn(E, generator=g), torch.randn(E, generator=g) * 5
-    w, ids = fused_topk_bias(None, logits, bias, k, True, scoring_func="sqrtsoftplus", input_ids=ids_in,
+    w, ids = fused_topk_bias(None, logits, bias, k, True, scoring_func="sqrtsoftplus", input_tokens=ids_in,
                              bias_vl=bias_vl, image_sentinel_lo=lo, semantics=V033)
     s = np_sqrtsoftplus(logits.numpy())
     img = np.array([False, True, True, True, False, False])
@@ -331,12 +428,12 @@ def test_image_token_bias_sentinel_block():
     np.testing.assert_allclose(w.numpy(), np_renorm(np.take_along_axis(s, ref_ids, 1)), rtol=2e-6)
     # with a hash table: text rows look up, image rows choose by score + bias_vl
     table = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(110)]).to(torch.int64)
-    w, ids = fused_topk_bias(None, logits, None, k, True, scoring_func="sqrtsoftplus", input_ids=ids_in,
+    w, ids = fused_topk_bias(None, logits, None, k, True, scoring_func="sqrtsoftplus", input_tokens=ids_in,
                              hash_indices_table=table, bias_vl=bias_vl, image_sentinel_lo=lo, semantics=V033)
     assert torch.equal(ids[~torch.from_numpy(img)], table[ids_in[~torch.from_numpy(img)]].int())
     assert np.array_equal(ids.numpy()[img], np_topk(s + bias_vl.numpy(), k)[img])
     with pytest.raises(SemanticsError):
-        fused_topk_bias(None, logits, bias, k, True, scoring_func="sqrtsoftplus", input_ids=ids_in,
+        fused_topk_bias(None, logits, bias, k, True, scoring_func="sqrtsoftplus", input_tokens=ids_in,
                         bias_vl=bias_vl, image_sentinel_lo=lo, semantics=V017)
 
 
@@ -592,6 +689,25 @@ def test_invalid_grouping_fallback_per_version():
         ref_ids = np_topk(score + bias.numpy(), 2)
         assert np.array_equal(ids.numpy(), ref_ids), v
         np.testing.assert_allclose(w.numpy(), np_renorm(np.take_along_axis(score, ref_ids, 1), 2.5), rtol=1e-6)
+
+
+def test_select_experts_follows_the_invalid_grouping_fallback():
+    """select_experts (seed 003's wrapper) runs GroupedTopKRouter's fallback of the selected release."""
+    g = _gen(14)
+    hidden, logits, bias = torch.randn(5, 8, generator=g), torch.randn(5, 60, generator=g), torch.randn(60, generator=g)
+    for v in BOTH:  # E = 60, G = 8: invalid grouping
+        with use_semantics(v):
+            w, ids, _ = r33.select_experts(hidden, logits, 4, True, True, topk_group=4, num_expert_group=8,
+                                           scoring_func="sigmoid", routed_scaling_factor=2.5,
+                                           e_score_correction_bias=bias)
+        w2, ids2 = r33.grouped_topk_router(None, logits, 4, 8, 4, scoring_func="sigmoid", routed_scaling_factor=2.5,
+                                           e_score_correction_bias=bias, semantics=v)
+        assert torch.equal(ids, ids2) and torch.equal(w, w2)
+        with use_semantics(v):
+            w, ids, _ = r33.select_experts(hidden, logits, 4, True, True, topk_group=4, num_expert_group=8,
+                                           scoring_func="sigmoid", routed_scaling_factor=2.5)
+        w2, ids2 = fused_topk(None, logits, 4, True, scoring_func="softmax", semantics=v)  # no scale, softmax
+        assert torch.equal(ids, ids2) and torch.equal(w, w2)
 
 
 def test_route_end_to_end_matches_the_pieces():

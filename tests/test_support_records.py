@@ -133,7 +133,11 @@ def _old(which: str) -> types.ModuleType:
         if which == "torch":
             _OLD[which] = _load_old("backends/torch/experts.py", "backends.torch")
         elif which == "triton":
-            _OLD[which] = _load_old("backends/triton/experts.py", "backends.triton")
+            # The baseline imported its host helpers as the private ._host (public backends.triton.host since)
+            import backends.triton.jit as jit
+
+            host = _load_old("backends/triton/_host.py", "backends.triton", {"backends.triton._jit": jit})
+            _OLD[which] = _load_old("backends/triton/experts.py", "backends.triton", {"backends.triton._host": host})
         elif which == "cuda":
             _OLD[which] = _load_old("backends/cuda/experts.py", "backends.cuda")
         elif which == "deep_gemm":

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 
 from backends._validation import validate_routes_requested
 from reference.activation import MoEActivation
-from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, TopKWeightAndReduceNoOP
+from reference.modular import ACTIVATION_PARAMS, FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
+    TopKWeightAndReduceNoOP
 from reference.quant import keys as qk
 
 __all__ = [
@@ -500,6 +501,7 @@ class _CutlassExpertsBase(FusedMoEExpertsModular):
         act_dtypes=frozenset({BF16}),  # the grouped GEMMs through torch output bf16 only (checked in apply too)
         device=_sm90_reason,
         finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        activation_params=ACTIVATION_PARAMS, ue8m0_scales=True,  # every variant, as before the claims had them
         notes="torch CUTLASS grouped GEMMs (SM90); no expert biases; < 1024 local experts; I a multiple of ALIGN",
     )
 

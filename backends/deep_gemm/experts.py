@@ -51,7 +51,7 @@ from backends.deep_gemm.layout import POISON_ROW, build_contiguous_layout, gathe
 from reference.activation import MoEActivation
 from reference.align import DEEP_GEMM_M_ALIGNMENT, compute_aligned_M_and_alignment
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
-from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
+from reference.modular import ACTIVATION_PARAMS, FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
     TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOP
 from reference.quant import (
     DeepGemmQuantScaleFMT,
@@ -326,6 +326,7 @@ class DeepGemmExperts(FusedMoEExpertsModular):
         # K multiple of 128 (1x128 / 128x128 scale blocks; apply checks K, N and I): a backend addition.
         hidden_dim_multiple=BLOCK,
         finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        activation_params=ACTIVATION_PARAMS, ue8m0_scales=True,  # every variant, as before the claims had them
         notes="m_grouped_fp8_gemm_nt_contiguous on the contiguous layout, _masked on 128-row slots below M = 128 "
               "(SM90); N, I multiples of 128; a2 quantized dynamically (no static a2_scale); no expert biases; any M "
               "(vLLM only picks DeepGEMM for M >= 128)",
@@ -694,6 +695,7 @@ class DeepGemmFP4Experts(FusedMoEExpertsModular):
         device=_fp4_device_reason,  # never None: no SM100 implementation to claim
         parallel_config=_no_fi_nvl,
         finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        activation_params=ACTIVATION_PARAMS, ue8m0_scales=True,  # every variant, as before the claims had them
         notes="declared only (seed 001's claims kept as data): SM100/SM120 m_grouped_fp8_fp4_gemm_nt_contiguous; "
               "construction and apply raise NotImplementedError",
     )

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from backends.torch import quant as tq
 from backends.torch.quant import FP8, dequant, quantize_activation
 from reference.activation import MoEActivation
-from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, TopKWeightAndReduceNoOP
+from reference.modular import ACTIVATION_PARAMS, FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
+    TopKWeightAndReduceNoOP
 from reference.quant import keys as K
 
 _GATED = {
@@ -175,6 +176,7 @@ class TorchExperts(FusedMoEExpertsModular):
         finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
         deferred_finalize=True,
         hidden_padding=True,
+        activation_params=ACTIVATION_PARAMS, ue8m0_scales=True,  # every variant, as before the claims had them
         notes="vectorized torch (padded bmm); vllm recipe",
     )
 

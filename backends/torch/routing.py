@@ -11,7 +11,9 @@ Non-finite logits follow the vLLM semantics version selected the way the referen
   (NaN ranked lowest, weights of such a token unspecified).
 - 0.33: ``fused_topk`` / ``fused_topk_bias`` clamp like vLLM 0.33.0's ``topk_softmax`` / ``topk_sigmoid`` kernels
   (``csrc/moe/topk_softmax_kernels.cu``): a NaN/+-inf score becomes 0 before selection, so ids are unique and
-  weights finite; they do not raise by default. ``grouped_topk``, ``topk_softmax`` and ``llama4_routing`` have
+  weights finite; they do not raise by default. sqrtsoftplus clamps NaN only (+inf is selected first, NaN weight
+  after renormalization). ``grouped_topk`` follows the single-group kernels' rule where they run (a bias, one
+  group, ``csrc/moe/grouped_topk_kernels.cu``) and raises elsewhere; ``topk_softmax`` and ``llama4_routing`` have
   no clamp upstream and keep the 0.17 rule. ``check_finite=True`` raises under either version.
 
 Renormalization divides by the selected sum, or by 1 where that sum is not positive (the kernels' ``denom``).
@@ -99,9 +101,53 @@ def fused_topk(hidden_states, gating_output, topk, renormalize, *, scoring_func=
     return _pad(w, ids.to(indices_type or torch.int32), is_padding, semantics)
 
 
+# vLLM 0.33.0 csrc/moe/grouped_topk_kernels.cu single_group_topk tiers: (max experts, max top-k).
+_SG_TIERS = {"sigmoid": [(128, 8), (256, 8), (384, 8), (512, 8), (512, 22), (768, 16), (896, 16), (1024, 16)],
+             "softmax": [(128, 4), (128, 8), (160, 8), (256, 8), (256, 16), (512, 8), (512, 16), (512, 22),
+                         (512, 32), (576, 8), (768, 16), (896, 16), (1024, 16)]}
+
+
+def _single_group(gating_output, bias, topk, renormalize, scoring_func, rsf):
+    """vLLM 0.33 single-group kernels: invalid (non-finite input or bias) experts get -inf / weight 0."""
+    x = gating_output.float()
+    b = bias.float()[None, :]
+    s = x.sigmoid() if scoring_func == "sigmoid" else x.softmax(-1)
+    ok = torch.isfinite(x if scoring_func == "sigmoid" else s) & torch.isfinite(b) & torch.isfinite(s + b)
+    key = (s + b).masked_fill(~ok, float("-inf"))
+    # stable descending sort: equal keys (the -inf of invalid experts) keep the lower index first
+    ids = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :topk]
+    okk = ok.gather(1, ids)
+    w = s.gather(1, ids).masked_fill(~okk, 0.0)
+    w = w * (rsf / (w.sum(-1, keepdim=True) + 1e-20)) if renormalize else w * rsf
+    empty = ~okk.any(-1, keepdim=True)
+    return w.masked_fill(empty, 1.0 / topk if renormalize else 0.0), ids
+
+
 def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group, topk_group, *,
                  scoring_func="softmax", routed_scaling_factor=1.0, e_score_correction_bias=None,
                  indices_type=None, check_finite=None, semantics=None):
+    """Grouped top-k. Under 0.33 with a bias and one group (Kimi-K2), E / k within the fused kernel's tiers,
+    non-finite logits or bias follow the single-group kernels' rule (invalid expert: weight 0, ranked last; no
+    valid expert: ids 0..k-1, weights 1/k or 0); elsewhere they raise unless ``check_finite=False``."""
+    E = gating_output.shape[-1]
+    sg = (resolve_semantics(semantics) >= SemanticsVersion.V0_33 and check_finite is not True
+          and e_score_correction_bias is not None and num_expert_group == 1 and topk_group == 1 and E > 1
+          and any(E <= te and topk <= tk for te, tk in _SG_TIERS.get(scoring_func, [])))
+    if sg:
+        _check(gating_output, False)
+        bad = ~(torch.isfinite(gating_output).all(-1) & bool(torch.isfinite(e_score_correction_bias).all()))
+        if bool(bad.any()):
+            w, ids = _single_group(gating_output, e_score_correction_bias, topk, renormalize, scoring_func,
+                                   routed_scaling_factor)
+            if not bool(bad.all()):
+                w0, ids0 = grouped_topk(hidden_states, gating_output.masked_fill(bad[:, None], 0.0), topk,
+                                        renormalize, 1, 1, scoring_func=scoring_func,
+                                        routed_scaling_factor=routed_scaling_factor,
+                                        e_score_correction_bias=e_score_correction_bias, check_finite=True,
+                                        semantics=semantics)
+                w = torch.where(bad[:, None], w, w0)
+                ids = torch.where(bad[:, None], ids, ids0.long())
+            return w, ids.to(indices_type or torch.int32)
     _check(gating_output, _no_clamp(semantics, check_finite))
     M, E = gating_output.shape
     if not (num_expert_group and E > num_expert_group and E % num_expert_group == 0):

@@ -46,7 +46,8 @@ import triton.language as tl
 
 from reference.activation import MoEActivation, adjust_N_for_activation
 from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig
-from reference.modular import FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, TopKWeightAndReduceNoOP
+from reference.modular import ACTIVATION_PARAMS, FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
+    TopKWeightAndReduceNoOP
 from reference.quant import keys as K
 
 from . import configs as _configs
@@ -789,6 +790,7 @@ class TritonExperts(FusedMoEExpertsModular):
         act_dtypes=frozenset(_TL_DTYPES),  # bf16 / fp16 / fp32 (fused_experts raises for anything else)
         device=_device_reason,
         finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
+        activation_params=ACTIVATION_PARAMS, ue8m0_scales=True,  # every variant, as before the claims had them
         notes="fused_moe_kernel (+ Gluon SM90 variants); FP8 pairs only on sm_89+ or the interpreter (fp8_capable); "
               "expert biases; unquantized weights must have the activation dtype",
     )

@@ -71,7 +71,7 @@ from reference.modular.prepare_finalize import (
     NoDispatch,
     apply_router_weight_to_input,
 )
-from reference.modular.support import SupportRecord
+from reference.modular.support import ACTIVATION_PARAMS, SupportRecord
 from reference.modular.topk_weight_and_reduce import (
     TopKWeightAndReduce,
     TopKWeightAndReduceContiguous,
@@ -89,6 +89,7 @@ __all__ = [
     "FusedMoEActivationFormat",
     "FusedMoEExperts",
     "SupportRecord",
+    "ACTIVATION_PARAMS",
     "FusedMoEExpertsModular",
     "FusedMoEExpertsMonolithic",
     "TopKWeightAndReduce",

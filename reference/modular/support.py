@@ -14,9 +14,14 @@ from reference.config import FusedMoEParallelConfig
 if TYPE_CHECKING:
     from reference.modular.experts_base import FusedMoEActivationFormat
 
-__all__ = ["SupportRecord"]
+__all__ = ["ACTIVATION_PARAMS", "SupportRecord"]
 
 _ALL_ACT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+#: The activation variants a ``SupportRecord`` claims by name (``activation_params``): ``apply_moe_activation``'s
+#: keywords, set in a layer by ``FusedMoEQuantConfig.gemm1_alpha`` / ``gemm1_beta`` / ``gemm1_clamp_limit``.
+ACTIVATION_PARAMS = frozenset({"alpha", "beta", "limit"})
+_QC_ACTIVATION_PARAMS = {"alpha": "gemm1_alpha", "beta": "gemm1_beta", "limit": "gemm1_clamp_limit"}
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,20 @@ class SupportRecord:
             ``UnfinalizedMoEOutput`` instead of reducing); conformance/test_modular_033.py checks it when claimed.
         hidden_padding: vLLM 0.33: ``output_hidden_dim`` drops a hidden padding (``moe_config.hidden_dim`` smaller
             than the K the kernel runs at); checked by conformance when claimed.
+        activation_params: the activation variants claimed (opt-in: an activation is claimed in its plain form
+            only): entries of ``ACTIVATION_PARAMS`` (``"alpha"``, ``"beta"``, ``"limit"``: ``apply_moe_activation``'s
+            keywords, ``FusedMoEQuantConfig.gemm1_alpha`` / ``gemm1_beta`` / ``gemm1_clamp_limit``; e.g. SiLU with a
+            clamp limit, gpt-oss's SwiGLU with alpha and limit), for every claimed activation, or ``(MoEActivation,
+            name)`` pairs for one activation only. ``ACTIVATION_PARAMS`` itself claims every variant.
+        ue8m0_scales: the power-of-two (UE8M0) scale variant of the claimed block-scaled FP8 keys
+            (``FusedMoEQuantConfig.use_ue8m0``: DeepGEMM's recipe on SM90 / SM100) is claimed too (opt-in: claiming
+            ``kFp8Static128BlockSym x kFp8Dynamic128Sym`` claims fp32 scales only).
         notes: one line for the matrix (recipes, limits not expressible above).
+
+    Variants: a configuration the oracle (``is_supported_config``, on vLLM's keys) accepts may still use a variant
+    that the keys do not name (an activation parameter, UE8M0 scales); ``variant_reason`` says which one is not
+    claimed. Conformance skips an unclaimed variant with that reason (and never calls the kernel on it); on a claimed
+    one anything the kernel raises, ``NotImplementedError`` included, is a failure.
     """
 
     activation_format: "FusedMoEActivationFormat"
@@ -68,6 +86,8 @@ class SupportRecord:
     router_weight_rounding: str = "reference"
     deferred_finalize: bool = False
     hidden_padding: bool = False
+    activation_params: frozenset = frozenset()
+    ue8m0_scales: bool = False
     notes: str = ""
 
     def claims_quant(self, weight_key, activation_key) -> bool:
@@ -81,6 +101,39 @@ class SupportRecord:
         if self.activations is not None and activation not in self.activations:
             return False
         return activation.is_gated or self.no_act_and_mul
+
+    def claims_activation_params(self, activation: MoEActivation, params) -> bool:
+        """``params``: names of ``ACTIVATION_PARAMS`` that the call sets (not None)."""
+        return all(p in self.activation_params or (activation, p) in self.activation_params for p in params)
+
+    def variant_reason(self, activation: MoEActivation | None = None, quant_config=None, params=(),
+                       ue8m0: bool = False) -> str | None:
+        """None when every variant of the call is claimed, else ``"kernel does not claim <variant>"``.
+
+        Args:
+            activation: the call's ``MoEActivation`` (for per-activation parameter claims).
+            quant_config: a ``FusedMoEQuantConfig``: its ``gemm1_alpha`` / ``gemm1_beta`` / ``gemm1_clamp_limit``
+                (set: the variant is used) and ``use_ue8m0``.
+            params: further ``ACTIVATION_PARAMS`` names the call sets (e.g. ``apply_moe_activation``'s keywords).
+            ue8m0: the call's block scales are UE8M0 (also read from ``quant_config``).
+
+        Raises:
+            ValueError: a parameter name outside ``ACTIVATION_PARAMS``.
+        """
+        used = set(params)
+        if quant_config is not None:
+            used |= {p for p, f in _QC_ACTIVATION_PARAMS.items() if getattr(quant_config, f, None) is not None}
+            ue8m0 = ue8m0 or bool(getattr(quant_config, "use_ue8m0", False))
+        unknown = used - set(ACTIVATION_PARAMS)
+        if unknown:
+            raise ValueError(f"unknown activation parameters {sorted(unknown)}; known: {sorted(ACTIVATION_PARAMS)}")
+        missing = sorted(p for p in used if not self.claims_activation_params(activation, (p,)))
+        if missing:
+            name = activation.name if activation is not None else "the activation"
+            return f"kernel does not claim {name} with {', '.join(missing)} (SupportRecord.activation_params)"
+        if ue8m0 and not self.ue8m0_scales:
+            return "kernel does not claim UE8M0 (power-of-two) block scales (SupportRecord.ue8m0_scales)"
+        return None
 
     def device_reason(self) -> str | None:
         return None if self.device is None else self.device()
@@ -108,5 +161,9 @@ class SupportRecord:
             "router weight": self.router_weight_rounding,
             "deferred finalize": "yes" if self.deferred_finalize else "no",
             "hidden padding": "yes" if self.hidden_padding else "no",
+            "activation params": ("any" if set(self.activation_params) >= set(ACTIVATION_PARAMS) else
+                                  ", ".join(sorted(p if isinstance(p, str) else f"{p[0].name}:{p[1]}"
+                                                   for p in self.activation_params)) or "none"),
+            "ue8m0 scales": "yes" if self.ue8m0_scales else "no",
             "notes": self.notes or "-",
         }

@@ -16,7 +16,18 @@ __all__ = ["TopKWeightAndReduce", "TopKWeightAndReduceNoOP", "TopKWeightAndReduc
 
 
 class TopKWeightAndReduce(ABC):
-    """Applies topk weights to the experts' output and/or reduces over topk (seed 002)."""
+    """Applies topk weights to the experts' output and/or reduces over topk (seed 002).
+
+    Equality (``__eq__``, vLLM 0.17.0 and 0.33.0 alike): two instances are equal when they are of the same class
+    (``TopKWeightAndReduceNaiveBatched``: and the same ``rank``); vLLM's modular kernel compares the experts'
+    ``finalize_weight_and_reduce_impl()`` with a prepare/finalize's own this way.
+    """
+
+    def __eq__(self, other):
+        return type(other) is type(self)
+
+    def __hash__(self):
+        return hash(type(self))
 
     @abstractmethod
     def apply(
@@ -71,19 +82,28 @@ class TopKWeightAndReduceNaiveBatched(TopKWeightAndReduce):
     """Batched format: ``fused_expert_output`` is ``(E_local, max_tokens, K)`` with expert e's tokens in the order the
     batched prepare placed them (increasing token index). output[t] = sum over local routes of w * row, fp32.
 
-    ``rank`` and ``expert_map`` say which global experts are local (first ``E_local`` global ids when no map).
+    ``rank`` and ``expert_map`` say which global experts are local: with a map, the global ids mapped to
+    ``0..E_local-1``; without one, the rank's own range ``[rank * E_local, (rank + 1) * E_local)`` as vLLM 0.17.0
+    and 0.33.0 (``first_expert = num_local_experts * self.rank``) reduce. Equal to another NaiveBatched of the same
+    rank (vLLM's ``__eq__``; the map is not compared, as vLLM has none).
     """
 
     def __init__(self, rank: int = 0, expert_map: torch.Tensor | None = None):
         self.rank = rank
         self.expert_map = expert_map
 
+    def __eq__(self, other):
+        return isinstance(other, TopKWeightAndReduceNaiveBatched) and other.rank == self.rank
+
+    def __hash__(self):
+        return hash((TopKWeightAndReduceNaiveBatched, self.rank))
+
     def apply(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
         E_local, _, K = fused_expert_output.shape
         M = topk_ids.shape[0]
         acc = torch.zeros(M, K, dtype=torch.float32, device=fused_expert_output.device)
         for e in range(E_local):
-            g = e if self.expert_map is None else int((self.expert_map == e).nonzero()[0])
+            g = self.rank * E_local + e if self.expert_map is None else int((self.expert_map == e).nonzero()[0])
             rows = (topk_ids == g).nonzero()  # (n, 2): token, k; tokens increasing
             if rows.numel() == 0:
                 continue

@@ -14,6 +14,7 @@ Conventions (all quantizers):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -198,8 +199,11 @@ def per_token_group_quant_fp8(
     x: torch.Tensor,
     group_size: int = 128,
     *,
+    eps: float | None = None,
+    dtype: torch.dtype | None = None,
     column_major_scales: bool = False,
     tma_aligned_scales: bool = False,
+    out_q: torch.Tensor | None = None,
     use_ue8m0: bool = False,
     recipe: str | QuantRecipe = "vllm",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,6 +225,12 @@ def per_token_group_quant_fp8(
             SM90 layout; batched ``(G * align(M, 4), 1, align(M, 4))``).
         use_ue8m0: power-of-two scales (still stored as fp32; DeepGEMM FLOAT32_CEIL_UE8M0).
         recipe: ``"vllm"`` (default), ``"deepgemm"`` or a :class:`QuantRecipe`.
+        eps: vLLM's amax floor ("the minimum to avoid dividing zero"; vLLM's default 1e-10 is the ``"vllm"``
+            recipe's ``amax_floor``); None keeps the recipe's floor, a float replaces it.
+        dtype: the codes' dtype: None or ``torch.float8_e4m3fn`` (vLLM: "only torch.float8_e4m3fn is supported
+            for now"; None is the platform's FP8 type there, e4m3fn on CUDA).
+        out_q: a preallocated ``float8_e4m3fn`` tensor of x's shape the codes are written into and returned as
+            ``q`` (vLLM asserts ``out_q.shape == x.shape``).
 
     Returns:
         ``(q, scales)``: q float8_e4m3fn with x's shape; scales float32 ``(..., K // group_size)``
@@ -234,9 +244,15 @@ def per_token_group_quant_fp8(
         TypeError: x not fp16/bf16/fp32.
         ValueError: ``K % group_size != 0``; non-contiguous x; ``tma_aligned_scales`` without
             ``column_major_scales``; column-major scales for x not 2-D/3-D; unknown recipe;
-            ``use_ue8m0`` with a ``max_over_amax_multiply`` recipe.
+            ``use_ue8m0`` with a ``max_over_amax_multiply`` recipe; ``dtype`` other than float8_e4m3fn;
+            ``out_q`` of another shape or dtype; a negative ``eps``.
     """
     fn = "per_token_group_quant_fp8"
+    if dtype is not None and dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{fn}: dtype must be torch.float8_e4m3fn (vLLM supports only it), got {dtype}")
+    if out_q is not None and (tuple(out_q.shape) != tuple(x.shape) or out_q.dtype != torch.float8_e4m3fn):
+        raise ValueError(f"{fn}: out_q must be float8_e4m3fn of x's shape {tuple(x.shape)}, got {out_q.dtype} "
+                         f"{tuple(out_q.shape)}")
     check_high_precision(x, "x")
     check_positive_int(group_size, "group_size")
     check_last_dim_multiple(x, group_size, fn)
@@ -246,6 +262,8 @@ def per_token_group_quant_fp8(
     if column_major_scales and x.dim() not in (2, 3):
         raise ValueError(f"{fn}: column-major scales need x of shape (M, K) or (B, M, K), got {tuple(x.shape)}")
     r = get_recipe(recipe)
+    if eps is not None:
+        r = dataclasses.replace(r, amax_floor=eps)  # __post_init__ rejects a negative floor
 
     k = x.shape[-1]
     g = k // group_size
@@ -259,6 +277,9 @@ def per_token_group_quant_fp8(
         m = x.shape[-2]
         stride = get_tma_aligned_size(m, 4) if tma_aligned_scales else m
         s = mn_major_scales(s, stride)
+    if out_q is not None:
+        out_q.copy_(q)
+        q = out_q
     return q, s
 
 

@@ -20,8 +20,11 @@ Defined behaviour the kernels must match:
   * 0.33 (vLLM 0.33.0, same file, "Clamp NaN/Inf to 0"): ``fused_topk`` and ``fused_topk_bias`` (the
     ``topk_softmax`` / ``topk_sigmoid`` kernels) do not raise: a score (softmax / sigmoid of the fp32 logits) that
     is NaN or +-inf becomes 0 before selection, so ids are unique and in range (lower index first among the zeros)
-    and weights finite. ``grouped_topk``, ``topk_softmax`` and ``llama4_routing`` have no clamp upstream and keep
-    the 0.17 rule. ``check_finite=True`` raises under either version.
+    and weights finite; sqrtsoftplus clamps NaN only (+inf is chosen first and, renormalized, weighs NaN).
+    ``grouped_topk`` follows the fused single-group kernels' rule where they run (point
+    ``routing.grouped_topk_nonfinite``: invalid expert weight 0, ranked last) and raises elsewhere;
+    ``topk_softmax`` and ``llama4_routing`` have no clamp upstream and keep the 0.17 rule. ``check_finite=True``
+    raises under either version.
 - New in 0.33: sqrtsoftplus scoring, hash routing and the image-token
   bias in ``fused_topk_bias``, padding rows (``is_padding``: id -1, weight 0), fused shared-expert slots, Gemma4's
   per-expert scale, MiniMax2's epsilon renormalization, EPLB logical -> physical ids, the router factory and
@@ -33,7 +36,8 @@ The package, by component (every name is re-exported here):
   ``apply_padding_rows``;
 - ``reference.routing.topk``: ``fused_topk``, ``fused_topk_bias``, ``topk_softmax``, ``image_token_mask``,
   ``hash_topk_ids``;
-- ``reference.routing.grouped``: ``valid_grouping``, ``grouped_topk``, ``grouped_topk_router``;
+- ``reference.routing.grouped``: ``valid_grouping``, ``grouped_topk``, ``grouped_topk_router``,
+  ``single_group_kernel_applies``;
 - ``reference.routing.custom``: ``llama4_routing``, ``gemma4_routing``, ``minimax2_routing``;
 - ``reference.routing.router``: ``select_experts``, ``router_kind``, ``route``, ``append_fused_shared_experts``, the
   enum per version (``RoutingMethodType017``, ``routing_method_type_value`` / ``_enum``, ``get_routing_method_type``);
@@ -47,7 +51,13 @@ from reference.routing.common import RoutingMethodType, apply_padding_rows, chec
 from reference.routing.custom import MINIMAX2_EPSILON, gemma4_routing, llama4_routing, minimax2_routing
 from reference.routing.eplb import EPLB_KNUTH_MULTIPLIER, eplb_logical_to_physical
 from reference.routing.expert_map import determine_expert_map
-from reference.routing.grouped import grouped_topk, grouped_topk_router, valid_grouping
+from reference.routing.grouped import (
+    SINGLE_GROUP_TIERS,
+    grouped_topk,
+    grouped_topk_router,
+    single_group_kernel_applies,
+    valid_grouping,
+)
 from reference.routing.router import (
     RoutingMethodType017,
     append_fused_shared_experts,
@@ -94,5 +104,7 @@ __all__ = [
     "get_routing_method_type",
     "router_kind",
     "grouped_topk_router",
+    "SINGLE_GROUP_TIERS",
+    "single_group_kernel_applies",
     "route",
 ]

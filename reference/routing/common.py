@@ -115,13 +115,10 @@ def _checked_scores(logits: torch.Tensor, scoring_func: str, mode: str, v: Seman
     s = _scores(logits, scoring_func, v)
     if mode == "clamp":
         if scoring_func == "sqrtsoftplus":
-            # The sqrtsoftplus kernels clamp NaN only: +inf logits give an infinite score and NaN weights upstream.
-            if not explicit and bool(torch.isposinf(logits).any()):
-                t, e = (int(i) for i in torch.isposinf(logits).nonzero()[0])
-                raise ValueError(
-                    f"router logits: token {t}, expert {e} is +inf; vLLM 0.33's sqrtsoftplus kernels return NaN "
-                    "weights for it (they clamp NaN only), which the reference does not specify. Pass "
-                    "check_finite=False to route it anyway (weights unspecified).")
+            # The sqrtsoftplus kernels clamp NaN only (``topk_softplus_sqrt_kernels.cu``, vLLM 0.33.0): a -inf
+            # logit scores sqrt(softplus(-inf)) = 0; a +inf logit scores +inf (selected first, lower index first
+            # among several), and ``_finish`` then gives that slot inf / inf = NaN and the others x / inf = 0 when
+            # renormalizing (+inf * rsf without), as the kernel's ``scale = rsf / selected_sum`` does.
             s = torch.where(torch.isnan(s), torch.zeros_like(s), s)
         else:
             s = torch.where(torch.isfinite(s), s, torch.zeros_like(s))

@@ -1,6 +1,7 @@
 """Grouped top-k (DeepSeek-V2/V3 style): ``valid_grouping``, ``grouped_topk`` (native torch version of
-``fused_moe/router/grouped_topk_router.py``) and ``grouped_topk_router`` with each version's fallback for an
-invalid grouping (point ``routing.invalid_grouping_fallback``)."""
+``fused_moe/router/grouped_topk_router.py``, with the fused CUDA kernel's single-group non-finite rule, point
+``routing.grouped_topk_nonfinite``) and ``grouped_topk_router`` with each version's fallback for an invalid grouping
+(point ``routing.invalid_grouping_fallback``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,60 @@ from reference.routing.common import V033, _finish, _scores, _topk_ids, apply_pa
 from reference.routing.topk import fused_topk, fused_topk_bias
 from reference.semantics import resolve_semantics
 
-__all__ = ["valid_grouping", "grouped_topk", "grouped_topk_router"]
+__all__ = ["valid_grouping", "grouped_topk", "grouped_topk_router", "SINGLE_GROUP_TIERS",
+           "single_group_kernel_applies"]
+
+# The (max experts, max top-k) tiers of ``csrc/moe/grouped_topk_kernels.cu::single_group_topk`` (vLLM 0.33.0:
+# ``SigmoidBiasTiers``, ``PrecomputedSoftmaxBiasTiers``); a config that fits no tier runs the older
+# ``grouped_topk_fused_small_expert_count_kernel``, which has no non-finite rule.
+SINGLE_GROUP_TIERS = {
+    "sigmoid": ((128, 8), (256, 8), (384, 8), (512, 8), (512, 22), (768, 16), (896, 16), (1024, 16)),
+    "softmax": ((128, 4), (128, 8), (160, 8), (256, 8), (256, 16), (512, 8), (512, 16), (512, 22), (512, 32),
+                (576, 8), (768, 16), (896, 16), (1024, 16)),
+}
+
+
+def single_group_kernel_applies(num_experts: int, topk: int, num_expert_group: int, topk_group: int,
+                                scoring_func: str, has_bias: bool, *, semantics=None) -> bool:
+    """Whether vLLM's fused grouped top-k runs its single-group kernels (Kimi-K2 style, where the non-finite rule
+    of point ``routing.grouped_topk_nonfinite`` is defined): 0.33 semantics, a correction bias (the fused path
+    needs one: ``grouped_topk_router.py::grouped_topk``), ``num_expert_group == topk_group == 1``, E > 1, and
+    ``(E, topk)`` within a tier of ``SINGLE_GROUP_TIERS[scoring_func]`` (``invokeNoAuxTc`` in
+    ``csrc/moe/grouped_topk_kernels.cu``, vLLM 0.33.0). Always False under 0.17 (vLLM 0.17.0 has no such kernel)."""
+    if resolve_semantics(semantics) < V033 or not has_bias or num_expert_group != 1 or topk_group != 1:
+        return False
+    if num_experts <= 1 or scoring_func not in SINGLE_GROUP_TIERS:
+        return False
+    return any(num_experts <= e and topk <= k for e, k in SINGLE_GROUP_TIERS[scoring_func])
+
+
+def _single_group_nonfinite(gating_output, bias, topk, renormalize, scoring_func, routed_scaling_factor):
+    """The single-group kernels' rule (``single_group_topk::preprocess_score`` / ``write_outputs``, vLLM 0.33.0):
+    an expert whose input (the logit for sigmoid; the softmax score computed beforehand for softmax) or bias is
+    not finite is invalid: selection score -inf (ranked after every valid expert, lower index first), weight 0.
+    Valid selected weights: ``s * (rsf / (sum_valid + 1e-20))`` with renormalize, ``s * rsf`` without; a token
+    with no valid selected expert gets ``1/k`` (renormalize) or 0 and no routed scaling factor."""
+    x = gating_output.float()
+    b = bias.float().unsqueeze(0)
+    if scoring_func == "sigmoid":
+        unbiased = torch.sigmoid(x)
+        valid = torch.isfinite(x) & torch.isfinite(b)
+    else:  # softmax over all E first (fused_grouped_topk), then the kernel's SCORING_NONE path
+        unbiased = torch.softmax(x, dim=-1)
+        valid = torch.isfinite(unbiased) & torch.isfinite(b)
+    biased = unbiased + b
+    valid = valid & torch.isfinite(biased)
+    key = torch.where(valid, biased, torch.full_like(biased, float("-inf")))
+    ids = _topk_ids(key, topk)
+    sel_valid = valid.gather(1, ids)
+    w = torch.where(sel_valid, unbiased.gather(1, ids), torch.zeros_like(key[:, :topk]))
+    if renormalize:
+        w = w * (routed_scaling_factor / (w.sum(dim=-1, keepdim=True) + 1e-20))
+    else:
+        w = w * routed_scaling_factor
+    none = ~sel_valid.any(dim=-1, keepdim=True)
+    w = torch.where(none, torch.full_like(w, 1.0 / topk if renormalize else 0.0), w)
+    return w, ids
 
 
 def valid_grouping(num_experts: int, num_expert_group: int | None) -> bool:
@@ -31,6 +85,7 @@ def grouped_topk(
     e_score_correction_bias: torch.Tensor | None = None,
     indices_type: torch.dtype | None = None,
     check_finite: bool | None = None,
+    semantics=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-style grouped top-k.
 
@@ -45,12 +100,31 @@ def grouped_topk(
             caller ``select_experts`` falls back to plain top-k there, as vLLM does). topk_group: groups kept,
             ``1 <= topk_group <= G``; ``topk <= topk_group * E / G``.
 
+    Non-finite logits or bias (point ``routing.grouped_topk_nonfinite``): where vLLM 0.33.0's fused single-group
+    kernels run (``single_group_kernel_applies``: 0.33, a bias, G = topk_group = 1, E / k within a tier) the
+    kernels' rule is specified (``_single_group_nonfinite``; ``check_finite`` None or False applies it, True
+    raises). Everywhere else (0.17, multi-group, no bias, E / k outside the tiers: the multi-group kernels only
+    guard candidate logits, the group scores and weights are undefined) non-finite logits raise ValueError unless
+    ``check_finite=False`` (ids in range, weights unspecified).
+
     Returns:
         ``(topk_weights (M, topk) fp32, topk_ids (M, topk) int32)``.
 
-    Mirrors ``vllm/model_executor/layers/fused_moe/router/grouped_topk_router.py::grouped_topk`` (native torch).
+    Mirrors ``vllm/model_executor/layers/fused_moe/router/grouped_topk_router.py::grouped_topk`` (native torch)
+    and ``fused_grouped_topk`` / ``csrc/moe/grouped_topk_kernels.cu`` (vLLM 0.33.0) for the non-finite rule.
     """
-    if check_finite is not False:  # no clamp upstream in 0.17.0 or 0.33.0: raises under both
+    M, E = gating_output.shape if gating_output.dim() == 2 else (0, 0)
+    rule = (check_finite is not True and gating_output.dim() == 2 and e_score_correction_bias is not None
+            and valid_grouping(E, num_expert_group)
+            and single_group_kernel_applies(E, topk, num_expert_group, topk_group, scoring_func, True,
+                                            semantics=semantics))
+    nonfinite_rows = None
+    if rule:
+        bad = ~torch.isfinite(gating_output) | ~torch.isfinite(e_score_correction_bias).unsqueeze(0)
+        nonfinite_rows = bad.any(dim=-1)
+        if not bool(nonfinite_rows.any()):
+            nonfinite_rows = None
+    elif check_finite is not False:  # no rule upstream here (module doc): raise
         check_router_logits(gating_output)
     M, E = gating_output.shape
     if not valid_grouping(E, num_expert_group):
@@ -85,6 +159,13 @@ def grouped_topk(
     expert_mask = group_mask.unsqueeze(-1).expand(M, G, per_group).reshape(M, E)
     masked = choice.masked_fill(~expert_mask, float("-inf"))
     ids = _topk_ids(masked, topk)
+    if nonfinite_rows is not None:
+        w_rule, ids_rule = _single_group_nonfinite(gating_output, e_score_correction_bias, topk, renormalize,
+                                                   scoring_func, routed_scaling_factor)
+        w, ids = _finish(scores.gather(1, ids), ids, renormalize, routed_scaling_factor, None)
+        rows = nonfinite_rows.unsqueeze(-1)
+        return (torch.where(rows, w_rule, w).float(),
+                torch.where(rows, ids_rule.to(ids.dtype), ids).to(indices_type or torch.int32))
     return _finish(scores.gather(1, ids), ids, renormalize, routed_scaling_factor, indices_type)
 
 
@@ -131,7 +212,7 @@ def grouped_topk_router(
     w, ids = grouped_topk(hidden_states, router_logits, top_k, renormalize, num_expert_group, topk_group,
                           scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
                           e_score_correction_bias=e_score_correction_bias, indices_type=indices_type,
-                          check_finite=check_finite)
+                          check_finite=check_finite, semantics=v)
     if skip_padding and is_padding is not None:
         w, ids = apply_padding_rows(w, ids, is_padding, semantics=v)
     return w, ids

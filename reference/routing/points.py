@@ -14,7 +14,8 @@ register_point(
               "[0, E) (NaN ranked lowest), weights unspecified.",
         V033: "fused_topk / fused_topk_bias clamp: a NaN/+-inf softmax or sigmoid score becomes 0 before selection "
               "(unique ids, lower index first, finite weights, zero-sum renormalization divides by 1); no raise "
-              "unless check_finite=True. sqrtsoftplus clamps NaN only (+inf raises). grouped_topk, topk_softmax, "
+              "unless check_finite=True. sqrtsoftplus clamps NaN only: -inf scores 0, +inf scores +inf (selected first; renormalized: "
+              "its weight NaN, the others 0). grouped_topk: point routing.grouped_topk_nonfinite; topk_softmax, "
               "llama4_routing: unchanged (raise).",
     },
     upstream={V017: _F017 + "csrc/moe/topk_softmax_kernels.cu (no clamp)",
@@ -33,7 +34,7 @@ register_point(
 register_point(
     "routing.hash_routing", component="routing", reference="reference.routing.hash_topk_ids",
     behaviour={V017: "not defined (SemanticsError).",
-               V033: "ids = hash_indices_table[input_ids] (a lookup, sqrtsoftplus only); weights = unbiased scores "
+               V033: "ids = hash_indices_table[input_tokens] (a lookup, sqrtsoftplus only); weights = unbiased scores "
                      "of those ids, renormalized, scaled."},
     upstream={V017: _F017 + "(absent)",
               V033: _F033 + "fused_moe/router/fused_topk_bias_router.py, csrc/moe/topk_softplus_sqrt_kernels.cu"},
@@ -113,6 +114,23 @@ register_point(
                      "routed_scaling_factor."},
     upstream={V017: _F017 + "fused_moe/router/grouped_topk_router.py",
               V033: _F033 + "fused_moe/router/grouped_topk_router.py"},
-    notes="reference.routing.select_experts keeps its own fallback (fused_topk with the layer's scoring_func), "
-          "which is neither release's; route() / grouped_topk_router() follow the releases.",
+    notes="reference.routing.select_experts (seed 003's wrapper) runs grouped_topk_router, so it follows the "
+          "releases too (before issue 41 it kept its own fallback, fused_topk with the layer's scoring_func).",
+)
+register_point(
+    "routing.grouped_topk_nonfinite", component="routing",
+    reference="reference.routing.grouped_topk / single_group_kernel_applies",
+    behaviour={
+        V017: "no rule: non-finite logits raise ValueError (check_finite=False: ids in [0, E), weights "
+              "unspecified).",
+        V033: "single-group fused kernels (bias, G = topk_group = 1, E <= 1024 within the tiers; Kimi-K2): an "
+              "expert whose logit (sigmoid) or softmax score (softmax), or bias, is not finite is invalid: weight "
+              "0, ranked after every valid expert (lower index first); valid weights s * rsf / (sum + 1e-20); a "
+              "token with no valid expert: ids 0..k-1, weights 1/k (renormalize) or 0, no scaling. Multi-group / "
+              "no bias / outside the tiers: no rule (the multi-group kernels guard only candidate logits): raise.",
+    },
+    upstream={V017: _F017 + "csrc/moe/grouped_topk_kernels.cu (no single-group kernels; candidate guard only)",
+              V033: _F033 + "csrc/moe/grouped_topk_kernels.cu (single_group_topk::preprocess_score, "
+                            "write_outputs, invokeNoAuxTc), fused_moe/router/grouped_topk_router.py, "
+                            "tests/kernels/moe/test_grouped_topk.py::test_grouped_topk_single_group_nonfinite_scores"},
 )

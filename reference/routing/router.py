@@ -237,9 +237,10 @@ def select_experts(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Route tokens (seed 003 ``FusedMoE.select_experts``): returns ``(topk_weights, topk_ids, zero_expert_result)``.
 
-    Dispatch: ``use_grouped_topk`` with a valid grouping -> ``grouped_topk``; ``use_grouped_topk`` with an invalid
-    grouping (E <= G or E % G != 0) falls back to plain top-k as vLLM does (``fused_topk_bias`` when a correction
-    bias is given, else ``fused_topk``); ``custom_routing_function(hidden_states, gating_output, topk, renormalize)``
+    Dispatch: ``use_grouped_topk`` -> ``grouped_topk_router``: ``grouped_topk`` on a
+    valid grouping, else the selected release's fallback (point ``routing.invalid_grouping_fallback``: no bias:
+    softmax ``fused_topk``, no scaling; bias: ``fused_topk_bias`` (0.17 softmax, 0.33 the layer's scoring_func),
+    then scaled); ``custom_routing_function(hidden_states, gating_output, topk, renormalize)``
     when given; a correction bias without grouping -> ``fused_topk_bias``; else ``fused_topk``.
 
     ``routed_scaling_factor`` reaches the grouped and the biased routers only: vLLM's plain top-k router is built
@@ -271,10 +272,11 @@ def select_experts(
             f"router_logits has {E} columns but global_num_experts + zero_expert_num = {global_num_experts + zero_n}"
         )
     common = dict(indices_type=indices_type, check_finite=check_finite)
-    if use_grouped_topk and valid_grouping(E, num_expert_group):
-        w, ids = grouped_topk(
-            hidden_states, router_logits, top_k, renormalize, num_expert_group, topk_group or num_expert_group,
-            scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
+    if use_grouped_topk:
+        # GroupedTopKRouter: grouped_topk, or each release's invalid-grouping fallback.
+        w, ids = grouped_topk_router(
+            hidden_states, router_logits, top_k, num_expert_group or 0, topk_group or num_expert_group or 0,
+            renormalize=renormalize, scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
             e_score_correction_bias=e_score_correction_bias, **common,
         )
     elif custom_routing_function is not None:
@@ -359,7 +361,7 @@ def route(
     elif kind == "FusedTopKBiasRouter":
         w, ids = fused_topk_bias(hidden_states, router_logits, e_score_correction_bias, top_k, renormalize,
                                  scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
-                                 indices_type=indices_type, check_finite=check_finite, input_ids=input_ids,
+                                 indices_type=indices_type, check_finite=check_finite, input_tokens=input_ids,
                                  hash_indices_table=hash_indices_table, bias_vl=bias_vl,
                                  image_sentinel_lo=image_sentinel_lo, is_padding=is_padding, semantics=v)
         if v >= V033:

@@ -25,7 +25,7 @@ __all__ = ["IMAGE_SENTINEL_COUNT", "image_token_mask", "hash_topk_ids", "fused_t
 IMAGE_SENTINEL_COUNT = 5  # "five consecutive in-vocab sentinel ids starting at image_sentinel_lo"
 
 
-def image_token_mask(input_ids: torch.Tensor | None, image_sentinel_lo: int, num_tokens: int | None = None
+def image_token_mask(input_tokens: torch.Tensor | None, image_sentinel_lo: int, num_tokens: int | None = None
                      ) -> torch.Tensor:
     """``(M,)`` bool: which tokens are image tokens, i.e. ``image_sentinel_lo <= id < image_sentinel_lo + 5``.
 
@@ -34,46 +34,46 @@ def image_token_mask(input_ids: torch.Tensor | None, image_sentinel_lo: int, num
     ``router/dsv4_topk.py`` (vLLM 0.33.0).
 
     Raises:
-        ValueError: ``input_ids`` missing ("bias_vl routing requires input_ids") or not ``(M,)`` integer.
+        ValueError: ``input_tokens`` missing ("bias_vl routing requires input_tokens") or not ``(M,)`` integer.
     """
-    if input_ids is None:
-        raise ValueError("bias_vl routing requires input_ids (the token ids of the M rows)")
-    if input_ids.dim() != 1 or input_ids.is_floating_point() or (num_tokens is not None and
-                                                                 input_ids.shape[0] != num_tokens):
-        raise ValueError(f"input_ids must be 1-D integer with {num_tokens} rows, got {input_ids.dtype} "
-                         f"{tuple(input_ids.shape)}")
-    ids = input_ids.long()
+    if input_tokens is None:
+        raise ValueError("bias_vl routing requires input_tokens (the token ids of the M rows)")
+    if input_tokens.dim() != 1 or input_tokens.is_floating_point() or (num_tokens is not None and
+                                                                 input_tokens.shape[0] != num_tokens):
+        raise ValueError(f"input_tokens must be 1-D integer with {num_tokens} rows, got {input_tokens.dtype} "
+                         f"{tuple(input_tokens.shape)}")
+    ids = input_tokens.long()
     if image_sentinel_lo <= 0:
         return torch.zeros_like(ids, dtype=torch.bool)
     return (ids >= image_sentinel_lo) & (ids < image_sentinel_lo + IMAGE_SENTINEL_COUNT)
 
 
-def hash_topk_ids(input_ids: torch.Tensor | None, hash_indices_table: torch.Tensor, topk: int, num_experts: int,
+def hash_topk_ids(input_tokens: torch.Tensor | None, hash_indices_table: torch.Tensor, topk: int, num_experts: int,
                   *, skip: torch.Tensor | None = None, semantics=None) -> torch.Tensor:
-    """DeepSeek-V4 hash routing: ``hash_indices_table[input_ids]``, a lookup (``(M, topk)``, the table's dtype).
+    """DeepSeek-V4 hash routing: ``hash_indices_table[input_tokens]``, a lookup (``(M, topk)``, the table's dtype).
 
     Args:
-        input_ids: ``(M,)`` token ids (any integer dtype; vLLM casts them to the table's dtype).
+        input_tokens: ``(M,)`` token ids (any integer dtype; vLLM casts them to the table's dtype).
         hash_indices_table: ``(vocab, topk)`` integer expert ids (``tid2eid``), each in ``[0, E)``.
         skip: ``(M,)`` bool rows whose id is not looked up (image or padding rows; they read row 0, as vLLM's
             ``safe_ids``, and the caller overwrites them).
 
     Raises:
-        ValueError: missing ``input_ids``, table width != topk, a token id outside ``[0, vocab)`` or a table entry
+        ValueError: missing ``input_tokens``, table width != topk, a token id outside ``[0, vocab)`` or a table entry
             outside ``[0, E)`` on a looked-up row. SemanticsError under 0.17.
 
     Mirrors ``fused_topk_bias`` (``topk_indices = hash_indices_table[input_tokens]``) and the ``USE_HASH`` path of
     ``csrc/moe/topk_softplus_sqrt_kernels.cu`` (``tid2eid[token_id * k + k_idx]``), vLLM 0.33.0.
     """
     require("hash routing (hash_indices_table)", "0.33", semantics, upstream=_UP + "fused_topk_bias_router.py")
-    if input_ids is None:
-        raise ValueError("hash routing needs input_ids")
+    if input_tokens is None:
+        raise ValueError("hash routing needs input_tokens")
     if hash_indices_table.dim() != 2 or hash_indices_table.is_floating_point():
         raise ValueError(f"hash_indices_table must be (vocab, topk) integer, got {hash_indices_table.dtype} "
                          f"{tuple(hash_indices_table.shape)}")
     if hash_indices_table.shape[1] != topk:
         raise ValueError(f"hash_indices_table has {hash_indices_table.shape[1]} experts per token, topk is {topk}")
-    tok = input_ids.long()
+    tok = input_tokens.long()
     if skip is not None:
         tok = torch.where(skip.to(torch.bool), torch.zeros_like(tok), tok)
     vocab = hash_indices_table.shape[0]
@@ -151,7 +151,7 @@ def fused_topk_bias(
     routed_scaling_factor: float = 1.0,
     indices_type: torch.dtype | None = None,
     check_finite: bool | None = None,
-    input_ids: torch.Tensor | None = None,
+    input_tokens: torch.Tensor | None = None,
     hash_indices_table: torch.Tensor | None = None,
     bias_vl: torch.Tensor | None = None,
     image_sentinel_lo: int = 0,
@@ -168,11 +168,13 @@ def fused_topk_bias(
     ``csrc/moe/topk_softplus_sqrt_kernels.cu``; ``SemanticsError`` under 0.17, which has none of them):
 
     - ``scoring_func="sqrtsoftplus"`` (DeepSeek-V4, point ``routing.sqrtsoftplus``): score =
-      ``sqrt(softplus(x))`` in fp32, softplus(x) = x for x > 20 else log(1 + exp(x)). Non-finite: a NaN score is 0
-      (the kernels' clamp); +inf logits raise unless ``check_finite=False`` (upstream weights are NaN). The
+      ``sqrt(softplus(x))`` in fp32, softplus(x) = x for x > 20 else log(1 + exp(x)). Non-finite (vLLM 0.33.0's
+      ``topk_softplus_sqrt_kernels.cu``): a NaN score is 0 (the kernels' clamp), a -inf logit scores 0, a +inf
+      logit scores +inf and is selected first; renormalizing then gives its slot a NaN weight and every other slot
+      0 (``rsf / inf``), without renormalization its weight is +inf. The
       ``e_score_correction_bias`` may be None (no bias).
-    - Hash routing (``hash_indices_table`` ``(vocab, topk)`` int, ``input_ids`` ``(M,)`` int; point
-      ``routing.hash_routing``; sqrtsoftplus only, as on CUDA): ids = ``hash_indices_table[input_ids]`` (a lookup:
+    - Hash routing (``hash_indices_table`` ``(vocab, topk)`` int, ``input_tokens`` ``(M,)`` int (vLLM's name); point
+      ``routing.hash_routing``; sqrtsoftplus only, as on CUDA): ids = ``hash_indices_table[input_tokens]`` (a lookup:
       no score decides, order kept); weights = the unbiased scores of those ids, renormalized, scaled. An id
       outside ``[0, vocab)`` raises.
     - Image-token bias (``bias_vl`` ``(E,)`` fp32, ``image_sentinel_lo > 0``; point ``routing.image_token_bias``;
@@ -203,14 +205,14 @@ def fused_topk_bias(
 
     image = None
     if bias_vl is not None and image_sentinel_lo > 0:
-        image = image_token_mask(input_ids, image_sentinel_lo, M)
+        image = image_token_mask(input_tokens, image_sentinel_lo, M)
         choice = torch.where(image.unsqueeze(-1), scores + bias_vl.float().unsqueeze(0), choice)
     if hash_indices_table is not None:
         skip = image
         if is_padding is not None:
             pad = is_padding.to(torch.bool)
             skip = pad if skip is None else (skip | pad)
-        ids = hash_topk_ids(input_ids, hash_indices_table, topk, E, skip=skip, semantics=v)
+        ids = hash_topk_ids(input_tokens, hash_indices_table, topk, E, skip=skip, semantics=v)
         if image is not None:
             ids = torch.where(image.unsqueeze(-1), _topk_ids(choice, topk), ids)
     else:

@@ -114,6 +114,8 @@ def test_sqrtsoftplus_hash_and_image_bias_against_vllm_torch_oracle(vllm_tree, s
         ]
         for kw in cases:
             ref_w, ref_ids = oracle(logits, k, rn, rsf, **kw)
+            if "input_ids" in kw:  # the oracle's name; vLLM's fused_topk_bias (and the reference) say input_tokens
+                kw["input_tokens"] = kw.pop("input_ids")
             w, ids = fused_topk_bias(None, logits, kw.pop("e_score_correction_bias", None), k, rn,
                                      scoring_func="sqrtsoftplus", routed_scaling_factor=rsf, semantics=semantics,
                                      **kw)

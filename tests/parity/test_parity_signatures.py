@@ -42,15 +42,16 @@ NOT_TAKEN: dict[tuple[str, str], str] = {}
 # Known drifts (vLLM 0.33.0 has the name, the reference does not yet): each test with one is a strict xfail naming
 # them, so fixing one (or vLLM dropping it) turns the test red until the entry goes. Read from vllm-0.33.0.
 DRIFT: dict[tuple[str, str], str] = {
-    ("fused_topk_bias", "input_tokens"): "the reference still says input_ids (issue 41)",
-    ("determine_expert_map", "return_expert_mask"): "the reference always returns the AITER expert mask",
-    ("moe_align_block_size", "ignore_invalid_experts"): "the reference's drop_out_of_range_ids is the same switch "
-                                                        "under another name",
-    ("moe_align_block_size", "return_scatter_idx"): "0.33's scatter index output is not specified",
-    ("deepgemm_moe_permute", "use_psum_layout"): "0.33's psum layout is not specified",
-    ("per_token_group_quant_fp8", "eps"): "the reference's recipe carries the amax floor",
-    ("per_token_group_quant_fp8", "dtype"): "the reference quantizes to float8_e4m3fn only",
-    ("per_token_group_quant_fp8", "out_q"): "no preallocated output in the reference",
+    ("moe_align_block_size", "ignore_invalid_experts"): "the reference with an expert_map is vLLM's "
+                                                        "ignore_invalid_experts=True mode; the False (legacy) mode, "
+                                                        "which aligns every global expert and maps expert_ids "
+                                                        "afterwards, is not specified, and vLLM's default (False) "
+                                                        "differs from the reference's behaviour",
+    ("moe_align_block_size", "return_scatter_idx"): "0.33's scatter index ((numel, 1) int32: i for a valid route, "
+                                                    "-1 otherwise; csrc/moe/moe_align_sum_kernels.cu) needs the "
+                                                    "ignore_invalid_experts switch above first",
+    ("deepgemm_moe_permute", "use_psum_layout"): "0.33's psum layout (DeepGEMM's per-rank prefix-sum M layout) is "
+                                                 "not specified",
 }
 
 
