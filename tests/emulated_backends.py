@@ -15,7 +15,11 @@ to accept what a conforming kernel does and to reject reduced-precision accumula
   weight of the last top-k slot dropped: must fail), ``noisy`` (conforming but noisy: every GEMM accumulates in
   fp32 over K tiles of 64 summed last tile first, another order than the reference's, so the act-dtype roundings
   after it flip; the conforming kernel the one rule must pass in every test that compares an output: experts,
-  padding, hygiene, distributed; tests/test_one_rule.py).
+  padding, hygiene, distributed; tests/test_one_rule.py), ``h_flip`` (GEMM1's output rounded to the other
+  neighbouring act-dtype value at the element under the largest activation output of each expert's rows: Mixtral
+  bf16 M1's heavy event), ``a2_flip`` (one requantized FP8 a2 code moved one step away from zero at the call's
+  largest |code| x router weight: the fp8_tensor_static gelu_tanh regression's heavy event; step 7b covers the flip
+  at the largest code alone, ``A2FlipCodeExperts``, not this one: tests/test_error_model.py).
 """
 
 from __future__ import annotations
@@ -91,6 +95,83 @@ Mma16Experts.support = dataclasses.replace(ReferenceExperts.support, quant_schem
                                            notes="emulated SM90 16-bit MMA (tests/emulated_backends.py)")
 
 
+def _other_neighbour(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``h`` placed on the neighbour of ``dtype`` that round-to-nearest did not pick (away from zero where ``h``
+    is on the grid): the same accumulator rounded the other way."""
+    r = h.to(dtype)
+    bits = r.view(torch.int16)
+    beyond = (h.abs() > r.float().abs()) | (h == r.float())  # h above its rounding (or on it): the next value up
+    step = torch.where(beyond, 1, -1).to(torch.int16)  # sign-magnitude: +1 on the bits moves away from zero
+    return (bits + step).view(dtype).float()
+
+
+class HFlipExperts(_EmulatedExperts):
+    """The reference with GEMM1's output rounded the other way at one element per expert: the gate or up element
+    under the largest |activation| of that expert's rows (a conforming accumulation that lands on the other side of
+    a rounding boundary there; Mixtral bf16 M1's heavy event). Gated activations with bf16 / fp16 outputs only."""
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        from reference.activation import apply_moe_activation
+
+        dtype = output.dtype
+        N = w1.shape[1]
+
+        def gemm(a, w):
+            h = a.to(torch.float32) @ w.to(torch.float32).T
+            if w.shape[0] != N or not activation.is_gated:
+                return h
+            act = apply_moe_activation(activation, h.to(dtype)).float().abs()
+            r, i = divmod(int(act.argmax()), act.shape[1])
+            j = 2 * i if activation.name == "SWIGLUOAI" else i  # the gate element (interleaved halves)
+            h = h.clone()
+            h[r, j] = _other_neighbour(h[r, j:j + 1], dtype)[0]
+            return h
+
+        y = experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
+                               activation, output.dtype, gemm=gemm)
+        output.copy_(y.view(output.shape))
+
+
+class A2FlipExperts(_EmulatedExperts):
+    """The reference with one requantized FP8 a2 code moved one step away from zero where it weighs most in the
+    output: the largest |code| x router weight of the call (a conforming activation that landed on the other side of
+    an FP8 rounding boundary there; the fp8_tensor_static gelu_tanh regression's heavy event). FP8 a2 only.
+    ``by_router_weight = False`` (``A2FlipCodeExperts``): at the largest |code| alone."""
+
+    by_router_weight = True
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        import reference.experts as rx
+
+        quantize = rx.moe_kernel_quantize_input
+        local = rx.local_expert_ids(topk_ids, w1.size(0), expert_map)
+        # the router weight of each row of a2, in experts_unreduced's order (expert by expert, routes by nonzero)
+        row_w = torch.cat([topk_weights[local == e] for e in range(w1.size(0))]).float()
+        if not self.by_router_weight:
+            row_w = torch.ones_like(row_w)
+
+        def flipped(A, scale, qc, name="a1"):
+            q, s = quantize(A, scale, qc, name)
+            if name == "a2" and q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                b = q.view(torch.uint8).flatten().clone()
+                i = int((q.float().abs() * row_w[:, None]).flatten().argmax())
+                b[i] += 1  # sign-magnitude: one code away from zero
+                q = b.view(q.dtype).view(q.shape)
+            return q, s
+
+        rx.moe_kernel_quantize_input = flipped
+        try:
+            y = experts_unreduced(hidden_states, a1q_scale, w1, w2, topk_ids, expert_map, self.quant_config,
+                                   activation, output.dtype)
+        finally:
+            rx.moe_kernel_quantize_input = quantize
+        output.copy_(y.view(output.shape))
+
+
 def _extra_rounding_gemm(a, w):
     # Split-K with bf16 partials: each half of the reduction is rounded to bf16 before the two are added, one more
     # rounding of every output element than the reference's single rounding point after the fp32 sum.
@@ -101,6 +182,12 @@ def _extra_rounding_gemm(a, w):
 
 
 ExtraRoundingExperts = _experts_class("ExtraRoundingExperts", _extra_rounding_gemm)
+
+
+class A2FlipCodeExperts(A2FlipExperts):
+    """``A2FlipExperts`` at the call's largest |code| whatever its route's weight."""
+
+    by_router_weight = False
 
 
 class DroppedWeightExperts(ReferenceExperts):
@@ -141,6 +228,8 @@ mma16 = _backend("emulated_mma16", Mma16Experts)
 inplace_13bit = _backend("emulated_inplace_13bit", InplaceExperts)
 extra_rounding = _backend("emulated_extra_rounding", ExtraRoundingExperts)
 dropped_weight = _backend("emulated_dropped_weight", DroppedWeightExperts)
+h_flip = _backend("emulated_h_flip", HFlipExperts)
+a2_flip = _backend("emulated_a2_flip", A2FlipExperts)
 noisy = _backend("emulated_noisy", NoisyExperts)
 # Two classes, one named after a model (as an adapter of transformers' experts would be): case selection by
 # --model / --scheme must not match class names (tests/test_variant_claims.py).

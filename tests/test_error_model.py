@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -28,8 +29,8 @@ from reference.modular import moe_kernel_quantize_input
 from reference.routing import fused_topk
 from reference.schemes import quantize_weights
 from specs import load_models
-from tests.emulated_backends import (DroppedWeightExperts, ExtraRoundingExperts, InplaceExperts, Mma16Experts,
-                                     PromotedExperts)
+from tests.emulated_backends import (A2FlipCodeExperts, A2FlipExperts, DroppedWeightExperts, ExtraRoundingExperts, HFlipExperts,
+                                     InplaceExperts, Mma16Experts, PromotedExperts)
 from tests.harness_util import run_conformance
 
 
@@ -244,3 +245,61 @@ def test_int8_per_tensor_step_spans_the_routed_rows():
     weight_only = experts_error_bound(_qc("int4_w4a16"), act_dtype=torch.bfloat16, K=2048, I=768)
     bf16 = experts_error_bound(_qc("bf16"), act_dtype=torch.bfloat16, K=2048, I=768)
     assert weight_only.rms_norm == pytest.approx(bf16.rms_norm)  # no activation requantized
+
+
+def _run_class(cls, cfg, x, w1q, w2q, w, ids, emap, qc, act, E):
+    from reference.modular import FusedMoEKernel, MoEPrepareAndFinalizeNoEP
+
+    return FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls(cfg, qc)).apply(
+        x, w1q, w2q, w, ids, activation=act, global_num_experts=E, expert_map=emap)
+
+
+def _one_heavy_event(cls, E, topk, K, I, M, scheme, act, ep_size=1, ep_rank=0, placement="linear", nc=False):
+    """(stats, bound, bound without step 7b) of ``cls``'s output on a fuzz case (``conformance.fuzz``: its inputs
+    are seeded from the case id, so a regression's fields give its inputs)."""
+    from conformance.fuzz import FuzzCase, case_bound, make_inputs
+
+    fc = FuzzCase(E=E, topk=topk, K=K, I=I, M=M, scheme=scheme, activation=act, dtype="bfloat16", ep_size=ep_size,
+                  ep_rank=ep_rank, placement=placement, noncontiguous=nc, pad=0)
+    x, w1q, w2q, w, ids, emap, qc, cfg = make_inputs(fc, "cpu")
+    ref = fused_experts(x, w1q, w2q, w, ids, activation=fc.act, global_num_experts=E, expert_map=emap,
+                        quant_config=qc)
+    out = _run_class(cls, cfg, x, w1q, w2q, w, ids, emap, qc, fc.act, E)
+    local = (ids.long() >= 0) & (emap[ids.long()] >= 0) if emap is not None else ids.long() >= 0
+    with mock.patch("reference.error_model._heavy_event", lambda *a, **k: (0.0, 0.0)):  # step 7b off
+        without = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, activation=fc.act,
+                                      routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / M, 1.0))
+    return error_stats(out, ref), case_bound(fc, qc, ids, emap), without
+
+
+@pytest.mark.parametrize("cls", [
+    A2FlipCodeExperts,
+    pytest.param(A2FlipExperts, marks=pytest.mark.xfail(strict=True, reason=(
+        "the regression's own event: the flip on the route of the largest |code| x router weight; step 7b's b "
+        "leaves out the router weights' spread (reference/error_model.py, 7b), so this one stays a known failure "
+        "(specs/xfail: triton, cuda)"))),
+])
+def test_one_requantization_flip_at_the_largest_code(cls):
+    """The fp8_tensor_static gelu_tanh regression (specs/regressions.toml, E8 k5 K96 I192 M157 EP8 rank 5): one FP8
+    a2 code one step off at the call's largest |code| (whatever its route's weight) is step 7b's heavy event and
+    inside the bound; at the largest |code| x router weight it gives what the H100 and H200 measured (1.39e-2, 1.57x
+    the bound without step 7b), which the term, blind to the router weights, does not cover."""
+    s, b, without = _one_heavy_event(cls, 8, 5, 96, 192, 157, "fp8_tensor_static", "gelu_tanh", 8, 5,
+                                     "round_robin", True)
+    if cls is A2FlipExperts:
+        assert s.rms_norm > 1.2 * without.rms_norm, (s, without)  # the mechanism of the known failure
+    assert s.rms_norm <= b.rms_norm and s.max_norm <= b.max_norm, (s, b)
+
+
+@pytest.mark.parametrize(("K", "I", "M"), [
+    (1024, 2048, 1),
+    pytest.param(4096, 14336, 1, marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=(
+        "Mixtral bf16 M1's geometry: the call's largest product lies beyond step 7b's t (12.7x the RMS), where a "
+        "flip has probability ~2e-4 under the model (n qt P(|v| > t)); the GPU's event, a known failure"))]),
+])
+def test_one_activation_flip_at_the_largest_product(K, I, M):
+    """Mixtral bf16 M1's heavy event (one GEMM1 output rounded the other way under the call's largest gated product;
+    the GPU's 1.841e-3 against 1.70e-3 without step 7b): inside the bound where the call's largest product lies
+    within step 7b's t; beyond it (Mixtral's own shape) it is the probability the term leaves out."""
+    s, b, without = _one_heavy_event(HFlipExperts, 1, 1, K, I, M, "bf16", "silu")
+    assert s.rms_norm <= b.rms_norm and s.max_norm <= b.max_norm, (s, b)
