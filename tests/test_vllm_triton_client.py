@@ -141,9 +141,15 @@ for scheme, K, I, E, topk, ep, rank, M, pad in json.loads(sys.argv[1]):
 # (scheme, K, I, E, topk, ep_size, ep_rank, M, pad): vLLM's aligned path on an EP rank (expert_map), the naive
 # per-route blocks (no map, M * topk * 4 <= E), fp32, 128-block FP8 and per-channel FP8 (the interpreter accumulates
 # exactly, so the in-place class is judged under the vllm profile here: run_with_reference's default), -1 slots.
+# Not a verdict: the interpreter truncates fp32 -> bf16 / fp16 stores (backends/triton/jit.py, EMU) where the GPU
+# rounds to nearest, and vLLM's kernel has no EMU path, so every store here carries up to one extra ulp. The margin
+# is not guaranteed (most likely for that reason): tiny-fp8_tensor_static-M5-ep2r0 measures rms_norm 3.9e-2 against a bound of 3.1e-2 although the
+# in-tree triton backend (which rounds its stores explicitly under the interpreter) is bitwise equal to the reference
+# on it. The GPU run (tools/gpu/clients.sh) is the verdict.
 INTERPRET_CASES = [("fp16", 64, 32, 8, 2, 2, 1, 5, False), ("fp16", 64, 32, 64, 2, 1, 0, 2, False),
                    ("fp32", 64, 32, 8, 2, 2, 0, 6, True), ("fp8_block128", 256, 128, 8, 2, 2, 1, 5, True),
-                   ("fp8_channel_token", 64, 32, 8, 2, 2, 0, 5, False)]
+                   ("fp8_channel_token", 64, 32, 8, 2, 2, 0, 5, False), ("fp8_tensor", 64, 32, 8, 2, 2, 1, 5, True),
+                   ("fp8_tensor_token", 64, 32, 8, 2, 2, 1, 5, False)]
 
 
 @pytest.mark.slow
