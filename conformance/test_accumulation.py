@@ -105,6 +105,15 @@ def test_accumulation_probe(backend, probe_cls, scheme, M, repro, record):
     except ConformanceFailure as exc:
         fast = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K_PROBE, I=I_PROBE,
                                    accumulation=Accumulation.fast(14))
+        from conformance.profile_match import declared_profile
+
+        declared = declared_profile(backend, probe_cls)
+        if declared.fp8_accumulation == "inplace":
+            # The class declares the named defect (reference/profiles.py): reported under its name, not hidden as a
+            # pass; a class that declares it and accumulates exactly passes here (its declaration is then too modest).
+            record(profile=declared.name, known_defect="fp8 in-place accumulation")
+            pytest.xfail(f"{probe_cls.__name__} declares numerics profile {declared.name}: the named accuracy "
+                         f"defect of FP8 in-place accumulation, measured here: {str(exc).splitlines()[0]}")
         raise ConformanceFailure(
             f"{exc}\n  every product and every partial sum of <= 256 products is exact here, so a GEMM1 that "
             f"accumulates in fp32 (or promotes a >= 14-bit MMA partial at least every 256 K elements) is exact; "

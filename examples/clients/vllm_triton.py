@@ -282,6 +282,11 @@ class VllmTritonExperts(FusedMoEExpertsModular):
 
     def _flags(self):
         qc = self.quant_config
+        # Each class runs only the pairs it claims (the two classes split vLLM's FP8 pairs by numerics profile):
+        # anything else is refused, never computed.
+        if not type(self).support.claims_quant(qc.weight_key, qc.activation_key):
+            raise NotImplementedError(f"{type(self).__name__}: {qc.weight_key} x {qc.activation_key} is not a "
+                                      "scheme of this class")
         if qc.weight_key is None and qc.activation_key is None:
             return False, False, None
         if not qc.use_fp8_w8a8 or getattr(qc, "use_ue8m0", False):
