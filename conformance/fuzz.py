@@ -150,13 +150,15 @@ def make_inputs(fc: FuzzCase, device: str):
 
 
 def case_bound(fc: FuzzCase, qc, ids: torch.Tensor, emap: torch.Tensor | None,
-               router_weight_rounding: str = "reference"):
+               router_weight_rounding: str = "reference", profile=None):
     """The error model's bound on ``fc``'s experts output (``reference.error_model.experts_error_bound``) over the
-    routes held here: ids ``>= 0`` that ``emap`` maps to a local expert."""
+    routes held here: ids ``>= 0`` that ``emap`` maps to a local expert; ``profile``: the numerics profile judged
+    under (its accumulation, where it names one; None: the default)."""
     local = ids.long() >= 0 if emap is None else (ids.long() >= 0) & (emap[ids.long().clamp(min=0)] >= 0)
     return experts_error_bound(qc, act_dtype=_DTYPES[fc.dtype], K=fc.K, I=fc.I, activation=fc.act,
                                routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / max(fc.M, 1), 1.0),
-                               router_weight_rounding=router_weight_rounding)
+                               router_weight_rounding=router_weight_rounding,
+                               accumulation=None if profile is None else profile.error_model_accumulation(qc))
 
 
 @dataclass
@@ -167,8 +169,12 @@ class Outcome:
     detail: str = ""
 
 
-def check_case(cls, fc: FuzzCase, device: str) -> Outcome:
-    """Run ``fc`` on ``cls`` against the reference (see the module docstring)."""
+def check_case(cls, fc: FuzzCase, device: str, profile=None) -> Outcome:
+    """Run ``fc`` on ``cls`` against the reference (see the module docstring), judged under ``profile`` (a
+    ``reference.profiles.NumericsProfile``; None: the one ``cls`` declares as ``numerics_profile``, else ``vllm``)."""
+    from conformance.profile_match import declared_profile
+
+    profile = declared_profile(None, cls) if profile is None else profile
     claimed, reason = claim_of(cls, fc)
     rec = getattr(cls, "support", None)
     variant = rec.variant_reason(fc.act, ue8m0=get_scheme(fc.scheme).use_ue8m0) if claimed and rec else None
@@ -198,10 +204,13 @@ def check_case(cls, fc: FuzzCase, device: str) -> Outcome:
     if not claimed:
         return Outcome("failed", f"not claimed ({reason}) yet returned a tensor instead of raising")
     if batched:
+        if not profile.is_default:
+            return Outcome("refused", f"unclaimed variant, not run: numerics profile {profile.name}: the batched "
+                                      "format's reference is specified for the vllm profile only")
         ref = kernel(BatchedReferenceExperts).apply(x, w1, w2, w, ids, **kw)
     else:
-        ref = fused_experts(x, w1, w2, w, ids, quant_config=qc, **kw, **situ_params(fc.act))
-    bound = case_bound(fc, qc, ids, emap, getattr(rec, "router_weight_rounding", "reference"))
+        ref = fused_experts(x, w1, w2, w, ids, quant_config=qc, **kw, **situ_params(fc.act), profile=profile)
+    bound = case_bound(fc, qc, ids, emap, getattr(rec, "router_weight_rounding", "reference"), profile=profile)
     s = error_stats(out, ref)
     over = [f"{k} {getattr(s, k):.3e} > {v:.1e}" for k, v in bound.as_tolerance().items()
             if not getattr(s, k) <= v]

@@ -24,7 +24,10 @@ def test_regression(backend, experts_cls, regression, record, request):
         pytest.skip(f"backend {backend.name} offers no experts implementation")
     record(component="regression", model=f"E{regression.E}-K{regression.K}-I{regression.I}",
            scheme=regression.scheme, tokens=regression.M, experts_class=experts_cls.__name__)
-    o = check_case(experts_cls, regression, backend.device)
+    from conformance.profile_match import judged_profile
+
+    profile = judged_profile(request.config, backend, experts_cls)
+    o = check_case(experts_cls, regression, backend.device, profile=profile)
     if o.kind == "refused":
         record(support="unsupported", reason=o.detail)
         if o.detail.startswith("unclaimed variant"):
