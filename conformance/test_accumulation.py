@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conformance.inputs import to_device
+from conformance.experts_case import claims_config
 from conformance.metrics import ConformanceFailure, assert_close
 from reference.activation import MoEActivation
 from reference.config import FusedMoEConfig
@@ -86,8 +87,7 @@ def test_accumulation_probe(backend, probe_cls, scheme, M, repro, record):
     w1 = _grid(2 * I_PROBE, K_PROBE, g, anchor_col=1).bfloat16().unsqueeze(0)
     w2 = (torch.randn(1, K_PROBE, I_PROBE, generator=g) * I_PROBE**-0.5).bfloat16()
     w1q, w2q, qc = quantize_weights(scheme, w1, w2)
-    ok, reason = probe_cls.is_supported_config(probe_cls, _config(M), qc.weight_key, qc.activation_key,
-                                               probe_cls.activation_format())
+    ok, reason = claims_config(probe_cls, _config(M), qc)  # the keys and every variant (UE8M0 scales)
     if not ok:
         pytest.skip(f"unsupported: {reason}")
     ids = torch.zeros(M, 1, dtype=torch.int32)
