@@ -30,6 +30,9 @@ __all__ = [
     "SITU_KIMI_K3_BETA",
     "SITU_KIMI_K3_LINEAR_BETA",
     "activation_defined",
+    "GATED_ACTIVATIONS",
+    "NO_MUL_ACTIVATIONS",
+    "ACTIVATIONS_SINCE_033",
 ]
 
 SWIGLUOAI_DEFAULT_ALPHA = 1.702
@@ -75,7 +78,14 @@ class MoEActivation(enum.Enum):
 
 
 #: Members vLLM 0.17.0's ``MoEActivation`` does not have (vllm/model_executor/layers/fused_moe/activation.py).
-_SINCE_033 = frozenset({MoEActivation.SITU, MoEActivation.GELU_TANH_NO_MUL})
+ACTIVATIONS_SINCE_033 = frozenset({MoEActivation.SITU, MoEActivation.GELU_TANH_NO_MUL})
+_SINCE_033 = ACTIVATIONS_SINCE_033
+
+#: The gated activations ``apply_moe_activation`` defines, ``(..., 2d) -> (..., d)``: every gated member but RELU2
+#: (vLLM's enum has it, ``apply_moe_activation`` raises). A tuple in enum order (error messages list it).
+GATED_ACTIVATIONS = tuple(a for a in MoEActivation if a.is_gated and a is not MoEActivation.RELU2)
+#: The non-gated ``*_NO_MUL`` activations, ``(..., d) -> (..., d)``, in enum order.
+NO_MUL_ACTIVATIONS = tuple(a for a in MoEActivation if not a.is_gated)
 
 
 def activation_defined(activation: MoEActivation, semantics=None) -> bool:

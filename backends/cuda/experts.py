@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from backends._validation import validate_routes_requested
-from reference.activation import MoEActivation
+from reference.activation import ACTIVATIONS_SINCE_033, GATED_ACTIVATIONS, NO_MUL_ACTIVATIONS, MoEActivation
 from reference.modular import ACTIVATION_PARAMS, FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
     TopKWeightAndReduceNoOP
 from reference.quant import keys as qk
@@ -91,15 +91,9 @@ FP8_SUPPORTED_W_A = tuple(
     for a in (qk.kFp8StaticTensorSym, qk.kFp8DynamicTensorSym, qk.kFp8DynamicTokenSym)
 )
 
-_GATED = (
-    MoEActivation.SILU,
-    MoEActivation.GELU,
-    MoEActivation.GELU_TANH,
-    MoEActivation.SWIGLUOAI,
-    MoEActivation.SWIGLUOAI_UNINTERLEAVE,
-    MoEActivation.SWIGLUSTEP,
-)
-_NO_MUL = (MoEActivation.SILU_NO_MUL, MoEActivation.GELU_NO_MUL, MoEActivation.RELU2_NO_MUL)
+#: The activations this backend implements: the reference's gated and ``*_NO_MUL`` sets without the vLLM 0.33 members.
+_GATED = tuple(a for a in GATED_ACTIVATIONS if a not in ACTIVATIONS_SINCE_033)
+_NO_MUL = tuple(a for a in NO_MUL_ACTIVATIONS if a not in ACTIVATIONS_SINCE_033)
 
 
 # --------------------------------------------------------------------------------------------------------------

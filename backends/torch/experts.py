@@ -16,22 +16,13 @@ import torch.nn.functional as F
 
 from backends.torch import quant as tq
 from backends.torch.quant import FP8, dequant, quantize_activation
-from reference.activation import MoEActivation
+from reference.activation import GATED_ACTIVATIONS, NO_MUL_ACTIVATIONS, MoEActivation
 from reference.modular import ACTIVATION_PARAMS, FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
     TopKWeightAndReduceNoOP
 from reference.quant import keys as K
 
-_GATED = {
-    MoEActivation.SILU,
-    MoEActivation.GELU,
-    MoEActivation.GELU_TANH,
-    MoEActivation.SWIGLUOAI,
-    MoEActivation.SWIGLUOAI_UNINTERLEAVE,
-    MoEActivation.SWIGLUSTEP,
-    MoEActivation.SITU,  # vLLM 0.33
-}
-_NO_MUL = {MoEActivation.SILU_NO_MUL, MoEActivation.GELU_NO_MUL, MoEActivation.RELU2_NO_MUL,
-           MoEActivation.GELU_TANH_NO_MUL}  # GELU_TANH_NO_MUL: vLLM 0.33
+_GATED = frozenset(GATED_ACTIVATIONS)
+_NO_MUL = frozenset(NO_MUL_ACTIVATIONS)
 
 
 def torch_activation(act: MoEActivation, h: torch.Tensor, alpha=None, beta=None, limit=None, situ_beta=None,
