@@ -1,4 +1,5 @@
-"""The route-validation switch shared by the GPU backends (``deep_gemm``, ``cuda``).
+"""The route-validation switch shared by the GPU backends (``deep_gemm``, ``cuda``) and the ``topk_ids`` range check
+the ``cuda`` and ``triton`` experts run when it is on.
 
 Checking ``topk_ids`` (ids outside the id space, counts that overflow a layout) on the host costs a device->host
 copy, which the hot path of a MoE layer must not pay. The backends therefore validate only on request and otherwise
@@ -25,3 +26,24 @@ def validate_routes_requested(flag: bool | None, t: torch.Tensor) -> bool:
     if on is None:
         on = os.environ.get(VALIDATE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
     return bool(on) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_topk_ids_range(topk_ids: torch.Tensor, num_ids: int) -> None:
+    """Reject ids outside [-1, num_ids) with a clear error (-1 = no route).
+
+    Args:
+        topk_ids: ``(M, topk)`` integer ids, any device.
+        num_ids: the size of the id space (``expert_map.numel()`` or the local expert count).
+
+    Raises:
+        ValueError: an id below -1 or at or above ``num_ids``.
+
+    Costs one device-to-host copy, so it returns at once while a CUDA graph is being captured (the kernels drop
+    such ids rather than read out of bounds), and on an empty tensor.
+    """
+    if topk_ids.numel() == 0 or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    lo, hi = (int(v) for v in torch.aminmax(topk_ids))
+    if lo < -1 or hi >= num_ids:
+        raise ValueError(f"topk_ids must lie in [0, {num_ids}) (or be -1 for no route), got [{lo}, {hi}]: check the "
+                         "routing (non-finite router logits produce such ids, vLLM #39391)")

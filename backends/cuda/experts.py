@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backends._validation import validate_routes_requested
+from backends._validation import check_topk_ids_range, validate_routes_requested
 from reference.activation import ACTIVATIONS_SINCE_033, GATED_ACTIVATIONS, NO_MUL_ACTIVATIONS, MoEActivation
 from reference.modular import ACTIVATION_PARAMS, FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
     TopKWeightAndReduceNoOP
@@ -297,13 +297,7 @@ def check_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local
     route validation is requested (``backends._validation``: the conformance suite does); otherwise the plan drops
     such ids without reading out of bounds and their tokens' output rows are NaN. Skipped under CUDA-graph
     capture."""
-    n = expert_map.numel() if expert_map is not None else num_local_experts
-    if topk_ids.numel() == 0 or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
-    lo, hi = (int(v) for v in torch.aminmax(topk_ids))
-    if lo < -1 or hi >= n:
-        raise ValueError(f"topk_ids must lie in [0, {n}) (or be -1 for no route), got [{lo}, {hi}]: check the routing "
-                         "(non-finite router logits produce such ids, vLLM #39391)")
+    check_topk_ids_range(topk_ids, expert_map.numel() if expert_map is not None else num_local_experts)
 
 
 def route_plan(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> RoutePlan:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton.language as tl
 
+from backends._validation import check_topk_ids_range
 from reference.activation import MoEActivation, adjust_N_for_activation
 from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig
 from reference.modular import ACTIVATION_PARAMS, FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
@@ -682,12 +683,7 @@ def _check_ids(topk_ids: torch.Tensor, num_ids: int) -> None:
     skipped while a CUDA graph is being captured (the kernels drop such ids rather than read out of bounds)."""
     if topk_ids.is_floating_point():
         raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
-    if topk_ids.numel() == 0 or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
-    lo, hi = (int(v) for v in torch.aminmax(topk_ids))
-    if lo < -1 or hi >= num_ids:
-        raise ValueError(f"topk_ids must lie in [0, {num_ids}) (or be -1 for no route), got [{lo}, {hi}]: check the "
-                         "routing (non-finite router logits produce such ids, vLLM #39391)")
+    check_topk_ids_range(topk_ids, num_ids)
 
 
 def _check_weights(w1, w2, activation, plan: QuantPlan):
