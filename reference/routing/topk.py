@@ -87,6 +87,14 @@ def hash_topk_ids(input_tokens: torch.Tensor | None, hash_indices_table: torch.T
     return ids
 
 
+def _padded(w: torch.Tensor, ids: torch.Tensor, is_padding: torch.Tensor | None,
+            v) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w, ids)`` with the padding rows' routes replaced (``apply_padding_rows``) when ``is_padding`` is given."""
+    if is_padding is None:
+        return w, ids
+    return apply_padding_rows(w, ids, is_padding, semantics=v)
+
+
 def fused_topk(
     hidden_states: torch.Tensor | None,
     gating_output: torch.Tensor,
@@ -134,10 +142,7 @@ def fused_topk(
     scores = _checked_scores(gating_output, scoring_func, mode, v, check_finite is False)
     ids = _topk_ids(scores, topk)
     w, ids = _finish(scores.gather(1, ids), ids, renormalize, 1.0, indices_type)
-    if is_padding is not None:
-
-        w, ids = apply_padding_rows(w, ids, is_padding, semantics=v)
-    return w, ids
+    return _padded(w, ids, is_padding, v)
 
 
 def fused_topk_bias(
@@ -218,10 +223,7 @@ def fused_topk_bias(
     else:
         ids = _topk_ids(choice, topk)
     w, ids = _finish(scores.gather(1, ids), ids, renormalize, routed_scaling_factor, indices_type)
-    if is_padding is not None:
-
-        w, ids = apply_padding_rows(w, ids, is_padding, semantics=v)
-    return w, ids
+    return _padded(w, ids, is_padding, v)
 
 
 def topk_softmax(
