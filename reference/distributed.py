@@ -300,6 +300,15 @@ class _EPPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
                              "this dispatch moves scales row by row with their codes")
         return x, scale, True
 
+    def _rows_to_dispatch(self, a1: torch.Tensor, topk_weights: torch.Tensor, apply_router_weight_on_input: bool,
+                          quant_config: FusedMoEQuantConfig,
+                          defer_input_quant: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """The prepare's common first step: ``a1`` weighted by the router (``apply_router_weight_on_input``, top-1),
+        then ``_quantize_before_dispatch`` -> ``(x, scale, scale_travels)``."""
+        if apply_router_weight_on_input:
+            a1 = apply_router_weight_to_input(a1, topk_weights)
+        return self._quantize_before_dispatch(a1, quant_config, defer_input_quant)
+
     def _quantize_after_dispatch(self, x: torch.Tensor, quant_config: FusedMoEQuantConfig,
                                  defer_input_quant: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if defer_input_quant or not self.quantize_after_dispatch or quant_config.a1.dtype is None:
@@ -313,6 +322,13 @@ class _EPPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         ``Contiguous``)."""
         impl = resolve_delegate(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
         return impl.apply(None, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
+
+    def _take_handle_and_reduce_local(self, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                                      weight_and_reduce_impl) -> tuple[_Handle, torch.Tensor]:
+        """The finalize's common first step: the prepare's handle and this rank's partial (``_reduce_local``)."""
+        h = self._take_handle()
+        return h, self._reduce_local(fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                                     weight_and_reduce_impl)
 
     def _take_handle(self) -> _Handle:
         if self._handle is None:
@@ -365,9 +381,8 @@ class MoEPrepareAndFinalizeNaiveDPEPModular(_EPPrepareAndFinalize):
                 quant_config, defer_input_quant=False):
         sizes = self._sync(topk_ids)[:, 0].tolist()
         self._placement(num_experts, expert_map)
-        if apply_router_weight_on_input:
-            a1 = apply_router_weight_to_input(a1, topk_weights)
-        x, scale, scale_travels = self._quantize_before_dispatch(a1, quant_config, defer_input_quant)
+        x, scale, scale_travels = self._rows_to_dispatch(a1, topk_weights, apply_router_weight_on_input, quant_config,
+                                                         defer_input_quant)
         x = self._all_gather_rows(x, sizes)
         if scale_travels:
             scale = self._all_gather_rows(scale, sizes)
@@ -380,9 +395,8 @@ class MoEPrepareAndFinalizeNaiveDPEPModular(_EPPrepareAndFinalize):
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
                  weight_and_reduce_impl):
-        h = self._take_handle()
-        partial = self._reduce_local(fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                                     weight_and_reduce_impl)
+        h, partial = self._take_handle_and_reduce_local(fused_expert_output, topk_weights, topk_ids,
+                                                        apply_router_weight_on_input, weight_and_reduce_impl)
         # Reduce-scatter: rank s receives every rank's rows of its own tokens and sums them.
         M = h.num_tokens
         rows = self._all_to_all_rows(partial, h.sizes, [M] * self.world_size)
@@ -419,9 +433,8 @@ class DeepEPHTPrepareAndFinalize(_EPPrepareAndFinalize):
         self._sync(topk_ids)
         owner, local_index = self._placement(num_experts, expert_map)
         owner, local_index = owner.to(a1.device), local_index.to(a1.device)
-        if apply_router_weight_on_input:
-            a1 = apply_router_weight_to_input(a1, topk_weights)
-        x, scale, scale_travels = self._quantize_before_dispatch(a1, quant_config, defer_input_quant)
+        x, scale, scale_travels = self._rows_to_dispatch(a1, topk_weights, apply_router_weight_on_input, quant_config,
+                                                         defer_input_quant)
 
         ids = topk_ids.long()
         valid = (ids >= 0) & (ids < num_experts)
@@ -454,9 +467,8 @@ class DeepEPHTPrepareAndFinalize(_EPPrepareAndFinalize):
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
                  weight_and_reduce_impl):
-        h = self._take_handle()
-        partial = self._reduce_local(fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                                     weight_and_reduce_impl)
+        h, partial = self._take_handle_and_reduce_local(fused_expert_output, topk_weights, topk_ids,
+                                                        apply_router_weight_on_input, weight_and_reduce_impl)
         back = self._all_to_all_rows(partial, h.recv_counts, h.send_counts)  # this rank's send order
         output.copy_(_sum_partials(back, h.send_tokens, h.send_counts, h.num_tokens))
 
@@ -527,9 +539,8 @@ class DeepEPLLPrepareAndFinalize(_EPPrepareAndFinalize):
         self._check_capacity(stats)
         owner, local_index = self._placement(num_experts, expert_map)
         owner, local_index = owner.to(a1.device), local_index.to(a1.device)
-        if apply_router_weight_on_input:
-            a1 = apply_router_weight_to_input(a1, topk_weights)
-        x, scale, scale_travels = self._quantize_before_dispatch(a1, quant_config, defer_input_quant)
+        x, scale, scale_travels = self._rows_to_dispatch(a1, topk_weights, apply_router_weight_on_input, quant_config,
+                                                         defer_input_quant)
 
         routes = valid.nonzero()  # (R, 2) = (token, k), row-major: increasing token, then k
         route_ids = ids[routes[:, 0], routes[:, 1]]
