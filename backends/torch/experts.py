@@ -225,6 +225,15 @@ class TorchExperts(FusedMoEExpertsModular):
         runs at gets outputs of the unpadded size (the padded columns are computed, then dropped)."""
         return min(hidden_dim, getattr(self.moe_config, "hidden_dim", hidden_dim))
 
+    def _require_claimed(self) -> None:
+        """Raise NotImplementedError unless the support record claims this quant config's scheme."""
+        qc = self.quant_config
+        claimed, _ = self.is_supported_config(type(self), self.moe_config, qc.weight_key, qc.activation_key,
+                                              self.activation_format())
+        if not claimed:
+            raise NotImplementedError(f"{type(self).__name__} does not implement the quantization scheme "
+                                      f"{qc.scheme_name()}")
+
     def _situ(self) -> tuple:
         cfg = self.moe_config
         return getattr(cfg, "activation_situ_beta", None), getattr(cfg, "activation_situ_linear_beta", None)
@@ -233,10 +242,7 @@ class TorchExperts(FusedMoEExpertsModular):
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
         qc = self.quant_config
-        claimed, _ = self.is_supported_config(type(self), self.moe_config, qc.weight_key, qc.activation_key,
-                                              self.activation_format())
-        if not claimed:
-            raise NotImplementedError(f"TorchExperts does not implement the quantization scheme {qc.scheme_name()}")
+        self._require_claimed()
         _check_inputs(hidden_states, w1, topk_ids, global_num_experts, expert_map, qc)
         M, topk = topk_ids.shape
         E_local = w1.shape[0]
@@ -318,10 +324,7 @@ class TorchBatchedExperts(TorchExperts):
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
         qc = self.quant_config
-        claimed, _ = self.is_supported_config(type(self), self.moe_config, qc.weight_key, qc.activation_key,
-                                              self.activation_format())
-        if not claimed:
-            raise NotImplementedError(f"TorchBatchedExperts does not implement {qc.scheme_name()}")
+        self._require_claimed()
         if expert_tokens_meta is None:
             raise ValueError("TorchBatchedExperts needs expert_num_tokens from the prepare step")
         E, T, _ = hidden_states.shape
