@@ -46,8 +46,14 @@ _TAP = {"input_quant": "input", "gemm1": "gemm1", "activation": "activation", "r
 
 def reference_stages(inputs, activation, profile=None) -> dict[str, torch.Tensor]:
     """The reference's taps (``input``, ``gemm1``, ``activation``, ``a2``, ``gemm2``) for every route."""
+    from reference.experts import experts_unreduced
+    from reference.profiles import resolve_profile
+
+    qc, x = inputs.quant_config, inputs.hidden_states
     out: dict[str, torch.Tensor] = {}
-    _ref(inputs, activation, profile, stages=out)
+    a1q, a1s = moe_kernel_quantize_input(x, qc.a1_scale, qc, "a1")
+    experts_unreduced(a1q, a1s, inputs.w1, inputs.w2, inputs.topk_ids, inputs.expert_map, qc, activation, x.dtype,
+                      stages=out, profile=resolve_profile(profile))
     return out
 
 

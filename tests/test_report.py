@@ -22,7 +22,7 @@ CLOSE_FAILURE = """_NoRouterWeights output differs from the reference: max_norm 
   max_norm=2.058e+00 rms_norm=1.625e+00 calc_diff=4.216e-01
   case: qwen3_30b_a3b-bf16-M4-ep8r0
   reproduce: python -m pytest 'conformance/test_experts.py::test_experts[qwen3_30b_a3b-bf16-M4-ep8r0]' --backend x
-  diagnosis: first divergent stage: weights/reduction (correct with unit router weights, wrong with the real ones)
+  diagnosis: divergent stage(s): router_weight (100% of the output error)
   input_quant: not applicable or no quantizer op
   gemm1 -> gemm2 with unit router weights: matches
   inputs dumped to d/c.pt; replay them: python -m pytest 'x' --backend x --replay d/c.pt"""
@@ -43,7 +43,7 @@ def test_parse_a_metric_failure():
     assert f["worst"] == {"index": [0, 1241], "got": -4.5625, "expected": -1.234375}
     assert f["case"] == "qwen3_30b_a3b-bf16-M4-ep8r0"
     assert f["reproduce"].startswith("python -m pytest 'conformance/test_experts.py::test_experts[")
-    assert f["diagnosis"].startswith("first divergent stage: weights/reduction")
+    assert f["diagnosis"].startswith("divergent stage(s): router_weight")
     assert f["stages"] == ["input_quant: not applicable or no quantizer op",
                            "gemm1 -> gemm2 with unit router weights: matches"]
     assert f["replay"].endswith("--replay d/c.pt")
@@ -77,7 +77,7 @@ def test_margin_and_matrix_cells():
     assert "| m | 4, 16 | pass 1/1 · 0.5 | **FAIL** 1/1 · 1.3e+02 |" in md
     assert "| op | pass 1/1 | 7 |" in md  # a component without models: one row per case family, no "-" row
     for text in ("max_norm = 2.06 > bound 0.016", "worst at [0, 1241]: got -4.5625, expected -1.234375",
-                 "diagnosis: first divergent stage: weights/reduction",
+                 "diagnosis: divergent stage(s): router_weight",
                  "python -m pytest 'conformance/test_experts.py::test_experts[qwen3_30b_a3b-bf16-M4-ep8r0]'"):
         assert text in md, text
 
@@ -143,13 +143,13 @@ def test_a_planted_failure_is_reported_whole_and_its_reproduce_keeps_the_full_re
     assert e["max_norm"] == f["metrics"]["max_norm"]
     assert e["margin"] > 1
     assert len(f["worst"]["index"]) == 2 and isinstance(f["worst"]["got"], float)
-    assert f["diagnosis"].startswith("first divergent stage: weights/reduction")
+    assert f["diagnosis"].startswith("divergent stage(s): router_weight")
     assert f["case"] == "qwen3_30b_a3b-bf16-M4-ep8r0"
     assert f["reproduce"] == (f"python -m pytest '{case}' --backend tests.broken_backends:no_router_weights")
     assert payload["full"] is True and [r_["selection"] for r_ in payload["runs"]] == [
         None, "-k 'test_experts and qwen3_30b_a3b-bf16-M4-'"]
     md = path.with_suffix(".md").read_text()
-    for text in ("**FAIL** 1/1", "max_norm = ", "> bound ", "worst at [", "diagnosis: first divergent stage",
+    for text in ("**FAIL** 1/1", "max_norm = ", "> bound ", "worst at [", "diagnosis: divergent stage(s)",
                  f["reproduce"], "| m | 1 | pass 1/1 |"):
         assert text in md, text
     # The printed reproduce command, run as printed (python = this interpreter): the full report stays.
