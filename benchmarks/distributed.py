@@ -49,6 +49,8 @@ import traceback
 
 import torch
 
+from benchmarks.timing import time_samples
+
 __all__ = ["main", "bench_rank", "traffic_bytes", "render", "SHAPES"]
 
 # (E, topk, K, I, scheme, dtype)
@@ -182,29 +184,11 @@ def _sync(device) -> None:
 
 
 def _time(fn, device, reps: int, warmup: int, barrier: bool) -> list[float]:
-    """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` calls; each call after a barrier."""
+    """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` calls (``benchmarks.timing.time_samples``); each
+    timed call after a barrier of all ranks when ``barrier``."""
     import torch.distributed as dist
 
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    out = []
-    for _ in range(reps):
-        if barrier:
-            dist.barrier()
-        _sync(device)
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    return out
+    return time_samples(fn, device, reps=reps, warmup=warmup, before=dist.barrier if barrier else None)
 
 
 def _layer(spec: dict, rank: int, world_size: int, device):

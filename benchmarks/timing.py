@@ -45,6 +45,7 @@ __all__ = [
     "device_info",
     "planted_slowdown",
     "median_time",
+    "time_samples",
     "Measurement",
     "measure",
 ]
@@ -365,14 +366,19 @@ def _gpu_sleep(seconds: float, device: torch.device) -> float:
     return a.elapsed_time(b) / 1e3
 
 
-def median_time(fn: Callable[[], object], device: torch.device | str, *, reps: int = 10, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (CUDA events on a GPU)."""
+def time_samples(fn: Callable[[], object], device: torch.device | str, *, reps: int = 10, warmup: int = 2,
+                 before: Callable[[], object] | None = None) -> list[float]:
+    """Seconds of each of ``reps`` runs of ``fn()`` after ``warmup`` runs (CUDA events on a GPU, the wall clock on
+    the CPU); ``before()`` runs untimed ahead of each timed run (e.g. a ``torch.distributed`` barrier)."""
     device = torch.device(device)
     for _ in range(warmup):
         fn()
     _sync(device)
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
+            _sync(device)
         if device.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -384,7 +390,12 @@ def median_time(fn: Callable[[], object], device: torch.device | str, *, reps: i
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    times.sort()
+    return times
+
+
+def median_time(fn: Callable[[], object], device: torch.device | str, *, reps: int = 10, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (CUDA events on a GPU)."""
+    times = sorted(time_samples(fn, device, reps=reps, warmup=warmup))
     return times[len(times) // 2]
 
 
