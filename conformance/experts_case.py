@@ -13,10 +13,35 @@ import torch
 from conformance.cases import ExpertsCase, situ_params
 from conformance.inputs import ExpertsInputs, make_experts_inputs
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
-from reference.error_model import ErrorBound, experts_error_bound
+from reference.error_model import ErrorBound, experts_error_bound, heavy_values
+from reference.experts import fused_experts, local_expert_ids
 
-__all__ = ["case_error_bound", "case_variant_reason", "claims_config", "dump_case", "load_inputs", "moe_config_for",
-           "routes_error_bound", "variant_reason", "weights_key"]
+__all__ = ["case_error_bound", "case_variant_reason", "claims_config", "dump_case", "inputs_heavy_values", "load_inputs",
+           "moe_config_for", "reference_with_heavy", "routes_error_bound", "variant_reason", "weights_key"]
+
+
+def reference_with_heavy(hidden_states, w1, w2, topk_weights, topk_ids, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(reference.experts.fused_experts(...), heavy)`` from one run of the reference: ``heavy`` is the call's own
+    weighted values at GEMM2's input (``reference.error_model.heavy_values``), which the error model's heavy event
+    (step 7b) is evaluated on (``case_error_bound(heavy=...)``). Arguments as ``fused_experts``."""
+    stages: dict = {}
+    out = fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, stages=stages, stage_names={"activation"},
+                        **kwargs)
+    local = local_expert_ids(topk_ids, w1.size(0), kwargs.get("expert_map")) >= 0
+    if "activation" not in stages:  # no route held here: nothing to flip
+        return out, torch.zeros(0, dtype=torch.float64)
+    return out, heavy_values(stages["activation"], topk_weights, local,
+                             apply_router_weight_on_input=kwargs.get("apply_router_weight_on_input", False))
+
+
+def inputs_heavy_values(case: ExpertsCase, inputs: ExpertsInputs, apply_router_weight_on_input: bool = False,
+                        profile=None) -> torch.Tensor:
+    """``reference_with_heavy``'s ``heavy`` for a case's inputs (a reference run of its own: for the tests whose
+    reference is another class, e.g. the batched format's)."""
+    return reference_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
+                                activation=case.activation, global_num_experts=inputs.global_num_experts,
+                                expert_map=inputs.expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
+                                quant_config=inputs.quant_config, profile=profile, **situ_params(case.activation))[1]
 
 
 def weights_key(case: ExpertsCase) -> tuple:
@@ -31,35 +56,37 @@ def _router_weight_rounding(experts_cls) -> str:
 
 
 def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None, *, topk_ids: torch.Tensor | None = None,
-                     expert_map: torch.Tensor | None = None, profile=None) -> ErrorBound:
+                     expert_map: torch.Tensor | None = None, profile=None,
+                     heavy: torch.Tensor | None = None) -> ErrorBound:
     """The case's bounds from the error model (``reference.error_model``; its constants in specs/tolerances.toml):
     the one rule every comparison of an experts or layer output in the suite is judged by.
 
     Without ``topk_ids`` the GEMM rows are the case's expected local routes (``M * topk * E_local / E``); with them
     (and ``expert_map``), the routes actually held here (``routes_error_bound``): padded (-1) or remote routes
     add no rows. ``profile``: the ``reference.profiles.NumericsProfile`` judged under (its accumulation, where it
-    names one; None: the default)."""
+    names one; None: the default). ``heavy``: the call's own values at GEMM2's input (``reference_with_heavy``),
+    for the heavy event on the call itself (error model step 7b); None: on the model's distribution only."""
     m = case.model
     accumulation = None if profile is None else profile.error_model_accumulation(quant_config)
     if topk_ids is not None:
         return routes_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
                                   activation=case.activation, topk_ids=topk_ids, expert_map=expert_map,
-                                  experts_cls=experts_cls, accumulation=accumulation)
+                                  experts_cls=experts_cls, accumulation=accumulation, heavy=heavy)
     rows = case.tokens * m.top_k * (m.num_experts // case.ep_size) / m.num_experts  # expected local routes
     return experts_error_bound(quant_config, act_dtype=case.dtype, K=m.hidden_size, I=m.intermediate_size,
                                activation=case.activation, routed_rows=rows,
                                routes_per_row=max(rows / max(case.tokens, 1), 1.0), accumulation=accumulation,
-                               router_weight_rounding=_router_weight_rounding(experts_cls))
+                               router_weight_rounding=_router_weight_rounding(experts_cls), heavy=heavy)
 
 
 def routes_error_bound(quant_config, *, act_dtype: torch.dtype, K: int, I: int, activation, topk_ids: torch.Tensor,
                        expert_map: torch.Tensor | None = None, experts_cls=None, accumulation=None,
-                       stage: str = "output") -> ErrorBound:
+                       stage: str = "output", heavy: torch.Tensor | None = None) -> ErrorBound:
     """The error model's bound on one experts output over the routes it holds: ids ``>= 0`` of ``topk_ids (M, topk)``
     that ``expert_map`` (``(E,)``, -1 = not here; None: every expert) maps to a local expert. ``experts_cls``: its
     ``SupportRecord.router_weight_rounding`` is allowed; ``accumulation``: a ``reference.error_model.Accumulation``
     other than the allowed default; ``stage``: the intermediate compared (``reference.error_model.STAGES``;
-    default the output)."""
+    default the output); ``heavy``: as ``case_error_bound``'s."""
     ids = topk_ids.long()
     local = ids >= 0
     if expert_map is not None:
@@ -67,7 +94,8 @@ def routes_error_bound(quant_config, *, act_dtype: torch.dtype, K: int, I: int, 
     rows, M = int(local.sum()), max(int(ids.shape[0]), 1)
     return experts_error_bound(quant_config, act_dtype=act_dtype, K=K, I=I, activation=activation,
                                routed_rows=rows, routes_per_row=max(rows / M, 1.0), accumulation=accumulation,
-                               router_weight_rounding=_router_weight_rounding(experts_cls), stage=stage)
+                               router_weight_rounding=_router_weight_rounding(experts_cls), stage=stage,
+                               heavy=heavy)
 
 
 def variant_reason(cls, activation, quant_config=None, *, params=(), ue8m0: bool = False) -> str | None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conformance.cases import ExpertsCase, chunking_defined, kernel_chunk_kwargs
-from conformance.experts_case import case_error_bound, moe_config_for
+from conformance.experts_case import case_error_bound, inputs_heavy_values, moe_config_for, reference_with_heavy
 from conformance.metrics import assert_close
 from reference.activation import MoEActivation
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
@@ -92,7 +92,7 @@ def check_offsets_case(experts_classes, oc: OffsetsCase, device: str, repro: str
     _, _, qc = quantize_weights("bf16", w1, w2)
     c = min(oc.checked_tokens, M)
     checked = torch.cat([torch.arange(c), torch.arange(max(c, M - c), M)]).to(device)
-    ref = fused_experts(x[checked], w1, w2, w[checked], ids[checked], activation=case.activation)
+    ref, heavy = reference_with_heavy(x[checked], w1, w2, w[checked], ids[checked], activation=case.activation)
     ran = []
     for cls in experts_classes:
         if cls.activation_format() != FusedMoEActivationFormat.Standard:
@@ -114,7 +114,7 @@ def check_offsets_case(experts_classes, oc: OffsetsCase, device: str, repro: str
         assert calls == [M] and M * topk * w1.shape[1] >= oc.limit, (
             f"precondition: {cls.__name__} was called with {calls} rows, not once with all {M} tokens: no single "
             f"call reached {oc.limit} elements")
-        tol = case_error_bound(case, qc, cls, topk_ids=ids[checked]).as_tolerance()
+        tol = case_error_bound(case, qc, cls, topk_ids=ids[checked], heavy=heavy).as_tolerance()
         assert_close(out[checked], ref, tol, case=f"{case.id}-{cls.__name__}",
                      what=f"{cls.__name__}: first and last {c} tokens of one {M}-token call "
                           f"({oc.largest_intermediate} intermediate elements)", repro=repro)
@@ -147,8 +147,10 @@ def run_with_reference(experts_cls, case: ExpertsCase, inputs, apply_router_weig
     return out, fused_experts(*args, quant_config=qc, **kwargs)
 
 
-def inputs_error_bound(experts_cls, case: ExpertsCase, inputs) -> dict:
+def inputs_error_bound(experts_cls, case: ExpertsCase, inputs, apply_router_weight_on_input: bool = False) -> dict:
     """The error model's bound (``as_tolerance()``) on ``experts_cls``'s output for ``case`` over the routes that
-    ``inputs`` hold here (its ``topk_ids`` and ``expert_map``: padded routes add no rows)."""
+    ``inputs`` hold here (its ``topk_ids`` and ``expert_map``: padded routes add no rows), with the heavy event on
+    the call's own values (``conformance.experts_case.inputs_heavy_values``: a reference run of its own)."""
     return case_error_bound(case, inputs.quant_config, experts_cls, topk_ids=inputs.topk_ids,
-                            expert_map=inputs.expert_map).as_tolerance()
+                            expert_map=inputs.expert_map,
+                            heavy=inputs_heavy_values(case, inputs, apply_router_weight_on_input)).as_tolerance()

@@ -64,7 +64,8 @@ def matching_profiles(out: torch.Tensor, reference_for: Callable[[NumericsProfil
 
 
 def profile_verdict(out, reference_for, tol_for, judged: NumericsProfile, *, case: str = "") -> str:
-    """One line for a failure under ``judged``: which known profile the output matches within bound, if any."""
+    """One line for a failure under ``judged``: which known profiles the output matches within bound, if any, the
+    closest (smallest rms_norm) first."""
     try:
         found = matching_profiles(out, reference_for, tol_for, skip=judged, case=case)
     except Exception as exc:  # best effort: never hide the failure itself
@@ -72,6 +73,7 @@ def profile_verdict(out, reference_for, tol_for, judged: NumericsProfile, *, cas
     if not found:
         return (f"numerics profile: judged under {judged.name} (declared or selected); the output matches no known "
                 f"profile ({', '.join(PROFILES)}) within bound: a real divergence, not a known rounding choice")
+    found = sorted(found, key=lambda f: f[1].rms_norm)  # the closest match first: the one to declare
     parts = []
     for p, stats in found:
         what = "a named ACCURACY DEFECT" if p.defect else "a known rounding choice"

@@ -15,9 +15,9 @@ import pytest
 
 from conformance.cases import (ExpertsCase, chunking_defined, claim_cases, claim_coverage, experts_cases,
                                kernel_chunk_kwargs, situ_params)
-from conformance.experts_case import case_error_bound, dump_case, load_inputs, moe_config_for, variant_reason, weights_key
+from conformance.experts_case import (case_error_bound, dump_case, inputs_heavy_values, load_inputs, moe_config_for,
+                                     reference_with_heavy, variant_reason, weights_key)
 from conformance.metrics import ConformanceFailure, assert_close
-from reference.experts import fused_experts
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 
@@ -71,9 +71,6 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
     from conformance.profile_match import judged_profile, profile_verdict
 
     profile = judged_profile(request.config, backend, experts_cls)
-    bound = case_error_bound(case, qc, experts_cls, profile=profile)
-    tol = bound.as_tolerance()
-    record(bounds=tol, expected_rms=bound.expected_rms, profile=profile.name)
     what = f"{experts_cls.__name__} output"
     batched = fmt == FusedMoEActivationFormat.BatchedExperts
     if batched and not profile.is_default:
@@ -92,15 +89,22 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         return kernel_for(experts_cls).apply(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
                                              inputs.topk_ids, **kwargs)
 
-    def reference(prof=profile):
+    def reference_and_heavy(prof=profile):
+        """The reference output and the call's values at GEMM2's input (the error model's heavy event, step 7b)."""
         # The batched format defines per-tensor activation scales per expert slot, so it has its own reference.
         if batched:
             if not prof.is_default:
                 raise NotImplementedError(f"numerics profile {prof.name}: the batched reference is vLLM's only")
-            return kernel_for(BatchedReferenceExperts).apply(inputs.hidden_states, inputs.w1, inputs.w2,
-                                                             inputs.topk_weights, inputs.topk_ids, **kwargs)
-        return fused_experts(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
-                             quant_config=qc, **kwargs, **situ_params(case.activation), profile=prof)
+            return (kernel_for(BatchedReferenceExperts).apply(inputs.hidden_states, inputs.w1, inputs.w2,
+                                                              inputs.topk_weights, inputs.topk_ids, **kwargs),
+                    inputs_heavy_values(case, inputs, case.model.apply_router_weight_on_input))
+        return reference_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
+                                    inputs.topk_ids, quant_config=qc, **kwargs, **situ_params(case.activation),
+                                    profile=prof)
+
+    def reference(prof=profile):
+        return reference_and_heavy(prof)[0]
+
 
     variant = variant_reason(experts_cls, case.activation, qc) if claimed else None
     if variant is not None:  # the keys are claimed, a variant of them is not: skipped, the kernel never called
@@ -108,14 +112,22 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         pytest.skip(f"unclaimed variant: {variant}")
     if not claimed and case.tokens == 0:
         pytest.skip(f"unsupported ({reason}); with M == 0 nothing runs, so the refusal cannot be observed")
+
+    def expected_and_bound():
+        expected, heavy = reference_and_heavy()
+        bound = case_error_bound(case, qc, experts_cls, profile=profile, heavy=heavy)
+        record(bounds=bound.as_tolerance(), expected_rms=bound.expected_rms, profile=profile.name)
+        return expected, heavy, bound
+
     if not claimed:
         try:
             out = run()
         except Exception as exc:  # the required behaviour for an unclaimed configuration
             record(support="unsupported", reason=reason)
             pytest.skip(f"unsupported, and raises as required ({type(exc).__name__}): {reason}")
+        expected, _, bound = expected_and_bound()
         try:
-            assert_close(out, reference(), tol, case=case.id, what=what, repro=repro)
+            assert_close(out, expected, bound.as_tolerance(), case=case.id, what=what, repro=repro)
         except ConformanceFailure as exc:
             raise ConformanceFailure(
                 f"{experts_cls.__name__} does not claim this configuration ({reason}) yet returned a tensor "
@@ -131,7 +143,8 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         raise ConformanceFailure(
             f"claimed but fails: {experts_cls.__name__} claims {case.scheme} / {case.activation.name} but raised "
             f"{type(exc).__name__}: {exc}\n  case: {case.id}\n  reproduce: {repro}") from exc
-    expected = reference()
+    expected, heavy, bound = expected_and_bound()
+    tol = bound.as_tolerance()
     try:
         stats = assert_close(out, expected, tol, case=case.id, what=what, repro=repro)
     except ConformanceFailure as exc:
@@ -143,7 +156,8 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
         except Exception as dexc:  # diagnosis is best effort; never hide the failure itself
             diagnosis = f"diagnosis failed: {type(dexc).__name__}: {dexc}"
         verdict = profile_verdict(out.cpu(), lambda p: reference(p).cpu(),
-                                  lambda p: case_error_bound(case, qc, experts_cls, profile=p).as_tolerance(), profile,
+                                  lambda p: case_error_bound(case, qc, experts_cls, profile=p,
+                                                             heavy=heavy).as_tolerance(), profile,
                                   case=case.id)
         dumped = dump_case(request, case, inputs, out, expected, diagnosis)
         raise ConformanceFailure(f"{exc}\n  {verdict}\n  diagnosis: {diagnosis}\n  error model "

@@ -217,5 +217,5 @@ def test_router_weight_on_input(backend, experts_cls, rw_case: ExpertsCase, repr
     record(component="hygiene", scheme=f"router-weight-on-input-{case.scheme}", model=case.model.name,
            tokens=case.tokens, experts_class=experts_cls.__name__)
     out, expected = run_with_reference(experts_cls, case, inputs, apply_router_weight_on_input=True)
-    assert_close(out, expected, inputs_error_bound(experts_cls, case, inputs),
+    assert_close(out, expected, inputs_error_bound(experts_cls, case, inputs, apply_router_weight_on_input=True),
                  case=f"{case.id}-router-weight-on-input", what=f"{experts_cls.__name__} output", repro=repro)

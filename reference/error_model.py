@@ -107,8 +107,12 @@ differences):
    (tracked through every stage, step 4). Split the flips at ``t >= v_top`` with ``n qt P(|v| > t) = alpha``,
    ``alpha = P(N(0,1) > z)`` (the normal tail of step 4's all-or-nothing rule): the expected number of flips
    beyond ``t``, hence the probability of one (Markov), is at most ``alpha``. The rest are independent,
-   non-negative and at most ``b = (2^-p t)^2 / n`` (mantissa 1: the grid's largest relative step), and their sum
-   has variance at most ``V = m2^2 / lam_eff`` (step 7's effective count). Bennett's inequality,
+   non-negative and at most ``b = (r t)^2 / n``, and their sum
+   has variance at most ``V = m2^2 / lam_eff`` (step 7's effective count). One event's relative size ``r`` (mantissa 1: each grid's
+   largest relative step) is the step of GEMM2's input grid ``2^-p`` that it tips plus, where GEMM1 may differ, the
+   h flip under the value carried through the activation (``max(cond, 1) 2^-p_act`` gated: a gate flip times its
+   condition number or an up flip; ``cond 2^-p_act`` otherwise): one GEMM1 output rounded the other way under a
+   large gated product moves it by its own step and may tip its rounding at GEMM2's input as well. Bennett's inequality,
    ``P(S - E S >= s) <= exp(-(V / b^2) h(b s / V))`` with ``h(u) = (1 + u) ln(1 + u) - u``, set equal to
    ``exp(-z^2 / 2)``, gives the ``s`` that the realised sum exceeds its mean by only with that probability; the
    few-events factor is the larger of step 7's and ``1 + s / m2``. Bennett, not its relaxation Bernstein
@@ -116,9 +120,13 @@ differences):
    is one or two events of size ``b``. No constant is set here: ``z`` is step 7's. ``t`` comes from the stage's
    distribution (``_stage_quantile``: |f(g) u| for a gated product, g, u ~ N(0, 1)); it grows only
    logarithmically with the call, and ``b`` falls as ``1 / rows``, so the term matters for calls of a few rows
-   (decode) and short reductions with a coarse a2 grid. Not in ``b``: the router weights' spread (a flip on a
-   route weighted above the mean weighs more, by ``w^2 / E[w^2]``; the model is not given the routing's weights).
-   Left out, at probability ``alpha`` per case: a flip beyond ``t``.
+   (decode) and short reductions with a coarse a2 grid. The call's values are known to the harness, only the flips
+   are random: given the call's own values at GEMM2's input weighted by their routes' router weights
+   (``heavy_values``: ``|v| w / (rms(v) rms(w))``; a flip on route ``r`` weighs ``w_r^2 / E[w^2]``), ``t`` is at
+   least the largest of them but the ``c = floor(alpha / qt)`` above it, whose flips the call makes with at most
+   that probability: one value far out in the call's own tail (Mixtral bf16 M1's gated product at 15.6x the RMS)
+   or on a heavily weighted route (the fp8_tensor_static gelu_tanh regression's flip) is then the event itself, not
+   a tail the distribution makes unlikely. Left out, at probability ``alpha`` per case: a flip beyond ``t``.
 
 Bounds (``k_rms``, ``k_max``, ``tail`` in specs): ``rms_norm <= k_rms * sqrt(m2 * few)`` (``k_rms = 1``: the constants of
 steps 1 and 4 are worst cases, so the expectation is already a bound, and step 7 covers its scatter); ``calc_diff`` is
@@ -133,9 +141,9 @@ precision accumulator adds, so for those schemes the output bound cannot reject 
 accumulation probe (``conformance/test_accumulation.py``) is the sharp instrument for accumulation precision
 (it uses inputs on which every conforming accumulation is exact), and below K ~ 4096 an in-place FP8 accumulation
 adds less than the conforming roundings scatter at the output even per token: only the probe rejects it. Step 7b takes heavy events only
-at GEMM2's input (earlier ones reach it through the flips they cause there) and without the router weights'
-spread (the fp8_tensor_static gelu_tanh regression's flip on its heaviest route, specs/xfail), and leaves a flip
-beyond its ``t`` to that probability (Mixtral bf16 M1 EP4's, at ~2e-4, specs/xfail). Step 5's condition
+at GEMM2's input (an earlier one as the flip it carries there, 7b's ``r``), on the call's own values where the
+caller gives them (the conformance suite does; without them, on the stage's distribution with the router weights at
+their RMS), and leaves a flip beyond its ``t`` to that probability. Step 5's condition
 numbers are taken where the activations carry the output, not at their clamps.
 """
 
@@ -150,7 +158,7 @@ import torch
 
 from reference.config import FusedMoEQuantConfig, FusedMoEQuantDesc
 
-__all__ = ["STAGES", "Accumulation", "ErrorBound", "experts_error_bound", "format_mantissa_bits", "acc_rel",
+__all__ = ["STAGES", "Accumulation", "ErrorBound", "experts_error_bound", "heavy_values", "format_mantissa_bits", "acc_rel",
            "mma16_rel",
            "emulate_mma16"]
 
@@ -688,11 +696,42 @@ def _is_fp8_mma(desc: FusedMoEQuantDesc) -> bool:
     return desc.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, "mxfp8")
 
 
-def _heavy_event(st: "_State", I: int, p: int, activation, gated: bool, z: float) -> tuple[float, float]:
+def heavy_values(activation: torch.Tensor, topk_weights: torch.Tensor, local: torch.Tensor, *,
+                 apply_router_weight_on_input: bool = False, top: int = 64) -> torch.Tensor:
+    """Step 7b on the call's own values: ``|v| w / (rms(v) rms(w))`` at GEMM2's input, the largest ``top`` of them,
+    descending (float64, CPU).
+
+    Args:
+        activation: the reference's activation output per route, ``(M, topk, N')`` (``reference.experts.fused_experts``
+            ``stages["activation"]``: GEMM2's input before a2's requantization, which moves a value by less than the
+            step that 7b counts).
+        topk_weights: ``(M, topk)`` router weights; local: ``(M, topk)`` bool, the routes held here (the rest are
+            zeros in ``activation`` and weigh nothing).
+        apply_router_weight_on_input: the weight was applied to the input (it is already in ``v``): ``w = 1``.
+
+    A flip on route ``r`` at value ``v`` adds ``(2^-p v w_r)^2 / (n E[v^2] E[w^2])`` to the output's relative mean
+    square (steps 2 and 6 with the route's weight), so the call's heavy events are its values weighted by their
+    routes' weights; the module docstring's 7b is the same term on the stage's distribution with ``w`` at its RMS.
+    Returns an empty tensor when nothing is held."""
+    v = activation[local].float()
+    if v.numel() == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    w = torch.ones(v.shape[0], device=v.device) if apply_router_weight_on_input else topk_weights[local].float()
+    rms_v, rms_w = v.square().mean().sqrt(), w.square().mean().sqrt()
+    if not (rms_v > 0 and rms_w > 0):
+        return torch.zeros(0, dtype=torch.float64)
+    u = (v.abs() * w.abs()[:, None]).flatten() / (rms_v * rms_w)
+    return u.topk(min(top, u.numel())).values.double().cpu()
+
+
+def _heavy_event(st: "_State", I: int, step: float, activation, gated: bool, z: float,
+                 realised: torch.Tensor | None = None) -> tuple[float, float]:
     """Step 7b: ``(b, t)``: the output mean square (relative) of one flip at GEMM2's input at the value ``t`` (relative
     to that stage's RMS, at least the top quadrature node's) beyond which the call's expected number of flips, at
     the top values' odds ``qt``, is the normal tail beyond ``z``; ``(0, 0)`` when the call's rows are unknown or a
-    flip at the largest values is that unlikely anywhere."""
+    flip at the largest values is that unlikely anywhere. ``realised``: the call's own weighted values
+    (``heavy_values``): ``t`` is then also at least the largest of them whose flip, with the ones above it, the
+    call makes with more than that probability (``qt`` times their count above ``alpha``)."""
     n = st.rows * I
     lam = n * st.qt  # flips per call if every element had the flip odds of the largest values
     alpha = 0.5 * math.erfc(z / math.sqrt(2.0))
@@ -701,7 +740,12 @@ def _heavy_event(st: "_State", I: int, p: int, activation, gated: bool, z: float
     name = activation.name if activation is not None else ("SILU" if gated else "SILU_NO_MUL")
     # qt is the flip odds at the top node's value: an upper bound on the odds beyond it only, so t never below it.
     t = max(_stage_quantile(name, alpha / lam), float(_stage_values(name)[-1]))
-    return (2.0**-p * t) ** 2 / n, t
+    if realised is not None and realised.numel() and st.qt > 0:
+        # The call's values are given, only the flips are random: the ones beyond u_(c) (c of them, c qt <= alpha)
+        # are left to their probability; a list shorter than c ends above u_(c), so its last is an upper bound.
+        c = int(alpha / st.qt)
+        t = max(t, float(realised[min(c, realised.numel() - 1)]))
+    return (step * t) ** 2 / n, t
 
 
 def _bennett_excess(var: float, b: float, z: float) -> float:
@@ -725,7 +769,8 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
                         gated: bool = True, activation=None, accumulation: Accumulation | None = None,
                         gemm1_exact: bool = False, routed_rows: float | None = None,
                         router_weight_rounding: str = "reference", routes_per_row: float = 1.0,
-                        constants: dict | None = None, stage: str = "output") -> ErrorBound:
+                        constants: dict | None = None, stage: str = "output",
+                        heavy: torch.Tensor | None = None) -> ErrorBound:
     """Bounds on the experts output's metrics against the reference for one case (or on one of its intermediates).
 
     Args:
@@ -747,6 +792,8 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
             ``SupportRecord.router_weight_rounding``): ``"reference"`` (round y, weight in fp32) or a vLLM form,
             ``"before_store"`` / ``"output_dtype"`` (step 6).
         constants: ``[error_model]`` of ``specs/tolerances.toml`` (read from specs when None).
+        heavy: the call's own weighted values at GEMM2's input (``heavy_values``), for step 7b's heavy event on the
+            call itself; None: on the stage's distribution only.
         stage: what is compared (``STAGES``): ``"output"`` (the experts output ``(M, K)``, the default), or an
             intermediate of ``reference.experts.experts_unreduced(stages=...)`` by route: ``"gemm1"`` (GEMM1's
             output rounded to the act dtype, ``(M, topk, N)``), ``"activation"`` (the activation's output rounded,
@@ -809,7 +856,12 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
         return _stage_bound(st, c, (cond + (1.0 if gated else 0.0) + 1.0) * step_act, accumulation)
     p_a2 = _requantize(st, quant_config.a2, quant_config, I, act_values, "a2 requantized", z=c["z_events"])
     # Step 7b: the heaviest flip at GEMM2's input that the call makes with more than the normal tail's probability.
-    b, t_heavy = _heavy_event(st, I, p_a2 if p_a2 is not None else p_act, activation, gated, c["z_events"])
+    # One event's largest size at GEMM2's input, relative to its value (mantissa 1): an h flip under it carried
+    # through the activation (a gate flip times cond, an up flip once) plus the one step of GEMM2's input grid that
+    # it may tip there; the flip of that grid alone where GEMM1 is exact.
+    carried = 0.0 if gemm1_exact else (max(cond, 1.0) if gated else cond) * step_act
+    heavy_step = 2.0 ** -(p_a2 if p_a2 is not None else p_act) + carried
+    b, t_heavy = _heavy_event(st, I, heavy_step, activation, gated, c["z_events"], heavy)
     st.gemm(I, *acc(I, quant_config.a2), stage="GEMM2")
     st.round(act_grid, gaussian, "GEMM2 rounded", K)
     if stage == "gemm2":  # one a2 code flip carried by one weight of w2 (as at the output), then its own rounding

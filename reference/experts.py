@@ -107,10 +107,28 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
             raise ValueError(f"expert_map has {expert_map.numel()} entries, expected global_num_experts={E}")
 
 
+class _TapFilter(dict):
+    """A ``stages`` dict that forwards only the named taps (``experts_unreduced(stage_names=...)``): the others are
+    not stored (a tap of every stage is a copy of each intermediate)."""
+
+    def __init__(self, target: dict, names):
+        super().__init__()
+        self.target, self.names = target, frozenset(names)
+
+    def __setitem__(self, key, value):
+        if key in self.names:
+            self.target[key] = value
+
+    def setdefault(self, key, default=None):
+        if key in self.names:
+            return self.target.setdefault(key, default)
+        return default
+
+
 def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                        acc_dtype: torch.dtype = torch.float32, gemm=None, *, situ_beta=None,
                        situ_linear_beta=None, stages: dict | None = None, profile=None,
-                       substitute: dict | None = None) -> torch.Tensor:
+                       substitute: dict | None = None, stage_names=None) -> torch.Tensor:
     """Every route's expert output, unweighted and unreduced: the reference loop up to GEMM2 (see the module
     docstring), ``(M, topk, K)`` in ``act_dtype``, zeros for routes to experts not held here (``expert_map``).
 
@@ -129,6 +147,7 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
         situ_beta, situ_linear_beta: SITU's parameters.
         stages: a dict that receives GEMM1's rounded output (``"gemm1"``, ``(M, topk, N)``) and the activation's
             (``"activation"``, ``(M, topk, N')``) per route, zeros for routes not held here (``conformance/diagnose.py``).
+        stage_names: the taps ``stages`` receives (a set of the names below; None: all of them).
 
     Three passes, because the requantization of a2 may need every routed row at once: a *per-tensor* dynamic a2
     scale is the amax over all routed rows of the call (one chunk of the modular kernel), as vLLM's Triton path
@@ -172,6 +191,8 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
     a = dequant_activation(a1q, a1q_scale, qc.a1)
     if "input" in sub:
         a, inplace = sub["input"].float(), False  # a substituted input has no codes: the fp32 product of its values
+    if stages is not None and stage_names is not None:
+        stages = _TapFilter(stages, stage_names)
     if stages is not None:
         stages["input"] = a
     K = a.size(1)  # packed activations (NVFP4) hold K // 2 bytes
@@ -196,8 +217,10 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
             g_rows[e] = sub["activation"][t, k].to(act_dtype)
         if stages is not None:
             for name, val in (("gemm1", h), ("activation", g_rows[e])):
-                buf = stages.setdefault(name, torch.zeros(M, topk, val.shape[1], dtype=val.dtype, device=val.device))
-                buf[t, k] = val
+                if stage_names is None or name in stage_names:
+                    buf = stages.setdefault(name, torch.zeros(M, topk, val.shape[1], dtype=val.dtype,
+                                                              device=val.device))
+                    buf[t, k] = val
     out = torch.zeros(M, topk, K, dtype=act_dtype, device=a1q.device)
     if not routes:
         return out
@@ -205,11 +228,11 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
     g_all = torch.cat([g_rows[e] for e, _, _ in routes])
     gq, gs = moe_kernel_quantize_input(g_all, qc.a2_scale, qc, "a2")
     g_all = dequant_activation(gq, gs, qc.a2)
-    if "a2" in sub or stages is not None:
+    if "a2" in sub or (stages is not None and (stage_names is None or "a2" in stage_names)):
         a2_rows = torch.cat([torch.stack([t, k], 1) for _, t, k in routes])
         if "a2" in sub:
             g_all, inplace = sub["a2"][a2_rows[:, 0], a2_rows[:, 1]].float(), False
-        if stages is not None:
+        if stages is not None and (stage_names is None or "a2" in stage_names):
             buf = torch.zeros(M, topk, g_all.shape[1], dtype=torch.float32, device=g_all.device)
             buf[a2_rows[:, 0], a2_rows[:, 1]] = g_all
             stages["a2"] = buf
@@ -248,6 +271,8 @@ def fused_experts(
     activation_situ_linear_beta: float | None = None,
     profile=None,
     substitute: dict | None = None,
+    stages: dict | None = None,
+    stage_names=None,
 ) -> torch.Tensor:
     """The reference MoE experts: ``(M, K)`` output in ``hidden_states.dtype``.
 
@@ -267,6 +292,8 @@ def fused_experts(
         profile: the numerics profile (``reference.profiles``: a ``NumericsProfile`` or its name; None: the current
             one, ``$MOE_NUMERICS_PROFILE`` / ``use_profile``, default ``vllm``, which is the loop described above).
         substitute: per-stage taps replacing the reference's values (``experts_unreduced``), for the diagnosis.
+        stages, stage_names: receive the loop's intermediates (``experts_unreduced``): the conformance tests take the
+            activation's output for the error model's heavy event (``reference.error_model.heavy_values``).
 
     Raises:
         ValueError: bad shapes/dtypes/devices (``check_moe_inputs``), apply_router_weight_on_input with topk > 1.
@@ -287,7 +314,8 @@ def fused_experts(
     prof = resolve_profile(profile)
     y = experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activation, act_dtype,
                            accumulate_dtype, situ_beta=activation_situ_beta,
-                           situ_linear_beta=activation_situ_linear_beta, profile=prof, substitute=substitute)
+                           situ_linear_beta=activation_situ_linear_beta, profile=prof, substitute=substitute,
+                           stages=stages, stage_names=stage_names)
     w = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
     if prof.router_weight == "fp32" and prof.topk_sum == "fp32":
         return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(act_dtype)

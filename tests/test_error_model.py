@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conformance.cases import ExpertsCase
+from conformance.experts_case import reference_with_heavy
 from conformance.inputs import make_experts_inputs
 from reference.activation import MoEActivation
 from reference.error_model import Accumulation, acc_rel, emulate_mma16, experts_error_bound, mma16_rel
@@ -149,9 +150,9 @@ def test_emulated_kernels_are_classified(E, topk, K, I, M, scheme):
     w1q, w2q, qc = quantize_weights(scheme, w1, w2)
     x = torch.randn(M, K, generator=g).bfloat16()
     w, ids = fused_topk(x, torch.randn(M, E, generator=g), topk, True)[:2]
-    ref = fused_experts(x, w1q, w2q, w, ids, quant_config=qc)
-    bound = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, routed_rows=M * topk,
-                                routes_per_row=topk).as_tolerance()
+    ref, heavy = reference_with_heavy(x, w1q, w2q, w, ids, quant_config=qc)  # the planted bugs fail on the call's
+    bound = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, routed_rows=M * topk,  # own heavy event too
+                                routes_per_row=topk, heavy=heavy).as_tolerance()
 
     def inside(out):
         s = error_stats(out, ref)
@@ -262,28 +263,22 @@ def _one_heavy_event(cls, E, topk, K, I, M, scheme, act, ep_size=1, ep_rank=0, p
     fc = FuzzCase(E=E, topk=topk, K=K, I=I, M=M, scheme=scheme, activation=act, dtype="bfloat16", ep_size=ep_size,
                   ep_rank=ep_rank, placement=placement, noncontiguous=nc, pad=0)
     x, w1q, w2q, w, ids, emap, qc, cfg = make_inputs(fc, "cpu")
-    ref = fused_experts(x, w1q, w2q, w, ids, activation=fc.act, global_num_experts=E, expert_map=emap,
-                        quant_config=qc)
+    ref, heavy = reference_with_heavy(x, w1q, w2q, w, ids, activation=fc.act, global_num_experts=E,
+                                      expert_map=emap, quant_config=qc)
     out = _run_class(cls, cfg, x, w1q, w2q, w, ids, emap, qc, fc.act, E)
     local = (ids.long() >= 0) & (emap[ids.long()] >= 0) if emap is not None else ids.long() >= 0
     with mock.patch("reference.error_model._heavy_event", lambda *a, **k: (0.0, 0.0)):  # step 7b off
         without = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, activation=fc.act,
                                       routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / M, 1.0))
-    return error_stats(out, ref), case_bound(fc, qc, ids, emap), without
+    return error_stats(out, ref), case_bound(fc, qc, ids, emap, heavy=heavy), without
 
 
-@pytest.mark.parametrize("cls", [
-    A2FlipCodeExperts,
-    pytest.param(A2FlipExperts, marks=pytest.mark.xfail(strict=True, reason=(
-        "the regression's own event: the flip on the route of the largest |code| x router weight; step 7b's b "
-        "leaves out the router weights' spread (reference/error_model.py, 7b), so this one stays a known failure "
-        "(specs/xfail: triton, cuda)"))),
-])
+@pytest.mark.parametrize("cls", [A2FlipCodeExperts, A2FlipExperts])
 def test_one_requantization_flip_at_the_largest_code(cls):
     """The fp8_tensor_static gelu_tanh regression (specs/regressions.toml, E8 k5 K96 I192 M157 EP8 rank 5): one FP8
-    a2 code one step off at the call's largest |code| (whatever its route's weight) is step 7b's heavy event and
-    inside the bound; at the largest |code| x router weight it gives what the H100 and H200 measured (1.39e-2, 1.57x
-    the bound without step 7b), which the term, blind to the router weights, does not cover."""
+    a2 code one step off at the call's largest |code| (whatever its route's weight), and at the largest |code| x
+    router weight, which gives what the H100 and H200 measured (1.39e-2, 1.57x the bound without step 7b): both are
+    step 7b's heavy event on the call's own weighted values (``heavy_values``), inside the bound."""
     s, b, without = _one_heavy_event(cls, 8, 5, 96, 192, 157, "fp8_tensor_static", "gelu_tanh", 8, 5,
                                      "round_robin", True)
     if cls is A2FlipExperts:
@@ -293,13 +288,11 @@ def test_one_requantization_flip_at_the_largest_code(cls):
 
 @pytest.mark.parametrize(("K", "I", "M"), [
     (1024, 2048, 1),
-    pytest.param(4096, 14336, 1, marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=(
-        "Mixtral bf16 M1's geometry: the call's largest product lies beyond step 7b's t (12.7x the RMS), where a "
-        "flip has probability ~2e-4 under the model (n qt P(|v| > t)); the GPU's event, a known failure"))]),
+    pytest.param(4096, 14336, 1, marks=pytest.mark.slow),  # Mixtral's geometry
 ])
 def test_one_activation_flip_at_the_largest_product(K, I, M):
     """Mixtral bf16 M1's heavy event (one GEMM1 output rounded the other way under the call's largest gated product;
-    the GPU's 1.841e-3 against 1.70e-3 without step 7b): inside the bound where the call's largest product lies
-    within step 7b's t; beyond it (Mixtral's own shape) it is the probability the term leaves out."""
+    the GPU's 1.841e-3 against 1.70e-3 without step 7b): the flip carried through the activation plus the step of
+    GEMM2's input grid it tips, at the call's own largest product, is inside the bound."""
     s, b, without = _one_heavy_event(HFlipExperts, 1, 1, K, I, M, "bf16", "silu")
     assert s.rms_norm <= b.rms_norm and s.max_norm <= b.max_norm, (s, b)
