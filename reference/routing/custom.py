@@ -149,7 +149,7 @@ MUSESPARK_DIVISION_EPS = 1e-15  # router_score_division_eps of MuseSpark1x's NVI
 
 def musespark1x_routing(
     gating_output: torch.Tensor,
-    expert_bias: torch.Tensor,
+    bias: torch.Tensor,
     topk: int,
     route_scale: float,
     router_output_multiplier: float | None = None,
@@ -165,14 +165,16 @@ def musespark1x_routing(
     -> top-k -> unbiased scores / (sum + eps) * route_scale.
 
     In fp32: ``g = gating_output.float()`` (times ``router_output_multiplier`` when given); ``s = sigmoid(g)`` or
-    ``softmax(g)`` over the E experts; ids = the ``topk`` largest ``s + expert_bias`` (lower index first on ties:
+    ``softmax(g)`` over the E experts; ids = the ``topk`` largest ``s + bias`` (lower index first on ties:
     the kernel's ``tl.argmax`` per round); ``w = s[ids] * (route_scale / (sum(s[ids]) + eps))``, ``eps`` =
     ``router_score_division_eps`` or no term when None (0.0 adds nothing). The NVIDIA model passes
     ``router_score_division_eps=1e-15`` (``MUSESPARK_DIVISION_EPS``), sigmoid, ``route_scale =
     config.routed_scaling_factor``, ``router_output_multiplier = config.output_multiplier`` (later folded into the
-    router weight). ``is_padding`` (the Triton kernel's keyword): those rows get id -1 and weight 0.
+    router weight). ``is_padding`` (the Triton kernel's keyword): those rows get id -1 and weight 0. The kernel's output buffers
+    (``topk_weights``, ``topk_ids``: allocation-free calls for CUDA graphs) are not taken: they change no value.
 
-    Args: ``gating_output`` ``(M, E)`` floating; ``expert_bias`` ``(E,)``. Returns ``(weights (M, k) fp32, ids (M,
+    Args: ``gating_output`` ``(M, E)`` floating; ``bias`` ``(E,)`` (the router's ``expert_bias``; the kernel's
+    name). Returns ``(weights (M, k) fp32, ids (M,
     k) int32 or indices_type)``.
 
     Mirrors ``fused_musespark1x_routing`` (``vllm/models/muse_spark/common/ops/fused_routing.py``, the CUDA path of
@@ -192,15 +194,15 @@ def musespark1x_routing(
     if gating_output.dim() != 2:
         raise ValueError(f"gating_output must be 2D, got {tuple(gating_output.shape)}")
     M, E = gating_output.shape
-    if tuple(expert_bias.shape) != (E,):
-        raise ValueError(f"expert_bias must be ({E},), got {tuple(expert_bias.shape)}")
+    if tuple(bias.shape) != (E,):
+        raise ValueError(f"bias must be ({E},), got {tuple(bias.shape)}")
     if check_finite is not False:
         check_router_logits(gating_output)
     g = gating_output.float()
     if router_output_multiplier is not None:
         g = g * router_output_multiplier
     s = torch.sigmoid(g) if router_score_normalization == "sigmoid" else torch.softmax(g, dim=-1)
-    ids = _topk_ids(s + expert_bias.float().unsqueeze(0), topk)
+    ids = _topk_ids(s + bias.float().unsqueeze(0), topk)
     w = s.gather(1, ids)
     denom = w.sum(dim=-1, keepdim=True)
     if router_score_division_eps is not None:
