@@ -528,7 +528,7 @@ def test_custom_routing_router_method_type_against_vllm(vllm_tree, semantics, mo
     if cohere_fn is not None:
         cases.append((cohere_fn, r33.token_choice_with_bias))
     for (up_fn, ref_fn), rn in itertools.product(cases, [True, False]):
-        router = Router(top_k=2, global_num_experts=8, custom_routing_function=up_fn, renormalize=rn)
+        router = Router(top_k=2, global_num_experts=8, custom_routing_function=up_fn, renormalize=rn, eplb_state=None)
         assert router.routing_method_type.name == r33.custom_routing_method_type(ref_fn, rn,
                                                                                  semantics=semantics).name, (ref_fn, rn)
 
