@@ -364,3 +364,80 @@ def test_routing_grouped_topk_single_group_nonfinite(backend, model_name, renorm
     out_w, out_ids = op(*dev_args, **dev_kw)
     _same_rows(out_w, out_ids, ref_w, ref_ids, tolerances["routing"],
                f"routing[{m.name}-single-group-nonfinite-renorm{renormalize}]\n  reproduce: {repro}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The 0.33 routers of issue 41 item 4 as ops a backend may offer (skipped where it does not):
+# - Cohere2-MoE ``token_choice_with_bias`` (vLLM 0.33.0 ``models/cohere2_moe.py``). No Cohere2-MoE configuration is
+#   citable here (the sdist names only the checkpoint ``CohereLabs/North-Mini-Code-1.0``, no config.json values), so
+#   the cases run on Qwen3-30B-A3B's routing shape (E=128, k=8; specs/models.toml), with and without
+#   renormalization (``config.norm_topk_prob``).
+# - MuseSpark1x's router (``vllm/models/muse_spark/common/ops/fused_routing.py``): the grid of vLLM's own
+#   ``tests/kernels/moe/test_muse_spark_router.py::test_fused_routing_matches_reference`` (E=384, k=6 and E=256, k=8;
+#   sigmoid with multiplier 2.5 and eps 1e-9, softmax without), the NVIDIA model's setting (sigmoid, eps 1e-15,
+#   multiplier folded into the weight) and the kernel's ``is_padding`` rows. No MuseSpark1x config values are in
+#   the sdist (``transformers_utils/configs/muse_spark.py`` has defaults only).
+# - ``ZeroExpertRouter`` (LongCat-Flash zero experts, ``router/zero_expert_router.py``): LongCat-Flash's config is not
+#   in the sdist or specs/models.toml, so the cases take Qwen3-30B-A3B's shape (H=2048, E=128 real experts, k=8)
+#   plus 64 identity zero experts, softmax + correction bias, no renormalization (as LongcatMoe builds it), a routed
+#   scaling factor 6.0, bf16 hidden states.
+MUSESPARK_GRID = {"multiplier": dict(E=384, k=6, norm="sigmoid", mult=2.5, eps=1e-9),
+                  "softmax": dict(E=256, k=8, norm="softmax", mult=None, eps=None),
+                  "nvidia": dict(E=256, k=8, norm="sigmoid", mult=None, eps=1e-15),
+                  "padding": dict(E=256, k=8, norm="sigmoid", mult=None, eps=1e-15)}
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_cohere2_token_choice_with_bias(backend, M, renormalize, tolerances, record):
+    _need_033()
+    from conformance.cases import load_models
+
+    m = load_models()["qwen3_30b_a3b"]
+    op = _op(backend, "token_choice_with_bias")
+    g = _gen(seed_of_033(f"cohere2-M{M}-{renormalize}"))
+    logits = torch.randn(M, m.num_experts, generator=g) * 2
+    record(model=m.name, component="routing", scheme="token_choice_with_bias", tokens=M)
+    ref = reference_routing.token_choice_with_bias(None, logits, m.top_k, renormalize)
+    out = op(None, *_dev(backend, logits), m.top_k, renormalize)
+    _same_rows(*out, *ref, tolerances["routing"], f"routing[cohere2-token_choice-{m.name}-M{M}-renorm{renormalize}]")
+
+
+@pytest.mark.parametrize("variant", list(MUSESPARK_GRID))
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_musespark1x(backend, variant, M, tolerances, record):
+    _need_033()
+    c = MUSESPARK_GRID[variant]
+    op = _op(backend, "musespark1x_routing", *(("is_padding",) if variant == "padding" else ()))
+    g = _gen(seed_of_033(f"musespark-{variant}-M{M}"))
+    logits, bias = torch.randn(M, c["E"], generator=g), torch.randn(c["E"], generator=g)
+    kw = {"is_padding": torch.arange(M) % 4 == 3} if variant == "padding" else {}
+    record(model="musespark1x", component="routing", scheme=f"musespark1x_routing[{variant}]", tokens=M)
+    args = (logits, bias, c["k"], 2.0, c["mult"], c["norm"], c["eps"])
+    ref = reference_routing.musespark1x_routing(*args, **kw)
+    out = op(*_dev(backend, *args), **dict(zip(kw, _dev(backend, *kw.values()))))
+    _same_rows(*out, *ref, tolerances["routing"], f"routing[musespark1x-{variant}-M{M}]")
+
+
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_zero_expert_router(backend, M, tolerances, record):
+    """Routed ids / weights as every routing case; the zero-expert output (bf16, fp32 accumulation of at most k
+    products then one rounding) to one bf16 ulp (relative 2^-7): the order of the k fp32 additions may differ."""
+    _need_033()
+    from conformance.cases import load_models
+
+    m = load_models()["qwen3_30b_a3b"]
+    op = _op(backend, "zero_expert_router")
+    Z = 64
+    g = _gen(seed_of_033(f"zero-experts-M{M}"))
+    h = torch.randn(M, m.hidden_size, generator=g).to(torch.bfloat16)
+    logits = torch.randn(M, m.num_experts + Z, generator=g)
+    bias = torch.randn(m.num_experts + Z, generator=g) * 0.1
+    record(model=m.name, component="routing", scheme="zero_expert_router", tokens=M)
+    kw = dict(scoring_func="softmax", renormalize=False, routed_scaling_factor=6.0)
+    w, ids, out = reference_routing.zero_expert_router(h, logits, m.top_k, bias, m.num_experts, "identity", **kw)
+    ow, oi, oo = op(*_dev(backend, h, logits), m.top_k, *_dev(backend, bias), m.num_experts, "identity", **kw)
+    case = f"routing[zero-experts-{m.name}+{Z}-M{M}]"
+    _same_rows(ow, oi, w, ids, tolerances["routing"], case)
+    assert oo.dtype == h.dtype and oo.shape == h.shape, f"{case}: output {oo.dtype} {tuple(oo.shape)}"
+    torch.testing.assert_close(oo.cpu().float(), out.float(), rtol=2 ** -7, atol=0.0, msg=lambda s: f"{case}: {s}")
