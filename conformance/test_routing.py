@@ -94,8 +94,11 @@ NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
 CLAMPED_033 = ("fused_topk", "fused_topk_bias")  # vLLM 0.33.0's topk_softmax / topk_sigmoid kernels clamp
 
 
+ONLY_033 = ("token_choice_with_bias", "musespark1x_routing")  # no clamp upstream either: the raise rule
+
+
 @pytest.mark.parametrize("op_name", ["fused_topk", "grouped_topk", "fused_topk_bias", "topk_softmax",
-                                     "llama4_routing"])
+                                     "llama4_routing", *ONLY_033])
 @pytest.mark.parametrize("bad", list(NONFINITE))
 def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, bad, repro, record, tolerances,
                                                               _vllm_semantics):
@@ -111,6 +114,8 @@ def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, 
     if op is None:
         pytest.skip(f"backend {backend.name} does not implement {op_name}")
     v = _vllm_semantics
+    if op_name in ONLY_033 and v < SemanticsVersion.V0_33:
+        pytest.skip(f"{op_name} is not defined under vLLM {v.value} semantics (SemanticsError)")
     record(component="routing", scheme=f"{op_name}-nonfinite", vllm_semantics=v.value)
     E, k = 64, 4 if op_name != "llama4_routing" else 1
     logits = torch.randn(6, E, generator=torch.Generator().manual_seed(7))
@@ -118,7 +123,8 @@ def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, 
     logits[3] = NONFINITE[bad]  # a whole padding row
     args = {"fused_topk": (None, logits, k, True), "grouped_topk": (None, logits, k, True, 8, 4),
             "fused_topk_bias": (None, logits, torch.zeros(E), k, True), "topk_softmax": (None, logits, k, True),
-            "llama4_routing": (None, logits, k, False)}[op_name]
+            "llama4_routing": (None, logits, k, False), "token_choice_with_bias": (None, logits, k, True),
+            "musespark1x_routing": (logits, torch.zeros(E), k, 1.0)}[op_name]
     dev = backend.device
     dev_args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args)
     clamped = v >= SemanticsVersion.V0_33 and op_name in CLAMPED_033
