@@ -447,3 +447,46 @@ def test_routing_zero_expert_router(backend, M, tolerances, record):
     _same_rows(ow, oi, w, ids, tolerances["routing"], case)
     assert oo.dtype == h.dtype and oo.shape == h.shape, f"{case}: output {oo.dtype} {tuple(oo.shape)}"
     torch.testing.assert_close(oo.cpu().float(), out.float(), rtol=2 ** -7, atol=0.0, msg=lambda s: f"{case}: {s}")
+
+
+# GroupedTopKRouter (``router/grouped_topk_router.py::GroupedTopKRouter._compute_routing``) as an op: on an invalid
+# grouping (E <= G or G not dividing E) it falls back to ``fused_topk`` (softmax, unscaled) without a bias, or to
+# ``fused_topk_bias`` then the scale with one - with softmax under 0.17 and the layer's scoring under 0.33 (point
+# ``routing.invalid_grouping_fallback``). Shapes: the issue-41 example E=60, G=8 (no released model pairs them; the
+# fallback exists for such configurations), E == G, and DeepSeek-V3 (specs/models.toml) with padding rows
+# (``skip_padding``, 0.33).
+GROUPED_ROUTER_CASES = {
+    "invalid-sigmoid-bias": dict(E=60, G=8, tg=4, k=4, sf="sigmoid", bias=True, rsf=2.5),
+    "invalid-softmax": dict(E=60, G=8, tg=4, k=4, sf="softmax", bias=False, rsf=2.5),
+    "invalid-sigmoid-nobias": dict(E=60, G=8, tg=4, k=4, sf="sigmoid", bias=False, rsf=1.0),
+    "e-equals-g": dict(E=8, G=8, tg=4, k=2, sf="sigmoid", bias=True, rsf=1.5),
+    "deepseek_v3-skip_padding": dict(model="deepseek_v3"),
+}
+
+
+@pytest.mark.parametrize("variant", list(GROUPED_ROUTER_CASES))
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_grouped_topk_router(backend, variant, M, tolerances, record, _vllm_semantics):
+    c = dict(GROUPED_ROUTER_CASES[variant])
+    kw = {}
+    if "model" in c:
+        _need_033()
+        from conformance.cases import load_models
+
+        m = load_models()[c["model"]]
+        c = dict(E=m.num_experts, G=m.num_expert_group, tg=m.topk_group, k=m.top_k, sf=m.scoring_func,
+                 bias=m.e_score_correction_bias, rsf=m.routed_scaling_factor)
+        kw = dict(is_padding=torch.arange(M) % 4 == 3, skip_padding=True)
+    op = _op(backend, "grouped_topk_router", *kw)
+    g = _gen(seed_of_033(f"grouped-router-{variant}-M{M}"))
+    logits = torch.randn(M, c["E"], generator=g)
+    bias = torch.randn(c["E"], generator=g) * 0.1 if c["bias"] else None
+    record(component="routing", scheme=f"grouped_topk_router[{variant}]", tokens=M,
+           vllm_semantics=_vllm_semantics.value)
+    args = (None, logits, c["k"], c["G"], c["tg"])
+    common = dict(scoring_func=c["sf"], routed_scaling_factor=c["rsf"], e_score_correction_bias=bias)
+    ref = reference_routing.grouped_topk_router(*args, **common, **kw)
+    out = op(*_dev(backend, *args), **dict(zip(common, _dev(backend, *common.values()))),
+             **dict(zip(kw, _dev(backend, *kw.values()))))
+    _same_rows(*out, *ref, tolerances["routing"], f"routing[grouped_topk_router-{variant}-M{M}] "
+                                                  f"(vLLM {_vllm_semantics.value} semantics)")

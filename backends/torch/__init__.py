@@ -18,6 +18,7 @@ backend = Backend(
     ops={
         "fused_topk": routing.fused_topk,
         "grouped_topk": routing.grouped_topk,
+        "grouped_topk_router": routing.grouped_topk_router,
         "fused_topk_bias": routing.fused_topk_bias,
         "topk_softmax": routing.topk_softmax,
         "llama4_routing": routing.llama4_routing,

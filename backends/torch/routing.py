@@ -356,3 +356,28 @@ def zero_expert_router(hidden_states, router_logits, top_k, e_score_correction_b
     cols = K // 256 * 256
     out[:, :cols] = hidden_states[:, :cols].float() * scale
     return w.masked_fill(zero, 0.0), ids.masked_fill(zero, 0), out.to(hidden_states.dtype)
+
+
+def grouped_topk_router(hidden_states, router_logits, top_k, num_expert_group, topk_group, *, renormalize=True,
+                        scoring_func="softmax", routed_scaling_factor=1.0, e_score_correction_bias=None,
+                        indices_type=None, is_padding=None, skip_padding=False, check_finite=None, semantics=None):
+    """GroupedTopKRouter: grouped top-k on a valid grouping (E > G, G | E), else the fallback: softmax top-k
+    unscaled (no bias) or the biased top-k (0.17: softmax, 0.33: the layer's scoring) then scaled. Padding rows
+    (0.33, ``skip_padding``) masked on the grouped path only."""
+    new = resolve_semantics(semantics) >= SemanticsVersion.V0_33
+    E = router_logits.shape[-1]
+    if not (E > num_expert_group and E % num_expert_group == 0):
+        if e_score_correction_bias is None:
+            return fused_topk(hidden_states, router_logits, top_k, renormalize, indices_type=indices_type,
+                              check_finite=check_finite, semantics=semantics)
+        w, ids = fused_topk_bias(hidden_states, router_logits, e_score_correction_bias, top_k, renormalize,
+                                 scoring_func=scoring_func if new else "softmax", check_finite=check_finite,
+                                 semantics=semantics)
+        return w * routed_scaling_factor, ids.to(indices_type or torch.int32)
+    w, ids = grouped_topk(hidden_states, router_logits, top_k, renormalize, num_expert_group, topk_group,
+                          scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
+                          e_score_correction_bias=e_score_correction_bias, indices_type=indices_type,
+                          check_finite=check_finite, semantics=semantics)
+    if is_padding is not None and skip_padding:
+        w, ids = _pad(w, ids, is_padding, semantics)
+    return w, ids
