@@ -94,8 +94,11 @@ NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
 CLAMPED_033 = ("fused_topk", "fused_topk_bias")  # vLLM 0.33.0's topk_softmax / topk_sigmoid kernels clamp
 
 
+ONLY_033 = ("token_choice_with_bias", "musespark1x_routing")  # no clamp upstream either: the raise rule
+
+
 @pytest.mark.parametrize("op_name", ["fused_topk", "grouped_topk", "fused_topk_bias", "topk_softmax",
-                                     "llama4_routing"])
+                                     "llama4_routing", *ONLY_033])
 @pytest.mark.parametrize("bad", list(NONFINITE))
 def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, bad, repro, record, tolerances,
                                                               _vllm_semantics):
@@ -111,6 +114,8 @@ def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, 
     if op is None:
         pytest.skip(f"backend {backend.name} does not implement {op_name}")
     v = _vllm_semantics
+    if op_name in ONLY_033 and v < SemanticsVersion.V0_33:
+        pytest.skip(f"{op_name} is not defined under vLLM {v.value} semantics (SemanticsError)")
     record(component="routing", scheme=f"{op_name}-nonfinite", vllm_semantics=v.value)
     E, k = 64, 4 if op_name != "llama4_routing" else 1
     logits = torch.randn(6, E, generator=torch.Generator().manual_seed(7))
@@ -118,7 +123,8 @@ def test_routing_nonfinite_logits_never_give_out_of_range_ids(backend, op_name, 
     logits[3] = NONFINITE[bad]  # a whole padding row
     args = {"fused_topk": (None, logits, k, True), "grouped_topk": (None, logits, k, True, 8, 4),
             "fused_topk_bias": (None, logits, torch.zeros(E), k, True), "topk_softmax": (None, logits, k, True),
-            "llama4_routing": (None, logits, k, False)}[op_name]
+            "llama4_routing": (None, logits, k, False), "token_choice_with_bias": (None, logits, k, True),
+            "musespark1x_routing": (logits, torch.zeros(E), k, 1.0)}[op_name]
     dev = backend.device
     dev_args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args)
     clamped = v >= SemanticsVersion.V0_33 and op_name in CLAMPED_033
@@ -364,3 +370,123 @@ def test_routing_grouped_topk_single_group_nonfinite(backend, model_name, renorm
     out_w, out_ids = op(*dev_args, **dev_kw)
     _same_rows(out_w, out_ids, ref_w, ref_ids, tolerances["routing"],
                f"routing[{m.name}-single-group-nonfinite-renorm{renormalize}]\n  reproduce: {repro}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The 0.33 routers of issue 41 item 4 as ops a backend may offer (skipped where it does not):
+# - Cohere2-MoE ``token_choice_with_bias`` (vLLM 0.33.0 ``models/cohere2_moe.py``). No Cohere2-MoE configuration is
+#   citable here (the sdist names only the checkpoint ``CohereLabs/North-Mini-Code-1.0``, no config.json values), so
+#   the cases run on Qwen3-30B-A3B's routing shape (E=128, k=8; specs/models.toml), with and without
+#   renormalization (``config.norm_topk_prob``).
+# - MuseSpark1x's router (``vllm/models/muse_spark/common/ops/fused_routing.py``): the grid of vLLM's own
+#   ``tests/kernels/moe/test_muse_spark_router.py::test_fused_routing_matches_reference`` (E=384, k=6 and E=256, k=8;
+#   sigmoid with multiplier 2.5 and eps 1e-9, softmax without), the NVIDIA model's setting (sigmoid, eps 1e-15,
+#   multiplier folded into the weight) and the kernel's ``is_padding`` rows. No MuseSpark1x config values are in
+#   the sdist (``transformers_utils/configs/muse_spark.py`` has defaults only).
+# - ``ZeroExpertRouter`` (LongCat-Flash zero experts, ``router/zero_expert_router.py``): LongCat-Flash's config is not
+#   in the sdist or specs/models.toml, so the cases take Qwen3-30B-A3B's shape (H=2048, E=128 real experts, k=8)
+#   plus 64 identity zero experts, softmax + correction bias, no renormalization (as LongcatMoe builds it), a routed
+#   scaling factor 6.0, bf16 hidden states.
+MUSESPARK_GRID = {"multiplier": dict(E=384, k=6, norm="sigmoid", mult=2.5, eps=1e-9),
+                  "softmax": dict(E=256, k=8, norm="softmax", mult=None, eps=None),
+                  "nvidia": dict(E=256, k=8, norm="sigmoid", mult=None, eps=1e-15),
+                  "padding": dict(E=256, k=8, norm="sigmoid", mult=None, eps=1e-15)}
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_cohere2_token_choice_with_bias(backend, M, renormalize, tolerances, record):
+    _need_033()
+    from conformance.cases import load_models
+
+    m = load_models()["qwen3_30b_a3b"]
+    op = _op(backend, "token_choice_with_bias")
+    g = _gen(seed_of_033(f"cohere2-M{M}-{renormalize}"))
+    logits = torch.randn(M, m.num_experts, generator=g) * 2
+    record(model=m.name, component="routing", scheme="token_choice_with_bias", tokens=M)
+    ref = reference_routing.token_choice_with_bias(None, logits, m.top_k, renormalize)
+    out = op(None, *_dev(backend, logits), m.top_k, renormalize)
+    _same_rows(*out, *ref, tolerances["routing"], f"routing[cohere2-token_choice-{m.name}-M{M}-renorm{renormalize}]")
+
+
+@pytest.mark.parametrize("variant", list(MUSESPARK_GRID))
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_musespark1x(backend, variant, M, tolerances, record):
+    _need_033()
+    c = MUSESPARK_GRID[variant]
+    op = _op(backend, "musespark1x_routing", *(("is_padding",) if variant == "padding" else ()))
+    g = _gen(seed_of_033(f"musespark-{variant}-M{M}"))
+    logits, bias = torch.randn(M, c["E"], generator=g), torch.randn(c["E"], generator=g)
+    kw = {"is_padding": torch.arange(M) % 4 == 3} if variant == "padding" else {}
+    record(model="musespark1x", component="routing", scheme=f"musespark1x_routing[{variant}]", tokens=M)
+    args = (logits, bias, c["k"], 2.0, c["mult"], c["norm"], c["eps"])
+    ref = reference_routing.musespark1x_routing(*args, **kw)
+    out = op(*_dev(backend, *args), **dict(zip(kw, _dev(backend, *kw.values()))))
+    _same_rows(*out, *ref, tolerances["routing"], f"routing[musespark1x-{variant}-M{M}]")
+
+
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_zero_expert_router(backend, M, tolerances, record):
+    """Routed ids / weights as every routing case; the zero-expert output (bf16, fp32 accumulation of at most k
+    products then one rounding) to one bf16 ulp (relative 2^-7): the order of the k fp32 additions may differ."""
+    _need_033()
+    from conformance.cases import load_models
+
+    m = load_models()["qwen3_30b_a3b"]
+    op = _op(backend, "zero_expert_router")
+    Z = 64
+    g = _gen(seed_of_033(f"zero-experts-M{M}"))
+    h = torch.randn(M, m.hidden_size, generator=g).to(torch.bfloat16)
+    logits = torch.randn(M, m.num_experts + Z, generator=g)
+    bias = torch.randn(m.num_experts + Z, generator=g) * 0.1
+    record(model=m.name, component="routing", scheme="zero_expert_router", tokens=M)
+    kw = dict(scoring_func="softmax", renormalize=False, routed_scaling_factor=6.0)
+    w, ids, out = reference_routing.zero_expert_router(h, logits, m.top_k, bias, m.num_experts, "identity", **kw)
+    ow, oi, oo = op(*_dev(backend, h, logits), m.top_k, *_dev(backend, bias), m.num_experts, "identity", **kw)
+    case = f"routing[zero-experts-{m.name}+{Z}-M{M}]"
+    _same_rows(ow, oi, w, ids, tolerances["routing"], case)
+    assert oo.dtype == h.dtype and oo.shape == h.shape, f"{case}: output {oo.dtype} {tuple(oo.shape)}"
+    torch.testing.assert_close(oo.cpu().float(), out.float(), rtol=2 ** -7, atol=0.0, msg=lambda s: f"{case}: {s}")
+
+
+# GroupedTopKRouter (``router/grouped_topk_router.py::GroupedTopKRouter._compute_routing``) as an op: on an invalid
+# grouping (E <= G or G not dividing E) it falls back to ``fused_topk`` (softmax, unscaled) without a bias, or to
+# ``fused_topk_bias`` then the scale with one - with softmax under 0.17 and the layer's scoring under 0.33 (point
+# ``routing.invalid_grouping_fallback``). Shapes: the issue-41 example E=60, G=8 (no released model pairs them; the
+# fallback exists for such configurations), E == G, and DeepSeek-V3 (specs/models.toml) with padding rows
+# (``skip_padding``, 0.33).
+GROUPED_ROUTER_CASES = {
+    "invalid-sigmoid-bias": dict(E=60, G=8, tg=4, k=4, sf="sigmoid", bias=True, rsf=2.5),
+    "invalid-softmax": dict(E=60, G=8, tg=4, k=4, sf="softmax", bias=False, rsf=2.5),
+    "invalid-sigmoid-nobias": dict(E=60, G=8, tg=4, k=4, sf="sigmoid", bias=False, rsf=1.0),
+    "e-equals-g": dict(E=8, G=8, tg=4, k=2, sf="sigmoid", bias=True, rsf=1.5),
+    "deepseek_v3-skip_padding": dict(model="deepseek_v3"),
+}
+
+
+@pytest.mark.parametrize("variant", list(GROUPED_ROUTER_CASES))
+@pytest.mark.parametrize("M", ROUTING_033_TOKENS)
+def test_routing_grouped_topk_router(backend, variant, M, tolerances, record, _vllm_semantics):
+    c = dict(GROUPED_ROUTER_CASES[variant])
+    kw = {}
+    if "model" in c:
+        _need_033()
+        from conformance.cases import load_models
+
+        m = load_models()[c["model"]]
+        c = dict(E=m.num_experts, G=m.num_expert_group, tg=m.topk_group, k=m.top_k, sf=m.scoring_func,
+                 bias=m.e_score_correction_bias, rsf=m.routed_scaling_factor)
+        kw = dict(is_padding=torch.arange(M) % 4 == 3, skip_padding=True)
+    op = _op(backend, "grouped_topk_router", *kw)
+    g = _gen(seed_of_033(f"grouped-router-{variant}-M{M}"))
+    logits = torch.randn(M, c["E"], generator=g)
+    bias = torch.randn(c["E"], generator=g) * 0.1 if c["bias"] else None
+    record(component="routing", scheme=f"grouped_topk_router[{variant}]", tokens=M,
+           vllm_semantics=_vllm_semantics.value)
+    args = (None, logits, c["k"], c["G"], c["tg"])
+    common = dict(scoring_func=c["sf"], routed_scaling_factor=c["rsf"], e_score_correction_bias=bias)
+    ref = reference_routing.grouped_topk_router(*args, **common, **kw)
+    out = op(*_dev(backend, *args), **dict(zip(common, _dev(backend, *common.values()))),
+             **dict(zip(kw, _dev(backend, *kw.values()))))
+    _same_rows(*out, *ref, tolerances["routing"], f"routing[grouped_topk_router-{variant}-M{M}] "
+                                                  f"(vLLM {_vllm_semantics.value} semantics)")

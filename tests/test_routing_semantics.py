@@ -110,6 +110,8 @@ EXPECTED_POINTS = {
     "routing.padding_rows", "routing.fused_shared_expert_slots", "routing.gemma4_per_expert_scale",
     "routing.minimax2_epsilon", "routing.eplb_replica_choice", "routing.routing_method_type_values",
     "routing.router_factory", "routing.invalid_grouping_fallback", "routing.grouped_topk_nonfinite",
+    "routing.custom_routing_method_type", "routing.cpu_router", "routing.zero_expert_router",
+    "routing.model_routers_033",
 }
 
 

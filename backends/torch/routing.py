@@ -302,3 +302,82 @@ def eplb_logical_to_physical(topk_ids, logical_to_physical_map, logical_replica_
             use &= tok < num_unpadded_tokens
         expert_load_view += torch.bincount(phys[use], minlength=expert_load_view.numel()).to(expert_load_view.dtype)
     return phys.to(topk_ids.dtype)
+
+
+def token_choice_with_bias(hidden_states, gating_output, topk, renormalize, *, indices_type=None, check_finite=None,
+                           semantics=None):
+    """Cohere2-MoE (vLLM 0.33 ``models/cohere2_moe.py``): sigmoid -> top-k -> plain renormalization (no guard)."""
+    _require_033("Cohere2-MoE token_choice_with_bias", semantics)
+    if hidden_states is not None and hidden_states.shape[0] != gating_output.shape[0]:
+        raise ValueError("Number of tokens mismatch")
+    _check(gating_output, check_finite is not False)
+    s = torch.nan_to_num(gating_output.float().sigmoid(), nan=float("-inf"))
+    w, ids = torch.topk(s, topk, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w, ids.to(indices_type or torch.int32)
+
+
+def musespark1x_routing(gating_output, bias, topk, route_scale, router_output_multiplier=None,
+                        router_score_normalization="sigmoid", router_score_division_eps=None, *, is_padding=None,
+                        indices_type=None, check_finite=None, semantics=None):
+    """MuseSpark1x (vLLM 0.33 ``models/muse_spark``): [x * m] -> sigmoid|softmax -> bias chooses -> scores / (sum +
+    eps) * route_scale; ``is_padding`` rows id -1, weight 0."""
+    _require_033("MuseSpark1x routing", semantics)
+    if router_score_normalization not in ("sigmoid", "softmax"):
+        raise ValueError(f"Invalid router_score_normalization: {router_score_normalization}")
+    _check(gating_output, check_finite is not False)
+    x = gating_output.float()
+    if router_output_multiplier is not None:
+        x = x * router_output_multiplier
+    s = x.sigmoid() if router_score_normalization == "sigmoid" else x.softmax(-1)
+    ids = _topk(s + bias.float(), topk)
+    w = s.gather(1, ids)
+    tot = w.sum(-1, keepdim=True) + (router_score_division_eps or 0.0)
+    return _pad(w * (route_scale / tot), ids.to(indices_type or torch.int32), is_padding, semantics)
+
+
+def zero_expert_router(hidden_states, router_logits, top_k, e_score_correction_bias, num_logical_experts,
+                       zero_expert_type="identity", *, scoring_func="softmax", renormalize=False,
+                       routed_scaling_factor=1.0, indices_type=None, check_finite=None, semantics=None):
+    """vLLM 0.33 ``ZeroExpertRouter``: biased top-k over real + zero experts, scale, identity output of the zero
+    slots (whole 256-column blocks, as the Triton kernel's grid), then zero slots -> id 0, weight 0."""
+    _require_033("ZeroExpertRouter", semantics)
+    if zero_expert_type != "identity":
+        raise ValueError(f"zero_expert_type {zero_expert_type!r} is not defined")
+    w, ids = fused_topk_bias(hidden_states, router_logits, e_score_correction_bias, top_k, renormalize,
+                             scoring_func=scoring_func, indices_type=indices_type, check_finite=check_finite,
+                             semantics=semantics)
+    w = w * routed_scaling_factor
+    zero = ids.long() >= num_logical_experts
+    scale = (w * zero).sum(-1, keepdim=True)
+    K = hidden_states.shape[-1]
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    cols = K // 256 * 256
+    out[:, :cols] = hidden_states[:, :cols].float() * scale
+    return w.masked_fill(zero, 0.0), ids.masked_fill(zero, 0), out.to(hidden_states.dtype)
+
+
+def grouped_topk_router(hidden_states, router_logits, top_k, num_expert_group, topk_group, *, renormalize=True,
+                        scoring_func="softmax", routed_scaling_factor=1.0, e_score_correction_bias=None,
+                        indices_type=None, is_padding=None, skip_padding=False, check_finite=None, semantics=None):
+    """GroupedTopKRouter: grouped top-k on a valid grouping (E > G, G | E), else the fallback: softmax top-k
+    unscaled (no bias) or the biased top-k (0.17: softmax, 0.33: the layer's scoring) then scaled. Padding rows
+    (0.33, ``skip_padding``) masked on the grouped path only."""
+    new = resolve_semantics(semantics) >= SemanticsVersion.V0_33
+    E = router_logits.shape[-1]
+    if not (E > num_expert_group and E % num_expert_group == 0):
+        if e_score_correction_bias is None:
+            return fused_topk(hidden_states, router_logits, top_k, renormalize, indices_type=indices_type,
+                              check_finite=check_finite, semantics=semantics)
+        w, ids = fused_topk_bias(hidden_states, router_logits, e_score_correction_bias, top_k, renormalize,
+                                 scoring_func=scoring_func if new else "softmax", check_finite=check_finite,
+                                 semantics=semantics)
+        return w * routed_scaling_factor, ids.to(indices_type or torch.int32)
+    w, ids = grouped_topk(hidden_states, router_logits, top_k, renormalize, num_expert_group, topk_group,
+                          scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
+                          e_score_correction_bias=e_score_correction_bias, indices_type=indices_type,
+                          check_finite=check_finite, semantics=semantics)
+    if is_padding is not None and skip_padding:
+        w, ids = _pad(w, ids, is_padding, semantics)
+    return w, ids

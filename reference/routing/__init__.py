@@ -38,9 +38,13 @@ The package, by component (every name is re-exported here):
   ``hash_topk_ids``;
 - ``reference.routing.grouped``: ``valid_grouping``, ``grouped_topk``, ``grouped_topk_router``,
   ``single_group_kernel_applies``;
-- ``reference.routing.custom``: ``llama4_routing``, ``gemma4_routing``, ``minimax2_routing``;
+- ``reference.routing.custom``: ``llama4_routing``, ``gemma4_routing``, ``minimax2_routing``,
+  ``token_choice_with_bias`` (Cohere2-MoE), ``musespark1x_routing`` (MuseSpark1x);
 - ``reference.routing.router``: ``select_experts``, ``router_kind``, ``route``, ``append_fused_shared_experts``, the
-  enum per version (``RoutingMethodType017``, ``routing_method_type_value`` / ``_enum``, ``get_routing_method_type``);
+  enum per version (``RoutingMethodType017``, ``routing_method_type_value`` / ``_enum``, ``get_routing_method_type``,
+  ``custom_routing_method_type``);
+- ``reference.routing.cpu``: ``CPURouter``'s dispatch (``cpu_router_path``) and routing (``cpu_route``);
+- ``reference.routing.zero``: ``ZeroExpertRouter`` (``zero_expert_router``, ``zero_expert_identity_output``);
 - ``reference.routing.eplb``: ``eplb_logical_to_physical``;
 - ``reference.routing.expert_map``: ``determine_expert_map``;
 - ``reference.routing.points``: the semantics points of routing.
@@ -48,7 +52,16 @@ The package, by component (every name is re-exported here):
 
 from reference.routing import points as _points  # noqa: F401  (registers the routing semantics points)
 from reference.routing.common import RoutingMethodType, apply_padding_rows, check_router_logits
-from reference.routing.custom import MINIMAX2_EPSILON, gemma4_routing, llama4_routing, minimax2_routing
+from reference.routing.cpu import CPU_ROUTER_PATHS, cpu_route, cpu_router_path
+from reference.routing.custom import (
+    MINIMAX2_EPSILON,
+    MUSESPARK_DIVISION_EPS,
+    gemma4_routing,
+    llama4_routing,
+    minimax2_routing,
+    musespark1x_routing,
+    token_choice_with_bias,
+)
 from reference.routing.eplb import EPLB_KNUTH_MULTIPLIER, eplb_logical_to_physical
 from reference.routing.expert_map import determine_expert_map
 from reference.routing.grouped import (
@@ -62,6 +75,7 @@ from reference.routing.capture import RoutedExpertsSink
 from reference.routing.router import (
     RoutingMethodType017,
     append_fused_shared_experts,
+    custom_routing_method_type,
     get_routing_method_type,
     route,
     router_kind,
@@ -77,6 +91,7 @@ from reference.routing.topk import (
     image_token_mask,
     topk_softmax,
 )
+from reference.routing.zero import ZERO_EXPERT_BLOCK, zero_expert_identity_output, zero_expert_router
 
 __all__ = [
     "RoutedExpertsSink",
@@ -109,4 +124,14 @@ __all__ = [
     "SINGLE_GROUP_TIERS",
     "single_group_kernel_applies",
     "route",
+    "custom_routing_method_type",
+    "CPU_ROUTER_PATHS",
+    "cpu_router_path",
+    "cpu_route",
+    "token_choice_with_bias",
+    "musespark1x_routing",
+    "MUSESPARK_DIVISION_EPS",
+    "ZERO_EXPERT_BLOCK",
+    "zero_expert_router",
+    "zero_expert_identity_output",
 ]

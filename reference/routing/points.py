@@ -134,3 +134,42 @@ register_point(
                             "write_outputs, invokeNoAuxTc), fused_moe/router/grouped_topk_router.py, "
                             "tests/kernels/moe/test_grouped_topk.py::test_grouped_topk_single_group_nonfinite_scores"},
 )
+register_point(
+    "routing.custom_routing_method_type", component="routing", reference="reference.routing.custom_routing_method_type",
+    behaviour={V017: "CustomRoutingRouter advertises Llama4 for Llama4MoE.custom_routing_function, else Custom.",
+               V033: "Llama4 for Llama-4's function; Cohere2-MoE's token_choice_with_bias: SigmoidRenorm "
+                     "(renormalize) / Sigmoid; else Custom."},
+    upstream={V017: _F017 + "fused_moe/router/custom_routing_router.py",
+              V033: _F033 + "fused_moe/router/custom_routing_router.py, models/cohere2_moe.py"},
+)
+register_point(
+    "routing.cpu_router", component="routing", reference="reference.routing.cpu_router_path / cpu_route",
+    behaviour={V017: "no CPU router (SemanticsError).",
+               V033: "on CPU every router but the zero-expert one is CPURouter: grouped -> _grouped_topk (a custom "
+                     "function ignored); sqrtsoftplus -> SGLang hash / biased top-k (renormalize required); no "
+                     "custom function -> _softmax_topk (softmax only; bias and routed_scaling_factor ignored); else "
+                     "the custom function (fp32 / int32)."},
+    upstream={V017: _F017 + "(absent)", V033: _F033 + "fused_moe/router/cpu_router.py, router/router_factory.py"},
+)
+register_point(
+    "routing.zero_expert_router", component="routing", reference="reference.routing.zero_expert_router",
+    behaviour={V017: "no ZeroExpertRouter in the factory (SemanticsError); seed 003's select_experts(zero_expert_num=) "
+                     "is the reference's older form.",
+               V033: "the factory's first branch: fused_topk_bias over real + zero experts (full bias), * rsf, "
+                     "identity output sum(s * h) over zero slots (whole 256-column blocks only), zero slots -> id 0 "
+                     "weight 0; routing method Unspecified."},
+    upstream={V017: _F017 + "fused_moe/router/router_factory.py (no zero-expert branch)",
+              V033: _F033 + "fused_moe/router/zero_expert_router.py, fused_moe.py (zero_experts_compute_triton), "
+                            "tests/kernels/moe/test_zero_expert_moe.py"},
+)
+register_point(
+    "routing.model_routers_033", component="routing",
+    reference="reference.routing.token_choice_with_bias / musespark1x_routing",
+    behaviour={V017: "not defined (no Cohere2-MoE, no MuseSpark; SemanticsError).",
+               V033: "Cohere2-MoE: sigmoid -> top-k -> plain renormalize (0/0 = NaN unguarded). MuseSpark1x: "
+                     "[x * multiplier] -> sigmoid|softmax -> bias chooses -> s * (route_scale / (sum + eps)), fp32, "
+                     "is_padding rows -1 / 0."},
+    upstream={V017: _F017 + "(absent)",
+              V033: _F033 + "models/cohere2_moe.py, models/muse_spark/common/moe.py, "
+                            "models/muse_spark/common/ops/fused_routing.py, tests/kernels/moe/test_muse_spark_router.py"},
+)

@@ -11,12 +11,16 @@ from typing import Callable
 import torch
 
 from reference.routing.common import RoutingMethodType, V033, _UP, check_router_logits
+from reference.routing.cpu import cpu_route
+from reference.routing.custom import llama4_routing, token_choice_with_bias
 from reference.routing.eplb import eplb_logical_to_physical
 from reference.routing.grouped import grouped_topk, grouped_topk_router, valid_grouping
 from reference.routing.topk import fused_topk, fused_topk_bias
+from reference.routing.zero import zero_expert_router
 from reference.semantics import SemanticsError, require, resolve_semantics
 
-__all__ = ["RoutingMethodType017", "routing_method_type_enum", "routing_method_type_value", "get_routing_method_type", "router_kind", "append_fused_shared_experts", "select_experts", "route"]
+__all__ = ["RoutingMethodType017", "routing_method_type_enum", "routing_method_type_value", "get_routing_method_type",
+           "custom_routing_method_type", "router_kind", "append_fused_shared_experts", "select_experts", "route"]
 
 
 class RoutingMethodType017(enum.IntEnum):
@@ -88,6 +92,34 @@ def get_routing_method_type(scoring_func: str, top_k: int, renormalize: bool, nu
     return T.Unspecified
 
 
+# The custom routing functions CustomRoutingRouter recognises, by the reference function and by vLLM's name.
+_LLAMA4 = ("Llama4MoE.custom_routing_function", llama4_routing)
+_COHERE2 = ("token_choice_with_bias", token_choice_with_bias)
+
+
+def custom_routing_method_type(custom_routing_function: Callable | str, renormalize: bool = True, *,
+                               semantics=None) -> enum.IntEnum:
+    """``CustomRoutingRouter.routing_method_type`` (``fused_moe/router/custom_routing_router.py``) per version: the
+    ``RoutingMethodType`` a custom routing function advertises (it drives kernel selection, e.g. FlashInfer
+    TRT-LLM's built-in routing).
+
+    ``custom_routing_function`` is the function (the reference's ``llama4_routing`` stands for vLLM's
+    ``Llama4MoE.custom_routing_function``, ``token_choice_with_bias`` for Cohere2-MoE's) or its vLLM name
+    (``"Llama4MoE.custom_routing_function"``, ``"token_choice_with_bias"``); anything else is another function.
+
+    0.33.0: Llama-4's -> ``Llama4``; Cohere2-MoE's ``token_choice_with_bias`` -> ``SigmoidRenorm`` when the router
+    renormalizes, else ``Sigmoid``; any other -> ``Custom``. 0.17.0: Llama-4's -> ``Llama4``; any other (there is
+    no Cohere2-MoE) -> ``Custom``. Returns that version's enum member (``routing_method_type_enum``).
+    """
+    v = resolve_semantics(semantics)
+    T = routing_method_type_enum(v)
+    if any(custom_routing_function is f or custom_routing_function == f for f in _LLAMA4):
+        return T.Llama4
+    if v >= V033 and any(custom_routing_function is f or custom_routing_function == f for f in _COHERE2):
+        return T.SigmoidRenorm if renormalize else T.Sigmoid
+    return T.Custom
+
+
 def router_kind(
     *,
     top_k: int,
@@ -109,7 +141,9 @@ def router_kind(
 ) -> str:
     """Which router ``create_fused_moe_router`` (``fused_moe/router/router_factory.py``) builds, per version.
 
-    0.33.0, in order: ``ZeroExpertRouter`` (zero_expert_type set); ``CPURouter`` (on CPU); ``GroupedTopKRouter``
+    0.33.0, in order: ``ZeroExpertRouter`` (zero_expert_type set; a correction bias required, whatever else is set);
+    ``CPURouter`` (on CPU, whatever else is set: grouping with a custom function is not rejected there, see
+    ``reference.routing.cpu_router_path``); ``GroupedTopKRouter``
     when ``use_grouped_topk`` unless the grouping is degenerate (``num_expert_group <= 1 and topk_group <= 1``)
     *and* the scaling is handled downstream (``routed_scaling_factor == 1`` or a correction bias) *and* the
     advertised ``RoutingMethodType`` is the same with and without the groups - then it falls through;
@@ -128,11 +162,13 @@ def router_kind(
             function (vLLM asserts), an unknown scoring_func. SemanticsError: a 0.33-only input under 0.17.
     """
     v = resolve_semantics(semantics)
-    if use_grouped_topk:
+
+    def check_grouped():  # vLLM checks these inside the grouped branch only (not for zero experts / CPU / simulation)
         if custom_routing_function:
             raise ValueError("use_grouped_topk with a custom_routing_function is not allowed (vLLM asserts)")
         if num_expert_group is None or topk_group is None:
             raise ValueError("num_expert_group and topk_group must be provided when use_grouped_topk is True")
+
     if v < V033:
         if zero_expert_type is not None or has_hash_indices_table or is_cpu or num_fused_shared_experts:
             raise SemanticsError("zero experts / hash tables / the CPU router / fused shared experts are not part "
@@ -140,6 +176,7 @@ def router_kind(
         if routing_simulation_strategy:
             return "RoutingSimulatorRouter"
         if use_grouped_topk:
+            check_grouped()
             rmt = get_routing_method_type(scoring_func, top_k, renormalize, num_expert_group,
                                           has_e_score_correction_bias, semantics=v)
             if rmt != RoutingMethodType017.Unspecified or num_expert_group > 1 or topk_group > 1:
@@ -158,6 +195,7 @@ def router_kind(
     elif is_cpu:
         kind = "CPURouter"
     elif use_grouped_topk:
+        check_grouped()
         degenerate = num_expert_group <= 1 and topk_group <= 1
         scaling_downstream = routed_scaling_factor == 1.0 or has_e_score_correction_bias
 
@@ -332,14 +370,21 @@ def route(
     indices_type: torch.dtype | None = None,
     check_finite: bool | None = None,
     capture_fn: Callable[[torch.Tensor], None] | None = None,
+    zero_expert_type: str | None = None,
+    num_logical_experts: int | None = None,
+    zero_expert_output_fn: Callable[[torch.Tensor], None] | None = None,
+    is_cpu: bool = False,
     semantics=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router end to end, as ``create_fused_moe_router(...)`` + ``select_experts`` run it (on CUDA).
+    """The router end to end, as ``create_fused_moe_router(...)`` + ``select_experts`` run it.
 
-    1. ``router_kind`` picks the router (platform CUDA, no zero experts, no AITER, no simulation);
-    2. that router's routing: ``fused_topk`` (``FusedTopKRouter``, padding rows masked), ``fused_topk_bias`` +
-       ``append_fused_shared_experts`` (``FusedTopKBiasRouter``), ``grouped_topk_router`` (``GroupedTopKRouter``),
-       or ``custom_routing_function(hidden_states, gating_output, topk, renormalize)`` (weights fp32, ids int32);
+    1. ``router_kind`` picks the router (CUDA unless ``is_cpu``; no AITER, no simulation);
+    2. that router's routing: ``zero_expert_router`` (``ZeroExpertRouter``, 0.33: ``zero_expert_type`` and
+       ``num_logical_experts`` given; its zero-expert output goes to ``zero_expert_output_fn``, vLLM's
+       ``router.zero_expert_output``), ``cpu_route`` (``CPURouter``, 0.33, ``is_cpu``), ``fused_topk``
+       (``FusedTopKRouter``, padding rows masked), ``fused_topk_bias`` + ``append_fused_shared_experts``
+       (``FusedTopKBiasRouter``), ``grouped_topk_router`` (``GroupedTopKRouter``), or
+       ``custom_routing_function(hidden_states, gating_output, topk, renormalize)`` (weights fp32, ids int32);
     3. routed-expert capture: ``capture_fn(ids)`` with the logical ids (``BaseRouter.capture_fn``, 0.17.0 and 0.33.0;
        ``reference.routing.capture``);
     4. EPLB (``eplb=(logical_to_physical_map, logical_replica_count)``): ``eplb_logical_to_physical``;
@@ -354,11 +399,28 @@ def route(
                        has_e_score_correction_bias=e_score_correction_bias is not None,
                        custom_routing_function=custom_routing_function is not None,
                        has_hash_indices_table=hash_indices_table is not None,
-                       num_fused_shared_experts=num_fused_shared_experts if v >= V033 else 0, semantics=v)
+                       num_fused_shared_experts=num_fused_shared_experts if v >= V033 else 0,
+                       zero_expert_type=zero_expert_type, is_cpu=is_cpu, semantics=v)
     if v < V033 and (num_fused_shared_experts or is_padding is not None or hash_indices_table is not None
                      or bias_vl is not None):
         raise SemanticsError("shared-expert slots / padding rows / hash routing / image bias are 0.33 features")
-    if kind == "FusedTopKRouter":
+    if kind == "ZeroExpertRouter":
+        if num_logical_experts is None:
+            raise ValueError("num_logical_experts is required when zero_expert_type is set")
+        w, ids, out = zero_expert_router(hidden_states, router_logits, top_k, e_score_correction_bias,
+                                         num_logical_experts, zero_expert_type, scoring_func=scoring_func,
+                                         renormalize=renormalize, routed_scaling_factor=routed_scaling_factor,
+                                         indices_type=indices_type, check_finite=check_finite, semantics=v)
+        if zero_expert_output_fn is not None:
+            zero_expert_output_fn(out)
+    elif kind == "CPURouter":
+        w, ids = cpu_route(hidden_states, router_logits, top_k, use_grouped_topk=use_grouped_topk,
+                           num_expert_group=num_expert_group, topk_group=topk_group, renormalize=renormalize,
+                           scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
+                           e_score_correction_bias=e_score_correction_bias,
+                           custom_routing_function=custom_routing_function, input_ids=input_ids,
+                           hash_indices_table=hash_indices_table, check_finite=check_finite, semantics=v)
+    elif kind == "FusedTopKRouter":
         w, ids = fused_topk(hidden_states, router_logits, top_k, renormalize, scoring_func=scoring_func,
                             indices_type=indices_type, check_finite=check_finite, is_padding=is_padding, semantics=v)
     elif kind == "FusedTopKBiasRouter":
