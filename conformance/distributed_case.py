@@ -22,14 +22,14 @@ from conformance.cases import seed_of
 from reference.activation import MoEActivation
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
 from reference.distributed import EPFusedMoEKernel, fused_experts_ep
-from reference.experts import fused_experts
+from reference.experts import fused_experts_with_heavy
 from reference.modular import FusedMoEActivationFormat
 from reference.routing import determine_expert_map, fused_topk
 from reference.schemes import quantize_weights
 
 __all__ = ["DistCase", "RankCluster", "RankFailure", "dist_cases", "make_global_inputs", "make_rank_inputs",
            "expected_output", "run_rank_case", "default_timeout", "ClusterPool", "rank_shard", "moe_config_for",
-           "pack_tensor", "unpack_tensor", "E", "TOPK", "K", "I", "MODEL", "ACTIVATION", "DTYPE", "SCENARIOS"]
+           "pack_tensor", "unpack_tensor", "single_process_output", "E", "TOPK", "K", "I", "MODEL", "ACTIVATION", "DTYPE", "SCENARIOS"]
 
 # The synthetic layer: small enough for CPU ranks, E divisible by 8 ranks with topk experts on each.
 E, TOPK, K, I = 32, 4, 256, 128
@@ -214,6 +214,17 @@ def make_rank_inputs(case: DistCase, rank: int, device) -> dict:
             "expert_map": to(emap), "moe_config": moe_config_for(case, rank, num_local), "sizes": sizes}
 
 
+def single_process_output(case: DistCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_experts`` over all E experts on the union of all ranks' tokens, in one process, and the call's values
+    at GEMM2's input for the error model's heavy event (``reference.experts.fused_experts_with_heavy``): every route
+    is held by some rank, and each rank's activation of a route is this one's."""
+    gi = make_global_inputs(case)
+    w1, w2, qc = _quantized_shard(case.E, case.scheme, 1, 0, "linear")[:3]  # all E experts
+    return fused_experts_with_heavy(gi["hidden"], w1, w2, gi["topk_weights"], gi["topk_ids"], quant_config=qc,
+                                    activation=ACTIVATION, global_num_experts=case.E,
+                                    apply_router_weight_on_input=case.apply_router_weight_on_input)
+
+
 def expected_output(case: DistCase, combine: str | None = None) -> torch.Tensor:
     """The layer on the union of all ranks' tokens, in one process. ``combine=None``: ``fused_experts`` over all E
     experts; ``"partials"`` / ``"routes"``: ``reference.distributed.fused_experts_ep`` over the ranks' shards (the
@@ -222,8 +233,7 @@ def expected_output(case: DistCase, combine: str | None = None) -> torch.Tensor:
     kw = dict(activation=ACTIVATION, global_num_experts=case.E,
               apply_router_weight_on_input=case.apply_router_weight_on_input)
     if combine is None:
-        w1, w2, qc = _quantized_shard(case.E, case.scheme, 1, 0, "linear")[:3]  # all E experts
-        return fused_experts(gi["hidden"], w1, w2, gi["topk_weights"], gi["topk_ids"], quant_config=qc, **kw)
+        return single_process_output(case)[0]
     shards = [rank_shard(case, r, gi)[:4] for r in range(case.world_size)]
     return fused_experts_ep(gi["hidden"], gi["topk_weights"], gi["topk_ids"], shards, combine=combine, **kw)
 

@@ -13,32 +13,18 @@ import torch
 from conformance.cases import ExpertsCase, situ_params
 from conformance.inputs import ExpertsInputs, make_experts_inputs
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
-from reference.error_model import ErrorBound, experts_error_bound, heavy_values
-from reference.experts import fused_experts, local_expert_ids
+from reference.error_model import ErrorBound, experts_error_bound
+from reference.experts import fused_experts_with_heavy
 
 __all__ = ["case_error_bound", "case_variant_reason", "claims_config", "dump_case", "inputs_heavy_values", "load_inputs",
-           "moe_config_for", "reference_with_heavy", "routes_error_bound", "variant_reason", "weights_key"]
-
-
-def reference_with_heavy(hidden_states, w1, w2, topk_weights, topk_ids, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(reference.experts.fused_experts(...), heavy)`` from one run of the reference: ``heavy`` is the call's own
-    weighted values at GEMM2's input (``reference.error_model.heavy_values``), which the error model's heavy event
-    (step 7b) is evaluated on (``case_error_bound(heavy=...)``). Arguments as ``fused_experts``."""
-    stages: dict = {}
-    out = fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, stages=stages, stage_names={"activation"},
-                        **kwargs)
-    local = local_expert_ids(topk_ids, w1.size(0), kwargs.get("expert_map")) >= 0
-    if "activation" not in stages:  # no route held here: nothing to flip
-        return out, torch.zeros(0, dtype=torch.float64)
-    return out, heavy_values(stages["activation"], topk_weights, local,
-                             apply_router_weight_on_input=kwargs.get("apply_router_weight_on_input", False))
+           "moe_config_for", "routes_error_bound", "variant_reason", "weights_key"]
 
 
 def inputs_heavy_values(case: ExpertsCase, inputs: ExpertsInputs, apply_router_weight_on_input: bool = False,
                         profile=None) -> torch.Tensor:
-    """``reference_with_heavy``'s ``heavy`` for a case's inputs (a reference run of its own: for the tests whose
+    """``fused_experts_with_heavy``'s ``heavy`` for a case's inputs (a reference run of its own: for the tests whose
     reference is another class, e.g. the batched format's)."""
-    return reference_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
+    return fused_experts_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
                                 activation=case.activation, global_num_experts=inputs.global_num_experts,
                                 expert_map=inputs.expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
                                 quant_config=inputs.quant_config, profile=profile, **situ_params(case.activation))[1]
@@ -64,7 +50,7 @@ def case_error_bound(case: ExpertsCase, quant_config, experts_cls=None, *, topk_
     Without ``topk_ids`` the GEMM rows are the case's expected local routes (``M * topk * E_local / E``); with them
     (and ``expert_map``), the routes actually held here (``routes_error_bound``): padded (-1) or remote routes
     add no rows. ``profile``: the ``reference.profiles.NumericsProfile`` judged under (its accumulation, where it
-    names one; None: the default). ``heavy``: the call's own values at GEMM2's input (``reference_with_heavy``),
+    names one; None: the default). ``heavy``: the call's own values at GEMM2's input (``fused_experts_with_heavy``),
     for the heavy event on the call itself (error model step 7b); None: on the model's distribution only."""
     m = case.model
     accumulation = None if profile is None else profile.error_model_accumulation(quant_config)

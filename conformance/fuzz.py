@@ -36,7 +36,7 @@ from conformance.inputs import to_device
 from reference.activation import MoEActivation
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig
 from reference.error_model import experts_error_bound
-from conformance.experts_case import reference_with_heavy
+from reference.experts import fused_experts_with_heavy
 from reference.metrics import error_stats
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
@@ -154,7 +154,7 @@ def case_bound(fc: FuzzCase, qc, ids: torch.Tensor, emap: torch.Tensor | None,
     """The error model's bound on ``fc``'s experts output (``reference.error_model.experts_error_bound``) over the
     routes held here: ids ``>= 0`` that ``emap`` maps to a local expert; ``profile``: the numerics profile judged
     under (its accumulation, where it names one; None: the default); ``heavy``: the call's own values at GEMM2's
-    input (``conformance.experts_case.reference_with_heavy``; the heavy event of step 7b)."""
+    input (``conformance.experts_case.fused_experts_with_heavy``; the heavy event of step 7b)."""
     local = ids.long() >= 0 if emap is None else (ids.long() >= 0) & (emap[ids.long().clamp(min=0)] >= 0)
     return experts_error_bound(qc, act_dtype=_DTYPES[fc.dtype], K=fc.K, I=fc.I, activation=fc.act,
                                routed_rows=int(local.sum()), routes_per_row=max(int(local.sum()) / max(fc.M, 1), 1.0),
@@ -210,9 +210,9 @@ def check_case(cls, fc: FuzzCase, device: str, profile=None) -> Outcome:
             return Outcome("refused", f"unclaimed variant, not run: numerics profile {profile.name}: the batched "
                                       "format's reference is specified for the vllm profile only")
         ref = kernel(BatchedReferenceExperts).apply(x, w1, w2, w, ids, **kw)
-        heavy = reference_with_heavy(x, w1, w2, w, ids, quant_config=qc, **kw, **situ_params(fc.act))[1]
+        heavy = fused_experts_with_heavy(x, w1, w2, w, ids, quant_config=qc, **kw, **situ_params(fc.act))[1]
     else:
-        ref, heavy = reference_with_heavy(x, w1, w2, w, ids, quant_config=qc, **kw, **situ_params(fc.act),
+        ref, heavy = fused_experts_with_heavy(x, w1, w2, w, ids, quant_config=qc, **kw, **situ_params(fc.act),
                                           profile=profile)
     bound = case_bound(fc, qc, ids, emap, getattr(rec, "router_weight_rounding", "reference"), profile=profile,
                        heavy=heavy)

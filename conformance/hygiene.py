@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conformance.cases import ExpertsCase, chunking_defined, kernel_chunk_kwargs
-from conformance.experts_case import case_error_bound, inputs_heavy_values, moe_config_for, reference_with_heavy
+from conformance.experts_case import case_error_bound, inputs_heavy_values, moe_config_for
 from conformance.metrics import assert_close
 from reference.activation import MoEActivation
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
-from reference.experts import fused_experts
+from reference.experts import fused_experts, fused_experts_with_heavy
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 from reference.routing import fused_topk
 from reference.schemes import quantize_weights
@@ -92,7 +92,7 @@ def check_offsets_case(experts_classes, oc: OffsetsCase, device: str, repro: str
     _, _, qc = quantize_weights("bf16", w1, w2)
     c = min(oc.checked_tokens, M)
     checked = torch.cat([torch.arange(c), torch.arange(max(c, M - c), M)]).to(device)
-    ref, heavy = reference_with_heavy(x[checked], w1, w2, w[checked], ids[checked], activation=case.activation)
+    ref, heavy = fused_experts_with_heavy(x[checked], w1, w2, w[checked], ids[checked], activation=case.activation)
     ran = []
     for cls in experts_classes:
         if cls.activation_format() != FusedMoEActivationFormat.Standard:

@@ -16,9 +16,10 @@ import pytest
 from conformance.cases import (ExpertsCase, chunking_defined, claim_cases, claim_coverage, experts_cases,
                                kernel_chunk_kwargs, situ_params)
 from conformance.experts_case import (case_error_bound, dump_case, inputs_heavy_values, load_inputs, moe_config_for,
-                                     reference_with_heavy, variant_reason, weights_key)
+                                     variant_reason, weights_key)
 from conformance.metrics import ConformanceFailure, assert_close
 from reference.batched import BatchedPrepareAndFinalize, BatchedReferenceExperts
+from reference.experts import fused_experts_with_heavy
 from reference.modular import FusedMoEActivationFormat, FusedMoEKernel, MoEPrepareAndFinalizeNoEP
 
 
@@ -98,7 +99,7 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
             return (kernel_for(BatchedReferenceExperts).apply(inputs.hidden_states, inputs.w1, inputs.w2,
                                                               inputs.topk_weights, inputs.topk_ids, **kwargs),
                     inputs_heavy_values(case, inputs, case.model.apply_router_weight_on_input))
-        return reference_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
+        return fused_experts_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
                                     inputs.topk_ids, quant_config=qc, **kwargs, **situ_params(case.activation),
                                     profile=prof)
 

@@ -24,7 +24,8 @@ import torch
 from conformance.cases import ExpertsCase, seed_of
 from conformance.inputs import make_experts_inputs
 from conformance.metrics import ConformanceFailure, assert_close, assert_ulps
-from conformance.experts_case import case_error_bound, claims_config, moe_config_for, reference_with_heavy
+from conformance.experts_case import case_error_bound, claims_config, moe_config_for
+from reference.experts import fused_experts_with_heavy
 from reference.modular import (
     AsyncMoEPrepareAndFinalizeNoEP,
     FusedMoEActivationFormat,
@@ -119,7 +120,7 @@ def test_deferred_finalize_through_post_gemm2_hook(backend, experts_cls, repro, 
         inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids, **kw)
     if len(seen) != 1:
         raise ConformanceFailure(f"post_gemm2_hook called {len(seen)} times (expected once)\n  reproduce: {repro}")
-    expected, heavy = reference_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
+    expected, heavy = fused_experts_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
                                            inputs.topk_ids, quant_config=qc, **kw)
     assert_close(out, expected, case_error_bound(case, qc, experts_cls, heavy=heavy).as_tolerance(), case=case.id + "-deferred",
                  what=f"{experts_cls.__name__} deferred-finalize output", repro=repro)
@@ -139,7 +140,7 @@ def test_hidden_padding_is_dropped(backend, experts_cls, repro, record):
     w2 = torch.nn.functional.pad(inputs.w2, (0, 0, 0, pad))
     out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(cfg, qc), poison=float("nan")).apply(
         x, w1, w2, inputs.topk_weights, inputs.topk_ids, **kw)
-    expected, heavy = reference_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
+    expected, heavy = fused_experts_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
                                            inputs.topk_ids, quant_config=qc, **kw)
     assert_close(out, expected, case_error_bound(case, qc, experts_cls, heavy=heavy).as_tolerance(), case=case.id + "-hpad",
                  what=f"{experts_cls.__name__} output with the hidden padding dropped", repro=repro)

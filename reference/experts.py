@@ -41,7 +41,7 @@ from reference.modular import (
 from reference.quant.moe import _per_expert, dequant_activation, dequant_groups, dequant_weight, moe_kernel_quantize_input, \
     weight_pack_factor
 
-__all__ = ["fused_experts", "experts_unreduced", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
+__all__ = ["fused_experts", "fused_experts_with_heavy", "experts_unreduced", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
 
 
 def local_expert_ids(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -320,6 +320,23 @@ def fused_experts(
     if prof.router_weight == "fp32" and prof.topk_sum == "fp32":
         return (y.float() * w.float().unsqueeze(-1)).sum(dim=1).to(act_dtype)
     return reduce_topk(y, w, local_expert_ids(topk_ids, w1.size(0), expert_map), prof, act_dtype)
+
+
+def fused_experts_with_heavy(hidden_states, w1, w2, topk_weights, topk_ids, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fused_experts(...), heavy)`` from one run of the reference: ``heavy`` is the call's own weighted values at
+    GEMM2's input (``reference.error_model.heavy_values``), which the error model's heavy event (step 7b) is
+    evaluated on (``experts_error_bound(heavy=...)``; ``conformance.experts_case.case_error_bound``). Arguments and
+    errors as ``fused_experts``; ``heavy`` is float64 on the CPU, empty when no route is held here."""
+    stages: dict = {}
+    out = fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, stages=stages, stage_names={"activation"},
+                        **kwargs)
+    local = local_expert_ids(topk_ids, w1.size(0), kwargs.get("expert_map")) >= 0
+    if "activation" not in stages:  # no route held here: nothing to flip
+        return out, torch.zeros(0, dtype=torch.float64)
+    from reference.error_model import heavy_values
+
+    return out, heavy_values(stages["activation"], topk_weights, local,
+                             apply_router_weight_on_input=kwargs.get("apply_router_weight_on_input", False))
 
 
 def reference_support(activation_format: FusedMoEActivationFormat, **overrides) -> SupportRecord:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conformance.cases import ExpertsCase
-from conformance.experts_case import reference_with_heavy
+from reference.experts import fused_experts_with_heavy
 from conformance.inputs import make_experts_inputs
 from reference.activation import MoEActivation
 from reference.error_model import Accumulation, acc_rel, emulate_mma16, experts_error_bound, mma16_rel
@@ -150,7 +150,7 @@ def test_emulated_kernels_are_classified(E, topk, K, I, M, scheme):
     w1q, w2q, qc = quantize_weights(scheme, w1, w2)
     x = torch.randn(M, K, generator=g).bfloat16()
     w, ids = fused_topk(x, torch.randn(M, E, generator=g), topk, True)[:2]
-    ref, heavy = reference_with_heavy(x, w1q, w2q, w, ids, quant_config=qc)  # the planted bugs fail on the call's
+    ref, heavy = fused_experts_with_heavy(x, w1q, w2q, w, ids, quant_config=qc)  # the planted bugs fail on the call's
     bound = experts_error_bound(qc, act_dtype=torch.bfloat16, K=K, I=I, routed_rows=M * topk,  # own heavy event too
                                 routes_per_row=topk, heavy=heavy).as_tolerance()
 
@@ -263,7 +263,7 @@ def _one_heavy_event(cls, E, topk, K, I, M, scheme, act, ep_size=1, ep_rank=0, p
     fc = FuzzCase(E=E, topk=topk, K=K, I=I, M=M, scheme=scheme, activation=act, dtype="bfloat16", ep_size=ep_size,
                   ep_rank=ep_rank, placement=placement, noncontiguous=nc, pad=0)
     x, w1q, w2q, w, ids, emap, qc, cfg = make_inputs(fc, "cpu")
-    ref, heavy = reference_with_heavy(x, w1q, w2q, w, ids, activation=fc.act, global_num_experts=E,
+    ref, heavy = fused_experts_with_heavy(x, w1q, w2q, w, ids, activation=fc.act, global_num_experts=E,
                                       expert_map=emap, quant_config=qc)
     out = _run_class(cls, cfg, x, w1q, w2q, w, ids, emap, qc, fc.act, E)
     local = (ids.long() >= 0) & (emap[ids.long()] >= 0) if emap is not None else ids.long() >= 0
