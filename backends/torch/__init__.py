@@ -10,7 +10,7 @@ import torch
 
 from backends import Backend
 from backends.torch import align, gate, moe_output, quant, routing
-from backends.torch.experts import TorchBatchedExperts, TorchExperts, torch_activation
+from backends.torch.experts import TorchBatchedExperts, TorchExperts, torch_activation, torch_activation_into
 
 backend = Backend(
     name="torch",
@@ -39,6 +39,7 @@ backend = Backend(
         # **situ: SITU's situ_beta / situ_linear_beta (vLLM 0.33), forwarded only when given.
         "apply_moe_activation": lambda act, x, *, alpha=None, beta=None, limit=None, **situ: torch_activation(
             act, x, alpha, beta, limit, **situ),
+        "apply_moe_activation_into": torch_activation_into,
         "moe_fused_mul_sum": moe_output.moe_fused_mul_sum,
     },
     experts=[TorchExperts, TorchBatchedExperts],
