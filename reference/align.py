@@ -43,6 +43,8 @@ import torch
 
 __all__ = [
     "moe_align_block_size",
+    "globalize_recv_topk_idx",
+    "fused_globalize_align_block_size",
     "max_num_tokens_padded",
     "count_expert_num_tokens",
     "compute_aligned_M_and_alignment",
@@ -199,14 +201,29 @@ def moe_align_block_size(
     num_experts: int,
     expert_map: torch.Tensor | None = None,
     pad_sorted_ids: bool = False,
+    ignore_invalid_experts: bool = False,
+    return_scatter_idx: bool = False,
     *,
     drop_out_of_range_ids: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Group the routes by expert, padding each expert's group to a multiple of ``block_size``.
 
-    Mirrors ``vllm/model_executor/layers/fused_moe/moe_align_block_size.py::moe_align_block_size`` with the
-    CUDA kernel of ``csrc/moe/moe_align_sum_kernels.cu`` (and, with ``expert_map``, its
-    ``ignore_invalid_experts=True`` mode, where the kernel applies the map itself).
+    Mirrors ``vllm/model_executor/layers/fused_moe/moe_align_block_size.py::moe_align_block_size`` (vLLM 0.33.0
+    signature) with the CUDA kernel of ``csrc/moe/moe_align_sum_kernels.cu``. With ``expert_map`` there are two
+    modes, as in vLLM:
+
+    - ``ignore_invalid_experts=True`` (what vLLM's experts call: ``triton_moe.py``, ``marlin_moe.py``, ...): the
+      kernel applies the map itself; non-local routes are dropped and blocks carry *local* ids (described below).
+    - ``ignore_invalid_experts=False`` (vLLM's default, the *legacy* mode): the kernel aligns every *global* expert
+      (``expert_map`` not passed to it), then ``expert_ids = expert_map[expert_ids]``: a block of a non-local expert
+      is labelled -1 and its routes stay in ``sorted_token_ids`` and count in ``num_tokens_post_padded``; every
+      unused block (-1 before the mapping) becomes ``expert_map[-1]`` (torch indexing wraps -1 to the map's last
+      entry: the local id of global expert ``E - 1`` when this rank owns it, else -1; vLLM #48371's read). The
+      Triton kernel never reads the unused blocks (they lie past ``num_tokens_post_padded``).
+
+    Without ``expert_map`` both modes are the same. ``return_scatter_idx`` (0.33) appends ``scatter_idx``: int32
+    ``(numel, 1)``, ``i`` for every route the layout keeps (id in ``[0, num_experts)`` and, in the ignore mode,
+    local), ``-1`` otherwise; with ``expert_map`` it needs ``ignore_invalid_experts=True`` (ValueError, as vLLM).
 
     Args:
         topk_ids: ``(M, topk)`` signed integer tensor of global expert ids; flat route index ``i = t * topk + k``.
@@ -215,6 +232,9 @@ def moe_align_block_size(
         expert_map: optional ``(num_experts,)`` signed int map global -> local id, -1 for experts on other ranks.
             Non-local routes are dropped and blocks carry *local* ids.
         pad_sorted_ids: round the length of ``sorted_token_ids`` up to a multiple of ``block_size``.
+        ignore_invalid_experts: with ``expert_map``, drop non-local routes in the kernel (True) or the legacy mode
+            (False, vLLM's default; see above). No effect without a map.
+        return_scatter_idx: also return ``scatter_idx`` (see above).
         drop_out_of_range_ids: drop routes with ids outside ``[0, num_experts)`` instead of raising (see module).
 
     Returns:
@@ -227,6 +247,7 @@ def moe_align_block_size(
         ``block_size`` entries; ``-1`` for every block at or after ``num_tokens_post_padded // block_size``
         (vLLM PR #35161 changed that fill from 0 to -1; 0 made the Triton kernel compute expert 0 on padding).
         ``num_tokens_post_padded``: int32 ``(1,)``, ``sum_e round_up(count_e, block_size)`` over local experts.
+        ``scatter_idx`` (only with ``return_scatter_idx``): int32 ``(numel, 1)``.
 
     With ``M == 0`` all three describe an empty layout: shapes ``(0,)``, ``(0,)`` and value ``[0]``.
 
@@ -235,17 +256,18 @@ def moe_align_block_size(
     6, 6, 6, 6, 6, 6]`` (length 6 + 4 * 3 = 18), ``expert_ids = [0, 1, 2, -1, -1]``, ``num_tokens_post_padded =
     [12]``.
 
-    Not modelled: vLLM's legacy EP path (``expert_map`` without ``ignore_invalid_experts``) aligns *all* global
-    experts and maps ``expert_ids`` afterwards, so non-local routes stay in blocks labelled -1 and count in
-    ``num_tokens_post_padded``; the reference defines the dropping behaviour only.
+    The description above is the ignore mode (or no map); the legacy mode is that layout computed over the global
+    experts without the map, then the ``expert_ids`` mapping.
 
     Raises:
         ValueError: topk_ids not 2-D / not signed integer; block_size or num_experts not a positive int; expert_map
             not 1-D, of length != num_experts, with values outside [-1, num_experts) or duplicate local ids; an id
             outside ``[0, num_experts)`` other than -1 (unless ``drop_out_of_range_ids``); a layout too large for
-            int32 indices.
+            int32 indices; ``return_scatter_idx`` with ``expert_map`` and not ``ignore_invalid_experts``.
     """
     fn = "moe_align_block_size"
+    if return_scatter_idx and expert_map is not None and not ignore_invalid_experts:
+        raise ValueError("scatter_idx with expert_map requires ignore_invalid_experts")
     _check_topk_ids(topk_ids, fn)
     _check_positive_int("block_size", block_size, fn)
     _check_positive_int("num_experts", num_experts, fn)
@@ -264,6 +286,9 @@ def moe_align_block_size(
         raise ValueError(f"{fn}: sorted_token_ids would need {total_len} int32 entries (> 2**31 - 1); chunk the batch")
     num_blocks = _cdiv(total_len, block_size)
 
+    legacy_map = emap if (emap is not None and not ignore_invalid_experts) else None
+    if legacy_map is not None:  # the kernel aligns the global experts; the map is applied to expert_ids afterwards
+        emap = None
     local = _local_ids(topk_ids, num_experts, emap, drop_out_of_range_ids, fn)
     device = topk_ids.device
 
@@ -286,7 +311,114 @@ def moe_align_block_size(
     expert_ids = torch.full((num_blocks,), -1, dtype=torch.int32)
     expert_ids[: len(block_experts)] = torch.tensor(block_experts, dtype=torch.int32)
     num_tokens_post_padded = torch.tensor([num_post_padded], dtype=torch.int32)
-    return sorted_token_ids.to(device), expert_ids.to(device), num_tokens_post_padded.to(device)
+    if legacy_map is not None:
+        expert_ids = legacy_map[expert_ids.long()].to(torch.int32)  # -1 wraps to the last entry, as torch indexing
+    out = (sorted_token_ids.to(device), expert_ids.to(device), num_tokens_post_padded.to(device))
+    if return_scatter_idx:
+        flat = torch.arange(numel, dtype=torch.int32)
+        scatter_idx = torch.where(local >= 0, flat, torch.full_like(flat, -1)).reshape(numel, 1)
+        out = (*out, scatter_idx.to(device))
+    return out
+
+
+def _num_recv(psum_recv_per_rank: torch.Tensor, fn: str) -> int:
+    if not isinstance(psum_recv_per_rank, torch.Tensor) or psum_recv_per_rank.dim() != 1 or \
+            psum_recv_per_rank.numel() == 0 or psum_recv_per_rank.dtype.is_floating_point:
+        raise ValueError(f"{fn}: psum_recv_per_rank must be a non-empty 1-D integer tensor (inclusive prefix sum of "
+                         f"the rows received per source rank), got {psum_recv_per_rank!r:.80}")
+    return int(psum_recv_per_rank[-1])
+
+
+def globalize_recv_topk_idx(
+    recv_topk_idx: torch.Tensor,
+    psum_recv_per_rank: torch.Tensor,
+    rank_expert_offset: int,
+    num_experts: int,
+) -> torch.Tensor:
+    """DeepEP-v2 INDEXED decode: turn the received *local* ids into global ids, in place, and return the tensor.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/prepare_finalize/deepep_v2.py::_globalize_recv_topk_idx``
+    (vLLM 0.33.0, Triton kernel ``_globalize_recv_topk_idx_kernel``): with ``num_recv = psum_recv_per_rank[-1]``
+    (read on the device), slot ``(t, k)`` becomes ``v + rank_expert_offset`` when ``v >= 0``, ``v +
+    rank_expert_offset < num_experts`` and ``t < num_recv``, else -1 (rows ``>= num_recv`` are padding).
+
+    Args:
+        recv_topk_idx: ``(N, topk)`` signed integer local ids (-1 = non-local); overwritten.
+        psum_recv_per_rank: 1-D integer inclusive prefix sum of the rows received per source rank.
+        rank_expert_offset: this rank's first global expert id (``rank * E_local``).
+        num_experts: global expert count.
+    """
+    fn = "globalize_recv_topk_idx"
+    _check_topk_ids(recv_topk_idx, fn)
+    num_recv = _num_recv(psum_recv_per_rank, fn)
+    v = recv_topk_idx.long()
+    g = v + rank_expert_offset
+    row = torch.arange(recv_topk_idx.size(0), device=v.device).unsqueeze(1)
+    valid = (v >= 0) & (g < num_experts) & (row < num_recv)
+    recv_topk_idx.copy_(torch.where(valid, g, torch.full_like(g, -1)))
+    return recv_topk_idx
+
+
+def fused_globalize_align_block_size(
+    recv_topk_idx: torch.Tensor,
+    psum_recv_per_rank: torch.Tensor,
+    rank_expert_offset: int,
+    global_num_experts: int,
+    local_num_experts: int,
+    block_size: int,
+    return_scatter_idx: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """vLLM 0.33's fused DeepEP-v2 INDEXED decode metadata: globalize the received ids and align them in one launch.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/fused_globalize_align_block_size.py`` and its CUDA kernel
+    ``csrc/moe/fused_globalize_align_block_size.cu`` (``fused_gas_body``), which replaces
+    :func:`globalize_recv_topk_idx` + :func:`moe_align_block_size` (``ignore_invalid_experts=True`` with the linear
+    map of this rank) + ``count_and_sort_expert_tokens``.
+
+    With ``num_recv = psum_recv_per_rank[-1]`` a slot ``i = t * topk + k`` holding local id ``v`` is *valid* when
+    ``0 <= v < local_num_experts``, ``v + rank_expert_offset < global_num_experts`` and ``t < num_recv``.
+
+    Returns ``(recv_topk_idx, sorted_ids, expert_ids, num_tokens_post_pad)`` (+ ``scatter_idx`` when asked):
+
+    - ``recv_topk_idx``: the input tensor, overwritten: ``v + rank_expert_offset`` on valid slots, -1 elsewhere;
+    - ``sorted_ids`` / ``expert_ids`` / ``num_tokens_post_pad``: :func:`moe_align_block_size`'s layout of the valid
+      slots by *local* id ``v`` over ``local_num_experts`` experts (blocks carry local ids, -1 after the last used
+      block, padding value ``numel``), with ``sorted_ids`` of length ``max_num_tokens_padded(numel,
+      local_num_experts, block_size)`` (the *local* count: shorter than the chain's, which uses the global count;
+      vLLM's test compares the used prefix and the padding tail). Order inside an expert: increasing ``i`` here; the
+      kernel's atomics leave it unspecified (compare per block as a set).
+    - ``scatter_idx``: int32 ``(numel, 1)``, ``i`` on valid slots, -1 elsewhere.
+
+    With every id in ``[-1, local_num_experts)`` (what DeepEP-v2 delivers, and vLLM's test draws) this equals the
+    unfused chain. An id ``>= local_num_experts`` differs: the fused kernel drops it (-1), the chain globalizes it to
+    another rank's expert and then drops it from the layout as non-local.
+
+    Raises:
+        ValueError: ``recv_topk_idx`` not a 2-D int64 tensor (vLLM asserts int64), ``local_num_experts > 1024`` (the
+            kernel's shared-memory histogram; vLLM's check), non-positive sizes, a bad ``psum_recv_per_rank``.
+    """
+    fn = "fused_globalize_align_block_size"
+    _check_topk_ids(recv_topk_idx, fn)
+    if recv_topk_idx.dtype != torch.int64:
+        raise ValueError(f"{fn}: recv_topk_idx must be int64, got {recv_topk_idx.dtype}")
+    _check_positive_int("local_num_experts", local_num_experts, fn)
+    _check_positive_int("global_num_experts", global_num_experts, fn)
+    _check_positive_int("block_size", block_size, fn)
+    if local_num_experts > 1024:
+        raise ValueError(f"{fn}: local_num_experts <= 1024 (the kernel's per-block histogram), got "
+                         f"{local_num_experts}")
+    num_recv = _num_recv(psum_recv_per_rank, fn)
+    v = recv_topk_idx.detach().long()
+    row = torch.arange(v.size(0), device=v.device).unsqueeze(1)
+    valid = (v >= 0) & (v < local_num_experts) & (v + rank_expert_offset < global_num_experts) & (row < num_recv)
+    local = torch.where(valid, v, torch.full_like(v, -1))
+    sorted_ids, expert_ids, num_post = moe_align_block_size(local, block_size, local_num_experts)
+    recv_topk_idx.copy_(torch.where(valid, v + rank_expert_offset, torch.full_like(v, -1)))
+    out = (recv_topk_idx, sorted_ids, expert_ids, num_post)
+    if return_scatter_idx:
+        flat = torch.arange(v.numel(), dtype=torch.int32, device=v.device)
+        out = (*out, torch.where(valid.reshape(-1), flat, torch.full_like(flat, -1)).reshape(-1, 1))
+    return out
 
 
 def count_expert_num_tokens(

@@ -134,7 +134,8 @@ def test_align_minus_one_dropped():
 def test_align_expert_map_drops_non_local():
     # global 1 -> local 0, global 3 -> local 1; flat [0,1,1,2,0,3]: local routes 1,2 (e0) and 5 (e1)
     emap = t32([-1, 0, -1, 1])
-    s, e, n = moe_align_block_size(t32([[0, 1], [1, 2], [0, 3]]), 4, 4, expert_map=emap)
+    s, e, n = moe_align_block_size(t32([[0, 1], [1, 2], [0, 3]]), 4, 4, expert_map=emap,
+                                   ignore_invalid_experts=True)
     assert s.tolist() == [1, 2, 6, 6, 5, 6, 6, 6] + [6] * 10
     assert e.tolist() == [0, 1, -1, -1, -1]
     assert n.tolist() == [8]
@@ -143,7 +144,8 @@ def test_align_expert_map_drops_non_local():
 def test_align_expert_map_orders_by_local_id():
     # global 0 -> local 1, global 2 -> local 0: local expert 0 (global 2) comes first
     emap = t32([1, -1, 0, -1])
-    s, e, n = moe_align_block_size(t32([[0, 1], [1, 2], [0, 2]]), 4, 4, expert_map=emap)
+    s, e, n = moe_align_block_size(t32([[0, 1], [1, 2], [0, 2]]), 4, 4, expert_map=emap,
+                                   ignore_invalid_experts=True)
     assert s.tolist() == [3, 5, 6, 6, 0, 4, 6, 6] + [6] * 10
     assert e.tolist() == [0, 1, -1, -1, -1]
     assert n.tolist() == [8]
@@ -482,7 +484,7 @@ def test_align_matches_oracle_and_properties(problem, block_size, pad):
     ids, topk, E, emap = problem
     topk_ids = _topk_tensor(ids, topk)
     emap_t = None if emap is None else torch.tensor(emap, dtype=I32)
-    s, e, n = moe_align_block_size(topk_ids, block_size, E, emap_t, pad)
+    s, e, n = moe_align_block_size(topk_ids, block_size, E, emap_t, pad, ignore_invalid_experts=True)
     exp_s, exp_e, exp_n = oracle_align(ids, block_size, E, emap, pad)
     assert s.tolist() == exp_s
     assert e.tolist() == exp_e
@@ -575,3 +577,85 @@ def test_permute_unpermute_roundtrip(problem, alignment, use_cpu_counts, K):
         for j in range(K):
             expected[t][j] += float(w[t, k]) * float(aq[t, j])
     torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float32).reshape(M, K), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# vLLM 0.33: moe_align_block_size(ignore_invalid_experts, return_scatter_idx); fused_globalize_align_block_size
+# --------------------------------------------------------------------------------------------------------------
+
+from reference.align import fused_globalize_align_block_size, globalize_recv_topk_idx  # noqa: E402
+
+
+def test_align_legacy_mode_by_hand():
+    """ignore_invalid_experts=False (vLLM's default): align the 4 global experts, then map expert_ids; the unused
+    5th block's -1 wraps to expert_map[-1] = 1 (torch indexing, vLLM #48371)."""
+    emap = t32([-1, 0, -1, 1])
+    s, e, n = moe_align_block_size(t32([[0, 1], [1, 2], [0, 3]]), 4, 4, expert_map=emap)
+    assert s.tolist() == [0, 4, 6, 6, 1, 2, 6, 6, 3, 6, 6, 6, 5, 6, 6, 6, 6, 6]
+    assert e.tolist() == [-1, 0, -1, 1, 1]
+    assert n.tolist() == [16]
+    _, e, _ = moe_align_block_size(t32([[0, 1], [1, 2], [0, 3]]), 4, 4, expert_map=t32([-1, 0, 1, -1]))
+    assert e.tolist() == [-1, 0, 1, -1, -1]  # the last global expert is remote: -1 wraps to -1
+
+
+def test_align_scatter_idx():
+    ids = t32([[0, -1], [2, 1]])
+    *_, sc = moe_align_block_size(ids, 2, 3, return_scatter_idx=True)
+    assert sc.dtype == I32 and sc.tolist() == [[0], [-1], [2], [3]]
+    emap = t32([0, -1, 1])
+    *_, sc = moe_align_block_size(ids, 2, 3, emap, ignore_invalid_experts=True, return_scatter_idx=True)
+    assert sc.tolist() == [[0], [-1], [2], [-1]]  # route 3 -> global 1: not local
+    with pytest.raises(ValueError, match="requires ignore_invalid_experts"):
+        moe_align_block_size(ids, 2, 3, emap, return_scatter_idx=True)
+    assert len(moe_align_block_size(ids, 2, 3)) == 3
+
+
+def _linear_map(gne, reo, local_e):
+    m = torch.full((gne,), -1, dtype=I32)
+    m[reo: reo + local_e] = torch.arange(local_e, dtype=I32)
+    return m
+
+
+@pytest.mark.parametrize("n,topk,block_size,local_e,rank,fill", [
+    (1, 1, 16, 28, 0, "rand"), (7, 6, 32, 28, 2, "rand"), (64, 8, 64, 32, 3, "all_local"),
+    (257, 16, 128, 28, 1, "rand"), (33, 8, 16, 32, 0, "all_nonlocal"), (20, 4, 16, 28, 3, "single")])
+def test_fused_globalize_align_equals_the_chain_like_vllms_test(n, topk, block_size, local_e, rank, fill):
+    """vLLM 0.33 test_fused_globalize_align_block_size.py::test_fused_matches_reference, re-derived: the fused
+    result equals _globalize_recv_topk_idx + moe_align_block_size(ignore_invalid_experts=True) on the used prefix,
+    the expert_ids tail is -1, the sorted tail is numel, and the per-expert route sets agree; scatter_idx too."""
+    g = torch.Generator().manual_seed(n * 131 + topk)
+    ep, gne, reo = 4, local_e * 4, rank * local_e
+    if fill == "all_nonlocal":
+        idx = torch.full((n, topk), -1, dtype=torch.int64)
+    elif fill == "single":
+        idx = torch.zeros((n, topk), dtype=torch.int64)
+    elif fill == "all_local":
+        idx = torch.randint(0, local_e, (n, topk), generator=g)
+    else:
+        idx = torch.randint(-1, local_e, (n, topk), generator=g)
+    num_recv = round(n * 0.75)
+    idx[num_recv:] = torch.randint(-1, local_e, (n - num_recv, topk), generator=g)
+    psum = torch.zeros(ep, dtype=I32)
+    psum[-1] = num_recv
+    ref_global = globalize_recv_topk_idx(idx.clone(), psum, reo, gne)
+    rs, re_, rn, rsc = moe_align_block_size(ref_global, block_size, gne, _linear_map(gne, reo, local_e),
+                                            ignore_invalid_experts=True, return_scatter_idx=True)
+    fg, fs, fe, fn, fsc = fused_globalize_align_block_size(idx.clone(), psum, reo, gne, local_e, block_size,
+                                                           return_scatter_idx=True)
+    total = n * topk
+    assert torch.equal(fg, ref_global) and torch.equal(fn, rn) and torch.equal(fsc, rsc)
+    nb = int(fn) // block_size
+    assert torch.equal(fe[:nb], re_[:nb]) and bool((fe[nb:] == -1).all()) and bool((fs[int(fn):] == total).all())
+    assert torch.equal(fs[: int(fn)], rs[: int(fn)])  # the reference's order is deterministic on both sides
+    assert fs.numel() == max_num_tokens_padded(total, local_e, block_size)
+
+
+def test_fused_globalize_drops_ids_past_the_local_range_and_validates():
+    idx = torch.tensor([[3, 0]], dtype=torch.int64)  # local_e = 2: id 3 is not a local slot
+    fg, s, e, n = fused_globalize_align_block_size(idx, torch.tensor([1], dtype=I32), 2, 8, 2, 2)
+    assert fg.tolist() == [[-1, 2]] and n.tolist() == [2] and e.tolist()[0] == 0
+    assert globalize_recv_topk_idx(torch.tensor([[3, 0]]), torch.tensor([1]), 2, 8).tolist() == [[5, 2]]
+    with pytest.raises(ValueError, match="int64"):
+        fused_globalize_align_block_size(idx.int(), torch.tensor([1]), 2, 8, 2, 2)
+    with pytest.raises(ValueError, match="1024"):
+        fused_globalize_align_block_size(idx, torch.tensor([1]), 0, 4096, 2048, 2)

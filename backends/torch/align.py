@@ -20,7 +20,46 @@ def count_expert_num_tokens(topk_ids, num_local_experts, expert_map=None):
     return torch.bincount(local[local >= 0], minlength=num_local_experts).to(torch.int32)
 
 
-def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, pad_sorted_ids=False):
+def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, pad_sorted_ids=False,
+                         ignore_invalid_experts=False, return_scatter_idx=False):
+    """vLLM's layout and signature: with a map, ``ignore_invalid_experts=True`` drops non-local routes (the mode
+    vLLM's experts call) and ``False`` is the legacy mode (global alignment, then the map applied to
+    ``expert_ids``, -1 wrapping to the map's last entry)."""
+    if return_scatter_idx and expert_map is not None and not ignore_invalid_experts:
+        raise ValueError("scatter_idx with expert_map requires ignore_invalid_experts")
+    legacy = expert_map if (expert_map is not None and not ignore_invalid_experts) else None
+    if legacy is not None:
+        expert_map = None
+    out = _align(topk_ids, block_size, num_experts, expert_map, pad_sorted_ids)
+    if legacy is not None:
+        out = (out[0], legacy.to(out[1].device)[out[1].long()].to(torch.int32), out[2])
+    if return_scatter_idx:
+        local = _local(topk_ids, expert_map, num_experts)
+        flat = torch.arange(local.numel(), dtype=torch.int32, device=local.device)
+        out = (*out, torch.where(local >= 0, flat, -1).to(torch.int32).reshape(-1, 1))
+    return out
+
+
+def fused_globalize_align_block_size(recv_topk_idx, psum_recv_per_rank, rank_expert_offset, global_num_experts,
+                                     local_num_experts, block_size, return_scatter_idx=False):
+    """vLLM 0.33's fused DeepEP-v2 decode metadata (globalize in place + align by local id + scatter index)."""
+    if recv_topk_idx.dtype != torch.int64:
+        raise ValueError("fused_globalize_align_block_size: recv_topk_idx must be int64")
+    n, topk = recv_topk_idx.shape
+    num_recv = psum_recv_per_rank[-1].to(recv_topk_idx.device)
+    v = recv_topk_idx
+    rows = torch.arange(n, device=v.device).unsqueeze(1)
+    valid = (v >= 0) & (v < local_num_experts) & (v + rank_expert_offset < global_num_experts) & (rows < num_recv)
+    s, e, cnt = _align(torch.where(valid, v, -1), block_size, local_num_experts, None, False)
+    recv_topk_idx.copy_(torch.where(valid, v + rank_expert_offset, -1))
+    out = (recv_topk_idx, s, e, cnt)
+    if return_scatter_idx:
+        flat = torch.arange(n * topk, dtype=torch.int32, device=v.device)
+        out = (*out, torch.where(valid.reshape(-1), flat, -1).to(torch.int32).reshape(-1, 1))
+    return out
+
+
+def _align(topk_ids, block_size, num_experts, expert_map, pad_sorted_ids):
     numel = topk_ids.numel()
     n_slots = num_experts if expert_map is None else int(expert_map.max()) + 1 if expert_map.numel() else 0
     size = numel + num_experts * (block_size - 1)
