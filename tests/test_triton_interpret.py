@@ -608,7 +608,7 @@ def _():
                else torch.empty(0, topk, dtype=torch.int64)).to(torch.int32)
         emap = determine_expert_map(ep, ep - 1, E)[1] if ep else None
         nl = E // ep if ep else E
-        _, r_eids, r_ntpp = ref_align(ids, bs, E, emap)
+        _, r_eids, r_ntpp = ref_align(ids, bs, E, emap, ignore_invalid_experts=True)
         want, nb = [], int(r_ntpp) // bs
         j = 0
         while j < nb:
