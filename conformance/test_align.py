@@ -20,7 +20,7 @@ import torch
 
 from conformance.cases import seed_of
 from conformance.inputs import _gen, route, router_logits, routing_bias
-from conformance.metrics import assert_exact, assert_same_blocks
+from conformance.metrics import assert_exact, assert_same_blocks, assert_ulps
 from reference import align as ra
 from reference.routing import determine_expert_map
 from specs import load_models
@@ -134,3 +134,39 @@ def test_count_expert_num_tokens(backend, case, repro, record):
     out = op(ids.to(dev), n_local, None if emap is None else emap.to(dev))
     assert_exact(out.cpu(), ref, case=f"count_expert_num_tokens[{m.name}-M{M}]", what="expert_num_tokens",
                  repro=repro)
+
+
+@pytest.mark.parametrize("case", [c for c in _cases() if c.values[0][2] == BLOCK_SIZES[0] and c.values[0][1] != 256])
+def test_moe_permute_unpermute(backend, case, tolerances, repro, record):
+    """vLLM's ``moe_permute`` / ``moe_unpermute`` (CUTLASS grouped-GEMM layout): offsets, inverse and permuted
+    indices exactly, the written rows and per-row scales bit-exactly; the unpermute (rows past the valid count
+    poisoned with NaN, never read) within the activation ulps of its fp32 sum (one rounding to bf16)."""
+    op_p, op_u = backend.ops.get("moe_permute"), backend.ops.get("moe_unpermute")
+    if op_p is None or op_u is None:
+        pytest.skip(f"backend {backend.name} does not implement vLLM's moe_permute / moe_unpermute")
+    m, M, _, ep = case
+    record(component="align", model=m.name, tokens=M, scheme="moe_permute")
+    ids = _ids(m, M)
+    K = 64
+    g = _gen(seed_of(f"moe_permute-{m.name}-M{M}-{ep}"))
+    h = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    scale = torch.rand(M, K // 32, generator=g)
+    n_local, emap = (m.local_num_experts, determine_expert_map(m.cpu_ep_size, 0, m.num_experts)[1]) if ep \
+        else (m.num_experts, None)
+    dev = backend.device
+    cid = f"moe_permute[{m.name}-M{M}{'-ep' if ep else ''}]"
+    ref = ra.moe_permute(h, scale, ids, m.num_experts, n_local, emap)
+    out = op_p(h.to(dev), scale.to(dev), ids.to(dev), m.num_experts, n_local, None if emap is None else emap.to(dev))
+    valid = int(ref[2][-1]) if emap is not None else h.size(0) * ids.size(1)
+    for i, what in ((2, "expert_first_token_offset"), (3, "inv_permuted_idx"), (4, "permuted_idx")):
+        assert_exact(out[i].cpu(), ref[i], case=cid, what=what, repro=repro)
+    assert_exact(out[0][:valid].cpu(), ref[0][:valid], case=cid, what="permuted rows (valid)", repro=repro)
+    assert_exact(out[1].cpu(), ref[1], case=cid, what="permuted a1q_scale", repro=repro)
+    w = torch.rand(M, ids.size(1), generator=g)
+    x = torch.randn(ref[0].shape, generator=g).to(torch.bfloat16)
+    if emap is not None:
+        x[valid:] = float("nan")  # not local: must not be read
+    exp = ra.moe_unpermute(torch.empty_like(h), x, w, ref[3], ref[2])
+    got = op_u(torch.empty_like(h).to(dev), x.to(dev), w.to(dev), ref[3].to(dev), ref[2].to(dev))
+    assert_ulps(got.cpu(), exp, tolerances["activation"]["ulps"]["bfloat16"], case=cid,
+                what="moe_unpermute output", repro=repro)

@@ -50,6 +50,8 @@ __all__ = [
     "compute_aligned_M_and_alignment",
     "deepgemm_moe_permute",
     "deepgemm_unpermute_and_reduce",
+    "moe_permute",
+    "moe_unpermute",
     "_valid_deep_gemm_shape",
     "valid_deep_gemm",
     "DEEP_GEMM_M_ALIGNMENT",
@@ -749,6 +751,166 @@ def deepgemm_unpermute_and_reduce(
         acc = acc + term
     output.copy_(acc.to(output.dtype))
     return output
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM's moe_permute / moe_unpermute (fused_moe/moe_permute_unpermute.py; CUTLASS grouped-GEMM layout)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _permute_keys(topk_ids: torch.Tensor, n_expert: int, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """``preprocessTopkIdKernel``'s sort key per flat route: the local id; ``id + n_expert`` for a non-local
+    expert; ``n_expert`` for an id outside ``[0, n_expert)`` (-1 padding)."""
+    ids = topk_ids.detach().reshape(-1).to("cpu", torch.int64)
+    in_range = (ids >= 0) & (ids < n_expert)
+    emap = (torch.arange(n_expert) if expert_map is None
+            else expert_map.detach().to("cpu", torch.int64))
+    local = torch.full_like(ids, -1)
+    local[in_range] = emap[ids[in_range]]
+    key = torch.full_like(ids, n_expert)
+    key[in_range] = torch.where(local[in_range] != -1, local[in_range], ids[in_range] + n_expert)
+    return key
+
+
+def moe_permute(
+    hidden_states: torch.Tensor,
+    a1q_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    n_expert: int,
+    n_local_expert: int = -1,
+    expert_map: torch.Tensor | None = None,
+    permuted_hidden_states: torch.Tensor | None = None,
+    scratch: object | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expand and permute the activation rows so that each local expert's routes are contiguous.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/moe_permute_unpermute.py::moe_permute`` (vLLM 0.17.0 / 0.33.0)
+    and its kernels ``csrc/moe/permute_unpermute_kernels/`` (``preprocessTopkIdKernel``, a CUB radix sort,
+    ``computeExpertOffsetsAndInverseKernel``, ``expandInputRowsKernel``). ``scratch`` (0.33's reusable buffers) does
+    not change the result.
+
+    Layout. Route ``i = t * topk + k`` gets the key ``local id`` (``expert_map[id]``, or ``id`` without a map) when
+    its expert is local, ``id + n_expert`` when not, and ``n_expert`` when ``id`` is outside ``[0, n_expert)``
+    (-1 padding). The routes are sorted by key, stably (ties by ``i``): permuted row ``r`` holds route
+    ``src[r]``. ``valid = expert_first_token_offset[n_local_expert]`` routes are local.
+
+    Returns ``(permuted_hidden_states, a1q_scale, expert_first_token_offset, inv_permuted_idx, permuted_idx)``:
+
+    - ``permuted_hidden_states``: ``(M * topk, K)``, row ``r = hidden_states[src[r] // topk]`` bit-exactly for
+      ``r < valid`` (every row without ``expert_map``); with a map the rows ``>= valid`` are not written (vLLM's
+      ``torch.empty``: unspecified; the reference writes zeros there);
+    - ``a1q_scale``: with ``a1q_scale.dim() > 1`` the per-row scales ``a1q_scale[permuted_idx.clamp(max=M*topk-1) //
+      topk]`` (rows past ``valid`` therefore take token ``M - 1``'s scale); otherwise the argument unchanged;
+    - ``expert_first_token_offset``: int64 ``(n_local_expert + 1,)``, entry ``e`` = the number of keys ``< e``;
+    - ``inv_permuted_idx``: int32 ``(M * topk,)``, the permuted row of every route (non-local and -1 ones too);
+    - ``permuted_idx``: int32 ``(M * topk,)``, ``src[r]`` for the written rows, ``M * topk`` for the others.
+
+    Raises:
+        ValueError: ``hidden_states`` not 2-D or its row not a multiple of 16 bytes (vLLM asserts), ``topk_ids`` not
+            ``(M, topk)`` integer, ``expert_map`` not of length ``n_expert``, a ``permuted_hidden_states`` of the
+            wrong shape.
+    """
+    fn = "moe_permute"
+    _check_topk_ids(topk_ids, fn)
+    _check_positive_int("n_expert", n_expert, fn)
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
+        raise ValueError(f"{fn}: hidden_states must be 2-D (M, K), got {getattr(hidden_states, 'shape', None)}")
+    M, K = hidden_states.shape
+    if (K * hidden_states.element_size()) % 16:
+        raise ValueError(f"{fn}: the permute kernel needs the hidden dim aligned to 16 bytes, got K={K} of "
+                         f"{hidden_states.dtype}")
+    if topk_ids.size(0) != M:
+        raise ValueError(f"{fn}: topk_ids has {topk_ids.size(0)} rows, hidden_states {M}")
+    n_local = n_expert if n_local_expert == -1 else n_local_expert
+    _check_positive_int("n_local_expert", n_local, fn)
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.numel() != n_expert):
+        raise ValueError(f"{fn}: expert_map must be ({n_expert},), got {tuple(expert_map.shape)}")
+    topk = topk_ids.size(1)
+    rows = M * topk
+    if permuted_hidden_states is not None and tuple(permuted_hidden_states.shape) != (rows, K):
+        raise ValueError(f"{fn}: Expected permuted hidden states to be {(rows, K)} but got "
+                         f"{tuple(permuted_hidden_states.shape)}")
+    key = _permute_keys(topk_ids, n_expert, expert_map)
+    src = torch.sort(key, stable=True).indices  # permuted row r holds flat route src[r]
+    sorted_keys = key[src]
+    offsets = torch.tensor([int((sorted_keys < e).sum()) for e in range(n_local + 1)], dtype=torch.int64)
+    inv = torch.empty(rows, dtype=torch.int64)
+    inv[src] = torch.arange(rows)
+    n_written = int(offsets[-1]) if expert_map is not None else rows
+    permuted_idx = torch.full((rows,), rows, dtype=torch.int64)
+    permuted_idx[:n_written] = src[:n_written]
+    dev = hidden_states.device
+    out = permuted_hidden_states if permuted_hidden_states is not None else \
+        torch.empty((rows, K), dtype=hidden_states.dtype, device=dev)
+    out.zero_()
+    if n_written:
+        out[:n_written] = hidden_states[(src[:n_written] // topk).to(dev)]
+    if a1q_scale is not None and a1q_scale.dim() > 1:
+        a1q_scale = a1q_scale[(permuted_idx.clamp(max=max(rows - 1, 0)) // topk).to(a1q_scale.device)]
+    return (out, a1q_scale, offsets.to(dev), inv.to(torch.int32).to(dev), permuted_idx.to(torch.int32).to(dev))
+
+
+def moe_unpermute(
+    out: torch.Tensor,
+    permuted_hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    inv_permuted_idx: torch.Tensor,
+    expert_first_token_offset: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather the permuted rows back to tokens and reduce over top-k: the inverse of :func:`moe_permute`.
+
+    Mirrors ``moe_permute_unpermute.py::moe_unpermute`` and ``finalizeMoeRoutingKernel``
+    (``moe_permute_unpermute_kernel.inl``): for token ``t`` an fp32 accumulator starts at 0 and for ``k = 0 ..
+    topk-1`` in order adds ``topk_weights[t, k] * float(x[inv_permuted_idx[t * topk + k]])``, skipping a route
+    whose row is ``>= expert_first_token_offset[-1]`` (a non-local or -1 route) when the offsets are given; the
+    accumulator is cast once to ``out.dtype`` and every row of ``out`` is written (a token with no kept route: 0).
+    A GPU kernel may fuse the multiply-add (FMA): compare with an fp32-accumulation tolerance.
+
+    Args:
+        out: ``(M, K)`` output, ``permuted_hidden_states.dtype``; overwritten (vLLM returns None, the reference
+            returns ``out``).
+        permuted_hidden_states: ``(M * topk, K)`` rows in the permuted order (the grouped GEMM's output).
+        topk_weights: ``(M, topk)`` float32 (the kernel reads them as ``float*``).
+        inv_permuted_idx: ``(M * topk,)`` or ``(M, topk)`` int32 from :func:`moe_permute`.
+        expert_first_token_offset: int64 ``(n_local_expert + 1,)`` or None (then every route is summed).
+
+    Raises:
+        ValueError: dtype mismatch of ``out`` and ``permuted_hidden_states`` (vLLM's check), non-float32 weights,
+            shape mismatches, a row that does not exist.
+    """
+    fn = "moe_unpermute"
+    if permuted_hidden_states.dtype != out.dtype:
+        raise ValueError(f"{fn}: permuted_hidden_states dtype must be same as hidden_states "
+                         f"({permuted_hidden_states.dtype} vs {out.dtype})")
+    if topk_weights.dtype != torch.float32 or topk_weights.dim() != 2:
+        raise ValueError(f"{fn}: topk_weights must be a 2-D float32 tensor (read as float*), got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    M, topk = topk_weights.shape
+    K = permuted_hidden_states.size(-1)
+    if out.dim() != 2 or tuple(out.shape) != (M, K):
+        raise ValueError(f"{fn}: out must be ({M}, {K}), got {tuple(out.shape)}")
+    if (K * out.element_size()) % 16:
+        raise ValueError(f"{fn}: the unpermute kernel needs the hidden dim aligned to 16 bytes, got K={K}")
+    rows = inv_permuted_idx.detach().reshape(-1).to("cpu", torch.int64)
+    if rows.numel() != M * topk:
+        raise ValueError(f"{fn}: inv_permuted_idx has {rows.numel()} entries, expected M * topk = {M * topk}")
+    rows = rows.reshape(M, topk)
+    keep = torch.ones_like(rows, dtype=torch.bool)
+    if expert_first_token_offset is not None:
+        keep = rows < int(expert_first_token_offset.reshape(-1)[-1])
+    if bool((keep & ((rows < 0) | (rows >= permuted_hidden_states.size(0)))).any()):
+        raise ValueError(f"{fn}: inv_permuted_idx names a row outside permuted_hidden_states "
+                         f"(0..{permuted_hidden_states.size(0) - 1})")
+    dev = out.device
+    acc = torch.zeros((M, K), dtype=torch.float32, device=dev)
+    w = topk_weights.to(dev)
+    for k in range(topk):  # k in increasing order: the kernel's summation order
+        m = keep[:, k].to(dev)
+        term = torch.zeros_like(acc)
+        term[m] = w[m, k: k + 1] * permuted_hidden_states[rows[:, k].to(dev)[m]].float()
+        acc = acc + term
+    out.copy_(acc.to(out.dtype))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

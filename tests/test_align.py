@@ -659,3 +659,73 @@ def test_fused_globalize_drops_ids_past_the_local_range_and_validates():
         fused_globalize_align_block_size(idx.int(), torch.tensor([1]), 2, 8, 2, 2)
     with pytest.raises(ValueError, match="1024"):
         fused_globalize_align_block_size(idx, torch.tensor([1]), 0, 4096, 2048, 2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# vLLM's moe_permute / moe_unpermute (fused_moe/moe_permute_unpermute.py)
+# --------------------------------------------------------------------------------------------------------------
+
+from reference.align import moe_permute, moe_unpermute  # noqa: E402
+
+
+def test_moe_permute_by_hand():
+    """E=4, map: global 1 -> 0, global 2 -> 1 (others remote). Routes (flat): [2, 0 | 1, -1 | 3, 1]
+    -> keys [1, 4, 0, 4, 7, 0]; stable order 2, 5, 0, 1, 3, 4; valid = 3."""
+    h = torch.arange(3 * 8, dtype=torch.float32).reshape(3, 8)
+    ids = t32([[2, 0], [1, -1], [3, 1]])
+    emap = t32([-1, 0, 1, -1])
+    ph, sc, off, inv, pidx = moe_permute(h, torch.arange(3.0).reshape(3, 1).expand(3, 2).contiguous(), ids, 4,
+                                         2, emap)
+    assert off.dtype == torch.int64 and off.tolist() == [0, 2, 3]
+    assert inv.tolist() == [2, 3, 0, 4, 5, 1]
+    assert pidx.tolist() == [2, 5, 0, 6, 6, 6]
+    assert torch.equal(ph[:3], h[[1, 2, 0]]) and bool((ph[3:] == 0).all())
+    assert sc[:, 0].tolist() == [1.0, 2.0, 0.0, 2.0, 2.0, 2.0]  # past valid: clamp(6 -> 5) // 2 = token 2
+    # without a map every row is written, the -1 route last (key n_expert)
+    ph, _, off, inv, pidx = moe_permute(h, None, t32([[2, 0], [1, -1], [3, 1]]), 4)
+    assert off.tolist() == [0, 1, 3, 4, 5] and pidx.tolist() == [1, 2, 5, 0, 4, 3]
+    assert torch.equal(ph, h[[0, 1, 2, 0, 2, 1]])
+
+
+@pytest.mark.parametrize("n_token,n_expert,topk,ep_size,rank", [(1, 16, 2, 1, 0), (33, 64, 6, 4, 3),
+                                                                (50, 16, 8, 16, 7), (17, 64, 8, 4, 0)])
+def test_moe_permute_unpermute_like_vllms_test(n_token, n_expert, topk, ep_size, rank):
+    """vLLM's tests/kernels/moe/test_moe_permute_unpermute.py oracle (torch_permute / torch_unpermute), re-derived:
+    keys local id / id + n_expert, stable sort, offsets, inverse, valid rows bit-exact, the masked weighted sum."""
+    from reference.routing import determine_expert_map
+
+    g = torch.Generator().manual_seed(n_token * 7 + topk)
+    n_hidden = 64
+    h = torch.randn(n_token, n_hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n_expert, generator=g)[:topk] for _ in range(n_token)]).to(I32)
+    emap, n_local = None, n_expert
+    if ep_size > 1:
+        n_local, emap = determine_expert_map(ep_size, rank, n_expert)[:2]
+    start = n_local * rank
+    tk = ids.long()
+    if emap is not None:
+        local = emap.long()[tk] != -1
+        tk = local * (tk - start) + (~local) * (tk + n_expert)
+    sorted_ids, sorted_idx = torch.sort(tk.flatten(), stable=True)
+    gold_off = torch.tensor([int((sorted_ids < e).sum()) for e in range(n_local + 1)])
+    gold_inv = torch.sort(sorted_idx).indices
+    ph, _, off, inv, _ = moe_permute(h, None, ids, n_expert, n_local, emap)
+    assert torch.equal(off, gold_off) and torch.equal(inv.long(), gold_inv)
+    valid = int(gold_off[-1])
+    assert torch.equal(ph[:valid], h[sorted_idx[:valid] // topk])
+    w = torch.rand(n_token, topk, generator=g)
+    x = (0.5 * ph.float() + torch.randn(ph.shape, generator=g)).to(torch.bfloat16)
+    out = moe_unpermute(torch.empty_like(h), x, w, inv, off)
+    xm = x.clone()
+    xm[valid:] = 0  # vLLM's torch_unpermute zeroes the invalid rows
+    gold = (xm[inv.long()].view(-1, topk, n_hidden).double() * w.double().unsqueeze(2)).sum(1)
+    torch.testing.assert_close(out.double(), gold.to(torch.bfloat16).double(), atol=0, rtol=2 ** -7)
+
+
+def test_moe_unpermute_errors():
+    with pytest.raises(ValueError, match="float32"):
+        moe_unpermute(torch.empty(1, 8), torch.zeros(2, 8), torch.ones(1, 2, dtype=torch.bfloat16), t32([0, 1]))
+    with pytest.raises(ValueError, match="dtype must be same"):
+        moe_unpermute(torch.empty(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8), torch.ones(1, 2), t32([0, 1]))
+    with pytest.raises(ValueError, match="16 bytes"):
+        moe_permute(torch.zeros(2, 3), None, t32([[0], [1]]), 2)

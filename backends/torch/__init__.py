@@ -37,6 +37,8 @@ backend = Backend(
         "moe_align_block_size": align.moe_align_block_size,
         "count_expert_num_tokens": align.count_expert_num_tokens,
         "fused_globalize_align_block_size": align.fused_globalize_align_block_size,
+        "moe_permute": align.moe_permute,
+        "moe_unpermute": align.moe_unpermute,
         # **situ: SITU's situ_beta / situ_linear_beta (vLLM 0.33), forwarded only when given.
         "apply_moe_activation": lambda act, x, *, alpha=None, beta=None, limit=None, **situ: torch_activation(
             act, x, alpha, beta, limit, **situ),

@@ -83,3 +83,46 @@ def _align(topk_ids, block_size, num_experts, expert_map, pad_sorted_ids):
     block_owner = torch.repeat_interleave(torch.arange(n_slots, device=topk_ids.device), padded // block_size)
     expert_ids[: block_owner.numel()] = block_owner.to(torch.int32)
     return sorted_ids, expert_ids, torch.tensor([total], dtype=torch.int32, device=topk_ids.device)
+
+
+def moe_permute(hidden_states, a1q_scale, topk_ids, n_expert, n_local_expert=-1, expert_map=None,
+                permuted_hidden_states=None, scratch=None):
+    """vLLM's ``moe_permute`` (CUTLASS grouped-GEMM layout): stable sort of the routes by local id (non-local:
+    ``id + n_expert``; out of range: ``n_expert``)."""
+    M, K = hidden_states.shape
+    topk = topk_ids.size(1)
+    n_local = n_expert if n_local_expert == -1 else n_local_expert
+    ids = topk_ids.reshape(-1).long()
+    dev = ids.device
+    in_range = (ids >= 0) & (ids < n_expert)
+    emap = torch.arange(n_expert, device=dev) if expert_map is None else expert_map.long().to(dev)
+    local = emap[ids.clamp(0, n_expert - 1)]
+    key = torch.where(in_range, torch.where(local != -1, local, ids + n_expert), n_expert)
+    src = torch.sort(key, stable=True).indices
+    offsets = torch.searchsorted(key[src].contiguous(), torch.arange(n_local + 1, device=dev))
+    rows = M * topk
+    inv = torch.empty(rows, dtype=torch.int64, device=dev)
+    inv[src] = torch.arange(rows, device=dev)
+    n_written = int(offsets[-1]) if expert_map is not None else rows
+    pidx = torch.full((rows,), rows, dtype=torch.int64, device=dev)
+    pidx[:n_written] = src[:n_written]
+    out = permuted_hidden_states if permuted_hidden_states is not None else hidden_states.new_zeros(rows, K)
+    out[:n_written] = hidden_states[src[:n_written] // topk]
+    if a1q_scale is not None and a1q_scale.dim() > 1:
+        a1q_scale = a1q_scale[pidx.clamp(max=rows - 1) // topk]
+    return out, a1q_scale, offsets.to(torch.int64), inv.to(torch.int32), pidx.to(torch.int32)
+
+
+def moe_unpermute(out, permuted_hidden_states, topk_weights, inv_permuted_idx, expert_first_token_offset=None):
+    """vLLM's ``moe_unpermute``: per token the fp32 weighted sum of its rows (rows past the valid count skipped)."""
+    M, topk = topk_weights.shape
+    rows = inv_permuted_idx.reshape(M, topk).long()
+    keep = torch.ones_like(rows, dtype=torch.bool) if expert_first_token_offset is None else \
+        rows < expert_first_token_offset[-1]
+    vals = permuted_hidden_states[rows.clamp(0, permuted_hidden_states.size(0) - 1)].float()  # (M, topk, K)
+    vals = torch.where(keep.unsqueeze(-1), vals * topk_weights.float().unsqueeze(-1), 0.0)  # skipped rows unread
+    acc = vals[:, 0]
+    for k in range(1, topk):
+        acc = acc + vals[:, k]
+    out.copy_(acc.to(out.dtype))
+    return out
