@@ -60,6 +60,13 @@ def test_moe_align_block_size(backend, case, repro, record):
                        what=f"sorted_token_ids (per-block sets; padding value {ids.numel()})", repro=repro)
 
 
+def _needs_033(what: str) -> None:
+    from reference.semantics import SemanticsVersion, current_semantics
+
+    if current_semantics() < SemanticsVersion.V0_33:
+        pytest.skip(f"{what} is vLLM 0.33's (not defined under --vllm-semantics 0.17)")
+
+
 def _takes(op, name: str) -> bool:
     try:
         return name in inspect.signature(op).parameters
@@ -71,6 +78,7 @@ def _takes(op, name: str) -> bool:
 def test_moe_align_block_size_legacy_mode_and_scatter_idx(backend, case, repro, record):
     """vLLM 0.33's two switches: the legacy EP mode (global alignment, then ``expert_ids = expert_map[expert_ids]``,
     unused blocks' -1 wrapping to the map's last entry) and the scatter index (ignore mode)."""
+    _needs_033("moe_align_block_size(return_scatter_idx=True)")
     op = backend.ops.get("moe_align_block_size")
     if op is None or not (_takes(op, "ignore_invalid_experts") and _takes(op, "return_scatter_idx")):
         pytest.skip(f"backend {backend.name}'s moe_align_block_size does not take vLLM 0.33's ignore_invalid_experts "
@@ -99,6 +107,7 @@ def test_fused_globalize_align_block_size(backend, M, topk, bs, local_e, rank, f
     """The DeepEP-v2 INDEXED decode chain in one op (vLLM 0.33 ``fused_globalize_align_block_size``): received local
     ids in ``[-1, local_e)``, rows past ``psum_recv_per_rank[-1]`` padding; the globalized ids, counts, block owners
     and scatter index exactly, the routes per block as sets (the kernel fills with atomics)."""
+    _needs_033("fused_globalize_align_block_size")
     op = backend.ops.get("fused_globalize_align_block_size")
     if op is None:
         pytest.skip(f"backend {backend.name} does not implement fused_globalize_align_block_size (vLLM 0.33)")

@@ -268,6 +268,11 @@ def moe_align_block_size(
             int32 indices; ``return_scatter_idx`` with ``expert_map`` and not ``ignore_invalid_experts``.
     """
     fn = "moe_align_block_size"
+    if return_scatter_idx:
+        from reference.semantics import require
+
+        require("moe_align_block_size(return_scatter_idx=True)", "0.33",
+                upstream="vllm/model_executor/layers/fused_moe/moe_align_block_size.py")
     if return_scatter_idx and expert_map is not None and not ignore_invalid_experts:
         raise ValueError("scatter_idx with expert_map requires ignore_invalid_experts")
     _check_topk_ids(topk_ids, fn)
@@ -400,6 +405,9 @@ def fused_globalize_align_block_size(
             kernel's shared-memory histogram; vLLM's check), non-positive sizes, a bad ``psum_recv_per_rank``.
     """
     fn = "fused_globalize_align_block_size"
+    from reference.semantics import require
+
+    require(fn, "0.33", upstream="vllm/model_executor/layers/fused_moe/fused_globalize_align_block_size.py")
     _check_topk_ids(recv_topk_idx, fn)
     if recv_topk_idx.dtype != torch.int64:
         raise ValueError(f"{fn}: recv_topk_idx must be int64, got {recv_topk_idx.dtype}")
@@ -534,6 +542,7 @@ def deepgemm_moe_permute(
     expert_tokens_meta: Any = None,
     aq_out: torch.Tensor | None = None,
     block_size: int | None = None,
+    use_psum_layout: bool = False,
     alignment: int = DEEP_GEMM_M_ALIGNMENT,
     *,
     per_call_alignment: int | None = None,
@@ -556,6 +565,12 @@ def deepgemm_moe_permute(
         aq_out: optional ``(M_sum, K)`` output buffer of ``aq.dtype`` (vLLM passes a view of workspace13); fully
             overwritten and returned.
         block_size: K group size of ``aq_scale`` (None: DeepGEMM's ``block_k = 128``; MXFP8 passes 32).
+        use_psum_layout: vLLM 0.33 (DeepGEMM's psum layout, used on SM100 by ``deep_gemm_moe.py``): the rows are
+            placed exactly as in the contiguous layout, but ``expert_ids`` is replaced by the per-expert *logical
+            ends*: int32 ``(local_num_experts,)``, entry ``e`` = ``start_e + count_e`` (the preceding experts'
+            alignment gaps included; ``ep_scatter``'s ``_fwd_kernel_ep_scatter_1`` with ``USE_PSUM_LAYOUT``), which
+            the GEMM reads as ``expert_ends`` with ``expert_alignment = alignment_used``. Under the 0.17 semantics
+            it raises SemanticsError (0.17.0 has no such argument).
         alignment: per-expert M alignment (DeepGEMM ``block_m``, 128).
         per_call_alignment: see :func:`compute_aligned_M_and_alignment`.
         drop_out_of_range_ids: drop ids outside the id space instead of raising (see module docstring).
@@ -574,7 +589,8 @@ def deepgemm_moe_permute(
           in DeepGEMM's MN-major TMA-aligned layout; the reference returns them unpacked (pack with the quant
           module's UE8M0 packing to compare).
         - ``expert_ids`` (DeepGEMM ``m_indices``/``grouped_layout``): int32 ``(M_sum,)``, ``e`` on the rows of
-          expert ``e``, ``-1`` on every padding row (DeepGEMM skips negative rows).
+          expert ``e``, ``-1`` on every padding row (DeepGEMM skips negative rows); with ``use_psum_layout`` the
+          int32 ``(local_num_experts,)`` logical ends instead.
         - ``inv_perm``: int32 ``(M, topk)``: the row of route (t, k), ``-1`` for dropped / non-local routes (vLLM
           leaves those entries uninitialised).
         - ``alignment_used``: int.
@@ -642,6 +658,13 @@ def deepgemm_moe_permute(
         rows = starts[e] + torch.arange(routes.numel())
         inv_perm[routes] = rows
         expert_ids[starts[e] : starts[e] + routes.numel()] = e
+
+    if use_psum_layout:
+        from reference.semantics import require
+
+        require("deepgemm_moe_permute(use_psum_layout=True)", "0.33",
+                upstream="vllm/model_executor/layers/fused_moe/deep_gemm_utils.py")
+        expert_ids = torch.tensor([starts[e] + counts[e] for e in range(local_num_experts)], dtype=torch.int32)
 
     kept = (inv_perm >= 0).nonzero().flatten()  # flat route indices of kept routes
     dst_rows = inv_perm[kept]
@@ -831,6 +854,13 @@ def moe_permute(
         raise ValueError(f"{fn}: Expected permuted hidden states to be {(rows, K)} but got "
                          f"{tuple(permuted_hidden_states.shape)}")
     key = _permute_keys(topk_ids, n_expert, expert_map)
+    from reference.semantics import SemanticsVersion, resolve_semantics
+
+    flat_ids = topk_ids.detach().reshape(-1).cpu()
+    if resolve_semantics() < SemanticsVersion.V0_33 and bool(((flat_ids < 0) | (flat_ids >= n_expert)).any()):
+        raise ValueError(f"{fn}: topk_ids outside [0, {n_expert}) (e.g. -1 padding) are not defined under vLLM 0.17 "
+                         "(an out-of-bounds expert_map read / a negative radix-sort key); 0.33 sorts them last "
+                         "(point align.moe_permute_invalid_ids)")
     src = torch.sort(key, stable=True).indices  # permuted row r holds flat route src[r]
     sorted_keys = key[src]
     offsets = torch.tensor([int((sorted_keys < e).sum()) for e in range(n_local + 1)], dtype=torch.int64)
@@ -971,3 +1001,51 @@ def valid_deep_gemm(
             f"{hidden_states.is_contiguous()}, w1={w1.is_contiguous()}, w2={w2.is_contiguous()}"
         )
     return True, None
+
+
+def _register_points() -> None:
+    from reference.semantics import register_point
+
+    up17 = "vLLM 0.17.0 vllm/model_executor/layers/fused_moe/"
+    up33 = "vLLM 0.33.0 vllm/model_executor/layers/fused_moe/"
+    register_point(
+        "align.moe_align_scatter_idx", component="align",
+        behaviour={"0.17": "moe_align_block_size(..., ignore_invalid_experts) returns three tensors; "
+                           "return_scatter_idx raises SemanticsError.",
+                   "0.33": "return_scatter_idx=True appends an int32 (numel, 1) scatter index (i for a kept route, "
+                           "-1 otherwise); with an expert_map it needs ignore_invalid_experts=True (ValueError)."},
+        upstream={"0.17": up17 + "moe_align_block_size.py",
+                  "0.33": up33 + "moe_align_block_size.py, csrc/moe/moe_align_sum_kernels.cu"},
+        reference="reference.align.moe_align_block_size")
+    register_point(
+        "align.fused_globalize_align_block_size", component="align",
+        behaviour={"0.17": "not defined (SemanticsError): no DeepEP-v2 INDEXED decode metadata op.",
+                   "0.33": "fused_globalize_align_block_size: received local ids valid when in [0, E_local), "
+                           "globalizable and in a row < psum_recv_per_rank[-1]; globalized in place (-1 else) and "
+                           "aligned by local id over E_local experts (+ scatter index)."},
+        upstream={"0.17": up17 + " (absent)",
+                  "0.33": up33 + "fused_globalize_align_block_size.py, csrc/moe/fused_globalize_align_block_size.cu, "
+                                 "prepare_finalize/deepep_v2.py (_globalize_recv_topk_idx)"},
+        reference="reference.align.fused_globalize_align_block_size")
+    register_point(
+        "align.deepgemm_psum_layout", component="align",
+        behaviour={"0.17": "deepgemm_moe_permute has no use_psum_layout (True raises SemanticsError): expert_ids "
+                           "is the per-row m_indices, -1 on padding rows.",
+                   "0.33": "use_psum_layout=True (SM100): same rows; expert_ids is the int32 (E_local,) logical "
+                           "ends start_e + count_e."},
+        upstream={"0.17": up17 + "deep_gemm_utils.py", "0.33": up33 + "deep_gemm_utils.py (ep_scatter)"},
+        reference="reference.align.deepgemm_moe_permute")
+    register_point(
+        "align.moe_permute_invalid_ids", component="align",
+        behaviour={"0.17": "moe_permute needs every id in [0, n_expert): a -1 is undefined upstream (an "
+                           "out-of-bounds expert_map read, a negative sort key) and raises ValueError.",
+                   "0.33": "an id outside [0, n_expert) gets the sort key n_expert (after every local expert; equal to "
+                           "a non-local expert 0's key n_expert + 0, ties by flat index); the rest is unchanged."},
+        upstream={"0.17": "vLLM 0.17.0 csrc/moe/permute_unpermute_kernels/moe_permute_unpermute_kernel.cu "
+                          "(preprocessTopkIdKernel)",
+                  "0.33": "vLLM 0.33.0 csrc/moe/permute_unpermute_kernels/moe_permute_unpermute_kernel.cu "
+                          "(preprocessTopkIdKernel), csrc/moe/moe_permute_unpermute_op.cu"},
+        reference="reference.align.moe_permute")
+
+
+_register_points()

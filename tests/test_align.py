@@ -729,3 +729,24 @@ def test_moe_unpermute_errors():
         moe_unpermute(torch.empty(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8), torch.ones(1, 2), t32([0, 1]))
     with pytest.raises(ValueError, match="16 bytes"):
         moe_permute(torch.zeros(2, 3), None, t32([[0], [1]]), 2)
+
+
+def test_deepgemm_permute_psum_layout_by_hand():
+    """vLLM 0.33 use_psum_layout: same rows, expert_ids = per-expert logical ends start_e + count_e (int32 (E,))."""
+    aq = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    ref = deepgemm_moe_permute(aq, None, t32(TOPK_3x2), 4, alignment=4)
+    perm, _, ends, inv, align = deepgemm_moe_permute(aq, None, t32(TOPK_3x2), 4, use_psum_layout=True, alignment=4)
+    # e0 rows 0-1, e1 rows 4-5, e2 rows 8-9, e3 empty at 12
+    assert ends.dtype == I32 and ends.tolist() == [2, 6, 10, 12]
+    assert torch.equal(perm, ref[0]) and torch.equal(inv, ref[3]) and align == ref[4]
+    from reference.semantics import SemanticsError
+
+    with pytest.raises(SemanticsError):
+        _psum_017(aq)
+
+
+def _psum_017(aq):
+    from reference.semantics import use_semantics
+
+    with use_semantics("0.17"):
+        return deepgemm_moe_permute(aq, None, t32(TOPK_3x2), 4, use_psum_layout=True, alignment=4)

@@ -49,8 +49,6 @@ NOT_TAKEN: dict[tuple[str, str], str] = {
 # Known drifts (vLLM 0.33.0 has the name, the reference does not yet): each test with one is a strict xfail naming
 # them, so fixing one (or vLLM dropping it) turns the test red until the entry goes. Read from vllm-0.33.0.
 DRIFT: dict[tuple[str, str], str] = {
-    ("deepgemm_moe_permute", "use_psum_layout"): "0.33's psum layout (DeepGEMM's per-rank prefix-sum M layout) is "
-                                                 "not specified",
 }
 
 
