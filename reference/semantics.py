@@ -357,6 +357,18 @@ register_point(
                                "has_hash_routing, require_decomposed_backend, is_lora_enabled), fused_moe/layer.py"},
     reference="reference.modular.FusedMoEExperts.is_supported_config")
 register_point(
+    "modular.consumes_expert_mask", component="modular",
+    behaviour={"0.17": "the layer hands its experts the AITER 0/1 expert_mask when the global "
+                       "rocm_aiter_fmoe_enabled switch is on, else the -1/local-slot expert_map; no "
+                       "consumes_expert_mask attribute.",
+               "0.33": "FusedMoEExperts.consumes_expert_mask (default False; True for the ROCm AITER classes): "
+                       "RoutedExperts.expert_map is the expert_mask ((E + n_shared + 1,) int32, 1 = local, trailing "
+                       "0) when the selected experts consume it, else the canonical expert_map."},
+    upstream={"0.17": "vLLM 0.17.0 fused_moe/layer.py (FusedMoE.expert_map, determine_expert_map)",
+              "0.33": _MK033 + " (FusedMoEExperts.consumes_expert_mask), fused_moe/routed_experts.py "
+                               "(RoutedExperts.expert_map), fused_moe/expert_map_manager.py"},
+    reference="reference.modular.layer_expert_map / FusedMoEExperts.consumes_expert_mask")
+register_point(
     "modular.moe_fused_mul_sum", component="modular",
     behaviour={"0.17": "not defined (the experts' moe_sum / TopKWeightAndReduce reduce over top-k).",
                "0.33": "moe_fused_mul_sum: fp32 weighted top-k sum in slot order, skipping -1 and non-local slots; "

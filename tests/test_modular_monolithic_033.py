@@ -216,3 +216,26 @@ def test_parallel_config_sizes_the_sink():
     assert RoutedExpertsSink(cfg, print).buffer.shape == (20, 2)
     cfg = FusedMoEConfig(8, 2, 64, 48, 8, max_num_tokens=10, moe_parallel_config=FusedMoEParallelConfig(dp_size=3))
     assert RoutedExpertsSink(cfg, print).buffer.shape == (30, 2)
+
+
+def test_consumes_expert_mask_picks_the_map_per_version():
+    """0.33: the experts class decides (consumes_expert_mask, AITER); 0.17: the global AITER switch decides."""
+    import torch
+
+    from reference.modular import FusedMoEExperts, layer_expert_map
+    from reference.routing import determine_expert_map
+
+    _, emap, mask = determine_expert_map(4, 1, 16, return_expert_mask=True)
+    assert mask.tolist() == [0] * 4 + [1] * 4 + [0] * 8 + [0]
+    assert FusedMoEExperts.consumes_expert_mask is False
+
+    class Aiter:  # stands for a class with vLLM's consumes_expert_mask = True (rocm_aiter_moe.py)
+        consumes_expert_mask = True
+
+    class Plain:
+        consumes_expert_mask = False
+
+    assert torch.equal(layer_expert_map(Aiter, emap, mask, semantics="0.33"), mask)
+    assert torch.equal(layer_expert_map(Plain, emap, mask, rocm_aiter_fmoe_enabled=True, semantics="0.33"), emap)
+    assert torch.equal(layer_expert_map(Aiter, emap, mask, semantics="0.17"), emap)
+    assert torch.equal(layer_expert_map(Plain, emap, mask, rocm_aiter_fmoe_enabled=True, semantics="0.17"), mask)

@@ -27,7 +27,30 @@ from reference.routing import RoutingMethodType
 from reference.semantics import SemanticsVersion, current_semantics
 
 __all__ = ["ExpertTokensMetadata", "FusedMoEActivationFormat", "FusedMoEExperts", "FusedMoEExpertsModular",
-           "FusedMoEExpertsMonolithic"]
+           "FusedMoEExpertsMonolithic", "layer_expert_map"]
+
+
+def layer_expert_map(
+    experts: "FusedMoEExperts | type[FusedMoEExperts] | None",
+    expert_map: torch.Tensor | None,
+    expert_mask: torch.Tensor | None,
+    *,
+    rocm_aiter_fmoe_enabled: bool = False,
+    semantics=None,
+) -> torch.Tensor | None:
+    """The expert map a layer hands its experts kernel (``FusedMoE.expert_map`` / ``RoutedExperts.expert_map``).
+
+    0.33 (``fused_moe/routed_experts.py``): ``expert_mask`` when the selected experts (class or instance) say
+    ``consumes_expert_mask`` (ROCm AITER), else the canonical ``expert_map``; ``rocm_aiter_fmoe_enabled`` is not read.
+    0.17 (``fused_moe/layer.py::FusedMoE.expert_map``): ``expert_mask`` when the global AITER switch
+    ``rocm_aiter_fmoe_enabled`` is on, else ``expert_map``, whichever experts were selected. Point
+    ``modular.consumes_expert_mask``.
+    """
+    from reference.semantics import resolve_semantics
+
+    if resolve_semantics(semantics) < SemanticsVersion.V0_33:
+        return expert_mask if rocm_aiter_fmoe_enabled else expert_map
+    return expert_mask if (experts is not None and experts.consumes_expert_mask) else expert_map
 
 
 @dataclass
@@ -79,6 +102,12 @@ class FusedMoEExperts(ABC):
     Raises (``__init__``): ValueError when ``max_num_tokens`` / ``num_dispatchers`` are given for the Standard format
     or missing for the BatchedExperts format.
     """
+
+    #: vLLM 0.33: ROCm AITER kernels consume the 0/1 local-expert mask (``determine_expert_map(...,
+    #: return_expert_mask=True)``: ``(E + n_shared + 1,)`` int32, 1 = on this rank, trailing sentinel 0) instead of
+    #: the canonical -1/local-slot ``expert_map``; ``RoutedExperts.expert_map`` hands the experts the mask when their
+    #: class sets this (``layer_expert_map``, point ``modular.consumes_expert_mask``). No backend here does.
+    consumes_expert_mask: ClassVar[bool] = False
 
     #: vLLM 0.33: called with the unweighted GEMM2 rows (an ``UnfinalizedMoEOutput``) and the output to weight
     #: and reduce into, replacing the experts' own top-k reduction (set on an instance by a fusing consumer).
