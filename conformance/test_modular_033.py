@@ -252,3 +252,33 @@ def test_experts_get_the_expert_map_form_they_consume(backend, experts_cls, repr
                              quant_config=qc, **kw)
     assert_close(out, expected, case_error_bound(case, qc, experts_cls).as_tolerance(), case=case.id + "-emapform",
                  what=f"{experts_cls.__name__} with the expert map form it consumes", repro=repro)
+
+
+def test_expert_substitution_routes_reach_the_experts(backend, experts_cls, repro, record):
+    """MoNE constant expert substitution (vLLM 0.33 ``expert_substitution.py``; no EP): after
+    ``transform_routes`` the experts see compact ids with every substituted / invalid route turned into a zero-weight
+    route to expert 0 (a token may hold expert 0 twice); the class on the compact weights, plus the constant output,
+    matches the reference on the same routes within the error model's bound."""
+    from reference.expert_substitution import add_constant_output, expert_substitution_routes, transform_routes
+
+    m = load_models()[MODEL]
+    case = ExpertsCase(m, "bf16", 16, 1, 0)
+    inputs, qc, cfg, kw = _setup(backend, experts_cls, case)
+    record(component="modular-0.33", scheme="expert-substitution", model=m.name, tokens=case.tokens,
+           experts_class=experts_cls.__name__)
+    E = inputs.w1.size(0)
+    subs = tuple(range(0, E, 3))  # every third expert becomes a constant
+    routes = expert_substitution_routes(E, subs)
+    keep = [e for e in range(E) if e not in subs]
+    w1, w2 = inputs.w1[keep], inputs.w2[keep]
+    g = torch.Generator().manual_seed(seed_of("expert-substitution"))
+    values = torch.randn(len(subs), inputs.hidden_states.size(1), generator=g).to(inputs.hidden_states.dtype)
+    ids, w = inputs.topk_ids.clone(), inputs.topk_weights.clone()
+    const = transform_routes(inputs.hidden_states, w, ids, routes.to(ids.device), values.to(ids.device))
+    kw = {**kw, "global_num_experts": len(keep), "expert_map": None}
+    out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(cfg, qc), poison=float("nan")).apply(
+        inputs.hidden_states, w1, w2, w, ids, **kw)
+    expected = fused_experts(inputs.hidden_states, w1, w2, w, ids, quant_config=qc, **kw)
+    assert_close(add_constant_output(out, const), add_constant_output(expected, const),
+                 case_error_bound(case, qc, experts_cls).as_tolerance(), case=case.id + "-substitution",
+                 what=f"{experts_cls.__name__} on substituted routes (+ constant)", repro=repro)
