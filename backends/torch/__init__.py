@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from backends import Backend
-from backends.torch import align, gate, moe_output, quant, routing
+from backends.torch import align, fused_act_quant, gate, moe_output, quant, routing
 from backends.torch.experts import TorchBatchedExperts, TorchExperts, torch_activation, torch_activation_into
 
 backend = Backend(
@@ -44,6 +44,8 @@ backend = Backend(
             act, x, alpha, beta, limit, **situ),
         "apply_moe_activation_into": torch_activation_into,
         "moe_fused_mul_sum": moe_output.moe_fused_mul_sum,
+        "silu_mul_per_token_group_quant_fp8_colmajor": fused_act_quant.silu_mul_per_token_group_quant_fp8_colmajor,
+        "persistent_masked_m_silu_mul_quant": fused_act_quant.persistent_masked_m_silu_mul_quant,
     },
     experts=[TorchExperts, TorchBatchedExperts],
     recipes={"per_token_group_quant_fp8": "vllm", "scaled_fp8_quant": "vllm", "int8_quant_per_token": "vllm"},
