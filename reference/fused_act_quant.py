@@ -247,7 +247,8 @@ def _register_points() -> None:
         "activation.fused_fp8_quant", component="activation",
         behaviour={"0.17": "silu_mul_per_token_group_quant_fp8_colmajor(input, output, use_ue8m0, eps): SiLU, group "
                            "128, scale amax / 448 (IEEE division); clamp_limit / alpha / beta / group_size / "
-                           "expert_ends raise SemanticsError. (persistent_masked_m_silu_mul_quant has 0.33's signature; its "
+                           "expert_ends raise SemanticsError. (persistent_masked_m_silu_mul_quant has 0.33's "
+                           "signature; its "
                            "0.17 kernel was not compared: the reference applies the 0.33 rule under both.)",
                    "0.33": "colmajor op: clamp_limit, alpha, beta (input-precision rounding points), group_size, "
                            "expert_ends + expert_alignment (DeepGEMM psum layout; dead rows unwritten); scale "

@@ -105,7 +105,8 @@ def test_persistent_masked_like_vllms_test(fmt, E, T, H):
         assert torch.equal(q[e, :n].view(torch.uint8), rq.view(torch.uint8))
         if fmt is DeepGemmQuantScaleFMT.UE8M0:
             assert s.dtype == torch.int32
-            got = torch.tensor(s[e, :n].tolist(), dtype=torch.int32).view(torch.uint8).reshape(n, 4 * s.shape[-1])[:, :G]
+            words = torch.tensor(s[e, :n].tolist(), dtype=torch.int32)
+            got = words.view(torch.uint8).reshape(n, 4 * s.shape[-1])[:, :G]
             want = (rs.float().view(torch.int32) >> 23).to(torch.uint8)
             assert torch.equal(got, want)
         else:
