@@ -374,7 +374,7 @@ def _stubs(obj_ref: list, fused_moe_path: Path) -> dict:
                              ignore_invalid_experts=False):
         from reference.align import moe_align_block_size as ref
 
-        return ref(topk_ids, block_size, num_experts, expert_map, pad_sorted_ids)
+        return ref(topk_ids, block_size, num_experts, expert_map, pad_sorted_ids, ignore_invalid_experts)
 
     import functools
     import typing

@@ -11,7 +11,9 @@
 - async prepare/finalize: the class run behind ``AsyncMoEPrepareAndFinalizeNoEP`` (hook + receiver, or receiver
   only) gives bitwise the synchronous kernel's output; under DBO (two ubatches, each hook run by the other ubatch)
   each ubatch's output is bitwise the synchronous kernel's on its tokens, and every hook ran before its receiver;
-- ``moe_fused_mul_sum`` (a backend op): the reference's rows within the activation ulps, untouched rows untouched.
+- ``moe_fused_mul_sum`` (a backend op): the reference's rows within the activation ulps, untouched rows untouched;
+- ``consumes_expert_mask``: each class is a bool and, handed the map form it declares (``layer_expert_map``) on an
+  EP rank, matches the reference.
 
 Skipped under ``--vllm-semantics 0.17`` (none of this exists there). Small: Qwen3-30B-A3B at its CPU EP size, 16 tokens.
 """
@@ -31,9 +33,11 @@ from reference.modular import (
     FusedMoEActivationFormat,
     FusedMoEKernel,
     MoEPrepareAndFinalizeNoEP,
+    layer_expert_map,
 )
 from reference.modular.ubatching import run_ubatches
 from reference.moe_output import UnfinalizedMoEOutput, moe_fused_mul_sum
+from reference.routing import determine_expert_map
 from reference.semantics import SemanticsVersion, current_semantics
 from reference.shared_experts import SharedExperts, SharedExpertsOrder
 from specs import load_models
@@ -224,3 +228,60 @@ def test_moe_fused_mul_sum(backend, tolerances, repro, record):
             raise ConformanceFailure(f"{what}: a row that must stay untouched was written\n  reproduce: {repro}")
         assert_ulps(out, ref, tolerances["activation"]["ulps"]["bfloat16"], case="moe_fused_mul_sum", what=what,
                     repro=repro)
+
+
+def test_experts_get_the_expert_map_form_they_consume(backend, experts_cls, repro, record):
+    """``consumes_expert_mask`` (0.33): the layer hands each experts class the map form it declares (the AITER
+    0/1 mask, or the canonical -1/local-slot map, ``reference.modular.layer_expert_map``); run on an EP rank with
+    that tensor, the class matches the reference within the error model's bound."""
+    case = _case()
+    inputs, qc, cfg, kw = _setup(backend, experts_cls, case)
+    if inputs.expert_map is None:
+        pytest.skip("the case has no expert map")
+    if not isinstance(getattr(experts_cls, "consumes_expert_mask", None), bool):
+        raise ConformanceFailure(f"{experts_cls.__name__}.consumes_expert_mask must be a bool (vLLM 0.33 "
+                                 "FusedMoEExperts.consumes_expert_mask)")
+    record(component="modular-0.33", scheme="expert-map-form", model=case.model.name, tokens=case.tokens,
+           experts_class=experts_cls.__name__)
+    m = case.model
+    _, emap, mask = determine_expert_map(case.ep_size, case.ep_rank, m.num_experts, return_expert_mask=True)
+    handed = layer_expert_map(experts_cls, emap.to(inputs.expert_map.device), mask.to(inputs.expert_map.device))
+    out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(cfg, qc), poison=float("nan")).apply(
+        inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
+        **{**kw, "expert_map": handed})
+    expected, heavy = reference_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
+                                           inputs.topk_ids, quant_config=qc, **kw)
+    assert_close(out, expected, case_error_bound(case, qc, experts_cls, heavy=heavy).as_tolerance(),
+                 case=case.id + "-emapform",
+                 what=f"{experts_cls.__name__} with the expert map form it consumes", repro=repro)
+
+
+def test_expert_substitution_routes_reach_the_experts(backend, experts_cls, repro, record):
+    """MoNE constant expert substitution (vLLM 0.33 ``expert_substitution.py``; no EP): after
+    ``transform_routes`` the experts see compact ids with every substituted / invalid route turned into a zero-weight
+    route to expert 0 (a token may hold expert 0 twice); the class on the compact weights, plus the constant output,
+    matches the reference on the same routes within the error model's bound."""
+    from reference.expert_substitution import add_constant_output, expert_substitution_routes, transform_routes
+
+    m = load_models()[MODEL]
+    case = ExpertsCase(m, "bf16", 16, 1, 0)
+    inputs, qc, cfg, kw = _setup(backend, experts_cls, case)
+    record(component="modular-0.33", scheme="expert-substitution", model=m.name, tokens=case.tokens,
+           experts_class=experts_cls.__name__)
+    E = inputs.w1.size(0)
+    subs = tuple(range(0, E, 3))  # every third expert becomes a constant
+    routes = expert_substitution_routes(E, subs)
+    keep = [e for e in range(E) if e not in subs]
+    w1, w2 = inputs.w1[keep], inputs.w2[keep]
+    g = torch.Generator().manual_seed(seed_of("expert-substitution"))
+    values = torch.randn(len(subs), inputs.hidden_states.size(1), generator=g).to(inputs.hidden_states.dtype)
+    ids, w = inputs.topk_ids.clone(), inputs.topk_weights.clone()
+    const = transform_routes(inputs.hidden_states, w, ids, routes.to(ids.device), values.to(ids.device))
+    kw = {**kw, "global_num_experts": len(keep), "expert_map": None}
+    out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(cfg, qc), poison=float("nan")).apply(
+        inputs.hidden_states, w1, w2, w, ids, **kw)
+    expected, heavy = reference_with_heavy(inputs.hidden_states, w1, w2, w, ids, quant_config=qc, **kw)
+    assert_close(add_constant_output(out, const), add_constant_output(expected, const),
+                 case_error_bound(case, qc, experts_cls, topk_ids=ids, heavy=heavy).as_tolerance(),
+                 case=case.id + "-substitution",
+                 what=f"{experts_cls.__name__} on substituted routes (+ constant)", repro=repro)

@@ -95,3 +95,73 @@ def test_quantizer(backend, case, repro, record):
     elif ref_s.numel():
         pre = x.float() / ref_s
     assert_exact(out_q, ref_q, case=cid, what=f"{op_name} codes (recipe {recipe})", repro=repro, pre_rounding=pre)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused gated activation + FP8 quantization, one op each (reference.fused_act_quant), bitwise
+# ---------------------------------------------------------------------------------------------------------------
+
+_COLMAJOR = [  # (M, N, kwargs)
+    (16, 512, {}), (64, 1536, dict(use_ue8m0=True)), (32, 512, dict(clamp_limit=7.0)),
+    (32, 512, dict(clamp_limit=7.0, alpha=1.702, beta=1.0)), (16, 256, dict(group_size=64)),
+    (64, 512, dict(expert_ends=(5, 32 + 17, 64), expert_alignment=16)),
+]
+
+
+@pytest.mark.parametrize("M,N,kw", _COLMAJOR, ids=lambda v: "-".join(f"{k}{w}" for k, w in v.items())
+                         if isinstance(v, dict) else str(v))
+def test_silu_mul_per_token_group_quant_fp8_colmajor(backend, M, N, kw, repro, record):
+    """vLLM's ``silu_mul_per_token_group_quant_fp8_colmajor``: codes and column-major scales bitwise; with
+    ``expert_ends`` (DeepGEMM psum layout) the dead rows of the output stay untouched."""
+    from reference.fused_act_quant import silu_mul_per_token_group_quant_fp8_colmajor as ref
+    from reference.semantics import SemanticsVersion, current_semantics
+
+    op = backend.ops.get("silu_mul_per_token_group_quant_fp8_colmajor")
+    if op is None:
+        pytest.skip(f"backend {backend.name} does not implement silu_mul_per_token_group_quant_fp8_colmajor")
+    if current_semantics() < SemanticsVersion.V0_33 and set(kw) - {"use_ue8m0"}:
+        pytest.skip(f"{sorted(set(kw) - {'use_ue8m0'})} are vLLM 0.33 arguments")
+    cid = f"silu_mul_colmajor[M{M}-N{N}-{kw}]"
+    record(component="quant", scheme="silu_mul_fp8_colmajor", tokens=M)
+    g = torch.Generator().manual_seed(seed_of(cid))
+    x = (torch.randn(M, N, generator=g) * 8).to(torch.bfloat16)
+    kw = dict(kw)
+    if "expert_ends" in kw:
+        kw["expert_ends"] = torch.tensor(kw["expert_ends"], dtype=torch.int32)
+    poison = torch.full((M, N // 2), 3.0).to(torch.float8_e4m3fn)
+    rq_, rs_ = ref(x, poison.clone(), **kw)
+    dev = backend.device
+    okw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    q, s = op(x.to(dev), poison.clone().to(dev), **okw)
+    assert_exact(q.cpu().view(torch.uint8), rq_.view(torch.uint8), case=cid, what="fp8 codes (dead rows untouched)",
+                 repro=repro)
+    live = ~torch.isnan(rs_[:, 0])
+    assert_exact(s.cpu()[live], rs_[live], case=cid, what="fp32 scales (live rows)", repro=repro)
+    if s.stride() != (1, M):
+        raise AssertionError(f"{cid}: scales must be column-major (strides (1, {M})), got {s.stride()}")
+
+
+@pytest.mark.parametrize("fmt", ["FLOAT32", "FLOAT32_CEIL_UE8M0", "UE8M0"])
+@pytest.mark.parametrize("E,T,H", [(4, 16, 256), (8, 33, 640)])
+def test_persistent_masked_m_silu_mul_quant(backend, fmt, E, T, H, repro, record):
+    """vLLM's masked batched SiLU-mul + FP8 (DeepGEMM batched experts): valid rows' codes and scales bitwise in the
+    requested scale format (MN-major, packed UE8M0 words); rows past ``tokens_per_expert`` hold zero scales."""
+    from reference.fused_act_quant import DeepGemmQuantScaleFMT, persistent_masked_m_silu_mul_quant as ref
+
+    op = backend.ops.get("persistent_masked_m_silu_mul_quant")
+    if op is None:
+        pytest.skip(f"backend {backend.name} does not implement persistent_masked_m_silu_mul_quant")
+    cid = f"persistent_masked_silu_mul_quant[{fmt}-E{E}-T{T}-H{H}]"
+    record(component="quant", scheme=f"masked_silu_mul_fp8-{fmt}", tokens=T)
+    g = torch.Generator().manual_seed(seed_of(cid))
+    counts = torch.randint(0, T + 1, (E,), generator=g, dtype=torch.int32)
+    counts[0] = 0
+    y = (torch.randn(E, T, 2 * H, generator=g) * torch.exp2(torch.randint(0, 12, (E, T, 1), generator=g))).to(
+        torch.bfloat16)
+    f = DeepGemmQuantScaleFMT[fmt]
+    rq_, rs_ = ref(y, counts, quant_scale_fmt=f)
+    q, s = op(y.to(backend.device), counts.to(backend.device), quant_scale_fmt=f)
+    valid = torch.arange(T)[None, :] < counts[:, None]
+    assert_exact(q.cpu().view(torch.uint8)[valid], rq_.view(torch.uint8)[valid], case=cid, what="fp8 codes (valid)",
+                 repro=repro)
+    assert_exact(s.cpu(), rs_, case=cid, what=f"scales ({fmt}; zero past the counts)", repro=repro)

@@ -16,6 +16,7 @@ what mixing the two layouts costs).
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,10 @@ __all__ = [
     "GATED_ACTIVATIONS",
     "NO_MUL_ACTIVATIONS",
     "ACTIVATIONS_SINCE_033",
+    "ApplyMoEActivationConfig",
+    "apply_moe_activation_into",
+    "apply_moe_activation_supported",
+    "apply_moe_activation_masked_supported",
 ]
 
 SWIGLUOAI_DEFAULT_ALPHA = 1.702
@@ -221,6 +226,205 @@ def apply_moe_activation(
     return y.to(x.dtype)
 
 
+
+# ------------------------------------------------------------------------------------------------------------
+# vLLM 0.33's out-parameter form: apply_moe_activation(activation, output, input, *, activation_config, topk_ids,
+# expert_map, valid_token_counts), the body of FusedMoEExpertsModular.activation (point activation.experts_signature)
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApplyMoEActivationConfig:
+    """The layer's activation parameters (vLLM 0.33 ``fused_moe/activation.py::ApplyMoEActivationConfig``).
+
+    ``clamp_limit`` None means "no clamp"; ``alpha`` / ``beta`` default to 1.0 / 0.0; the SITU betas come from
+    ``FusedMoEConfig.activation_situ_beta`` / ``activation_situ_linear_beta``.
+    """
+
+    clamp_limit: float | None = None
+    alpha: float = 1.0
+    beta: float = 0.0
+    activation_situ_beta: float | None = None
+    activation_situ_linear_beta: float | None = None
+
+    @classmethod
+    def from_configs(cls, moe_config, quant_config) -> "ApplyMoEActivationConfig":
+        """The 0.33 fallbacks: the quant config's ``gemm1_clamp_limit`` / ``gemm1_alpha`` / ``gemm1_beta`` when set,
+        else the layer's ``swiglu_limit`` / ``swiglu_alpha`` / ``swiglu_beta`` (``FusedMoEConfig``), else None /
+        1.0 / 0.0. Mirrors ``ApplyMoEActivationConfig.from_configs`` (vLLM 0.33.0)."""
+        def pick(q, m):
+            v = getattr(quant_config, q, None)
+            return getattr(moe_config, m, None) if v is None else v
+
+        alpha = pick("gemm1_alpha", "swiglu_alpha")
+        beta = pick("gemm1_beta", "swiglu_beta")
+        return cls(clamp_limit=pick("gemm1_clamp_limit", "swiglu_limit"),
+                   alpha=1.0 if alpha is None else alpha, beta=0.0 if beta is None else beta,
+                   activation_situ_beta=getattr(moe_config, "activation_situ_beta", None),
+                   activation_situ_linear_beta=getattr(moe_config, "activation_situ_linear_beta", None))
+
+
+#: The activations vLLM 0.33's ``apply_moe_activation`` (and its masked path) accepts: every member but gated RELU2.
+_APPLY_033 = frozenset(a for a in MoEActivation if a is not MoEActivation.RELU2)
+
+
+def apply_moe_activation_supported(activation: MoEActivation) -> bool:
+    """Whether vLLM 0.33's ``apply_moe_activation`` supports ``activation`` (every member but gated RELU2)."""
+    return activation in _APPLY_033
+
+
+def apply_moe_activation_masked_supported(activation: MoEActivation) -> bool:
+    """Whether the masked path (``valid_token_counts``) supports ``activation``: the same set as the unmasked one
+    (vLLM 0.33 ``_MASKED_MOE_ACTIVATION_NAMES``)."""
+    return activation in _APPLY_033
+
+
+def _params_033(activation: MoEActivation, cfg: ApplyMoEActivationConfig, *, masked: bool,
+                pad_aware: bool) -> tuple[MoEActivation, dict]:
+    """The (activation, keywords) of :func:`apply_moe_activation` that vLLM 0.33's kernel for this path computes."""
+    A = MoEActivation
+    situ = {}
+    if activation is A.SITU:
+        if cfg.activation_situ_beta is None:
+            raise ValueError("SITU requires activation_situ_beta from FusedMoEConfig (vLLM asserts it)")
+        situ = dict(situ_beta=cfg.activation_situ_beta, situ_linear_beta=cfg.activation_situ_linear_beta)
+    if activation is A.SWIGLUOAI_UNINTERLEAVE and cfg.clamp_limit is None:
+        raise ValueError("SWIGLUOAI_UNINTERLEAVE requires clamp_limit (gemm1_clamp_limit or swiglu_limit)")
+    if activation is A.SILU and cfg.clamp_limit is not None:
+        if masked:  # "silu_with_clamp": the config's alpha inside the sigmoid, its beta added to up
+            return A.SWIGLUOAI_UNINTERLEAVE, dict(alpha=cfg.alpha, beta=cfg.beta, limit=cfg.clamp_limit)
+        if pad_aware:  # _swiglu_limit_pad_aware: HAS_LIMIT = swiglu_limit > 0
+            return A.SILU, dict(limit=cfg.clamp_limit if cfg.clamp_limit > 0 else None)
+        return A.SILU, dict(limit=cfg.clamp_limit)  # silu_and_mul_with_clamp(limit, 1.0, 0.0)
+    if activation is A.SWIGLUOAI_UNINTERLEAVE:
+        return activation, dict(alpha=cfg.alpha, beta=cfg.beta, limit=cfg.clamp_limit)
+    if activation is A.SWIGLUOAI:  # swigluoai_and_mul's defaults; the config is not read
+        return activation, dict(alpha=SWIGLUOAI_DEFAULT_ALPHA, limit=SWIGLUOAI_DEFAULT_LIMIT)
+    if activation is A.SWIGLUSTEP:
+        return activation, dict(limit=SWIGLUSTEP_LIMIT)
+    return activation, situ
+
+
+def apply_moe_activation_into(
+    activation: MoEActivation,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    activation_config: ApplyMoEActivationConfig | None = None,
+    topk_ids: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    valid_token_counts: torch.Tensor | None = None,
+    semantics=None,
+) -> torch.Tensor:
+    """vLLM 0.33's ``apply_moe_activation(activation, output, input, *, activation_config, topk_ids, expert_map,
+    valid_token_counts)``: the body of ``FusedMoEExpertsModular.activation``; writes ``output`` and returns it.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/activation.py`` (0.33.0) and its kernels
+    (``csrc/activation_kernels.cu``: ``silu_and_mul_with_clamp``, ``masked_moe_activation``;
+    ``fused_moe/utils.py::swiglu_limit_func``). Values are :func:`apply_moe_activation`'s (fp32, one rounding) with
+    the parameters each path's kernel takes (``activation_config`` None = ``ApplyMoEActivationConfig()``):
+
+    - SILU: no ``clamp_limit``: plain. With one: unmasked ``silu(min(g, L)) * clamp(u, -L, L)`` (alpha 1, beta 0,
+      the config's alpha/beta are not read); masked ``"silu_with_clamp"``: ``g' sigmoid(alpha g') (u' + beta)`` with
+      the config's alpha and beta (= SWIGLUOAI_UNINTERLEAVE's formula).
+    - SWIGLUOAI: alpha 1.702, limit 7.0 always (``swigluoai_and_mul``'s defaults; the config is not read).
+    - SWIGLUOAI_UNINTERLEAVE: ``clamp_limit`` required; the config's alpha, beta.  SWIGLUSTEP: limit 7.0.
+    - SITU: ``activation_situ_beta`` required, ``activation_situ_linear_beta`` optional.
+    - GELU, GELU_TANH, the ``*_NO_MUL`` members: plain.  RELU2_NO_MUL (unmasked) also applies ``relu`` to ``input``
+      in place (vLLM ``F.relu(input, inplace=True)``).
+
+    Which rows are written:
+
+    - ``valid_token_counts`` given (the masked path; ``topk_ids`` / ``expert_map`` then unused): ``input`` is
+      ``(T, N)`` with one count, or batched ``(E, T, N)`` with one count per expert; for each expert ``e`` the rows
+      ``[0, clamp(count_e, 0, T))`` are written and every later row of ``output`` is left untouched (padding of a
+      batched layout: whatever ``input`` holds there is never read).
+    - else, the pad-aware limit: SILU with a ``clamp_limit`` and both ``topk_ids`` and ``expert_map`` given
+      (``swiglu_limit_func`` -> ``_swiglu_limit_pad_aware``) reads row ``r`` of the 2-D ``input`` as flat route ``r``
+      of ``topk_ids``: rows whose id is -1 (any negative) or maps to -1 are skipped (``output`` untouched); the
+      clamp applies only when ``clamp_limit > 0``.
+    - else every row is written (2-D only).
+
+    Args:
+        activation: the ``MoEActivation``.
+        output: ``(..., d)`` (gated) or ``(..., N)`` tensor of ``input.dtype``; written in place.
+        input: ``(M, N)`` or, masked, ``(T, N)`` / ``(E, T, N)``.
+        activation_config: :class:`ApplyMoEActivationConfig` (``FusedMoEExpertsModular.activation_config``).
+        topk_ids: ``(M', topk)`` integer ids with ``M' * topk == M`` (pad-aware path), or None.
+        expert_map: ``(E_global,)`` global -> local map, -1 = other rank, or None.
+        valid_token_counts: int32 1-D: ``(E,)`` for a 3-D input, ``(1,)`` for a 2-D one.
+        semantics: must resolve to 0.33 (the 0.17 ``FusedMoEExpertsModular.activation`` has none of this).
+
+    Raises:
+        ValueError: gated RELU2 (unmasked; vLLM: ValueError), shape / dtype mismatches (vLLM asserts), a missing
+            SITU beta or SWIGLUOAI_UNINTERLEAVE limit, a ``topk_ids`` whose size is not ``M``, an id
+            ``>= len(expert_map)`` on the pad-aware path (an out-of-bounds read upstream).
+        NotImplementedError: gated RELU2 on the masked path (vLLM's message).
+        SemanticsError: under the 0.17 semantics.
+    """
+    from reference.semantics import require
+
+    require("apply_moe_activation(output, input, *, activation_config, topk_ids, expert_map, valid_token_counts)",
+            "0.33", semantics, upstream="vllm/model_executor/layers/fused_moe/activation.py")
+    cfg = ApplyMoEActivationConfig() if activation_config is None else activation_config
+    masked = valid_token_counts is not None
+    if activation is MoEActivation.RELU2:
+        if masked:
+            raise NotImplementedError("Masked MoE activation is not implemented for relu2")
+        raise ValueError(f"Unsupported FusedMoe activation: {activation}")
+    if masked:
+        if input.dim() not in (2, 3):
+            raise ValueError(f"masked input must be 2-D or 3-D, got {tuple(input.shape)}")
+    elif input.dim() != 2:
+        raise ValueError(f"input must be 2-D (M, N) without valid_token_counts, got {tuple(input.shape)}")
+    if output.dim() != input.dim() or output.shape[:-1] != input.shape[:-1]:
+        raise ValueError(f"input/output leading shapes must match: {tuple(input.shape)} vs {tuple(output.shape)}")
+    want = input.size(-1) // 2 if activation.is_gated else input.size(-1)
+    if (activation.is_gated and input.size(-1) % 2) or output.size(-1) != want:
+        raise ValueError(f"{activation.value}: output width {output.size(-1)} for input width {input.size(-1)}; "
+                         f"expected {want}")
+    if input.dtype != output.dtype:
+        raise ValueError(f"input and output dtypes must match: {input.dtype} vs {output.dtype}")
+    pad_aware = (not masked and activation is MoEActivation.SILU and cfg.clamp_limit is not None
+                 and topk_ids is not None and expert_map is not None)
+    act, kw = _params_033(activation, cfg, masked=masked, pad_aware=pad_aware)
+
+    if masked:
+        counts = valid_token_counts
+        if counts.dtype != torch.int32 or counts.dim() != 1:
+            raise ValueError(f"valid_token_counts must be a 1-D torch.int32 tensor, got {counts.dtype} "
+                             f"{tuple(counts.shape)}")
+        n_groups = input.size(0) if input.dim() == 3 else 1
+        if counts.numel() != n_groups:
+            raise ValueError(f"valid_token_counts must have {n_groups} element(s) for {input.dim()}D input, "
+                             f"got {counts.numel()}")
+        T = input.size(-2)
+        inp3, out3 = (input, output) if input.dim() == 3 else (input.unsqueeze(0), output.unsqueeze(0))
+        for e, c in enumerate(counts.tolist()):
+            n = max(0, min(int(c), T))
+            if n:
+                out3[e, :n] = apply_moe_activation(act, inp3[e, :n], **kw)
+        return output
+
+    rows = slice(None)
+    if pad_aware:
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        if ids.numel() != input.size(0):
+            raise ValueError(f"pad-aware activation: topk_ids has {ids.numel()} routes but input has "
+                             f"{input.size(0)} rows (row r is flat route r)")
+        emap = expert_map.to(ids.device, torch.int64)
+        if bool((ids >= emap.numel()).any()):
+            raise ValueError(f"topk_ids holds an id >= len(expert_map) = {emap.numel()} (undefined upstream)")
+        keep = ids >= 0
+        keep[keep.clone()] = emap[ids[keep]] != -1
+        rows = keep.to(input.device)
+    values = apply_moe_activation(act, input[rows], **kw)
+    if activation is MoEActivation.RELU2_NO_MUL:
+        input.relu_()  # vLLM: F.relu(input, inplace=True); torch.square(input, out=output)
+    output[rows] = values
+    return output
+
+
 def _register_points() -> None:
     from reference.semantics import register_point
 
@@ -240,6 +444,32 @@ def _register_points() -> None:
                     "(situ_activation, gelu_tanh_no_mul_kernel)",
         },
         reference="reference.activation.apply_moe_activation",
+    )
+    register_point(
+        "activation.experts_signature",
+        component="activation",
+        behaviour={
+            "0.17": "FusedMoEExpertsModular.activation(activation, output, input): every row of the 2-D input, "
+                    "the seed's parameters (quant config gemm1_alpha / gemm1_beta / gemm1_clamp_limit); "
+                    "topk_ids / expert_map / valid_token_counts raise SemanticsError.",
+            "0.33": "activation(activation, output, input, *, topk_ids, expert_map, valid_token_counts) = "
+                    "apply_moe_activation_into with the experts' ApplyMoEActivationConfig (quant config gemm1_* "
+                    "else FusedMoEConfig swiglu_* else None/1.0/0.0; SITU betas from FusedMoEConfig): a masked "
+                    "2-D/3-D input writes rows [0, clamp(count_e, 0, T)) per expert and leaves later rows "
+                    "untouched; SILU with a clamp limit and topk_ids + expert_map skips rows of -1 / non-local "
+                    "routes (pad-aware limit, clamp only when limit > 0); masked SILU+clamp takes the config's "
+                    "alpha/beta, unmasked does not; SWIGLUOAI always 1.702/7.0.",
+        },
+        upstream={
+            "0.17": "vLLM 0.17.0 vllm/model_executor/layers/fused_moe/modular_kernel.py "
+                    "(FusedMoEExpertsModular.activation), fused_moe/activation.py (apply_moe_activation)",
+            "0.33": "vLLM 0.33.0 fused_moe/modular_kernel.py (FusedMoEExpertsModular.activation), "
+                    "fused_moe/activation.py (ApplyMoEActivationConfig, apply_moe_activation, "
+                    "_apply_moe_activation_masked), fused_moe/utils.py (swiglu_limit_func, "
+                    "_swiglu_limit_pad_aware), csrc/activation_kernels.cu (masked_moe_activation)",
+        },
+        reference="reference.activation.apply_moe_activation_into / "
+                  "reference.modular.FusedMoEExpertsModular.activation",
     )
 
 

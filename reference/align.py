@@ -43,11 +43,15 @@ import torch
 
 __all__ = [
     "moe_align_block_size",
+    "globalize_recv_topk_idx",
+    "fused_globalize_align_block_size",
     "max_num_tokens_padded",
     "count_expert_num_tokens",
     "compute_aligned_M_and_alignment",
     "deepgemm_moe_permute",
     "deepgemm_unpermute_and_reduce",
+    "moe_permute",
+    "moe_unpermute",
     "_valid_deep_gemm_shape",
     "valid_deep_gemm",
     "DEEP_GEMM_M_ALIGNMENT",
@@ -199,14 +203,29 @@ def moe_align_block_size(
     num_experts: int,
     expert_map: torch.Tensor | None = None,
     pad_sorted_ids: bool = False,
+    ignore_invalid_experts: bool = False,
+    return_scatter_idx: bool = False,
     *,
     drop_out_of_range_ids: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Group the routes by expert, padding each expert's group to a multiple of ``block_size``.
 
-    Mirrors ``vllm/model_executor/layers/fused_moe/moe_align_block_size.py::moe_align_block_size`` with the
-    CUDA kernel of ``csrc/moe/moe_align_sum_kernels.cu`` (and, with ``expert_map``, its
-    ``ignore_invalid_experts=True`` mode, where the kernel applies the map itself).
+    Mirrors ``vllm/model_executor/layers/fused_moe/moe_align_block_size.py::moe_align_block_size`` (vLLM 0.33.0
+    signature) with the CUDA kernel of ``csrc/moe/moe_align_sum_kernels.cu``. With ``expert_map`` there are two
+    modes, as in vLLM:
+
+    - ``ignore_invalid_experts=True`` (what vLLM's experts call: ``triton_moe.py``, ``marlin_moe.py``, ...): the
+      kernel applies the map itself; non-local routes are dropped and blocks carry *local* ids (described below).
+    - ``ignore_invalid_experts=False`` (vLLM's default, the *legacy* mode): the kernel aligns every *global* expert
+      (``expert_map`` not passed to it), then ``expert_ids = expert_map[expert_ids]``: a block of a non-local expert
+      is labelled -1 and its routes stay in ``sorted_token_ids`` and count in ``num_tokens_post_padded``; every
+      unused block (-1 before the mapping) becomes ``expert_map[-1]`` (torch indexing wraps -1 to the map's last
+      entry: the local id of global expert ``E - 1`` when this rank owns it, else -1; vLLM #48371's read). The
+      Triton kernel never reads the unused blocks (they lie past ``num_tokens_post_padded``).
+
+    Without ``expert_map`` both modes are the same. ``return_scatter_idx`` (0.33) appends ``scatter_idx``: int32
+    ``(numel, 1)``, ``i`` for every route the layout keeps (id in ``[0, num_experts)`` and, in the ignore mode,
+    local), ``-1`` otherwise; with ``expert_map`` it needs ``ignore_invalid_experts=True`` (ValueError, as vLLM).
 
     Args:
         topk_ids: ``(M, topk)`` signed integer tensor of global expert ids; flat route index ``i = t * topk + k``.
@@ -215,6 +234,9 @@ def moe_align_block_size(
         expert_map: optional ``(num_experts,)`` signed int map global -> local id, -1 for experts on other ranks.
             Non-local routes are dropped and blocks carry *local* ids.
         pad_sorted_ids: round the length of ``sorted_token_ids`` up to a multiple of ``block_size``.
+        ignore_invalid_experts: with ``expert_map``, drop non-local routes in the kernel (True) or the legacy mode
+            (False, vLLM's default; see above). No effect without a map.
+        return_scatter_idx: also return ``scatter_idx`` (see above).
         drop_out_of_range_ids: drop routes with ids outside ``[0, num_experts)`` instead of raising (see module).
 
     Returns:
@@ -227,6 +249,7 @@ def moe_align_block_size(
         ``block_size`` entries; ``-1`` for every block at or after ``num_tokens_post_padded // block_size``
         (vLLM PR #35161 changed that fill from 0 to -1; 0 made the Triton kernel compute expert 0 on padding).
         ``num_tokens_post_padded``: int32 ``(1,)``, ``sum_e round_up(count_e, block_size)`` over local experts.
+        ``scatter_idx`` (only with ``return_scatter_idx``): int32 ``(numel, 1)``.
 
     With ``M == 0`` all three describe an empty layout: shapes ``(0,)``, ``(0,)`` and value ``[0]``.
 
@@ -235,17 +258,23 @@ def moe_align_block_size(
     6, 6, 6, 6, 6, 6]`` (length 6 + 4 * 3 = 18), ``expert_ids = [0, 1, 2, -1, -1]``, ``num_tokens_post_padded =
     [12]``.
 
-    Not modelled: vLLM's legacy EP path (``expert_map`` without ``ignore_invalid_experts``) aligns *all* global
-    experts and maps ``expert_ids`` afterwards, so non-local routes stay in blocks labelled -1 and count in
-    ``num_tokens_post_padded``; the reference defines the dropping behaviour only.
+    The description above is the ignore mode (or no map); the legacy mode is that layout computed over the global
+    experts without the map, then the ``expert_ids`` mapping.
 
     Raises:
         ValueError: topk_ids not 2-D / not signed integer; block_size or num_experts not a positive int; expert_map
             not 1-D, of length != num_experts, with values outside [-1, num_experts) or duplicate local ids; an id
             outside ``[0, num_experts)`` other than -1 (unless ``drop_out_of_range_ids``); a layout too large for
-            int32 indices.
+            int32 indices; ``return_scatter_idx`` with ``expert_map`` and not ``ignore_invalid_experts``.
     """
     fn = "moe_align_block_size"
+    if return_scatter_idx:
+        from reference.semantics import require
+
+        require("moe_align_block_size(return_scatter_idx=True)", "0.33",
+                upstream="vllm/model_executor/layers/fused_moe/moe_align_block_size.py")
+    if return_scatter_idx and expert_map is not None and not ignore_invalid_experts:
+        raise ValueError("scatter_idx with expert_map requires ignore_invalid_experts")
     _check_topk_ids(topk_ids, fn)
     _check_positive_int("block_size", block_size, fn)
     _check_positive_int("num_experts", num_experts, fn)
@@ -264,6 +293,9 @@ def moe_align_block_size(
         raise ValueError(f"{fn}: sorted_token_ids would need {total_len} int32 entries (> 2**31 - 1); chunk the batch")
     num_blocks = _cdiv(total_len, block_size)
 
+    legacy_map = emap if (emap is not None and not ignore_invalid_experts) else None
+    if legacy_map is not None:  # the kernel aligns the global experts; the map is applied to expert_ids afterwards
+        emap = None
     local = _local_ids(topk_ids, num_experts, emap, drop_out_of_range_ids, fn)
     device = topk_ids.device
 
@@ -286,7 +318,117 @@ def moe_align_block_size(
     expert_ids = torch.full((num_blocks,), -1, dtype=torch.int32)
     expert_ids[: len(block_experts)] = torch.tensor(block_experts, dtype=torch.int32)
     num_tokens_post_padded = torch.tensor([num_post_padded], dtype=torch.int32)
-    return sorted_token_ids.to(device), expert_ids.to(device), num_tokens_post_padded.to(device)
+    if legacy_map is not None:
+        expert_ids = legacy_map[expert_ids.long()].to(torch.int32)  # -1 wraps to the last entry, as torch indexing
+    out = (sorted_token_ids.to(device), expert_ids.to(device), num_tokens_post_padded.to(device))
+    if return_scatter_idx:
+        flat = torch.arange(numel, dtype=torch.int32)
+        scatter_idx = torch.where(local >= 0, flat, torch.full_like(flat, -1)).reshape(numel, 1)
+        out = (*out, scatter_idx.to(device))
+    return out
+
+
+def _num_recv(psum_recv_per_rank: torch.Tensor, fn: str) -> int:
+    if not isinstance(psum_recv_per_rank, torch.Tensor) or psum_recv_per_rank.dim() != 1 or \
+            psum_recv_per_rank.numel() == 0 or psum_recv_per_rank.dtype.is_floating_point:
+        raise ValueError(f"{fn}: psum_recv_per_rank must be a non-empty 1-D integer tensor (inclusive prefix sum of "
+                         f"the rows received per source rank), got {psum_recv_per_rank!r:.80}")
+    return int(psum_recv_per_rank[-1])
+
+
+def globalize_recv_topk_idx(
+    recv_topk_idx: torch.Tensor,
+    psum_recv_per_rank: torch.Tensor,
+    rank_expert_offset: int,
+    num_experts: int,
+) -> torch.Tensor:
+    """DeepEP-v2 INDEXED decode: turn the received *local* ids into global ids, in place, and return the tensor.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/prepare_finalize/deepep_v2.py::_globalize_recv_topk_idx``
+    (vLLM 0.33.0, Triton kernel ``_globalize_recv_topk_idx_kernel``): with ``num_recv = psum_recv_per_rank[-1]``
+    (read on the device), slot ``(t, k)`` becomes ``v + rank_expert_offset`` when ``v >= 0``, ``v +
+    rank_expert_offset < num_experts`` and ``t < num_recv``, else -1 (rows ``>= num_recv`` are padding).
+
+    Args:
+        recv_topk_idx: ``(N, topk)`` signed integer local ids (-1 = non-local); overwritten.
+        psum_recv_per_rank: 1-D integer inclusive prefix sum of the rows received per source rank.
+        rank_expert_offset: this rank's first global expert id (``rank * E_local``).
+        num_experts: global expert count.
+    """
+    fn = "globalize_recv_topk_idx"
+    _check_topk_ids(recv_topk_idx, fn)
+    num_recv = _num_recv(psum_recv_per_rank, fn)
+    v = recv_topk_idx.long()
+    g = v + rank_expert_offset
+    row = torch.arange(recv_topk_idx.size(0), device=v.device).unsqueeze(1)
+    valid = (v >= 0) & (g < num_experts) & (row < num_recv)
+    recv_topk_idx.copy_(torch.where(valid, g, torch.full_like(g, -1)))
+    return recv_topk_idx
+
+
+def fused_globalize_align_block_size(
+    recv_topk_idx: torch.Tensor,
+    psum_recv_per_rank: torch.Tensor,
+    rank_expert_offset: int,
+    global_num_experts: int,
+    local_num_experts: int,
+    block_size: int,
+    return_scatter_idx: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """vLLM 0.33's fused DeepEP-v2 INDEXED decode metadata: globalize the received ids and align them in one launch.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/fused_globalize_align_block_size.py`` and its CUDA kernel
+    ``csrc/moe/fused_globalize_align_block_size.cu`` (``fused_gas_body``), which replaces
+    :func:`globalize_recv_topk_idx` + :func:`moe_align_block_size` (``ignore_invalid_experts=True`` with the linear
+    map of this rank) + ``count_and_sort_expert_tokens``.
+
+    With ``num_recv = psum_recv_per_rank[-1]`` a slot ``i = t * topk + k`` holding local id ``v`` is *valid* when
+    ``0 <= v < local_num_experts``, ``v + rank_expert_offset < global_num_experts`` and ``t < num_recv``.
+
+    Returns ``(recv_topk_idx, sorted_ids, expert_ids, num_tokens_post_pad)`` (+ ``scatter_idx`` when asked):
+
+    - ``recv_topk_idx``: the input tensor, overwritten: ``v + rank_expert_offset`` on valid slots, -1 elsewhere;
+    - ``sorted_ids`` / ``expert_ids`` / ``num_tokens_post_pad``: :func:`moe_align_block_size`'s layout of the valid
+      slots by *local* id ``v`` over ``local_num_experts`` experts (blocks carry local ids, -1 after the last used
+      block, padding value ``numel``), with ``sorted_ids`` of length ``max_num_tokens_padded(numel,
+      local_num_experts, block_size)`` (the *local* count: shorter than the chain's, which uses the global count;
+      vLLM's test compares the used prefix and the padding tail). Order inside an expert: increasing ``i`` here; the
+      kernel's atomics leave it unspecified (compare per block as a set).
+    - ``scatter_idx``: int32 ``(numel, 1)``, ``i`` on valid slots, -1 elsewhere.
+
+    With every id in ``[-1, local_num_experts)`` (what DeepEP-v2 delivers, and vLLM's test draws) this equals the
+    unfused chain. An id ``>= local_num_experts`` differs: the fused kernel drops it (-1), the chain globalizes it to
+    another rank's expert and then drops it from the layout as non-local.
+
+    Raises:
+        ValueError: ``recv_topk_idx`` not a 2-D int64 tensor (vLLM asserts int64), ``local_num_experts > 1024`` (the
+            kernel's shared-memory histogram; vLLM's check), non-positive sizes, a bad ``psum_recv_per_rank``.
+    """
+    fn = "fused_globalize_align_block_size"
+    from reference.semantics import require
+
+    require(fn, "0.33", upstream="vllm/model_executor/layers/fused_moe/fused_globalize_align_block_size.py")
+    _check_topk_ids(recv_topk_idx, fn)
+    if recv_topk_idx.dtype != torch.int64:
+        raise ValueError(f"{fn}: recv_topk_idx must be int64, got {recv_topk_idx.dtype}")
+    _check_positive_int("local_num_experts", local_num_experts, fn)
+    _check_positive_int("global_num_experts", global_num_experts, fn)
+    _check_positive_int("block_size", block_size, fn)
+    if local_num_experts > 1024:
+        raise ValueError(f"{fn}: local_num_experts <= 1024 (the kernel's per-block histogram), got "
+                         f"{local_num_experts}")
+    num_recv = _num_recv(psum_recv_per_rank, fn)
+    v = recv_topk_idx.detach().long()
+    row = torch.arange(v.size(0), device=v.device).unsqueeze(1)
+    valid = (v >= 0) & (v < local_num_experts) & (v + rank_expert_offset < global_num_experts) & (row < num_recv)
+    local = torch.where(valid, v, torch.full_like(v, -1))
+    sorted_ids, expert_ids, num_post = moe_align_block_size(local, block_size, local_num_experts)
+    recv_topk_idx.copy_(torch.where(valid, v + rank_expert_offset, torch.full_like(v, -1)))
+    out = (recv_topk_idx, sorted_ids, expert_ids, num_post)
+    if return_scatter_idx:
+        flat = torch.arange(v.numel(), dtype=torch.int32, device=v.device)
+        out = (*out, torch.where(valid.reshape(-1), flat, torch.full_like(flat, -1)).reshape(-1, 1))
+    return out
 
 
 def count_expert_num_tokens(
@@ -400,6 +542,7 @@ def deepgemm_moe_permute(
     expert_tokens_meta: Any = None,
     aq_out: torch.Tensor | None = None,
     block_size: int | None = None,
+    use_psum_layout: bool = False,
     alignment: int = DEEP_GEMM_M_ALIGNMENT,
     *,
     per_call_alignment: int | None = None,
@@ -422,6 +565,12 @@ def deepgemm_moe_permute(
         aq_out: optional ``(M_sum, K)`` output buffer of ``aq.dtype`` (vLLM passes a view of workspace13); fully
             overwritten and returned.
         block_size: K group size of ``aq_scale`` (None: DeepGEMM's ``block_k = 128``; MXFP8 passes 32).
+        use_psum_layout: vLLM 0.33 (DeepGEMM's psum layout, used on SM100 by ``deep_gemm_moe.py``): the rows are
+            placed exactly as in the contiguous layout, but ``expert_ids`` is replaced by the per-expert *logical
+            ends*: int32 ``(local_num_experts,)``, entry ``e`` = ``start_e + count_e`` (the preceding experts'
+            alignment gaps included; ``ep_scatter``'s ``_fwd_kernel_ep_scatter_1`` with ``USE_PSUM_LAYOUT``), which
+            the GEMM reads as ``expert_ends`` with ``expert_alignment = alignment_used``. Under the 0.17 semantics
+            it raises SemanticsError (0.17.0 has no such argument).
         alignment: per-expert M alignment (DeepGEMM ``block_m``, 128).
         per_call_alignment: see :func:`compute_aligned_M_and_alignment`.
         drop_out_of_range_ids: drop ids outside the id space instead of raising (see module docstring).
@@ -440,7 +589,8 @@ def deepgemm_moe_permute(
           in DeepGEMM's MN-major TMA-aligned layout; the reference returns them unpacked (pack with the quant
           module's UE8M0 packing to compare).
         - ``expert_ids`` (DeepGEMM ``m_indices``/``grouped_layout``): int32 ``(M_sum,)``, ``e`` on the rows of
-          expert ``e``, ``-1`` on every padding row (DeepGEMM skips negative rows).
+          expert ``e``, ``-1`` on every padding row (DeepGEMM skips negative rows); with ``use_psum_layout`` the
+          int32 ``(local_num_experts,)`` logical ends instead.
         - ``inv_perm``: int32 ``(M, topk)``: the row of route (t, k), ``-1`` for dropped / non-local routes (vLLM
           leaves those entries uninitialised).
         - ``alignment_used``: int.
@@ -508,6 +658,13 @@ def deepgemm_moe_permute(
         rows = starts[e] + torch.arange(routes.numel())
         inv_perm[routes] = rows
         expert_ids[starts[e] : starts[e] + routes.numel()] = e
+
+    if use_psum_layout:
+        from reference.semantics import require
+
+        require("deepgemm_moe_permute(use_psum_layout=True)", "0.33",
+                upstream="vllm/model_executor/layers/fused_moe/deep_gemm_utils.py")
+        expert_ids = torch.tensor([starts[e] + counts[e] for e in range(local_num_experts)], dtype=torch.int32)
 
     kept = (inv_perm >= 0).nonzero().flatten()  # flat route indices of kept routes
     dst_rows = inv_perm[kept]
@@ -620,6 +777,173 @@ def deepgemm_unpermute_and_reduce(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# vLLM's moe_permute / moe_unpermute (fused_moe/moe_permute_unpermute.py; CUTLASS grouped-GEMM layout)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _permute_keys(topk_ids: torch.Tensor, n_expert: int, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """``preprocessTopkIdKernel``'s sort key per flat route: the local id; ``id + n_expert`` for a non-local
+    expert; ``n_expert`` for an id outside ``[0, n_expert)`` (-1 padding)."""
+    ids = topk_ids.detach().reshape(-1).to("cpu", torch.int64)
+    in_range = (ids >= 0) & (ids < n_expert)
+    emap = (torch.arange(n_expert) if expert_map is None
+            else expert_map.detach().to("cpu", torch.int64))
+    local = torch.full_like(ids, -1)
+    local[in_range] = emap[ids[in_range]]
+    key = torch.full_like(ids, n_expert)
+    key[in_range] = torch.where(local[in_range] != -1, local[in_range], ids[in_range] + n_expert)
+    return key
+
+
+def moe_permute(
+    hidden_states: torch.Tensor,
+    a1q_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    n_expert: int,
+    n_local_expert: int = -1,
+    expert_map: torch.Tensor | None = None,
+    permuted_hidden_states: torch.Tensor | None = None,
+    scratch: object | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expand and permute the activation rows so that each local expert's routes are contiguous.
+
+    Mirrors ``vllm/model_executor/layers/fused_moe/moe_permute_unpermute.py::moe_permute`` (vLLM 0.17.0 / 0.33.0)
+    and its kernels ``csrc/moe/permute_unpermute_kernels/`` (``preprocessTopkIdKernel``, a CUB radix sort,
+    ``computeExpertOffsetsAndInverseKernel``, ``expandInputRowsKernel``). ``scratch`` (0.33's reusable buffers) does
+    not change the result.
+
+    Layout. Route ``i = t * topk + k`` gets the key ``local id`` (``expert_map[id]``, or ``id`` without a map) when
+    its expert is local, ``id + n_expert`` when not, and ``n_expert`` when ``id`` is outside ``[0, n_expert)``
+    (-1 padding). The routes are sorted by key, stably (ties by ``i``): permuted row ``r`` holds route
+    ``src[r]``. ``valid = expert_first_token_offset[n_local_expert]`` routes are local.
+
+    Returns ``(permuted_hidden_states, a1q_scale, expert_first_token_offset, inv_permuted_idx, permuted_idx)``:
+
+    - ``permuted_hidden_states``: ``(M * topk, K)``, row ``r = hidden_states[src[r] // topk]`` bit-exactly for
+      ``r < valid`` (every row without ``expert_map``); with a map the rows ``>= valid`` are not written (vLLM's
+      ``torch.empty``: unspecified; the reference writes zeros there);
+    - ``a1q_scale``: with ``a1q_scale.dim() > 1`` the per-row scales ``a1q_scale[permuted_idx.clamp(max=M*topk-1) //
+      topk]`` (rows past ``valid`` therefore take token ``M - 1``'s scale); otherwise the argument unchanged;
+    - ``expert_first_token_offset``: int64 ``(n_local_expert + 1,)``, entry ``e`` = the number of keys ``< e``;
+    - ``inv_permuted_idx``: int32 ``(M * topk,)``, the permuted row of every route (non-local and -1 ones too);
+    - ``permuted_idx``: int32 ``(M * topk,)``, ``src[r]`` for the written rows, ``M * topk`` for the others.
+
+    Raises:
+        ValueError: ``hidden_states`` not 2-D or its row not a multiple of 16 bytes (vLLM asserts), ``topk_ids`` not
+            ``(M, topk)`` integer, ``expert_map`` not of length ``n_expert``, a ``permuted_hidden_states`` of the
+            wrong shape.
+    """
+    fn = "moe_permute"
+    _check_topk_ids(topk_ids, fn)
+    _check_positive_int("n_expert", n_expert, fn)
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
+        raise ValueError(f"{fn}: hidden_states must be 2-D (M, K), got {getattr(hidden_states, 'shape', None)}")
+    M, K = hidden_states.shape
+    if (K * hidden_states.element_size()) % 16:
+        raise ValueError(f"{fn}: the permute kernel needs the hidden dim aligned to 16 bytes, got K={K} of "
+                         f"{hidden_states.dtype}")
+    if topk_ids.size(0) != M:
+        raise ValueError(f"{fn}: topk_ids has {topk_ids.size(0)} rows, hidden_states {M}")
+    n_local = n_expert if n_local_expert == -1 else n_local_expert
+    _check_positive_int("n_local_expert", n_local, fn)
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.numel() != n_expert):
+        raise ValueError(f"{fn}: expert_map must be ({n_expert},), got {tuple(expert_map.shape)}")
+    topk = topk_ids.size(1)
+    rows = M * topk
+    if permuted_hidden_states is not None and tuple(permuted_hidden_states.shape) != (rows, K):
+        raise ValueError(f"{fn}: Expected permuted hidden states to be {(rows, K)} but got "
+                         f"{tuple(permuted_hidden_states.shape)}")
+    key = _permute_keys(topk_ids, n_expert, expert_map)
+    from reference.semantics import SemanticsVersion, resolve_semantics
+
+    flat_ids = topk_ids.detach().reshape(-1).cpu()
+    if resolve_semantics() < SemanticsVersion.V0_33 and bool(((flat_ids < 0) | (flat_ids >= n_expert)).any()):
+        raise ValueError(f"{fn}: topk_ids outside [0, {n_expert}) (e.g. -1 padding) are not defined under vLLM 0.17 "
+                         "(an out-of-bounds expert_map read / a negative radix-sort key); 0.33 sorts them last "
+                         "(point align.moe_permute_invalid_ids)")
+    src = torch.sort(key, stable=True).indices  # permuted row r holds flat route src[r]
+    sorted_keys = key[src]
+    offsets = torch.tensor([int((sorted_keys < e).sum()) for e in range(n_local + 1)], dtype=torch.int64)
+    inv = torch.empty(rows, dtype=torch.int64)
+    inv[src] = torch.arange(rows)
+    n_written = int(offsets[-1]) if expert_map is not None else rows
+    permuted_idx = torch.full((rows,), rows, dtype=torch.int64)
+    permuted_idx[:n_written] = src[:n_written]
+    dev = hidden_states.device
+    out = permuted_hidden_states if permuted_hidden_states is not None else \
+        torch.empty((rows, K), dtype=hidden_states.dtype, device=dev)
+    out.zero_()
+    if n_written:
+        out[:n_written] = hidden_states[(src[:n_written] // topk).to(dev)]
+    if a1q_scale is not None and a1q_scale.dim() > 1:
+        a1q_scale = a1q_scale[(permuted_idx.clamp(max=max(rows - 1, 0)) // topk).to(a1q_scale.device)]
+    return (out, a1q_scale, offsets.to(dev), inv.to(torch.int32).to(dev), permuted_idx.to(torch.int32).to(dev))
+
+
+def moe_unpermute(
+    out: torch.Tensor,
+    permuted_hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    inv_permuted_idx: torch.Tensor,
+    expert_first_token_offset: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather the permuted rows back to tokens and reduce over top-k: the inverse of :func:`moe_permute`.
+
+    Mirrors ``moe_permute_unpermute.py::moe_unpermute`` and ``finalizeMoeRoutingKernel``
+    (``moe_permute_unpermute_kernel.inl``): for token ``t`` an fp32 accumulator starts at 0 and for ``k = 0 ..
+    topk-1`` in order adds ``topk_weights[t, k] * float(x[inv_permuted_idx[t * topk + k]])``, skipping a route
+    whose row is ``>= expert_first_token_offset[-1]`` (a non-local or -1 route) when the offsets are given; the
+    accumulator is cast once to ``out.dtype`` and every row of ``out`` is written (a token with no kept route: 0).
+    A GPU kernel may fuse the multiply-add (FMA): compare with an fp32-accumulation tolerance.
+
+    Args:
+        out: ``(M, K)`` output, ``permuted_hidden_states.dtype``; overwritten (vLLM returns None, the reference
+            returns ``out``).
+        permuted_hidden_states: ``(M * topk, K)`` rows in the permuted order (the grouped GEMM's output).
+        topk_weights: ``(M, topk)`` float32 (the kernel reads them as ``float*``).
+        inv_permuted_idx: ``(M * topk,)`` or ``(M, topk)`` int32 from :func:`moe_permute`.
+        expert_first_token_offset: int64 ``(n_local_expert + 1,)`` or None (then every route is summed).
+
+    Raises:
+        ValueError: dtype mismatch of ``out`` and ``permuted_hidden_states`` (vLLM's check), non-float32 weights,
+            shape mismatches, a row that does not exist.
+    """
+    fn = "moe_unpermute"
+    if permuted_hidden_states.dtype != out.dtype:
+        raise ValueError(f"{fn}: permuted_hidden_states dtype must be same as hidden_states "
+                         f"({permuted_hidden_states.dtype} vs {out.dtype})")
+    if topk_weights.dtype != torch.float32 or topk_weights.dim() != 2:
+        raise ValueError(f"{fn}: topk_weights must be a 2-D float32 tensor (read as float*), got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    M, topk = topk_weights.shape
+    K = permuted_hidden_states.size(-1)
+    if out.dim() != 2 or tuple(out.shape) != (M, K):
+        raise ValueError(f"{fn}: out must be ({M}, {K}), got {tuple(out.shape)}")
+    if (K * out.element_size()) % 16:
+        raise ValueError(f"{fn}: the unpermute kernel needs the hidden dim aligned to 16 bytes, got K={K}")
+    rows = inv_permuted_idx.detach().reshape(-1).to("cpu", torch.int64)
+    if rows.numel() != M * topk:
+        raise ValueError(f"{fn}: inv_permuted_idx has {rows.numel()} entries, expected M * topk = {M * topk}")
+    rows = rows.reshape(M, topk)
+    keep = torch.ones_like(rows, dtype=torch.bool)
+    if expert_first_token_offset is not None:
+        keep = rows < int(expert_first_token_offset.reshape(-1)[-1])
+    if bool((keep & ((rows < 0) | (rows >= permuted_hidden_states.size(0)))).any()):
+        raise ValueError(f"{fn}: inv_permuted_idx names a row outside permuted_hidden_states "
+                         f"(0..{permuted_hidden_states.size(0) - 1})")
+    dev = out.device
+    acc = torch.zeros((M, K), dtype=torch.float32, device=dev)
+    w = topk_weights.to(dev)
+    for k in range(topk):  # k in increasing order: the kernel's summation order
+        m = keep[:, k].to(dev)
+        term = torch.zeros_like(acc)
+        term[m] = w[m, k: k + 1] * permuted_hidden_states[rows[:, k].to(dev)[m]].float()
+        acc = acc + term
+    out.copy_(acc.to(out.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # DeepGEMM support gate (seed 001)
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -677,3 +1001,51 @@ def valid_deep_gemm(
             f"{hidden_states.is_contiguous()}, w1={w1.is_contiguous()}, w2={w2.is_contiguous()}"
         )
     return True, None
+
+
+def _register_points() -> None:
+    from reference.semantics import register_point
+
+    up17 = "vLLM 0.17.0 vllm/model_executor/layers/fused_moe/"
+    up33 = "vLLM 0.33.0 vllm/model_executor/layers/fused_moe/"
+    register_point(
+        "align.moe_align_scatter_idx", component="align",
+        behaviour={"0.17": "moe_align_block_size(..., ignore_invalid_experts) returns three tensors; "
+                           "return_scatter_idx raises SemanticsError.",
+                   "0.33": "return_scatter_idx=True appends an int32 (numel, 1) scatter index (i for a kept route, "
+                           "-1 otherwise); with an expert_map it needs ignore_invalid_experts=True (ValueError)."},
+        upstream={"0.17": up17 + "moe_align_block_size.py",
+                  "0.33": up33 + "moe_align_block_size.py, csrc/moe/moe_align_sum_kernels.cu"},
+        reference="reference.align.moe_align_block_size")
+    register_point(
+        "align.fused_globalize_align_block_size", component="align",
+        behaviour={"0.17": "not defined (SemanticsError): no DeepEP-v2 INDEXED decode metadata op.",
+                   "0.33": "fused_globalize_align_block_size: received local ids valid when in [0, E_local), "
+                           "globalizable and in a row < psum_recv_per_rank[-1]; globalized in place (-1 else) and "
+                           "aligned by local id over E_local experts (+ scatter index)."},
+        upstream={"0.17": up17 + " (absent)",
+                  "0.33": up33 + "fused_globalize_align_block_size.py, csrc/moe/fused_globalize_align_block_size.cu, "
+                                 "prepare_finalize/deepep_v2.py (_globalize_recv_topk_idx)"},
+        reference="reference.align.fused_globalize_align_block_size")
+    register_point(
+        "align.deepgemm_psum_layout", component="align",
+        behaviour={"0.17": "deepgemm_moe_permute has no use_psum_layout (True raises SemanticsError): expert_ids "
+                           "is the per-row m_indices, -1 on padding rows.",
+                   "0.33": "use_psum_layout=True (SM100): same rows; expert_ids is the int32 (E_local,) logical "
+                           "ends start_e + count_e."},
+        upstream={"0.17": up17 + "deep_gemm_utils.py", "0.33": up33 + "deep_gemm_utils.py (ep_scatter)"},
+        reference="reference.align.deepgemm_moe_permute")
+    register_point(
+        "align.moe_permute_invalid_ids", component="align",
+        behaviour={"0.17": "moe_permute needs every id in [0, n_expert): a -1 is undefined upstream (an "
+                           "out-of-bounds expert_map read, a negative sort key) and raises ValueError.",
+                   "0.33": "an id outside [0, n_expert) gets the sort key n_expert (after every local expert; equal to "
+                           "a non-local expert 0's key n_expert + 0, ties by flat index); the rest is unchanged."},
+        upstream={"0.17": "vLLM 0.17.0 csrc/moe/permute_unpermute_kernels/moe_permute_unpermute_kernel.cu "
+                          "(preprocessTopkIdKernel)",
+                  "0.33": "vLLM 0.33.0 csrc/moe/permute_unpermute_kernels/moe_permute_unpermute_kernel.cu "
+                          "(preprocessTopkIdKernel), csrc/moe/moe_permute_unpermute_op.cu"},
+        reference="reference.align.moe_permute")
+
+
+_register_points()

@@ -83,6 +83,11 @@ class FusedMoEConfig:
     # SITU's parameters (vLLM 0.33 FusedMoEConfig; reference.activation.apply_moe_activation situ_beta / _linear_beta).
     activation_situ_beta: float | None = None
     activation_situ_linear_beta: float | None = None
+    # vLLM 0.33 FusedMoEConfig: the model's SwiGLU parameters, the fallbacks of the quant config's gemm1_clamp_limit /
+    # gemm1_alpha / gemm1_beta in reference.activation.ApplyMoEActivationConfig.from_configs.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    swiglu_beta: float | None = None
     # vLLM 0.33 FusedMoEConfig: LoRA on the layer, a hash-routing table (``hash_indices_table is not None``), routes
     # adjusted between routing and the experts (expert substitution, or a router without monolithic kernels). Read by
     # ``is_supported_config`` under 0.33 only (point ``modular.is_supported_config``).

@@ -357,6 +357,44 @@ register_point(
                                "has_hash_routing, require_decomposed_backend, is_lora_enabled), fused_moe/layer.py"},
     reference="reference.modular.FusedMoEExperts.is_supported_config")
 register_point(
+    "modular.expert_tokens_metadata_fields", component="modular",
+    behaviour={"0.17": "ExpertTokensMetadata(expert_num_tokens, expert_num_tokens_cpu); expert_num_tokens is always "
+                       "set; no 0.17 path reads psum_recv_per_rank / rank_expert_offset (the reference keeps them "
+                       "None).",
+               "0.33": "adds psum_recv_per_rank (int32 inclusive prefix sum of the rows received per source rank; "
+                       "[-1:] = valid rows, num_valid_tokens()) and rank_expert_offset (deferred globalization, "
+                       "fused_globalize_align_block_size); expert_num_tokens may be None (a CUDA-graph decode "
+                       "carrier: consumers count locally)."},
+    upstream={"0.17": _MK017 + " (ExpertTokensMetadata)",
+              "0.33": _MK033 + " (ExpertTokensMetadata), all2all_utils.py, deep_gemm_utils.py "
+                               "(deepgemm_moe_permute: count_expert_num_tokens when None)"},
+    reference="reference.modular.ExpertTokensMetadata")
+register_point(
+    "modular.naive_batched_reduce", component="modular",
+    behaviour={"0.17": "TopKWeightAndReduceNaiveBatched: per local expert in id order, rhs.mul_(fp32 weights) "
+                       "rounded into the experts' buffer (mutating it), then output[rows] += rhs in the output "
+                       "dtype. The reference specifies the fp32 weighted sum rounded once (the error model's bound "
+                       "admits the output-dtype accumulation); the rank's own expert range as 0.33.",
+               "0.33": "vectorized: gathered * weights.to(output dtype) (the weights rounded first), index_add_ in "
+                       "the output dtype; the buffer is not mutated. The reference: the same fp32-once "
+                       "specification as under 0.17 (TopKWeightAndReduce.__eq__ and the rank's range "
+                       "[rank * E_local, (rank + 1) * E_local) are identical in both releases)."},
+    upstream={"0.17": "vLLM 0.17.0 fused_moe/topk_weight_and_reduce.py (TopKWeightAndReduceNaiveBatched.apply)",
+              "0.33": "vLLM 0.33.0 fused_moe/topk_weight_and_reduce.py (TopKWeightAndReduceNaiveBatched.apply)"},
+    reference="reference.modular.TopKWeightAndReduceNaiveBatched")
+register_point(
+    "modular.consumes_expert_mask", component="modular",
+    behaviour={"0.17": "the layer hands its experts the AITER 0/1 expert_mask when the global "
+                       "rocm_aiter_fmoe_enabled switch is on, else the -1/local-slot expert_map; no "
+                       "consumes_expert_mask attribute.",
+               "0.33": "FusedMoEExperts.consumes_expert_mask (default False; True for the ROCm AITER classes): "
+                       "RoutedExperts.expert_map is the expert_mask ((E + n_shared + 1,) int32, 1 = local, trailing "
+                       "0) when the selected experts consume it, else the canonical expert_map."},
+    upstream={"0.17": "vLLM 0.17.0 fused_moe/layer.py (FusedMoE.expert_map, determine_expert_map)",
+              "0.33": _MK033 + " (FusedMoEExperts.consumes_expert_mask), fused_moe/routed_experts.py "
+                               "(RoutedExperts.expert_map), fused_moe/expert_map_manager.py"},
+    reference="reference.modular.layer_expert_map / FusedMoEExperts.consumes_expert_mask")
+register_point(
     "modular.moe_fused_mul_sum", component="modular",
     behaviour={"0.17": "not defined (the experts' moe_sum / TopKWeightAndReduce reduce over top-k).",
                "0.33": "moe_fused_mul_sum: fp32 weighted top-k sum in slot order, skipping -1 and non-local slots; "

@@ -181,3 +181,119 @@ def test_new_members_need_033_semantics_and_situ_needs_beta():
             with pytest.raises(SemanticsError, match="0.33"):
                 apply_moe_activation(act, x, situ_beta=1.0)
     assert activation_defined(A.SITU, "0.33") and A.from_str("situ") is A.SITU
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM 0.33's FusedMoEExpertsModular.activation(..., topk_ids, expert_map, valid_token_counts)
+# ---------------------------------------------------------------------------------------------------------------
+
+from reference.activation import ApplyMoEActivationConfig, apply_moe_activation_into  # noqa: E402
+from reference.semantics import SemanticsError, use_semantics  # noqa: E402
+
+
+def test_activation_config_fallbacks_quant_then_layer_then_defaults():
+    from reference.config import FusedMoEConfig, FusedMoEQuantConfig
+
+    moe = FusedMoEConfig(num_experts=4, experts_per_token=2, hidden_dim=8, intermediate_size_per_partition=8,
+                         num_local_experts=4, swiglu_limit=5.0, swiglu_alpha=1.5, activation_situ_beta=4.0)
+    qc = FusedMoEQuantConfig(gemm1_clamp_limit=7.0)
+    cfg = ApplyMoEActivationConfig.from_configs(moe, qc)
+    assert (cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.activation_situ_beta) == (7.0, 1.5, 0.0, 4.0)
+    cfg = ApplyMoEActivationConfig.from_configs(
+        FusedMoEConfig(num_experts=4, experts_per_token=2, hidden_dim=8, intermediate_size_per_partition=8,
+                       num_local_experts=4), FusedMoEQuantConfig())
+    assert cfg == ApplyMoEActivationConfig(None, 1.0, 0.0, None, None)
+
+
+def test_masked_batched_rows_by_hand():
+    """(E=2, T=3): counts [2, 5] -> expert 0 rows 0, 1 written, row 2 untouched; expert 1 all 3 (count clamped)."""
+    x = torch.tensor([[[1.0, 3.0], [-2.0, 0.5], [float("nan"), float("inf")]],
+                      [[0.0, 1.0], [1.0, 1.0], [2.0, -1.0]]])
+    out = torch.full((2, 3, 1), -7.0)
+    apply_moe_activation_into(A.SILU, out, x, valid_token_counts=torch.tensor([2, 5], dtype=torch.int32),
+                              semantics="0.33")
+    exp = torch.tensor([[[silu(1) * 3], [silu(-2) * 0.5], [-7.0]], [[0.0], [silu(1)], [silu(2) * -1]]])
+    torch.testing.assert_close(out, exp)
+    out2 = torch.full((3, 1), -7.0)  # 2-D: one count; a negative count writes nothing
+    apply_moe_activation_into(A.SILU, out2, x[1], valid_token_counts=torch.tensor([-1], dtype=torch.int32),
+                              semantics="0.33")
+    assert bool((out2 == -7.0).all())
+
+
+def test_silu_clamp_masked_reads_alpha_beta_unmasked_does_not():
+    x = torch.tensor([[9.0, 2.0]])  # g = 9 -> clamped to 7, u = 2
+    cfg = ApplyMoEActivationConfig(clamp_limit=7.0, alpha=2.0, beta=1.0)
+    out = torch.empty(1, 1)
+    apply_moe_activation_into(A.SILU, out, x, activation_config=cfg, semantics="0.33")
+    torch.testing.assert_close(out, torch.tensor([[silu(7.0) * 2.0]]))
+    apply_moe_activation_into(A.SILU, out, x, activation_config=cfg, semantics="0.33",
+                              valid_token_counts=torch.tensor([1], dtype=torch.int32))
+    torch.testing.assert_close(out, torch.tensor([[7.0 / (1 + math.exp(-14.0)) * 3.0]]))
+
+
+def test_swigluoai_ignores_the_config():
+    x = torch.tensor([[10.0, 1.0]])
+    out = torch.empty(1, 1)
+    apply_moe_activation_into(A.SWIGLUOAI, out, x, activation_config=ApplyMoEActivationConfig(clamp_limit=2.0,
+                                                                                              alpha=5.0),
+                              semantics="0.33")
+    torch.testing.assert_close(out, apply_moe_activation(A.SWIGLUOAI, x))
+
+
+def test_pad_aware_limit_skips_minus_one_and_non_local_and_limit_zero_does_not_clamp():
+    emap = torch.tensor([-1, 0, 1, -1], dtype=torch.int32)
+    ids = torch.tensor([[1, -1], [0, 2]], dtype=torch.int32)  # routes: local, -1, non-local, local
+    x = torch.tensor([[9.0, 2.0], [1.0, 1.0], [1.0, 1.0], [-1.0, 8.0]])
+    for limit, exp0, exp3 in ((7.0, silu(7.0) * 2.0, silu(-1.0) * 7.0), (0.0, silu(9.0) * 2.0, silu(-1.0) * 8.0)):
+        out = torch.full((4, 1), -5.0)
+        apply_moe_activation_into(A.SILU, out, x, activation_config=ApplyMoEActivationConfig(clamp_limit=limit),
+                                  topk_ids=ids, expert_map=emap, semantics="0.33")
+        torch.testing.assert_close(out, torch.tensor([[exp0], [-5.0], [-5.0], [exp3]]))
+    # without expert_map every row is written, and limit 0 clamps (silu_and_mul_with_clamp(0.0, 1.0, 0.0))
+    out = torch.full((4, 1), -5.0)
+    apply_moe_activation_into(A.SILU, out, x, activation_config=ApplyMoEActivationConfig(clamp_limit=0.0),
+                              topk_ids=ids, semantics="0.33")
+    torch.testing.assert_close(out, torch.zeros(4, 1))
+
+
+def test_activation_into_errors_and_versions():
+    x, out = torch.zeros(2, 4), torch.zeros(2, 2)
+    with pytest.raises(SemanticsError):
+        apply_moe_activation_into(A.SILU, out, x, semantics="0.17")
+    with pytest.raises(NotImplementedError):
+        apply_moe_activation_into(A.RELU2, out, x, valid_token_counts=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        apply_moe_activation_into(A.SILU, out, x, valid_token_counts=torch.tensor([1]))
+    with pytest.raises(ValueError, match="clamp_limit"):
+        apply_moe_activation_into(A.SWIGLUOAI_UNINTERLEAVE, out, x)
+    with pytest.raises(ValueError, match="element"):
+        apply_moe_activation_into(A.SILU, out.expand(3, 2, 2).clone(), x.expand(3, 2, 4).clone(),
+                                  valid_token_counts=torch.tensor([1], dtype=torch.int32))
+
+
+def test_relu2_no_mul_unmasked_relus_the_input_in_place():
+    x = torch.tensor([[-2.0, 3.0]])
+    out = torch.empty(1, 2)
+    apply_moe_activation_into(A.RELU2_NO_MUL, out, x, semantics="0.33")
+    assert out.tolist() == [[0.0, 9.0]] and x.tolist() == [[0.0, 3.0]]
+
+
+def test_experts_activation_method_per_version():
+    from reference.config import FusedMoEConfig, FusedMoEQuantConfig
+    from reference.experts import ReferenceExperts
+
+    moe = FusedMoEConfig(num_experts=2, experts_per_token=1, hidden_dim=8, intermediate_size_per_partition=2,
+                         num_local_experts=2, swiglu_limit=7.0)
+    ex = ReferenceExperts(moe, FusedMoEQuantConfig())
+    x = torch.tensor([[[9.0, 0.0, 2.0, 0.0]], [[1.0, 1.0, 1.0, 1.0]]])
+    vtc = torch.tensor([1, 0], dtype=torch.int32)
+    out = torch.full((2, 1, 2), -1.0)
+    with use_semantics("0.33"):
+        ex.activation(A.SILU, out, x, valid_token_counts=vtc)  # swiglu_limit is the clamp fallback
+    torch.testing.assert_close(out, torch.tensor([[[silu(7.0) * 2.0, 0.0]], [[-1.0, -1.0]]]))
+    with use_semantics("0.17"):
+        with pytest.raises(SemanticsError):
+            ex.activation(A.SILU, out, x, valid_token_counts=vtc)
+        out2 = torch.empty(1, 2)
+        ex.activation(A.SILU, out2, x[0])  # the seed's signature: no layer fallback
+        torch.testing.assert_close(out2, torch.tensor([[silu(9.0) * 2.0, 0.0]]))

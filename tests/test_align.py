@@ -134,7 +134,8 @@ def test_align_minus_one_dropped():
 def test_align_expert_map_drops_non_local():
     # global 1 -> local 0, global 3 -> local 1; flat [0,1,1,2,0,3]: local routes 1,2 (e0) and 5 (e1)
     emap = t32([-1, 0, -1, 1])
-    s, e, n = moe_align_block_size(t32([[0, 1], [1, 2], [0, 3]]), 4, 4, expert_map=emap)
+    s, e, n = moe_align_block_size(t32([[0, 1], [1, 2], [0, 3]]), 4, 4, expert_map=emap,
+                                   ignore_invalid_experts=True)
     assert s.tolist() == [1, 2, 6, 6, 5, 6, 6, 6] + [6] * 10
     assert e.tolist() == [0, 1, -1, -1, -1]
     assert n.tolist() == [8]
@@ -143,7 +144,8 @@ def test_align_expert_map_drops_non_local():
 def test_align_expert_map_orders_by_local_id():
     # global 0 -> local 1, global 2 -> local 0: local expert 0 (global 2) comes first
     emap = t32([1, -1, 0, -1])
-    s, e, n = moe_align_block_size(t32([[0, 1], [1, 2], [0, 2]]), 4, 4, expert_map=emap)
+    s, e, n = moe_align_block_size(t32([[0, 1], [1, 2], [0, 2]]), 4, 4, expert_map=emap,
+                                   ignore_invalid_experts=True)
     assert s.tolist() == [3, 5, 6, 6, 0, 4, 6, 6] + [6] * 10
     assert e.tolist() == [0, 1, -1, -1, -1]
     assert n.tolist() == [8]
@@ -482,7 +484,7 @@ def test_align_matches_oracle_and_properties(problem, block_size, pad):
     ids, topk, E, emap = problem
     topk_ids = _topk_tensor(ids, topk)
     emap_t = None if emap is None else torch.tensor(emap, dtype=I32)
-    s, e, n = moe_align_block_size(topk_ids, block_size, E, emap_t, pad)
+    s, e, n = moe_align_block_size(topk_ids, block_size, E, emap_t, pad, ignore_invalid_experts=True)
     exp_s, exp_e, exp_n = oracle_align(ids, block_size, E, emap, pad)
     assert s.tolist() == exp_s
     assert e.tolist() == exp_e
@@ -575,3 +577,176 @@ def test_permute_unpermute_roundtrip(problem, alignment, use_cpu_counts, K):
         for j in range(K):
             expected[t][j] += float(w[t, k]) * float(aq[t, j])
     torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float32).reshape(M, K), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# vLLM 0.33: moe_align_block_size(ignore_invalid_experts, return_scatter_idx); fused_globalize_align_block_size
+# --------------------------------------------------------------------------------------------------------------
+
+from reference.align import fused_globalize_align_block_size, globalize_recv_topk_idx  # noqa: E402
+
+
+def test_align_legacy_mode_by_hand():
+    """ignore_invalid_experts=False (vLLM's default): align the 4 global experts, then map expert_ids; the unused
+    5th block's -1 wraps to expert_map[-1] = 1 (torch indexing, vLLM #48371)."""
+    emap = t32([-1, 0, -1, 1])
+    s, e, n = moe_align_block_size(t32([[0, 1], [1, 2], [0, 3]]), 4, 4, expert_map=emap)
+    assert s.tolist() == [0, 4, 6, 6, 1, 2, 6, 6, 3, 6, 6, 6, 5, 6, 6, 6, 6, 6]
+    assert e.tolist() == [-1, 0, -1, 1, 1]
+    assert n.tolist() == [16]
+    _, e, _ = moe_align_block_size(t32([[0, 1], [1, 2], [0, 3]]), 4, 4, expert_map=t32([-1, 0, 1, -1]))
+    assert e.tolist() == [-1, 0, 1, -1, -1]  # the last global expert is remote: -1 wraps to -1
+
+
+def test_align_scatter_idx():
+    ids = t32([[0, -1], [2, 1]])
+    *_, sc = moe_align_block_size(ids, 2, 3, return_scatter_idx=True)
+    assert sc.dtype == I32 and sc.tolist() == [[0], [-1], [2], [3]]
+    emap = t32([0, -1, 1])
+    *_, sc = moe_align_block_size(ids, 2, 3, emap, ignore_invalid_experts=True, return_scatter_idx=True)
+    assert sc.tolist() == [[0], [-1], [2], [-1]]  # route 3 -> global 1: not local
+    with pytest.raises(ValueError, match="requires ignore_invalid_experts"):
+        moe_align_block_size(ids, 2, 3, emap, return_scatter_idx=True)
+    assert len(moe_align_block_size(ids, 2, 3)) == 3
+
+
+def _linear_map(gne, reo, local_e):
+    m = torch.full((gne,), -1, dtype=I32)
+    m[reo: reo + local_e] = torch.arange(local_e, dtype=I32)
+    return m
+
+
+@pytest.mark.parametrize("n,topk,block_size,local_e,rank,fill", [
+    (1, 1, 16, 28, 0, "rand"), (7, 6, 32, 28, 2, "rand"), (64, 8, 64, 32, 3, "all_local"),
+    (257, 16, 128, 28, 1, "rand"), (33, 8, 16, 32, 0, "all_nonlocal"), (20, 4, 16, 28, 3, "single")])
+def test_fused_globalize_align_equals_the_chain_like_vllms_test(n, topk, block_size, local_e, rank, fill):
+    """vLLM 0.33 test_fused_globalize_align_block_size.py::test_fused_matches_reference, re-derived: the fused
+    result equals _globalize_recv_topk_idx + moe_align_block_size(ignore_invalid_experts=True) on the used prefix,
+    the expert_ids tail is -1, the sorted tail is numel, and the per-expert route sets agree; scatter_idx too."""
+    g = torch.Generator().manual_seed(n * 131 + topk)
+    ep, gne, reo = 4, local_e * 4, rank * local_e
+    if fill == "all_nonlocal":
+        idx = torch.full((n, topk), -1, dtype=torch.int64)
+    elif fill == "single":
+        idx = torch.zeros((n, topk), dtype=torch.int64)
+    elif fill == "all_local":
+        idx = torch.randint(0, local_e, (n, topk), generator=g)
+    else:
+        idx = torch.randint(-1, local_e, (n, topk), generator=g)
+    num_recv = round(n * 0.75)
+    idx[num_recv:] = torch.randint(-1, local_e, (n - num_recv, topk), generator=g)
+    psum = torch.zeros(ep, dtype=I32)
+    psum[-1] = num_recv
+    ref_global = globalize_recv_topk_idx(idx.clone(), psum, reo, gne)
+    rs, re_, rn, rsc = moe_align_block_size(ref_global, block_size, gne, _linear_map(gne, reo, local_e),
+                                            ignore_invalid_experts=True, return_scatter_idx=True)
+    fg, fs, fe, fn, fsc = fused_globalize_align_block_size(idx.clone(), psum, reo, gne, local_e, block_size,
+                                                           return_scatter_idx=True)
+    total = n * topk
+    assert torch.equal(fg, ref_global) and torch.equal(fn, rn) and torch.equal(fsc, rsc)
+    nb = int(fn) // block_size
+    assert torch.equal(fe[:nb], re_[:nb]) and bool((fe[nb:] == -1).all()) and bool((fs[int(fn):] == total).all())
+    assert torch.equal(fs[: int(fn)], rs[: int(fn)])  # the reference's order is deterministic on both sides
+    assert fs.numel() == max_num_tokens_padded(total, local_e, block_size)
+
+
+def test_fused_globalize_drops_ids_past_the_local_range_and_validates():
+    idx = torch.tensor([[3, 0]], dtype=torch.int64)  # local_e = 2: id 3 is not a local slot
+    fg, s, e, n = fused_globalize_align_block_size(idx, torch.tensor([1], dtype=I32), 2, 8, 2, 2)
+    assert fg.tolist() == [[-1, 2]] and n.tolist() == [2] and e.tolist()[0] == 0
+    assert globalize_recv_topk_idx(torch.tensor([[3, 0]]), torch.tensor([1]), 2, 8).tolist() == [[5, 2]]
+    with pytest.raises(ValueError, match="int64"):
+        fused_globalize_align_block_size(idx.int(), torch.tensor([1]), 2, 8, 2, 2)
+    with pytest.raises(ValueError, match="1024"):
+        fused_globalize_align_block_size(idx, torch.tensor([1]), 0, 4096, 2048, 2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# vLLM's moe_permute / moe_unpermute (fused_moe/moe_permute_unpermute.py)
+# --------------------------------------------------------------------------------------------------------------
+
+from reference.align import moe_permute, moe_unpermute  # noqa: E402
+
+
+def test_moe_permute_by_hand():
+    """E=4, map: global 1 -> 0, global 2 -> 1 (others remote). Routes (flat): [2, 0 | 1, -1 | 3, 1]
+    -> keys [1, 4, 0, 4, 7, 0]; stable order 2, 5, 0, 1, 3, 4; valid = 3."""
+    h = torch.arange(3 * 8, dtype=torch.float32).reshape(3, 8)
+    ids = t32([[2, 0], [1, -1], [3, 1]])
+    emap = t32([-1, 0, 1, -1])
+    ph, sc, off, inv, pidx = moe_permute(h, torch.arange(3.0).reshape(3, 1).expand(3, 2).contiguous(), ids, 4,
+                                         2, emap)
+    assert off.dtype == torch.int64 and off.tolist() == [0, 2, 3]
+    assert inv.tolist() == [2, 3, 0, 4, 5, 1]
+    assert pidx.tolist() == [2, 5, 0, 6, 6, 6]
+    assert torch.equal(ph[:3], h[[1, 2, 0]]) and bool((ph[3:] == 0).all())
+    assert sc[:, 0].tolist() == [1.0, 2.0, 0.0, 2.0, 2.0, 2.0]  # past valid: clamp(6 -> 5) // 2 = token 2
+    # without a map every row is written, the -1 route last (key n_expert)
+    ph, _, off, inv, pidx = moe_permute(h, None, t32([[2, 0], [1, -1], [3, 1]]), 4)
+    assert off.tolist() == [0, 1, 3, 4, 5] and pidx.tolist() == [1, 2, 5, 0, 4, 3]
+    assert torch.equal(ph, h[[0, 1, 2, 0, 2, 1]])
+
+
+@pytest.mark.parametrize("n_token,n_expert,topk,ep_size,rank", [(1, 16, 2, 1, 0), (33, 64, 6, 4, 3),
+                                                                (50, 16, 8, 16, 7), (17, 64, 8, 4, 0)])
+def test_moe_permute_unpermute_like_vllms_test(n_token, n_expert, topk, ep_size, rank):
+    """vLLM's tests/kernels/moe/test_moe_permute_unpermute.py oracle (torch_permute / torch_unpermute), re-derived:
+    keys local id / id + n_expert, stable sort, offsets, inverse, valid rows bit-exact, the masked weighted sum."""
+    from reference.routing import determine_expert_map
+
+    g = torch.Generator().manual_seed(n_token * 7 + topk)
+    n_hidden = 64
+    h = torch.randn(n_token, n_hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n_expert, generator=g)[:topk] for _ in range(n_token)]).to(I32)
+    emap, n_local = None, n_expert
+    if ep_size > 1:
+        n_local, emap = determine_expert_map(ep_size, rank, n_expert)[:2]
+    start = n_local * rank
+    tk = ids.long()
+    if emap is not None:
+        local = emap.long()[tk] != -1
+        tk = local * (tk - start) + (~local) * (tk + n_expert)
+    sorted_ids, sorted_idx = torch.sort(tk.flatten(), stable=True)
+    gold_off = torch.tensor([int((sorted_ids < e).sum()) for e in range(n_local + 1)])
+    gold_inv = torch.sort(sorted_idx).indices
+    ph, _, off, inv, _ = moe_permute(h, None, ids, n_expert, n_local, emap)
+    assert torch.equal(off, gold_off) and torch.equal(inv.long(), gold_inv)
+    valid = int(gold_off[-1])
+    assert torch.equal(ph[:valid], h[sorted_idx[:valid] // topk])
+    w = torch.rand(n_token, topk, generator=g)
+    x = (0.5 * ph.float() + torch.randn(ph.shape, generator=g)).to(torch.bfloat16)
+    out = moe_unpermute(torch.empty_like(h), x, w, inv, off)
+    xm = x.clone()
+    xm[valid:] = 0  # vLLM's torch_unpermute zeroes the invalid rows
+    gold = (xm[inv.long()].view(-1, topk, n_hidden).double() * w.double().unsqueeze(2)).sum(1)
+    torch.testing.assert_close(out.double(), gold.to(torch.bfloat16).double(), atol=0, rtol=2 ** -7)
+
+
+def test_moe_unpermute_errors():
+    with pytest.raises(ValueError, match="float32"):
+        moe_unpermute(torch.empty(1, 8), torch.zeros(2, 8), torch.ones(1, 2, dtype=torch.bfloat16), t32([0, 1]))
+    with pytest.raises(ValueError, match="dtype must be same"):
+        moe_unpermute(torch.empty(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8), torch.ones(1, 2), t32([0, 1]))
+    with pytest.raises(ValueError, match="16 bytes"):
+        moe_permute(torch.zeros(2, 3), None, t32([[0], [1]]), 2)
+
+
+def test_deepgemm_permute_psum_layout_by_hand():
+    """vLLM 0.33 use_psum_layout: same rows, expert_ids = per-expert logical ends start_e + count_e (int32 (E,))."""
+    aq = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    ref = deepgemm_moe_permute(aq, None, t32(TOPK_3x2), 4, alignment=4)
+    perm, _, ends, inv, align = deepgemm_moe_permute(aq, None, t32(TOPK_3x2), 4, use_psum_layout=True, alignment=4)
+    # e0 rows 0-1, e1 rows 4-5, e2 rows 8-9, e3 empty at 12
+    assert ends.dtype == I32 and ends.tolist() == [2, 6, 10, 12]
+    assert torch.equal(perm, ref[0]) and torch.equal(inv, ref[3]) and align == ref[4]
+    from reference.semantics import SemanticsError
+
+    with pytest.raises(SemanticsError):
+        _psum_017(aq)
+
+
+def _psum_017(aq):
+    from reference.semantics import use_semantics
+
+    with use_semantics("0.17"):
+        return deepgemm_moe_permute(aq, None, t32(TOPK_3x2), 4, use_psum_layout=True, alignment=4)

@@ -216,3 +216,58 @@ def test_parallel_config_sizes_the_sink():
     assert RoutedExpertsSink(cfg, print).buffer.shape == (20, 2)
     cfg = FusedMoEConfig(8, 2, 64, 48, 8, max_num_tokens=10, moe_parallel_config=FusedMoEParallelConfig(dp_size=3))
     assert RoutedExpertsSink(cfg, print).buffer.shape == (30, 2)
+
+
+def test_consumes_expert_mask_picks_the_map_per_version():
+    """0.33: the experts class decides (consumes_expert_mask, AITER); 0.17: the global AITER switch decides."""
+    import torch
+
+    from reference.modular import FusedMoEExperts, layer_expert_map
+    from reference.routing import determine_expert_map
+
+    _, emap, mask = determine_expert_map(4, 1, 16, return_expert_mask=True)
+    assert mask.tolist() == [0] * 4 + [1] * 4 + [0] * 8 + [0]
+    assert FusedMoEExperts.consumes_expert_mask is False
+
+    class Aiter:  # stands for a class with vLLM's consumes_expert_mask = True (rocm_aiter_moe.py)
+        consumes_expert_mask = True
+
+    class Plain:
+        consumes_expert_mask = False
+
+    assert torch.equal(layer_expert_map(Aiter, emap, mask, semantics="0.33"), mask)
+    assert torch.equal(layer_expert_map(Plain, emap, mask, rocm_aiter_fmoe_enabled=True, semantics="0.33"), emap)
+    assert torch.equal(layer_expert_map(Aiter, emap, mask, semantics="0.17"), emap)
+    assert torch.equal(layer_expert_map(Plain, emap, mask, rocm_aiter_fmoe_enabled=True, semantics="0.17"), mask)
+
+
+def test_expert_substitution_like_vllms_test():
+    """vLLM 0.33 test_expert_substitution.py::test_constant_substitution_transforms_routes_and_computes_side_output
+    and ::test_constant_substitution_preserves_router_weight_precision, re-derived (5 experts, 1 and 3 substituted)."""
+    import torch
+
+    from reference.expert_substitution import add_constant_output, expert_substitution_routes, transform_routes
+
+    routes = expert_substitution_routes(5, (3, 1))
+    assert routes.tolist() == [0, -1, 1, -2, 2]
+    values = torch.tensor([[10.0, 20.0], [30.0, 40.0]])
+    for M, D in ((0, 2), (7, 4)):
+        rows = torch.arange(M) % 3
+        ids = torch.tensor([[1, 2], [4, 3], [99, -1]])[rows]
+        w = torch.tensor([[0.25, 0.75], [0.6, 0.4], [0.5, 0.5]])[rows]
+        const = transform_routes(torch.zeros(M, D), w, ids, routes, values)
+        torch.testing.assert_close(w, torch.tensor([[0.0, 0.75], [0.6, 0.0], [0.0, 0.0]])[rows])
+        assert torch.equal(ids, torch.tensor([[0, 1], [2, 0], [0, 0]])[rows])
+        exp = torch.zeros(M, D)
+        exp[:, :2] = torch.tensor([[2.5, 5.0], [12.0, 16.0], [0.0, 0.0]])[rows]
+        torch.testing.assert_close(const, exp)
+    for dtype in (torch.float16, torch.bfloat16):
+        vals = torch.tensor([[60000.0], [-60000.0]], dtype=dtype)
+        w = torch.tensor([[0.5001, 0.4999]])
+        got = transform_routes(torch.zeros(1, 1, dtype=dtype), w.clone(), torch.tensor([[1, 3]]), routes, vals)
+        assert torch.equal(got, (w.double() @ vals.double()).to(dtype))
+    out = torch.ones(1, 2)
+    assert add_constant_output(out.clone(), torch.tensor([[2.5, 5.0, 9.0]]), tp_rank=1).tolist() == [[1.0, 1.0]]
+    assert add_constant_output(out, torch.tensor([[2.5, 5.0, 9.0]])).tolist() == [[3.5, 6.0]]
+    with pytest.raises(ValueError, match="retain"):
+        expert_substitution_routes(2, (0, 1))

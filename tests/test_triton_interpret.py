@@ -209,7 +209,7 @@ def align_cases(cases):
         ids = (torch.stack([torch.randperm(E, generator=G)[:topk] for _ in range(M)]) if M
                else torch.empty(0, topk, dtype=torch.int64)).to(torch.int32)
         emap = determine_expert_map(ep, ep - 1, E)[1] if ep else None
-        r = ref_align(ids, bs, E, emap, pad)
+        r = ref_align(ids, bs, E, emap, pad, ignore_invalid_experts=True)  # the Triton op is that mode
         o = T_align.moe_align_block_size(ids, bs, E, emap, pad)
         if not all(torch.equal(a, b) for a, b in zip(r, o)):
             bad.append((M, topk, E, bs, ep, pad))
@@ -608,7 +608,7 @@ def _():
                else torch.empty(0, topk, dtype=torch.int64)).to(torch.int32)
         emap = determine_expert_map(ep, ep - 1, E)[1] if ep else None
         nl = E // ep if ep else E
-        _, r_eids, r_ntpp = ref_align(ids, bs, E, emap)
+        _, r_eids, r_ntpp = ref_align(ids, bs, E, emap, ignore_invalid_experts=True)
         want, nb = [], int(r_ntpp) // bs
         j = 0
         while j < nb:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from backends import Backend
-from backends.torch import align, gate, moe_output, quant, routing
-from backends.torch.experts import TorchBatchedExperts, TorchExperts, torch_activation
+from backends.torch import align, fused_act_quant, gate, moe_output, quant, routing
+from backends.torch.experts import TorchBatchedExperts, TorchExperts, torch_activation, torch_activation_into
 
 backend = Backend(
     name="torch",
@@ -36,10 +36,16 @@ backend = Backend(
         "gate_linear": gate.gate_linear,
         "moe_align_block_size": align.moe_align_block_size,
         "count_expert_num_tokens": align.count_expert_num_tokens,
+        "fused_globalize_align_block_size": align.fused_globalize_align_block_size,
+        "moe_permute": align.moe_permute,
+        "moe_unpermute": align.moe_unpermute,
         # **situ: SITU's situ_beta / situ_linear_beta (vLLM 0.33), forwarded only when given.
         "apply_moe_activation": lambda act, x, *, alpha=None, beta=None, limit=None, **situ: torch_activation(
             act, x, alpha, beta, limit, **situ),
+        "apply_moe_activation_into": torch_activation_into,
         "moe_fused_mul_sum": moe_output.moe_fused_mul_sum,
+        "silu_mul_per_token_group_quant_fp8_colmajor": fused_act_quant.silu_mul_per_token_group_quant_fp8_colmajor,
+        "persistent_masked_m_silu_mul_quant": fused_act_quant.persistent_masked_m_silu_mul_quant,
     },
     experts=[TorchExperts, TorchBatchedExperts],
     recipes={"per_token_group_quant_fp8": "vllm", "scaled_fp8_quant": "vllm", "int8_quant_per_token": "vllm"},

@@ -69,6 +69,55 @@ def torch_activation(act: MoEActivation, h: torch.Tensor, alpha=None, beta=None,
     return y.to(h.dtype)
 
 
+def torch_activation_into(act: MoEActivation, output: torch.Tensor, input: torch.Tensor, *, activation_config=None,
+                          topk_ids=None, expert_map=None, valid_token_counts=None) -> torch.Tensor:
+    """vLLM 0.33's ``apply_moe_activation(activation, output, input, *, ...)`` (own code, vectorized: the written rows
+    are a boolean mask; spec: reference.activation.apply_moe_activation_into)."""
+    cfg = activation_config
+    clamp = None if cfg is None else cfg.clamp_limit
+    alpha, beta = (1.0, 0.0) if cfg is None else (cfg.alpha, cfg.beta)
+    situ = {} if cfg is None else dict(situ_beta=cfg.activation_situ_beta,
+                                       situ_linear_beta=cfg.activation_situ_linear_beta)
+    A = MoEActivation
+    masked = valid_token_counts is not None
+    if act is A.RELU2:
+        raise (NotImplementedError if masked else ValueError)(f"TorchExperts: gated {act.value} is not supported")
+    if act is A.SWIGLUOAI_UNINTERLEAVE and clamp is None:
+        raise ValueError("SWIGLUOAI_UNINTERLEAVE requires clamp_limit")
+    # Parameters per path (vLLM 0.33 csrc/activation_kernels.cu, fused_moe/activation.py).
+    if act is A.SILU and clamp is not None:
+        if masked:
+            eff, kw = A.SWIGLUOAI_UNINTERLEAVE, dict(alpha=alpha, beta=beta, limit=clamp)
+        elif topk_ids is not None and expert_map is not None:
+            eff, kw = A.SILU, dict(limit=clamp if clamp > 0 else None)
+        else:
+            eff, kw = A.SILU, dict(limit=clamp)
+    elif act is A.SWIGLUOAI_UNINTERLEAVE:
+        eff, kw = act, dict(alpha=alpha, beta=beta, limit=clamp)
+    elif act is A.SITU:
+        eff, kw = act, situ
+    else:  # SWIGLUOAI / SWIGLUSTEP take their fixed defaults, the rest no parameter
+        eff, kw = act, {}
+    if masked:
+        lead = input.shape[:-1]
+        T = lead[-1]
+        counts = valid_token_counts.to(input.device, torch.int64).clamp(0, T)
+        rows = torch.arange(T, device=input.device) < counts.reshape(-1, 1)  # (E or 1, T)
+        rows = rows.reshape(lead)
+    elif act is A.SILU and clamp is not None and topk_ids is not None and expert_map is not None:
+        ids = topk_ids.reshape(-1).long()
+        emap = expert_map.long().to(ids.device)
+        rows = (ids >= 0) & (emap[ids.clamp(min=0)] != -1)
+        rows = rows.to(input.device)
+    else:
+        rows = torch.ones(input.shape[:-1], dtype=torch.bool, device=input.device)
+    vals = torch_activation(eff, input[rows], **kw)
+    if act is A.RELU2_NO_MUL and not masked:
+        input.clamp_(min=0)
+    output[rows] = vals
+    return output
+
+
 def padded_grouped_mm(rows: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor, w: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """Grouped GEMM ``rows[i] @ w[e(i)].T`` for rows sorted by expert: pad to ``(E_active, max_rows, K)``, one bmm.

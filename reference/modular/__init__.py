@@ -66,6 +66,7 @@ from reference.modular.experts_base import (
     FusedMoEExperts,
     FusedMoEExpertsModular,
     FusedMoEExpertsMonolithic,
+    layer_expert_map,
 )
 from reference.modular.modular_kernel import ExpertsCall, FusedMoEKernel, KernelSemantics, cdiv, slice_scales
 from reference.modular.prepare_finalize import (
@@ -99,6 +100,7 @@ __all__ = [
     "ACTIVATION_PARAMS",
     "FusedMoEExpertsModular",
     "FusedMoEExpertsMonolithic",
+    "layer_expert_map",
     "TopKWeightAndReduce",
     "TopKWeightAndReduceNoOP",
     "TopKWeightAndReduceContiguous",

@@ -11,7 +11,13 @@ from typing import Callable, ClassVar
 
 import torch
 
-from reference.activation import MoEActivation, adjust_N_for_activation, apply_moe_activation
+from reference.activation import (
+    ApplyMoEActivationConfig,
+    MoEActivation,
+    adjust_N_for_activation,
+    apply_moe_activation,
+    apply_moe_activation_into,
+)
 from reference.config import FusedMoEConfig, FusedMoEParallelConfig, FusedMoEQuantConfig
 from reference.modular.envs import batch_invariant_from_env, chunking_enabled_from_env
 from reference.modular.support import SupportRecord
@@ -21,7 +27,30 @@ from reference.routing import RoutingMethodType
 from reference.semantics import SemanticsVersion, current_semantics
 
 __all__ = ["ExpertTokensMetadata", "FusedMoEActivationFormat", "FusedMoEExperts", "FusedMoEExpertsModular",
-           "FusedMoEExpertsMonolithic"]
+           "FusedMoEExpertsMonolithic", "layer_expert_map"]
+
+
+def layer_expert_map(
+    experts: "FusedMoEExperts | type[FusedMoEExperts] | None",
+    expert_map: torch.Tensor | None,
+    expert_mask: torch.Tensor | None,
+    *,
+    rocm_aiter_fmoe_enabled: bool = False,
+    semantics=None,
+) -> torch.Tensor | None:
+    """The expert map a layer hands its experts kernel (``FusedMoE.expert_map`` / ``RoutedExperts.expert_map``).
+
+    0.33 (``fused_moe/routed_experts.py``): ``expert_mask`` when the selected experts (class or instance) say
+    ``consumes_expert_mask`` (ROCm AITER), else the canonical ``expert_map``; ``rocm_aiter_fmoe_enabled`` is not read.
+    0.17 (``fused_moe/layer.py::FusedMoE.expert_map``): ``expert_mask`` when the global AITER switch
+    ``rocm_aiter_fmoe_enabled`` is on, else ``expert_map``, whichever experts were selected. Point
+    ``modular.consumes_expert_mask``.
+    """
+    from reference.semantics import resolve_semantics
+
+    if resolve_semantics(semantics) < SemanticsVersion.V0_33:
+        return expert_mask if rocm_aiter_fmoe_enabled else expert_map
+    return expert_mask if (experts is not None and experts.consumes_expert_mask) else expert_map
 
 
 @dataclass
@@ -73,6 +102,12 @@ class FusedMoEExperts(ABC):
     Raises (``__init__``): ValueError when ``max_num_tokens`` / ``num_dispatchers`` are given for the Standard format
     or missing for the BatchedExperts format.
     """
+
+    #: vLLM 0.33: ROCm AITER kernels consume the 0/1 local-expert mask (``determine_expert_map(...,
+    #: return_expert_mask=True)``: ``(E + n_shared + 1,)`` int32, 1 = on this rank, trailing sentinel 0) instead of
+    #: the canonical -1/local-slot ``expert_map``; ``RoutedExperts.expert_map`` hands the experts the mask when their
+    #: class sets this (``layer_expert_map``, point ``modular.consumes_expert_mask``). No backend here does.
+    consumes_expert_mask: ClassVar[bool] = False
 
     #: vLLM 0.33: called with the unweighted GEMM2 rows (an ``UnfinalizedMoEOutput``) and the output to weight
     #: and reduce into, replacing the experts' own top-k reduction (set on an instance by a fusing consumer).
@@ -329,13 +364,48 @@ class FusedMoEExpertsModular(FusedMoEExperts):
     def adjust_N_for_activation(N: int, activation: MoEActivation) -> int:
         return adjust_N_for_activation(N, activation)
 
-    def activation(self, activation: MoEActivation, output: torch.Tensor, input: torch.Tensor) -> None:
-        qc = self.quant_config
-        output.copy_(
-            apply_moe_activation(
-                activation, input, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta, limit=qc.gemm1_clamp_limit
+    @property
+    def activation_config(self) -> ApplyMoEActivationConfig:
+        """vLLM 0.33's ``self.activation_config`` (built in ``__init__`` upstream): the quant config's ``gemm1_*``
+        else the layer's ``swiglu_*`` (``ApplyMoEActivationConfig.from_configs``)."""
+        return ApplyMoEActivationConfig.from_configs(self.moe_config, self.quant_config)
+
+    def activation(
+        self,
+        activation: MoEActivation,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        topk_ids: torch.Tensor | None = None,
+        expert_map: torch.Tensor | None = None,
+        valid_token_counts: torch.Tensor | None = None,
+    ) -> None:
+        """Write ``activation(input)`` into ``output`` (point ``activation.experts_signature``).
+
+        0.17 (the seed's signature): every row of the 2-D ``input``, with the quant config's ``gemm1_alpha`` /
+        ``gemm1_beta`` / ``gemm1_clamp_limit``; the three keywords raise SemanticsError.
+        0.33: ``reference.activation.apply_moe_activation_into`` with ``self.activation_config`` (masked batched
+        inputs: rows past ``valid_token_counts`` untouched; the pad-aware limit with ``topk_ids`` + ``expert_map``).
+        """
+        if current_semantics() < SemanticsVersion.V0_33:
+            given = [n for n, v in (("topk_ids", topk_ids), ("expert_map", expert_map),
+                                    ("valid_token_counts", valid_token_counts)) if v is not None]
+            if given:
+                from reference.semantics import require
+
+                require(f"FusedMoEExpertsModular.activation({', '.join(given)}=...)", "0.33",
+                        upstream="vllm/model_executor/layers/fused_moe/modular_kernel.py")
+            qc = self.quant_config
+            output.copy_(
+                apply_moe_activation(
+                    activation, input, alpha=qc.gemm1_alpha, beta=qc.gemm1_beta, limit=qc.gemm1_clamp_limit,
+                    situ_beta=self.moe_config.activation_situ_beta,
+                    situ_linear_beta=self.moe_config.activation_situ_linear_beta,
+                )
             )
-        )
+            return
+        apply_moe_activation_into(activation, output, input, activation_config=self.activation_config,
+                                  topk_ids=topk_ids, expert_map=expert_map, valid_token_counts=valid_token_counts)
 
     @abstractmethod
     def finalize_weight_and_reduce_impl(self) -> TopKWeightAndReduce:

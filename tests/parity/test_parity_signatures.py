@@ -49,16 +49,6 @@ NOT_TAKEN: dict[tuple[str, str], str] = {
 # Known drifts (vLLM 0.33.0 has the name, the reference does not yet): each test with one is a strict xfail naming
 # them, so fixing one (or vLLM dropping it) turns the test red until the entry goes. Read from vllm-0.33.0.
 DRIFT: dict[tuple[str, str], str] = {
-    ("moe_align_block_size", "ignore_invalid_experts"): "the reference with an expert_map is vLLM's "
-                                                        "ignore_invalid_experts=True mode; the False (legacy) mode, "
-                                                        "which aligns every global expert and maps expert_ids "
-                                                        "afterwards, is not specified, and vLLM's default (False) "
-                                                        "differs from the reference's behaviour",
-    ("moe_align_block_size", "return_scatter_idx"): "0.33's scatter index ((numel, 1) int32: i for a valid route, "
-                                                    "-1 otherwise; csrc/moe/moe_align_sum_kernels.cu) needs the "
-                                                    "ignore_invalid_experts switch above first",
-    ("deepgemm_moe_permute", "use_psum_layout"): "0.33's psum layout (DeepGEMM's per-rank prefix-sum M layout) is "
-                                                 "not specified",
 }
 
 
