@@ -45,6 +45,7 @@ __all__ = [
     "dequant_activation",
     "dequant_weight",
     "weight_pack_factor",
+    "gemm_input_quantizer",
 ]
 
 
@@ -117,6 +118,8 @@ def _quant_fp8(A, A_scale, qc, desc, desc_name):
 
 
 def _quant_int8(A, A_scale, qc, desc, desc_name):
+    if A_scale is None and desc.shape is not None and desc.shape[0] == 1 and desc.shape[1] > 0:
+        return q.per_token_group_quant_int8(A, desc.shape[1])  # block INT8 W8A8 (utils.py::_int8_quantize)
     if A_scale is not None:
         return q.int8_quant_static(A, A_scale)
     if desc.shape == (1, -1):
@@ -189,8 +192,14 @@ FORMATS: dict[str, MoEFormat] = {f.name: f for f in (
     MoEFormat("int4_w4a8", 8, None, None, _dequant_w_int4_w4a8),
 )}
 
+# issue 41: the CPU INT4 W4A8 weights (INT4 values stored as int8, bf16 group / fp32 channel scales); their GEMMs
+# quantize the activations themselves (gemm_input_quantizer), so the format has no activation quantizer of its own.
+FORMATS["int4_w4a8_int8"] = MoEFormat(
+    "int4_w4a8_int8", 1, None, None,
+    lambda w, desc, e: q.int4_w4a8_int8_dequantize_weight(w[e], desc.scale[e]))
+
 _BY_DTYPE = {None: "unquantized", torch.float8_e4m3fn: "fp8", torch.int8: "int8", "mxfp8": "mxfp8",
-             "mxfp4": "mxfp4", "nvfp4": "nvfp4", "int4_w4a8": "int4_w4a8"}
+             "mxfp4": "mxfp4", "nvfp4": "nvfp4", "int4_w4a8": "int4_w4a8", "int4_w4a8_int8": "int4_w4a8_int8"}
 
 
 def format_of(desc: FusedMoEQuantDesc) -> str | None:
@@ -260,3 +269,21 @@ def dequant_weight(w: torch.Tensor, desc: FusedMoEQuantDesc, e: int) -> torch.Te
     if name is None:
         return _dequant_w_groups(w, desc, e)
     return FORMATS[name].dequantize_weight(w, desc, e)
+
+
+def gemm_input_quantizer(w_desc: FusedMoEQuantDesc) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The quantize-dequantize a GEMM applies to its own input rows, for weight formats whose kernels quantize the
+    activations inside the GEMM; None for every other format (the config's a1 / a2 descriptors say it all).
+
+    ``"int4_w4a8_int8"`` (CPU INT4 W4A8, vLLM 0.33 ``experts/cpu_int4_moe.py``): each GEMM of
+    ``csrc/cpu/dynamic_4bit_int_moe_cpu.cpp`` (``at::_dyn_quant_matmul_4bit``) quantizes its left-hand side to
+    asymmetric INT8 per row (``reference.quant.dyn_quant_int8_per_row_asym``); the callable returns the fp32 values
+    ``(q - zp) * recip`` of ``rows (R, K)``.
+    """
+    if w_desc.dtype != "int4_w4a8_int8":
+        return None
+
+    def quantize(rows: torch.Tensor) -> torch.Tensor:
+        return q.dequant_int8_per_row_asym(*q.dyn_quant_int8_per_row_asym(rows))
+
+    return quantize
