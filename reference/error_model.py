@@ -168,6 +168,11 @@ __all__ = ["STAGES", "Accumulation", "ErrorBound", "experts_error_bound", "heavy
 # scale shift), NVFP4 (E2M1 under an E4M3 block scale; with the per-tensor encode scale or one per token, the
 # block scale moves with the block's amax either way). Weight-only schemes (WNA16, FP8 W8A16) quantize no
 # activation: their weights are the same bits on both sides, so only accumulation and the act-dtype roundings count.
+# Issue 41's pairs use the same terms: FP8 weights of any scale layout (per tensor / channel / any bn x bk block) with
+# FP8 activations per 1xG group, per token, static per tensor or none; block INT8 W8A8's activations per 1xG group
+# (INT8's uniform step over the group, step 4 per group; truncated codes differ from rounded ones only in where the
+# grid's boundaries sit, so two values d apart still differ by k or k + 1 steps: step 3 unchanged); the CPU INT4
+# W4A8 GEMMs' own asymmetric INT8 rows (``_gemm_input_int8_rows``: the per-token INT8 step, two scale extremes).
 STAGES = ("gemm1", "activation", "gemm2", "output")  # what ``experts_error_bound(stage=...)`` can bound
 
 _MANTISSA = {
