@@ -69,6 +69,8 @@ def test_per_token_group_quant_int8_errors():
         rq.per_token_group_quant_int8(torch.tensor([[float("nan")] * 32]), 32)
     with pytest.raises(ValueError, match="quant_op"):
         rq.per_token_group_quant_int8(torch.randn(2, 64), 32, quant_op="round")
+    with pytest.raises(ValueError, match="only torch.int8"):
+        rq.per_token_group_quant_int8(torch.randn(2, 64), 32, dtype=torch.uint8)
 
 
 def test_per_block_quant_int8_numpy_and_round_trip():

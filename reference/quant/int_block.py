@@ -45,6 +45,7 @@ def per_token_group_quant_int8(
     x: torch.Tensor,
     group_size: int,
     eps: float = 1e-10,
+    dtype: torch.dtype = torch.int8,
     *,
     quant_op: Literal["reciprocal_multiply", "divide"] = "reciprocal_multiply",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,11 +65,15 @@ def per_token_group_quant_int8(
     ``tl.clamp(y / y_s, ...).to(int8)``, also truncating). Scales are fp32 ``(..., K // group_size)`` row-major.
     A zero group gets ``s = 1e-10 / 127`` and codes 0.
 
-    Args: x ``(..., K)`` float16 / bfloat16 / float32, ``K % group_size == 0``; group_size positive; eps >= 0.
+    Args: x ``(..., K)`` float16 / bfloat16 / float32, ``K % group_size == 0``; group_size positive; eps >= 0;
+        dtype: the codes' dtype, ``torch.int8`` only (vLLM: "only torch.int8 is supported for now").
     Returns: ``(q int8 like x, s float32 (..., K // group_size))``.
-    Raises: TypeError (dtype); ValueError (``K % group_size``, NaN / inf, 0-d input, unknown quant_op).
+    Raises: TypeError (dtype of x); ValueError (``K % group_size``, NaN / inf, 0-d input, unknown quant_op, a
+        ``dtype`` other than int8).
     """
     fn = "per_token_group_quant_int8"
+    if dtype != torch.int8:
+        raise ValueError(f"{fn}: only torch.int8 codes are defined (as vLLM's), got {dtype}")
     check_high_precision(x, "x")
     if x.dim() == 0:
         raise ValueError(f"{fn}: x must have at least one dimension")
