@@ -558,3 +558,20 @@ def int4_w4a8_int8_moe_quant_config(w1_scale: torch.Tensor, w2_scale: torch.Tens
     shape = (1, -1) if group_size is None else (1, int(group_size))
     fmt = "int4_w4a8_int8"
     return FusedMoEQuantConfig(w1=FusedMoEQuantDesc(fmt, shape, w1_scale), w2=FusedMoEQuantDesc(fmt, shape, w2_scale))
+
+
+def refine_fp8_moe_block_shape(config: FusedMoEConfig, weight_block_size: list[int]) -> list[int] | None:
+    """The FP8 block shape vLLM 0.33 refines a checkpoint's ``[block_n, block_k]`` to when the TP shard's intermediate
+    size cannot hold whole blocks (mirrors ``fused_moe/oracle/fp8.py::refine_fp8_moe_block_shape``): None when
+    ``ispp % block_n == 0`` and (TP 1 or ``ispp % block_k == 0``); else ``[r, r]`` with
+    ``r = gcd(block_n, block_k, ispp, hidden_dim)``, or None when ``r < 32``. The refined weight key is
+    ``reference.quant.fp8_static_block_key(r, r)`` (activations per 1 x r group), which only Triton-based experts
+    claim. ``ispp`` = ``config.intermediate_size_per_partition``, the TP size ``config.moe_parallel_config.tp_size``."""
+    import math
+
+    block_n, block_k = (int(v) for v in weight_block_size)
+    ispp = config.intermediate_size_per_partition
+    if ispp % block_n == 0 and (config.moe_parallel_config.tp_size == 1 or ispp % block_k == 0):
+        return None
+    refine = math.gcd(block_n, block_k, ispp, config.hidden_dim)
+    return None if refine < 32 else [refine, refine]

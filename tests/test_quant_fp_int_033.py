@@ -247,3 +247,20 @@ def test_gpu_backends_decline_the_new_pairs_they_do_not_implement():
                         ok, reason = cls.is_supported_config(cls, cfg, *keys, cls.activation_format())
                         assert not ok and reason, (cname, name)
     assert claims == {"fp8_channel_tensor_static": {"TritonExperts", "CutlassExpertsFp8"}}
+
+
+@pytest.mark.parametrize("ispp,tp,hidden,block,want", [
+    (768, 1, 2048, [128, 128], None),        # Qwen3-30B-A3B, TP 1: whole blocks
+    (64, 32, 7168, [128, 128], [64, 64]),    # DeepSeek-V3 I = 2048 at TP 32: the 64x64 blocks of fp8_block64
+    (32, 64, 7168, [128, 128], [32, 32]),    # TP 64: fp8_block32
+    (16, 128, 7168, [128, 128], None),       # gcd 16 < 32: no refinement (vLLM pads the shard instead)
+    (192, 4, 2048, [128, 64], [64, 64]),     # a 128x64 checkpoint: 192 % 128 != 0
+    (256, 2, 2048, [128, 64], None),         # 256 % 128 == 0 and 256 % 64 == 0
+])
+def test_refine_fp8_moe_block_shape_hand_table(ispp, tp, hidden, block, want):
+    """vLLM 0.33 oracle/fp8.py::refine_fp8_moe_block_shape, by hand: gcd(block_n, block_k, ispp, hidden) >= 32."""
+    from reference.config import FusedMoEConfig, FusedMoEParallelConfig, refine_fp8_moe_block_shape
+
+    cfg = FusedMoEConfig(num_experts=8, experts_per_token=2, hidden_dim=hidden, intermediate_size_per_partition=ispp,
+                         num_local_experts=8, moe_parallel_config=FusedMoEParallelConfig(tp_size=tp))
+    assert refine_fp8_moe_block_shape(cfg, block) == want
