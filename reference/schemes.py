@@ -256,11 +256,11 @@ def _with_fp8_activations(qc: FusedMoEQuantConfig, act_key: str, extra) -> Fused
     fields = {k: v for k, v in extra.items() if v is not None}
     if act is not None:
         shape, s1, s2 = act
-        fields.update(a1=q_desc(_FP8, shape, s1), a2=q_desc(_FP8, shape, s2))
+        fields.update(a1=_desc(_FP8, shape, s1), a2=_desc(_FP8, shape, s2))
     return dataclasses.replace(qc, **fields) if fields else qc
 
 
-def q_desc(dtype, shape, scale=None):
+def _desc(dtype, shape, scale=None):
     from reference.config import FusedMoEQuantDesc
 
     return FusedMoEQuantDesc(dtype, shape, scale)
@@ -318,7 +318,7 @@ def _int8_cross(scheme, w1, w2, w1_bias, w2_bias, extra):
         return w1q, w2q, _with_fp8_activations(qc, sch.activation_key, extra)
     (w1q, s1), (w2q, s2) = q.int8_quant_per_channel(w1), q.int8_quant_per_channel(w2)
     qc = int8_w8a8_moe_quant_config(s1, s2)
-    return w1q, w2q, dataclasses.replace(qc, a1=q_desc(None, None), a2=q_desc(None, None))
+    return w1q, w2q, dataclasses.replace(qc, a1=_desc(None, None), a2=_desc(None, None))
 
 
 def _int4_w4a8_int8(scheme, w1, w2, w1_bias, w2_bias, extra):
