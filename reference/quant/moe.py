@@ -10,8 +10,9 @@ format         w packing activation quantizer (``a1`` / ``a2``)      weight dequ
 unquantized    1         identity (scale None)                         upcast
 fp8 (e4m3)     1         static / dynamic per-tensor, per-token,       codes x scale per tensor / channel / 1xG /
                          per-1xG group (``recipe``, ``use_ue8m0``)     128x128 block (``dequant_groups``)
-int8           1         static per-tensor, dynamic per-token /        as fp8
-                         per-tensor
+int8           1         static per-tensor, dynamic per-token /        as fp8 (also bn x bk blocks)
+                         per-tensor, dynamic per 1xG group
+                         (``per_token_group_quant_int8``: truncated)
 mxfp8          1         ``mxfp8_quantize`` (recipe's MX scale rule)   ``mxfp8_dequantize``
 mxfp4          2         ``mxfp4_quantize`` (W4A4 activations)         ``mxfp4_dequantize``
 nvfp4          2         ``nvfp4_quantize`` with ``a*_gscale``, or per ``nvfp4_dequantize`` (global scale per expert)
@@ -19,6 +20,8 @@ nvfp4          2         ``nvfp4_quantize`` with ``a*_gscale``, or per ``nvfp4_d
 wna16          2 (int4)  not quantized (weight-only)                   ``wna16_dequantize``, rounded to the scales'
                                                                        dtype
 int4_w4a8      8         (its activations are fp8)                     ``w4a8_dequantize_weight`` x channel scale
+int4_w4a8_int8 1         none: each GEMM quantizes its own input rows  ``int4_w4a8_int8_dequantize_weight``
+                         (``gemm_input_quantizer``: asymmetric INT8)
 ============== ========= ============================================ =============================================
 
 ``moe_kernel_quantize_input`` mirrors ``vllm/model_executor/layers/fused_moe/utils.py::moe_kernel_quantize_input``;
