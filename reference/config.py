@@ -433,6 +433,8 @@ def quant_key_of(desc: FusedMoEQuantDesc, *, is_weight: bool):
         ("int4_w4a8", (1, 128), True): K.kInt4Static,
     }
     key = table.get((d, shape, static))
+    if key is None:  # issue 41: FP8 blocks of any shape, INT8 blocks / 1xG groups, CPU INT4 W4A8 (below)
+        key = _quant_key_fp_int(d, shape, static, is_weight)
     if key is None:
         raise ValueError(f"no named QuantKey for {'weight' if is_weight else 'activation'} {d} {shape} "
                          f"{'static' if static else 'dynamic'}")
@@ -500,3 +502,81 @@ def w4a8_moe_quant_config(
         w1=FusedMoEQuantDesc("int4_w4a8", (1, 128), w1_scale, alpha_or_gscale=w1_chan_scale),
         w2=FusedMoEQuantDesc("int4_w4a8", (1, 128), w2_scale, alpha_or_gscale=w2_chan_scale),
     )
+
+
+# --- issue 41: the FP8 / INT scheme pairs of vLLM 0.33 that the seeds lack --------------------------------------------
+def _quant_key_fp_int(d, shape, static: bool, is_weight: bool):
+    """``quant_key_of`` for the issue-41 descriptors (None for anything else): FP8 weights of any ``bn x bk`` block
+    shape (``fp8_static_block_key``, as vLLM 0.33's ``Fp8MoEMethod`` builds them), INT8 weights per ``bn x bk`` block
+    and INT8 activations per dynamic 1 x G group (block INT8 W8A8: ``kInt8Static128BlockSym`` /
+    ``kInt8Dynamic128Sym`` for 128; other sizes unnamed, as vLLM builds none), and the CPU INT4 W4A8 weights
+    (``"int4_w4a8_int8"``: ``kInt4W4A8StaticChannelSym`` for ``(1, -1)``, the group-32 / 64 / 128 keys, else
+    ``kInt4W4A8StaticGroupSym``)."""
+    from reference.quant import keys as K
+
+    if shape is None:
+        return None
+    r, c = shape
+    if d == torch.float8_e4m3fn and is_weight and static and r > 1 and c > 1:
+        return K.fp8_static_block_key(r, c)
+    if d == torch.int8 and is_weight and static and r > 1 and c > 1:
+        return K.kInt8Static128BlockSym if (r, c) == (128, 128) else K.QuantKey(
+            torch.int8, K.ScaleDesc(torch.float32, True, K.GroupShape(r, c)))
+    if d == torch.int8 and not is_weight and not static and r == 1 and c > 1:
+        return K.kInt8Dynamic128Sym if c == 128 else (K.kInt8Dynamic32Sym if c == 32 else K.QuantKey(
+            torch.int8, K.ScaleDesc(torch.float32, False, K.GroupShape(1, c))))
+    if d == "int4_w4a8_int8" and is_weight:
+        if shape == (1, -1):
+            return K.kInt4W4A8StaticChannelSym
+        return {32: K.kInt4W4A8StaticGroup32Sym, 64: K.kInt4W4A8StaticGroup64Sym,
+                128: K.kInt4W4A8StaticGroup128Sym}.get(c, K.kInt4W4A8StaticGroupSym)
+    return None
+
+
+def int8_w8a8_block_moe_quant_config(w1_scale: torch.Tensor, w2_scale: torch.Tensor,
+                                     block_shape: list[int]) -> FusedMoEQuantConfig:
+    """Block INT8 W8A8 (vLLM 0.33 ``FusedMoEQuantConfig.make(torch.int8, ..., block_shape=[bn, bk])``, as
+    ``tests/kernels/moe/utils.py::make_test_quant_config`` builds it for ``test_block_int8.py``; run by
+    ``fused_moe.py``'s ``use_int8_w8a8`` path): int8 weights ``(E, N, K)`` with fp32 scales
+    ``(E, cdiv(N, bn), cdiv(K, bk))``; activations quantized dynamically per 1 x bk group
+    (``reference.quant.per_token_group_quant_int8``: truncating codes).
+
+    Raises:
+        ValueError: a block shape that is not two dims > 1.
+    """
+    if block_shape is None or len(block_shape) != 2 or min(block_shape) < 2:
+        raise ValueError(f"block INT8 needs block_shape = [bn, bk] with both > 1, got {block_shape}")
+    bn, bk = (int(v) for v in block_shape)
+    i8 = torch.int8
+    return FusedMoEQuantConfig(a1=FusedMoEQuantDesc(i8, (1, bk)), a2=FusedMoEQuantDesc(i8, (1, bk)),
+                               w1=FusedMoEQuantDesc(i8, (bn, bk), w1_scale), w2=FusedMoEQuantDesc(i8, (bn, bk), w2_scale))
+
+
+def int4_w4a8_int8_moe_quant_config(w1_scale: torch.Tensor, w2_scale: torch.Tensor,
+                                    group_size: int | None) -> FusedMoEQuantConfig:
+    """CPU INT4 W4A8 (vLLM 0.33 ``oracle/w4a8_int8.py::make_w4a8_int8_moe_quant_config``; experts
+    ``experts/cpu_int4_moe.py``): INT4 values stored as int8 ``(E, N, K)`` with bf16 group scales
+    ``(E, N, K // group_size)`` or, ``group_size=None``, fp32 channel scales ``(E, N, 1)`` (vLLM's ``block_shape
+    [-1, 1]``). The activations stay unquantized in the config (a1 / a2 dtype None, as vLLM's): each GEMM quantizes
+    its input rows itself, to asymmetric INT8 per row (``reference.quant.dyn_quant_int8_per_row_asym``;
+    ``reference.quant.moe.gemm_input_quantizer``)."""
+    shape = (1, -1) if group_size is None else (1, int(group_size))
+    fmt = "int4_w4a8_int8"
+    return FusedMoEQuantConfig(w1=FusedMoEQuantDesc(fmt, shape, w1_scale), w2=FusedMoEQuantDesc(fmt, shape, w2_scale))
+
+
+def refine_fp8_moe_block_shape(config: FusedMoEConfig, weight_block_size: list[int]) -> list[int] | None:
+    """The FP8 block shape vLLM 0.33 refines a checkpoint's ``[block_n, block_k]`` to when the TP shard's intermediate
+    size cannot hold whole blocks (mirrors ``fused_moe/oracle/fp8.py::refine_fp8_moe_block_shape``): None when
+    ``ispp % block_n == 0`` and (TP 1 or ``ispp % block_k == 0``); else ``[r, r]`` with
+    ``r = gcd(block_n, block_k, ispp, hidden_dim)``, or None when ``r < 32``. The refined weight key is
+    ``reference.quant.fp8_static_block_key(r, r)`` (activations per 1 x r group), which only Triton-based experts
+    claim. ``ispp`` = ``config.intermediate_size_per_partition``, the TP size ``config.moe_parallel_config.tp_size``."""
+    import math
+
+    block_n, block_k = (int(v) for v in weight_block_size)
+    ispp = config.intermediate_size_per_partition
+    if ispp % block_n == 0 and (config.moe_parallel_config.tp_size == 1 or ispp % block_k == 0):
+        return None
+    refine = math.gcd(block_n, block_k, ispp, config.hidden_dim)
+    return None if refine < 32 else [refine, refine]

@@ -168,6 +168,11 @@ __all__ = ["STAGES", "Accumulation", "ErrorBound", "experts_error_bound", "heavy
 # scale shift), NVFP4 (E2M1 under an E4M3 block scale; with the per-tensor encode scale or one per token, the
 # block scale moves with the block's amax either way). Weight-only schemes (WNA16, FP8 W8A16) quantize no
 # activation: their weights are the same bits on both sides, so only accumulation and the act-dtype roundings count.
+# Issue 41's pairs use the same terms: FP8 weights of any scale layout (per tensor / channel / any bn x bk block) with
+# FP8 activations per 1xG group, per token, static per tensor or none; block INT8 W8A8's activations per 1xG group
+# (INT8's uniform step over the group, step 4 per group; truncated codes differ from rounded ones only in where the
+# grid's boundaries sit, so two values d apart still differ by k or k + 1 steps: step 3 unchanged); the CPU INT4
+# W4A8 GEMMs' own asymmetric INT8 rows (``_gemm_input_int8_rows``: the per-token INT8 step, two scale extremes).
 STAGES = ("gemm1", "activation", "gemm2", "output")  # what ``experts_error_bound(stage=...)`` can bound
 
 _MANTISSA = {
@@ -652,9 +657,10 @@ def _tail(n: int) -> float:
 
 
 def _requantize(st: _State, desc: FusedMoEQuantDesc, qc: FusedMoEQuantConfig, width: int, values: torch.Tensor,
-                stage: str, z: float = 3.0) -> int | None:
+                stage: str, z: float = 3.0, extremes: int = 1) -> int | None:
     """Rounding of a dynamically (or statically) quantized activation; returns the grid's mantissa bits (None for
-    uniform grids)."""
+    uniform grids). ``extremes``: elements whose flip moves a dynamic INT8 scale (1: the amax; 2: an asymmetric
+    range's min and max, each a step-4 event, so the group counts twice)."""
     fmt = desc.dtype
     if fmt is None:
         return None
@@ -662,7 +668,7 @@ def _requantize(st: _State, desc: FusedMoEQuantDesc, qc: FusedMoEQuantConfig, wi
     if fmt == torch.int8:
         group = _int8_group(desc, width, st.rows)
         st.round(("uniform", _tail(group) / 127.0), values, stage + " (int8)", width,
-                 scale_group=None if static else group, z=z)
+                 scale_group=None if static else group / extremes, z=z)
         return None
     p = format_mantissa_bits(fmt)
     if p is None:
@@ -690,6 +696,19 @@ def _int8_group(desc: FusedMoEQuantDesc, width: int, rows: float) -> float:
     if desc.shape == (-1, -1):
         return width * (rows if math.isfinite(rows) else 1.0)
     return width if desc.shape in ((1, -1), None) or desc.shape[1] <= 0 else desc.shape[1]
+
+
+def _gemm_input_int8_rows(quant_config: FusedMoEQuantConfig) -> FusedMoEQuantConfig | None:
+    """Issue 41: for a weight format whose GEMMs quantize their own input rows (CPU INT4 W4A8,
+    ``reference.quant.moe.gemm_input_quantizer``: asymmetric INT8 per row), the config with a2 described as the INT8
+    per-token grid that bounds it; None otherwise. The asymmetric codes ``(q - zp) * recip`` with an integer zero
+    point lie on the multiples of ``recip`` (a uniform grid anchored at 0: a zero-point change moves no grid point),
+    whose step ``range / 255 <= 2 amax / 255 < amax / 127`` is at most the symmetric per-token step of step 3; its
+    scale follows the row's min and max, two step-4 extremes (``_requantize(extremes=2)``). GEMM1's input rows are
+    quantized bit-exactly by both sides, like a prepared a1."""
+    if quant_config.w2.dtype != "int4_w4a8_int8":
+        return None
+    return dataclasses.replace(quant_config, a2=FusedMoEQuantDesc(torch.int8, (1, -1)))
 
 
 def _is_fp8_mma(desc: FusedMoEQuantDesc) -> bool:
@@ -854,7 +873,12 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
     st.round(act_grid, act_values, "activation rounded", I)
     if stage == "activation":  # a flip of its gate (carried times cond) and of its up half, then its own rounding
         return _stage_bound(st, c, (cond + (1.0 if gated else 0.0) + 1.0) * step_act, accumulation)
-    p_a2 = _requantize(st, quant_config.a2, quant_config, I, act_values, "a2 requantized", z=c["z_events"])
+    rows_qc = _gemm_input_int8_rows(quant_config)  # issue 41: GEMM2 quantizes its own rows (asymmetric INT8)
+    if rows_qc is not None:
+        quant_config = rows_qc
+    p_a2 = _requantize(st, quant_config.a2, quant_config, I, act_values,
+                       "a2 quantized in GEMM2" if rows_qc is not None else "a2 requantized", z=c["z_events"],
+                       extremes=2 if rows_qc is not None else 1)
     # Step 7b: the heaviest flip at GEMM2's input that the call makes with more than the normal tail's probability.
     # One event's largest size at GEMM2's input, relative to its value (mantissa 1): an h flip under it carried
     # through the activation (a gate flip times cond, an up flip once) plus the one step of GEMM2's input grid that

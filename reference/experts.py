@@ -22,6 +22,8 @@ quantization, and the output sum uses weight 1.
 
 Dequantization (``dequant`` above) multiplies each code by the scale of its group: per tensor (one scale per expert),
 per token / per output channel, per 1xG group along K, or per 128x128 block; it is exact in fp32 for FP8/INT8 codes.
+Where a weight format's kernels quantize the GEMM's input rows themselves (CPU INT4 W4A8: asymmetric INT8 per row,
+``reference.quant.moe.gemm_input_quantizer``), ``a`` and ``g'`` are those rows' quantize-dequantize values.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from reference.modular import (
 )
 from reference.quant.moe import _per_expert, dequant_activation, dequant_groups, dequant_weight, moe_kernel_quantize_input, \
     weight_pack_factor
+from reference.quant.moe import gemm_input_quantizer
 
 __all__ = ["fused_experts", "fused_experts_with_heavy", "experts_unreduced", "ReferenceExperts", "reference_support", "dequant_groups", "local_expert_ids", "check_moe_inputs"]
 
@@ -188,6 +191,9 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
         return (h + bias.to(acc_dtype)).to(act_dtype)
 
     act_fn = apply_activation_per_op if profile.activation == "per_op" else apply_moe_activation
+    # Weight formats whose GEMMs quantize their own input rows (CPU INT4 W4A8: asymmetric INT8 per row; issue 41).
+    lhs1 = gemm_input_quantizer(qc.w1) or (lambda rows: rows)
+    lhs2 = gemm_input_quantizer(qc.w2) or (lambda rows: rows)
     a = dequant_activation(a1q, a1q_scale, qc.a1)
     if "input" in sub:
         a, inplace = sub["input"].float(), False  # a substituted input has no codes: the fp32 product of its values
@@ -206,7 +212,7 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
             a_s = a1q_scale if a1q_scale is None or a1q_scale.numel() == 1 else a1q_scale.reshape(M, -1)[t]
             h = gemm_codes(a1q[t], a_s, w1, qc.w1, e)
         else:
-            h = gemm(a[t], dequant_weight(w1, qc.w1, e))
+            h = gemm(lhs1(a[t]), dequant_weight(w1, qc.w1, e))
         h = add_bias(h, None if qc.w1_bias is None else qc.w1_bias[e])
         if "gemm1" in sub:
             h = sub["gemm1"][t, k].to(act_dtype)
@@ -245,7 +251,7 @@ def experts_unreduced(a1q, a1q_scale, w1, w2, topk_ids, expert_map, qc, activati
             g_s = gs if gs is None or gs.numel() == 1 else gs.reshape(g_all.size(0), -1)[rows]
             y = gemm_codes(gq[rows], g_s, w2, qc.w2, e)
         else:
-            y = gemm(g_all[rows], dequant_weight(w2, qc.w2, e))
+            y = gemm(lhs2(g_all[rows]), dequant_weight(w2, qc.w2, e))
         out[t, k] = add_bias(y, None if qc.w2_bias is None else qc.w2_bias[e])
         if "gemm2" in sub:
             out[t, k] = sub["gemm2"][t, k].to(act_dtype)

@@ -238,6 +238,121 @@ _BUILDERS: dict[str, Callable] = {
 }
 
 
+# --- issue 41: the FP8 / INT scheme pairs of vLLM 0.33 the seeds lack (Humming cross pairs, XPU FP8 W8A16, FP8 block
+# shapes, block INT8 W8A8, Humming INT8, CPU INT4 W4A8 with in-kernel INT8 activations). Weights are quantized with
+# the rules of the existing schemes of the same weight format; the activation descriptors are the pair's activation
+# key (dynamic FP8 per 1x128 group / per token, static FP8 per tensor with the FP8_A*_STATIC_SCALE scales, none).
+_FP8 = torch.float8_e4m3fn
+# activation descriptor per activation key name: (shape, static scale for a1, for a2)
+_FP8_ACT = {"none": None, "kFp8Dynamic128Sym": ((1, 128), None, None), "kFp8DynamicTokenSym": ((1, -1), None, None),
+            "kFp8StaticTensorSym": ((-1, -1), FP8_A1_STATIC_SCALE, FP8_A2_STATIC_SCALE)}
+
+
+def _with_fp8_activations(qc: FusedMoEQuantConfig, act_key: str, extra) -> FusedMoEQuantConfig:
+    """``qc`` with the a1 / a2 descriptors of the FP8 activation key ``act_key`` (unchanged for ``"none"``)."""
+    import dataclasses
+
+    act = _FP8_ACT[act_key]
+    fields = {k: v for k, v in extra.items() if v is not None}
+    if act is not None:
+        shape, s1, s2 = act
+        fields.update(a1=_desc(_FP8, shape, s1), a2=_desc(_FP8, shape, s2))
+    return dataclasses.replace(qc, **fields) if fields else qc
+
+
+def _desc(dtype, shape, scale=None):
+    from reference.config import FusedMoEQuantDesc
+
+    return FusedMoEQuantDesc(dtype, shape, scale)
+
+
+def _fp8_cross(scheme, w1, w2, w1_bias, w2_bias, extra):
+    """FP8 weights per tensor / per output channel / per block (the scheme's weight key) under the scheme's activation
+    key: vLLM 0.33's Humming pairs (``experts/fused_humming_moe.py``) and XPU's FP8 W8A16 (``experts/xpu_moe.py``)."""
+    sch = get_scheme(scheme)
+    wk = sch.quant_keys()[0]
+    gs = tuple(wk.scale.group_shape)
+    if gs == (-1, -1) or gs == (-1, 1):
+        per_channel = gs == (-1, 1)
+        (w1q, s1), (w2q, s2) = (_stack([q.scaled_fp8_quant(w[e], use_per_token_if_dynamic=per_channel)
+                                        for e in range(w.shape[0])]) for w in (w1, w2))
+        if not per_channel:
+            s1, s2 = s1.reshape(-1), s2.reshape(-1)
+        qc = fp8_w8a16_moe_quant_config(s1, s2, per_out_ch_quant=per_channel)
+    else:  # bn x bk blocks (fp32 scales), the block shape read from the weight key
+        w1q, s1 = q.per_block_quant_fp8(w1, gs)
+        w2q, s2 = q.per_block_quant_fp8(w2, gs)
+        qc = fp8_w8a16_moe_quant_config(s1, s2, block_shape=list(gs))
+    return w1q, w2q, _with_fp8_activations(qc, sch.activation_key, extra)
+
+
+def _fp8_block_shape(scheme, w1, w2, w1_bias, w2_bias, extra):
+    """FP8 weights per ``bn x bk`` block (the weight key's group shape: vLLM 0.33 accepts any checkpoint
+    ``weight_block_size`` and ``refine_fp8_moe_block_shape``'s ``[r, r]``), activations per 1 x bk group
+    (``fused_moe/utils.py::_fp8_quantize``), as ``fp8_block64``."""
+    bn, bk = get_scheme(scheme).quant_keys()[0].scale.group_shape
+    w1q, s1 = q.per_block_quant_fp8(w1, (bn, bk))
+    w2q, s2 = q.per_block_quant_fp8(w2, (bn, bk))
+    return w1q, w2q, fp8_w8a8_moe_quant_config(s1, s2, block_shape=[bn, bk], **extra)
+
+
+def _int8_block(scheme, w1, w2, w1_bias, w2_bias, extra):
+    """Block INT8 W8A8 (``fused_moe.py`` ``use_int8_w8a8`` + ``block_shape``): 128x128 weight blocks, activations per
+    1x128 group with vLLM's truncating ``per_token_group_quant_int8``."""
+    from reference.config import int8_w8a8_block_moe_quant_config
+
+    (w1q, s1), (w2q, s2) = q.per_block_quant_int8(w1, (128, 128)), q.per_block_quant_int8(w2, (128, 128))
+    return w1q, w2q, int8_w8a8_block_moe_quant_config(s1, s2, [128, 128])
+
+
+def _int8_cross(scheme, w1, w2, w1_bias, w2_bias, extra):
+    """Humming's INT8 weight pairs: weight-only INT8 (``kInt8Static``, as ``int8_w8a16``) with FP8 dynamic per-token
+    activations, and INT8 per-channel weights (as ``int8_channel_token``) with bf16 activations."""
+    import dataclasses
+
+    sch = get_scheme(scheme)
+    if sch.weight_key == "kInt8Static":
+        (w1q, s1, _), (w2q, s2, _) = (q.wna16_quantize(w, num_bits=8, group_size=128, zero_points=False,
+                                                       scale_dtype=w.dtype) for w in (w1, w2))
+        qc = int8_w8a16_moe_quant_config(s1, s2, block_shape=[0, 128])
+        return w1q, w2q, _with_fp8_activations(qc, sch.activation_key, extra)
+    (w1q, s1), (w2q, s2) = q.int8_quant_per_channel(w1), q.int8_quant_per_channel(w2)
+    qc = int8_w8a8_moe_quant_config(s1, s2)
+    return w1q, w2q, dataclasses.replace(qc, a1=_desc(None, None), a2=_desc(None, None))
+
+
+def _int4_w4a8_int8(scheme, w1, w2, w1_bias, w2_bias, extra):
+    """CPU INT4 W4A8 (``experts/cpu_int4_moe.py``): INT4 values stored as int8 with bf16 group scales (group from
+    the weight key) or fp32 channel scales; the activations are quantized inside
+    each GEMM (asymmetric INT8 per row)."""
+    from reference.config import int4_w4a8_int8_moe_quant_config
+
+    gs = get_scheme(scheme).quant_keys()[0].scale.group_shape
+    group = None if tuple(gs) == (-1, 1) else gs[1]
+    (w1q, s1), (w2q, s2) = (q.int4_w4a8_int8_quantize_weight(w, group) for w in (w1, w2))
+    return w1q, w2q, int4_w4a8_int8_moe_quant_config(s1, s2, group)
+
+
+_BUILDERS_FP_INT: dict[str, Callable] = {
+    "fp8_tensor_w8a16": _fp8_cross,
+    "fp8_tensor_block": _fp8_cross,
+    "fp8_channel_block": _fp8_cross,
+    "fp8_channel_tensor_static": _fp8_cross,
+    "fp8_block128_w8a16": _fp8_cross,
+    "fp8_block128_token": _fp8_cross,
+    "fp8_block128x64": _fp8_block_shape,
+    "fp8_block64x128": _fp8_block_shape,
+    "fp8_block32": _fp8_block_shape,
+    "int8_block128": _int8_block,
+    "int8_w8a16_fp8_token": _int8_cross,
+    "int8_channel_w8a16": _int8_cross,
+    "int4_w4a8_int8_g128": _int4_w4a8_int8,
+    "int4_w4a8_int8_g64": _int4_w4a8_int8,
+    "int4_w4a8_int8_g32": _int4_w4a8_int8,
+    "int4_w4a8_int8_channel": _int4_w4a8_int8,
+}
+_BUILDERS.update(_BUILDERS_FP_INT)
+
 @cache
 def schemes() -> dict[str, Scheme]:
     """Every scheme of ``specs/schemes.toml`` by name, in file order.

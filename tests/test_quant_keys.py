@@ -49,6 +49,14 @@ EXPECTED = {
     "kInt4W4A8StaticGroupSym": (torch.int8, BF16, True, (1, -1), None),
     "kInt4W4A8StaticChannelSym": (torch.int8, F32, True, (-1, 1), None),
 }
+# issue 41 (FP8 / INT pairs): reference-only names of keys vLLM 0.33 builds unnamed
+EXPECTED.update({
+    "kFp8Static128x64BlockSym": (FP8, F32, True, (128, 64), None),
+    "kFp8Static64x128BlockSym": (FP8, F32, True, (64, 128), None),
+    "kFp8Static32BlockSym": (FP8, F32, True, (32, 32), None),
+    "kInt8Static128BlockSym": (torch.int8, F32, True, (128, 128), None),
+    "kInt8Dynamic128Sym": (torch.int8, F32, False, (1, 128), None),
+})
 # asymmetric keys: name -> (dtype, scale dtype, static, group shape)
 EXPECTED_ASYM = {
     "kInt4StaticAsym": (torch.uint4, F16, True, (1, -1)),
@@ -130,3 +138,14 @@ def test_keys_are_frozen_and_hashable():
     )
     assert d[again] == "deep_gemm"  # equality is by value (seed 001's tuple comparison)
     assert rq.kFp8Static128BlockSym != rq.kFp8Static128BlockE8M0Sym
+
+
+def test_fp8_static_block_key_is_the_named_key_where_one_exists():
+    """issue 41: any bn x bk FP8 block key, equal to the named ones; vLLM's Triton experts need both dims > 1."""
+    assert rq.fp8_static_block_key(128, 128) == rq.kFp8Static128BlockSym
+    assert rq.fp8_static_block_key(64, 64) == rq.kFp8Static64BlockSym
+    assert rq.fp8_static_block_key(128, 64) == rq.kFp8Static128x64BlockSym
+    assert rq.fp8_static_block_key(96, 32).scale.group_shape == GroupShape(96, 32)
+    assert rq.REFERENCE_ONLY_KEYS_FP_INT <= rq.REFERENCE_ONLY_KEYS
+    with pytest.raises(ValueError, match="both dims > 1"):
+        rq.fp8_static_block_key(1, 128)

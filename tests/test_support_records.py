@@ -59,6 +59,18 @@ TORCH_033_PAIRS = {
     (qk.kInt4StaticAsym, None), (qk.kInt4Static32, None), (qk.kInt8Static, None),
     (qk.kMxfp8Static, qk.kMxfp8Dynamic), (qk.kMxfp4Static, qk.kMxfp4Dynamic), (qk.kNvfp4Static, qk.kNvfp4DynamicToken),
 }
+# issue 41 (FP8 / INT pairs): the torch classes claim the Humming / XPU FP8 cross pairs, FP8 block shapes 128x64 /
+# 64x128 / 32x32, block INT8 W8A8, the Humming INT8 pairs and the CPU INT4 W4A8 keys.
+TORCH_033_PAIRS |= {
+    (qk.kFp8StaticTensorSym, None), (qk.kFp8StaticTensorSym, qk.kFp8Dynamic128Sym),
+    (qk.kFp8StaticChannelSym, qk.kFp8Dynamic128Sym), (qk.kFp8StaticChannelSym, qk.kFp8StaticTensorSym),
+    (qk.kFp8Static128BlockSym, None), (qk.kFp8Static128BlockSym, qk.kFp8DynamicTokenSym),
+    (qk.kFp8Static128x64BlockSym, qk.kFp8Dynamic128Sym), (qk.kFp8Static64x128BlockSym, qk.kFp8Dynamic128Sym),
+    (qk.kFp8Static32BlockSym, qk.kFp8Dynamic128Sym), (qk.kInt8Static128BlockSym, qk.kInt8Dynamic128Sym),
+    (qk.kInt8Static, qk.kFp8DynamicTokenSym), (qk.kInt8StaticChannelSym, None),
+    (qk.kInt4W4A8StaticGroup128Sym, None), (qk.kInt4W4A8StaticGroup64Sym, None),
+    (qk.kInt4W4A8StaticGroup32Sym, None), (qk.kInt4W4A8StaticGroupSym, None),
+}
 #: Claims added on purpose since the baseline: (class, pair) -> the new answer, each with why.
 INTENDED = {
     # vLLM 0.33 pairs every FP8 block shape with kFp8Dynamic128Sym; the Triton kernels computed 64x64 blocks but did

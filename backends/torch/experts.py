@@ -211,6 +211,24 @@ class TorchExperts(FusedMoEExpertsModular):
             (K.kMxfp8Static, K.kMxfp8Dynamic),
             (K.kMxfp4Static, K.kMxfp4Dynamic),
             (K.kNvfp4Static, K.kNvfp4DynamicToken),
+            # issue 41 (FP8 / INT pairs): Humming / XPU FP8 cross pairs, FP8 block shapes, block INT8 W8A8, Humming
+            # INT8, CPU INT4 W4A8 (its channel key equals kInt8StaticChannelSym: the config's format tells them apart)
+            (K.kFp8StaticTensorSym, None),
+            (K.kFp8StaticTensorSym, K.kFp8Dynamic128Sym),
+            (K.kFp8StaticChannelSym, K.kFp8Dynamic128Sym),
+            (K.kFp8StaticChannelSym, K.kFp8StaticTensorSym),
+            (K.kFp8Static128BlockSym, None),
+            (K.kFp8Static128BlockSym, K.kFp8DynamicTokenSym),
+            (K.kFp8Static128x64BlockSym, K.kFp8Dynamic128Sym),
+            (K.kFp8Static64x128BlockSym, K.kFp8Dynamic128Sym),
+            (K.kFp8Static32BlockSym, K.kFp8Dynamic128Sym),
+            (K.kInt8Static128BlockSym, K.kInt8Dynamic128Sym),
+            (K.kInt8Static, K.kFp8DynamicTokenSym),
+            (K.kInt8StaticChannelSym, None),
+            (K.kInt4W4A8StaticGroup128Sym, None),
+            (K.kInt4W4A8StaticGroup64Sym, None),
+            (K.kInt4W4A8StaticGroup32Sym, None),
+            (K.kInt4W4A8StaticGroupSym, None),
         }),
         activations=frozenset(_GATED | _NO_MUL),
         finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
@@ -312,6 +330,8 @@ class TorchExperts(FusedMoEExpertsModular):
             tokens = order // topk
             act_dtype = output.dtype
             rows = self._input_rows(hidden_states, a1q_scale, tokens)
+            if qc.w1.dtype == "int4_w4a8_int8":  # CPU INT4 W4A8: the GEMM quantizes its own rows (issue 41)
+                rows = tq.int8_asym_rows(rows)
             w1x = self._weights(w1, qc.w1, experts)
             h = padded_grouped_mm(rows, counts, torch.arange(len(experts), device=rows.device), w1x, torch.float32)
             if qc.w1_bias is not None:  # the bias joins the fp32 accumulator before the store rounds it
@@ -319,6 +339,8 @@ class TorchExperts(FusedMoEExpertsModular):
             h = h.to(act_dtype)
             g = torch_activation(activation, h, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit, *self._situ())
             g = _requantize(g, qc)
+            if qc.w2.dtype == "int4_w4a8_int8":
+                g = tq.int8_asym_rows(g)
             w2x = self._weights(w2, qc.w2, experts)
             y = padded_grouped_mm(g, counts, torch.arange(len(experts), device=rows.device), w2x, torch.float32)
             if qc.w2_bias is not None:
@@ -392,6 +414,8 @@ class TorchBatchedExperts(TorchExperts):
                 else:
                     rows[e, :n] = dequant(hidden_states[e, :n], s, qc.a1.shape if qc.a1.dtype is not None else None)
         all_e = torch.arange(E, device=hidden_states.device)
+        if qc.w1.dtype == "int4_w4a8_int8":  # CPU INT4 W4A8: each GEMM quantizes its own rows (zero rows stay zero)
+            rows = tq.int8_asym_rows(rows)
         h = torch.bmm(rows, self._weights(w1, qc.w1, all_e).float().transpose(1, 2))
         if qc.w1_bias is not None:
             h = h + qc.w1_bias.float().unsqueeze(1)
@@ -402,6 +426,8 @@ class TorchBatchedExperts(TorchExperts):
             n = int(counts[e])
             if n:
                 gd[e, :n] = _requantize(g[e, :n], qc).float()
+                if qc.w2.dtype == "int4_w4a8_int8":
+                    gd[e, :n] = tq.int8_asym_rows(gd[e, :n])
         y = torch.bmm(gd, self._weights(w2, qc.w2, all_e).float().transpose(1, 2))
         if qc.w2_bias is not None:
             y = y + qc.w2_bias.float().unsqueeze(1)

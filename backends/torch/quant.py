@@ -100,6 +100,9 @@ def quantize_activation(x: torch.Tensor, desc, use_ue8m0: bool):
         return scaled_fp8_quant(x, desc.scale, use_per_token_if_dynamic=desc.shape == (1, -1))
     if desc.dtype == torch.int8 and desc.shape == (1, -1) and desc.scale is None:
         return int8_quant_per_token(x)
+    if desc.dtype == torch.int8 and desc.shape is not None and desc.shape[0] == 1 and desc.shape[1] > 0 \
+            and desc.scale is None:
+        return per_token_group_quant_int8(x, desc.shape[1])
     raise NotImplementedError(f"torch backend: no activation quantizer for {desc.dtype} {desc.shape}")
 
 
@@ -191,3 +194,40 @@ def wna16_weights(qweight: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor 
     ug = u.unflatten(-1, (u.shape[-1] // group, group)).float()
     w = (ug - z.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)
     return w.flatten(-2).to(scales.dtype).float()
+
+
+# --- issue 41: block INT8 W8A8 activations and the CPU INT4 W4A8 GEMMs' own INT8 rows (own code) -------------------
+def per_token_group_quant_int8(x: torch.Tensor, group_size: int):
+    """INT8 per 1 x ``group_size`` group as vLLM's CUDA ``per_token_group_quant_int8``: absmax floored at 1e-10,
+    ``s = absmax / 127``, codes ``x * (1 / s)`` clamped to [-128, 127] and truncated toward zero."""
+    if x.shape[-1] % group_size:
+        raise ValueError(f"K={x.shape[-1]} is not a multiple of group_size={group_size}")
+    xf = x.float()
+    if not bool(torch.isfinite(xf).all()):
+        raise ValueError("per_token_group_quant_int8: NaN/inf input cannot be quantized to int8")
+    xg = xf.unflatten(-1, (x.shape[-1] // group_size, group_size))
+    a = xg.abs().amax(-1).clamp(min=1e-10)
+    s = a / torch.full_like(a, 127.0)  # tensor / tensor: IEEE division on every device
+    inv = torch.ones_like(s) / s
+    codes = (xg * inv.unsqueeze(-1)).clamp(-128.0, 127.0).trunc().to(torch.int8)
+    return codes.flatten(-2), s
+
+
+def int8_asym_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row quantized to asymmetric INT8 and back (fp32), as ``at::_dyn_quant_matmul_4bit`` packs its left-hand
+    side: the range [min(0, min), max(0, max)] onto 255 steps, a nudged zero point (ties to even), codes
+    ``round_half_away(x * scale) + zp`` clamped, values ``(q - zp) / scale`` with the reciprocal taken once."""
+    xf = x.float()
+    if not bool(torch.isfinite(xf).all()):
+        raise ValueError("int8_asym_rows: NaN/inf input cannot be quantized to int8")
+    lo = xf.amin(-1, keepdim=True).clamp(max=0.0)
+    hi = xf.amax(-1, keepdim=True).clamp(min=0.0)
+    flat = lo == hi
+    mult = torch.where(flat, torch.ones_like(lo), torch.full_like(lo, 255.0) / torch.where(flat, torch.ones_like(hi), hi - lo))
+    lo_s, hi_s = lo * mult, hi * mult
+    from_min = (lo_s - 128.0) + (hi_s + 127.0) > 0
+    zp = torch.where(from_min, -lo_s - 128.0, 127.0 - hi_s).clamp(-128.0, 127.0).round()  # round(): ties to even
+    y = xf * mult
+    r = torch.where(y >= 0, torch.floor(y + 0.5), -torch.floor(-y + 0.5))  # half away from zero
+    codes = (r + zp).clamp(-128.0, 127.0)
+    return (codes - zp) * (torch.ones_like(mult) / mult)

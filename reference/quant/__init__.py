@@ -133,6 +133,26 @@ from .recipes import DEEPGEMM, RECIPES, VLLM, QuantRecipe, get_recipe
 from .wna16 import WNA16_BIAS, pack_uint4, unpack_uint4, wna16_dequantize, wna16_quantize
 from .ue8m0 import DeepGemmQuantScaleFMT, ceil_to_ue8m0, pack_ue8m0, ue8m0_byte, unpack_ue8m0
 
+# issue 41, FP8 / INT scheme pairs: block-shape and INT8 block keys, INT8 per-token-group (truncating) and block
+# quantizers, the CPU INT4 W4A8 format with its in-kernel asymmetric INT8 activations.
+from .int_block import (
+    dequant_int8_per_row_asym,
+    dyn_quant_int8_per_row_asym,
+    int4_w4a8_int8_dequantize_weight,
+    int4_w4a8_int8_quantize_weight,
+    per_block_quant_int8,
+    per_token_group_quant_int8,
+)
+from .keys import (
+    REFERENCE_ONLY_KEYS_FP_INT,
+    fp8_static_block_key,
+    kFp8Static32BlockSym,
+    kFp8Static64x128BlockSym,
+    kFp8Static128x64BlockSym,
+    kInt8Dynamic128Sym,
+    kInt8Static128BlockSym,
+)
+
 __all__ = [
     # recipes
     "QuantRecipe", "VLLM", "DEEPGEMM", "RECIPES", "get_recipe",
@@ -168,4 +188,10 @@ __all__ = [
     "kInt4StaticGroup128Sym", "kInt4W4A8StaticGroup128Sym",
     "kFp8Static64BlockSym", "kInt4Static", "kInt4StaticAsym", "kInt4Static32", "kInt4Static32Asym", "kInt8Static", "kInt8DynamicTensorSym", "kInt8DynamicTokenAsym",
     "kInt8StaticTensorAsym", "kInt8DynamicTensorAsym", "kInt8Dynamic32Sym", "kNvfp4DynamicToken", "kInt4W4A8StaticGroup64Sym", "kInt4W4A8StaticGroup32Sym", "kInt4W4A8StaticGroupSym", "kInt4W4A8StaticChannelSym", "KEYS_NEW_IN_0_33", "REFERENCE_ONLY_KEYS",
+]
+__all__ += [  # issue 41, FP8 / INT scheme pairs
+    "per_token_group_quant_int8", "per_block_quant_int8", "dyn_quant_int8_per_row_asym", "dequant_int8_per_row_asym",
+    "int4_w4a8_int8_quantize_weight", "int4_w4a8_int8_dequantize_weight", "fp8_static_block_key",
+    "REFERENCE_ONLY_KEYS_FP_INT", "kFp8Static128x64BlockSym", "kFp8Static64x128BlockSym", "kFp8Static32BlockSym",
+    "kInt8Static128BlockSym", "kInt8Dynamic128Sym",
 ]

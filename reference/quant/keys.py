@@ -289,6 +289,43 @@ KEYS_NEW_IN_0_33 = frozenset({
 #: the seed era's reference (kInt4StaticGroup128Sym).
 REFERENCE_ONLY_KEYS = frozenset({"kFp8Static64BlockSym", "kInt4StaticGroup128Sym"})
 
+# --- issue 41 (FP8 / INT scheme pairs): keys the reference names where vLLM 0.33 builds them unnamed --------------
+# FP8 weights per bn x bk block with fp32 scales: ``quantization/fp8.py`` builds
+# ``create_fp8_quant_key(static=True, group_shape=GroupShape(*weight_block_size))`` for any checkpoint block shape
+# (``Fp8Config.weight_block_size``: any two dims) or the shape ``oracle/fp8.py::refine_fp8_moe_block_shape`` refines
+# it to (``[r, r]``, ``r = gcd(block_n, block_k, ispp, hidden) >= 32``); ``TritonExperts._supports_quant_scheme``
+# (``experts/triton_moe.py``) claims every static fp32 block shape with rows > 1 and cols > 1, paired with
+# kFp8Dynamic128Sym (activations per 1 x block_k group). :func:`fp8_static_block_key` builds any of them.
+kFp8Static128x64BlockSym = QuantKey(FP8_DTYPE, ScaleDesc(torch.float32, True, GroupShape(128, 64)))
+kFp8Static64x128BlockSym = QuantKey(FP8_DTYPE, ScaleDesc(torch.float32, True, GroupShape(64, 128)))
+kFp8Static32BlockSym = QuantKey(FP8_DTYPE, ScaleDesc(torch.float32, True, GroupShape(32, 32)))
+# INT8 W8A8 with block weight scales and per-token-group activations: ``fused_moe.py`` (``use_int8_w8a8`` with
+# ``block_shape``: ``utils.py::_int8_quantize`` -> ``int8_utils.py::per_token_group_quant_int8``), vLLM's
+# ``tests/kernels/moe/test_block_int8.py``; no experts class of 0.33 claims a key for it (TritonExperts claims INT8
+# per-channel / per-tensor only), so vLLM names neither key.
+kInt8Static128BlockSym = QuantKey(torch.int8, ScaleDesc(torch.float32, True, GroupShape(128, 128)))
+kInt8Dynamic128Sym = QuantKey(torch.int8, ScaleDesc(torch.float32, False, GroupShape(1, 128)))
+
+#: Reference-only names of the issue-41 FP8 / INT pairs (joined to REFERENCE_ONLY_KEYS).
+REFERENCE_ONLY_KEYS_FP_INT = frozenset({"kFp8Static128x64BlockSym", "kFp8Static64x128BlockSym",
+                                        "kFp8Static32BlockSym", "kInt8Static128BlockSym", "kInt8Dynamic128Sym"})
+REFERENCE_ONLY_KEYS = REFERENCE_ONLY_KEYS | REFERENCE_ONLY_KEYS_FP_INT
+__all__ += ["fp8_static_block_key", *sorted(REFERENCE_ONLY_KEYS_FP_INT)]
+
+
+def fp8_static_block_key(block_n: int, block_k: int) -> QuantKey:
+    """The FP8 weight key of ``block_n x block_k`` blocks with fp32 scales, as vLLM 0.33's ``Fp8MoEMethod`` builds it
+    (``create_fp8_quant_key(static=True, group_shape=GroupShape(block_n, block_k))``); equal to the named key where
+    one exists (kFp8Static128BlockSym, kFp8Static64BlockSym, ...).
+
+    Raises:
+        ValueError: a dimension below 2 (vLLM's Triton experts claim block shapes with rows > 1 and cols > 1 only).
+    """
+    if int(block_n) < 2 or int(block_k) < 2:
+        raise ValueError(f"an FP8 block shape needs both dims > 1 (TritonExperts), got [{block_n}, {block_k}]")
+    return create_fp8_quant_key(static=True, group_shape=GroupShape(int(block_n), int(block_k)))
+
+
 #: Every named key by name (for specs and reports).
 QUANT_KEYS: Mapping[str, QuantKey] = MappingProxyType(
     {name: value for name, value in dict(globals()).items() if name.startswith("k") and isinstance(value, QuantKey)}

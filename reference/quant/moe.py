@@ -10,8 +10,9 @@ format         w packing activation quantizer (``a1`` / ``a2``)      weight dequ
 unquantized    1         identity (scale None)                         upcast
 fp8 (e4m3)     1         static / dynamic per-tensor, per-token,       codes x scale per tensor / channel / 1xG /
                          per-1xG group (``recipe``, ``use_ue8m0``)     128x128 block (``dequant_groups``)
-int8           1         static per-tensor, dynamic per-token /        as fp8
-                         per-tensor
+int8           1         static per-tensor, dynamic per-token /        as fp8 (also bn x bk blocks)
+                         per-tensor, dynamic per 1xG group
+                         (``per_token_group_quant_int8``: truncated)
 mxfp8          1         ``mxfp8_quantize`` (recipe's MX scale rule)   ``mxfp8_dequantize``
 mxfp4          2         ``mxfp4_quantize`` (W4A4 activations)         ``mxfp4_dequantize``
 nvfp4          2         ``nvfp4_quantize`` with ``a*_gscale``, or per ``nvfp4_dequantize`` (global scale per expert)
@@ -19,6 +20,8 @@ nvfp4          2         ``nvfp4_quantize`` with ``a*_gscale``, or per ``nvfp4_d
 wna16          2 (int4)  not quantized (weight-only)                   ``wna16_dequantize``, rounded to the scales'
                                                                        dtype
 int4_w4a8      8         (its activations are fp8)                     ``w4a8_dequantize_weight`` x channel scale
+int4_w4a8_int8 1         none: each GEMM quantizes its own input rows  ``int4_w4a8_int8_dequantize_weight``
+                         (``gemm_input_quantizer``: asymmetric INT8)
 ============== ========= ============================================ =============================================
 
 ``moe_kernel_quantize_input`` mirrors ``vllm/model_executor/layers/fused_moe/utils.py::moe_kernel_quantize_input``;
@@ -45,6 +48,7 @@ __all__ = [
     "dequant_activation",
     "dequant_weight",
     "weight_pack_factor",
+    "gemm_input_quantizer",
 ]
 
 
@@ -117,6 +121,8 @@ def _quant_fp8(A, A_scale, qc, desc, desc_name):
 
 
 def _quant_int8(A, A_scale, qc, desc, desc_name):
+    if A_scale is None and desc.shape is not None and desc.shape[0] == 1 and desc.shape[1] > 0:
+        return q.per_token_group_quant_int8(A, desc.shape[1])  # block INT8 W8A8 (utils.py::_int8_quantize)
     if A_scale is not None:
         return q.int8_quant_static(A, A_scale)
     if desc.shape == (1, -1):
@@ -189,8 +195,14 @@ FORMATS: dict[str, MoEFormat] = {f.name: f for f in (
     MoEFormat("int4_w4a8", 8, None, None, _dequant_w_int4_w4a8),
 )}
 
+# issue 41: the CPU INT4 W4A8 weights (INT4 values stored as int8, bf16 group / fp32 channel scales); their GEMMs
+# quantize the activations themselves (gemm_input_quantizer), so the format has no activation quantizer of its own.
+FORMATS["int4_w4a8_int8"] = MoEFormat(
+    "int4_w4a8_int8", 1, None, None,
+    lambda w, desc, e: q.int4_w4a8_int8_dequantize_weight(w[e], desc.scale[e]))
+
 _BY_DTYPE = {None: "unquantized", torch.float8_e4m3fn: "fp8", torch.int8: "int8", "mxfp8": "mxfp8",
-             "mxfp4": "mxfp4", "nvfp4": "nvfp4", "int4_w4a8": "int4_w4a8"}
+             "mxfp4": "mxfp4", "nvfp4": "nvfp4", "int4_w4a8": "int4_w4a8", "int4_w4a8_int8": "int4_w4a8_int8"}
 
 
 def format_of(desc: FusedMoEQuantDesc) -> str | None:
@@ -260,3 +272,21 @@ def dequant_weight(w: torch.Tensor, desc: FusedMoEQuantDesc, e: int) -> torch.Te
     if name is None:
         return _dequant_w_groups(w, desc, e)
     return FORMATS[name].dequantize_weight(w, desc, e)
+
+
+def gemm_input_quantizer(w_desc: FusedMoEQuantDesc) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The quantize-dequantize a GEMM applies to its own input rows, for weight formats whose kernels quantize the
+    activations inside the GEMM; None for every other format (the config's a1 / a2 descriptors say it all).
+
+    ``"int4_w4a8_int8"`` (CPU INT4 W4A8, vLLM 0.33 ``experts/cpu_int4_moe.py``): each GEMM of
+    ``csrc/cpu/dynamic_4bit_int_moe_cpu.cpp`` (``at::_dyn_quant_matmul_4bit``) quantizes its left-hand side to
+    asymmetric INT8 per row (``reference.quant.dyn_quant_int8_per_row_asym``); the callable returns the fp32 values
+    ``(q - zp) * recip`` of ``rows (R, K)``.
+    """
+    if w_desc.dtype != "int4_w4a8_int8":
+        return None
+
+    def quantize(rows: torch.Tensor) -> torch.Tensor:
+        return q.dequant_int8_per_row_asym(*q.dyn_quant_int8_per_row_asym(rows))
+
+    return quantize

@@ -38,6 +38,10 @@ MIRRORED = [
      "deepgemm_unpermute_and_reduce"),
     ("reference.quant", "per_token_group_quant_fp8", "vllm/model_executor/layers/quantization/utils/fp8_utils.py",
      "per_token_group_quant_fp8"),
+    # issue 41 (block INT8 W8A8)
+    ("reference.quant", "per_token_group_quant_int8", "vllm/model_executor/layers/quantization/utils/int8_utils.py",
+     "per_token_group_quant_int8"),
+    ("reference.config", "refine_fp8_moe_block_shape", FMOE + "oracle/fp8.py", "refine_fp8_moe_block_shape"),
 ]
 
 # vLLM parameters the reference does not take, keyed by (reference function, vLLM name), with the reason.
