@@ -31,6 +31,7 @@ All index arithmetic is int32 (the layout is refused when it does not fit, as th
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -204,8 +205,9 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
 
 
 #: ``align_routes`` builds the layout in one launch (``_align_one_kernel``) up to this many routes (decode: M * topk
-#: of a few hundred tokens), in four launches above (the fill, then count / scan / scatter over chunks in parallel)
-ONE_LAUNCH_MAX_ROUTES = 1024
+#: of a few hundred tokens), in four launches above (the fill, then count / scan / scatter over chunks in parallel);
+#: ``MOE_TRITON_ALIGN_ONE_MAX`` sets it (0: always four launches, for an A / B on the GPU)
+ONE_LAUNCH_MAX_ROUTES = int(os.environ.get("MOE_TRITON_ALIGN_ONE_MAX", "1024"))
 
 
 def max_num_tokens_padded(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
