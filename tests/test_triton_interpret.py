@@ -659,8 +659,13 @@ def _():
             same.append(int(one.num_tiles) == n and torch.equal(one.tiles[:n], four.tiles[:n]))
         if not all(same):
             bad.append((M, topk, E, bs, ep, tiles, same))
-        r_sorted, r_eids, r_ntpp = ref_align(ids.clamp(max=E - 1).where(ids < E, torch.full_like(ids, -1)), bs, E,
-                                             emap)
+        # the reference on the local ids the layout sorts by (align_routes' slots are the nl local experts; the
+        # reference's expert_map form lays out all E global slots instead): global -> local, dropped -> -1
+        ok_id = (ids >= 0) & (ids < E)
+        loc = torch.where(ok_id, ids.clamp(0, E - 1), torch.full_like(ids, -1))
+        if emap is not None:
+            loc = torch.where(ok_id, emap.long()[loc.clamp(min=0).long()].to(torch.int32), loc)
+        r_sorted, r_eids, r_ntpp = ref_align(loc, bs, nl)
         n_pad = int(r_ntpp)
         if int(one[2]) != n_pad or not torch.equal(one[0][:n_pad], r_sorted[:n_pad]) \
                 or not torch.equal(one[1][:n_pad // bs], r_eids[:n_pad // bs]):
