@@ -5,11 +5,12 @@
     python -m benchmarks.breakdown --backend deep_gemm --ms 8 --expected-m 1,4,16,64
     python -m benchmarks.breakdown --backend triton --gemms --peer vllm --vllm-src DIR --shapes qwen3_30b-fp8_block128 --ms 1,8
 
-The step is the benchmark's (``benchmarks.harness``: the same weights, rotating inputs, ``FusedMoEKernel`` and
-``MOE_BENCH_PREPARE``) for each standard-format experts class of the backend that claims the shape, timed by
-``benchmarks.timing`` in a CUDA graph; then ``torch.profiler`` records 3 graph replays and each kernel's device time
-per call is listed in launch order with the mean gap before it (its start minus the previous kernel's end: launch
-gaps, graph nodes that are not kernels, waits), then the sum and the idle time (graph time - sum).
+The step is the benchmark's (``benchmarks.harness``: the same weights, rotating inputs, ``FusedMoEKernel``, and
+``--prepare``: the backend's own quantizers in prepare by default, as ``python -m benchmarks``) for each
+standard-format experts class of the backend that claims the shape, timed by ``benchmarks.timing`` in a CUDA
+graph; then ``torch.profiler`` records 3 graph replays and each kernel's device time per call is listed in
+launch order with the mean gap before it (its start minus the previous kernel's end: launch gaps, graph nodes that
+are not kernels, waits), then the sum and the idle time (graph time - sum).
 ``--expected-m`` (deep_gemm) times the step once per ``expected_m`` hint of the masked GEMMs (M < 128) instead of
 ``backends.deep_gemm.experts.expected_m_for``.
 ``--gemms`` breaks down the backend's GEMM-stage variants instead (``benchmarks/variants/<name>.py``: what
@@ -26,7 +27,7 @@ import sys
 import torch
 
 
-def _steps(backend: str, shape_id: str, M: int):
+def _steps(backend: str, shape_id: str, M: int, prepare: str = "backend"):
     """``[(class name, call(i), n_sets, device)]`` of the backend's standard-format classes claiming the shape."""
     from backends import load_backend
     from benchmarks import harness, shapes, timing
@@ -40,7 +41,7 @@ def _steps(backend: str, shape_id: str, M: int):
     for cls in b.experts:
         p = ExpertsParam(shape, M, b.name, cls)
         if harness.standard_modular(cls) and harness.supported(p)[0]:
-            call, _ = harness.make_experts_call(p, inp)
+            call, _ = harness.make_experts_call(p, inp, prepare=prepare)
             out.append((cls.__name__, call, len(inp.sets), dev))
     return out
 
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer", choices=("vllm",), default=None,
                     help="with --gemms: vLLM's live GEMM1 + GEMM2 launches beside them")
     ap.add_argument("--vllm-src", default=None, metavar="PATH", help="vLLM's source (see python -m benchmarks --help)")
+    ap.add_argument("--prepare", choices=("backend", "reference"), default="backend",
+                    help="the step's activation quantizers: the backend's own ops (default) or the reference's")
     args = ap.parse_args(argv)
     if args.peer and not args.gemms:
         ap.error("--peer vllm breaks down vLLM's GEMM launches beside the backend's GEMM stage: add --gemms")
@@ -134,14 +137,15 @@ def main(argv=None) -> int:
                 try:
                     for em in [int(t) for t in args.expected_m.split(",") if t]:
                         X.expected_m_for = lambda M, topk, E, em=em: em
-                        for name, call, n, dev in _steps(args.backend, sid, M):
+                        for name, call, n, dev in _steps(args.backend, sid, M, args.prepare):
                             cells.append(f"{name} {em}: {timing.measure(call, n, dev).seconds * 1e6:.1f}")
                 finally:
                     X.expected_m_for = default
                 print(f"{sid} M={M} step us by expected_m: " + ", ".join(cells), flush=True)
                 continue
             try:
-                steps = _gemm_stages(args.backend, sid, M, vllm) if args.gemms else _steps(args.backend, sid, M)
+                steps = (_gemm_stages(args.backend, sid, M, vllm) if args.gemms
+                         else _steps(args.backend, sid, M, args.prepare))
             except Exception as exc:  # noqa: BLE001 - one failing case does not stop the others
                 print(f"{sid} M={M}: {type(exc).__name__}: {exc}", flush=True)
                 continue

@@ -14,15 +14,20 @@ What runs is data: ``benchmarks/suites.toml`` (shapes, token counts, the peer, r
 1. inputs from ``benchmarks.harness`` (weights quantized by the reference as conformance does, rotating input sets
    and weight copies whose bytes exceed the L2, so decode is measured from HBM);
 2. each experts class of the backend that claims the configuration, through
-   ``FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls)`` (the ``step`` column: prepare + experts + finalize); up to
-   the suite's ``check_max_M`` its output is first checked against the reference with the error model's bound
-   (``benchmarks.check``; a failing class is not timed);
+   ``FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), cls)`` (the ``step`` column: the whole layer call, prepare + experts
+   + finalize; ``--prepare backend``, the default, quantizes the activations in prepare with the backend's own ops,
+   as a serving user runs the layer; ``--prepare reference`` with the reference's torch ops, the same for every
+   backend); up to the suite's ``check_max_M`` its output is first checked against the reference with the error
+   model's bound (``benchmarks.check``; a failing class is not timed);
 3. the backend's own extra variants, if ``benchmarks/variants/`` has a module for it (``variants.VARIANTS``; the GEMM
    stage alone, which the peers' figures time): ``variants(shape, M, inputs, device) -> [(name, call(i))]``,
    ``extra(shape, inputs) -> {column: text}``, ``gate_variants(gate_shape, M, sets) -> [(name, call(i))]``, each
    optional;
-4. timing by ``benchmarks.timing.measure`` (CUDA graphs, median of rounds; wall clock on CPU); floor and roofline
-   by ``benchmarks.roofline`` on the ceilings ``benchmarks.timing.measure_ceilings`` measures in the same run.
+4. timing by ``benchmarks.timing.measure`` (the whole call captured in a CUDA graph and replayed, median of rounds;
+   a call that cannot be captured is timed eagerly between CUDA events and the reason is printed and recorded in
+   ``graph_errors``; wall clock on CPU); floor and roofline by ``benchmarks.roofline`` on the ceilings
+   ``benchmarks.timing.measure_ceilings`` measures in the same run. ``step / gemms`` (suites that compare
+   ``gemms``) is what the step adds around its GEMM stage.
 
 ``--peer vllm`` (suites that compare ``gemms``: triton, deep_gemm) replaces the stored figures with vLLM's own Triton
 ``fused_moe_kernel`` and tuned configs, read from an installed vllm or its source (``--vllm-src`` / ``$MOE_VLLM_SRC``;
@@ -75,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="vLLM source for --peer vllm: an unpacked sdist, an sdist .tar.gz, a vllm package directory "
                          "or a `python -m benchmarks.peer_vllm slice` tree (default: $MOE_VLLM_SRC, else an installed "
                          "vllm, never imported)")
+    ap.add_argument("--prepare", choices=("backend", "reference"), default="backend",
+                    help="the step's activation quantizers in prepare: the backend's own ops (default: what a "
+                         "serving user runs) or the reference's torch ops (the same for every backend)")
     ap.add_argument("--json", default=None, help="write the results here (default: $OUT/benchmark-<backend>.json "
                                                  "when $OUT is set)")
     args = ap.parse_args(argv)
@@ -159,7 +167,7 @@ def main(argv=None) -> int:
         log(f"peer: vLLM {vllm.version} fused_moe_kernel from {vllm.fused_moe_path} (kernel file {vllm.kernel_path})")
     doc = run_suite(backend, suite, experts, ms, gates, gate_ms, check=not args.no_check,
                     peer_mode="vllm" if vllm is not None else "none" if args.peer != "stored" else "stored",
-                    vllm=vllm)
+                    vllm=vllm, prepare=args.prepare)
     from benchmarks import report
 
     path = args.json or (os.path.join(os.environ["OUT"], f"benchmark-{args.backend}.json")
@@ -178,10 +186,10 @@ def main(argv=None) -> int:
 
 
 def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True, peer_mode: str = "stored",
-              vllm=None) -> dict:
+              vllm=None, prepare: str = "backend") -> dict:
     """Measure ``experts`` x ``ms`` (and the gate shapes) for ``backend``; the results document. ``peer_mode``:
     ``stored`` (the suite's peers.toml figures), ``vllm`` (``vllm``, a ``benchmarks.peer_vllm.VllmTriton``, timed
-    live on every row) or ``none``."""
+    live on every row) or ``none``; ``prepare``: the step's quantizers (``benchmarks.harness._prepare_for``)."""
     import torch
 
     from benchmarks import harness, report, suites, timing, variants
@@ -206,7 +214,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
     doc = {"backend": backend.name, "version": backend.version, "device": info, "ceilings": ceilings,
            "peer": None if peer is None else {k: getattr(peer, k) for k in ("name", "title", "device", "source",
                                                                              "measures", "unit")},
-           "compare": suite.compare, "experts": [], "gate": [], "failures": [], "notes": []}
+           "compare": suite.compare, "experts": [], "gate": [], "failures": [], "notes": [],
+           "prepare_mode": prepare}
     if vllm is not None:
         doc["peer"] = {"name": "vllm_live", "title": f"vLLM {vllm.version} (live)", "device": info.get("name"),
                        "source": f"{vllm.fused_moe_path} (fused_moe_kernel, tuned configs of its configs/; per row: "
@@ -226,7 +235,7 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 continue
             row = {"case": shape.id, "label": shape.label, "M": M, "scheme": shape.scheme, "E": shape.E,
                    "topk": shape.topk, "K": shape.K, "I": shape.I, "times_s": {}, "methods": {}, "checks": {},
-                   "extra": {}}
+                   "extra": {}, "graph_errors": {}, "prepare_ops": {}}
             try:
                 inp = harness.experts_inputs(shape, M, device, l2)
                 if hook is not None and hasattr(hook, "extra"):
@@ -250,7 +259,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 name = "step" if len(claimed) == 1 else f"step:{cls.__name__}"
                 row.setdefault("impl", cls.__name__)
                 try:
-                    call, prep = harness.make_experts_call(ExpertsParam(shape, M, backend.name, cls), inp)
+                    call, prep = harness.make_experts_call(ExpertsParam(shape, M, backend.name, cls), inp,
+                                                           prepare=prepare)
                     doc.setdefault("prepare", prep)
                     timed.append((name, call, cls.__name__, cls))
                 except Exception as exc:  # noqa: BLE001
@@ -262,7 +272,7 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 except Exception as exc:  # noqa: BLE001
                     fail(f"{shape.id} M={M} variants", exc)
             for other in suite.beside if claimed else ():
-                timed += _beside(other, shape, M, inp, row, fail)
+                timed += _beside(other, shape, M, inp, row, fail, prepare)
             if vllm is not None and claimed:
                 timed += _vllm_peer(vllm, shape, M, inp, device, row, doc, check and M <= suite.check_max_M)
             for name, call, key, cls in timed:
@@ -278,6 +288,13 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                     m = timing.measure(call, len(inp.sets), device, settings,
                                        graph_key=f"{backend.name}.{key}.{shape.scheme}")
                     row["times_s"][name], row["methods"][name] = m.seconds, m.method
+                    if device.type == "cuda" and m.method != "cuda-graph":
+                        row["graph_errors"][name] = m.graph_error or f"timed by {m.method}"
+                        log(f"  {shape.id} M={M} {name}: not captured in a CUDA graph, timed eagerly "
+                            f"(launch gaps included): {row['graph_errors'][name]}")
+                    used = _prepare_ops(call)
+                    if used is not None:
+                        row["prepare_ops"][name] = used
                 except Exception as exc:  # noqa: BLE001
                     fail(f"{shape.id} M={M} {name}", exc)
             if vllm is not None:  # the peer's column and check last
@@ -304,7 +321,18 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
     return doc
 
 
-def _beside(name: str, shape, M: int, inp, row: dict, fail) -> list:
+def _prepare_ops(call) -> str | None:
+    """Which quantizers a step's prepare ran (``harness.make_experts_call``'s ``call.prepares``): the backend ops a
+    ``BackendQuantPrepare`` called (``reference`` where it fell back to the reference's, ``unquantized``), or
+    ``reference`` for the reference's prepare; None for a variant."""
+    preps = getattr(call, "prepares", None)
+    if preps is None:
+        return None
+    used = sorted({op for p in preps for op in getattr(p, "used", {})})
+    return ", ".join(used) if used else "reference"
+
+
+def _beside(name: str, shape, M: int, inp, row: dict, fail, prepare: str = "backend") -> list:
     """``[(column, call, graph key, class)]`` for the step of backend ``name`` (a suite's ``beside``) on the same
     inputs: its first standard-format experts class that claims the configuration; none (with a note) when the
     backend cannot run here or claims nothing."""
@@ -325,7 +353,7 @@ def _beside(name: str, shape, M: int, inp, row: dict, fail) -> list:
         p = ExpertsParam(shape, M, other.name, cls)
         if harness.standard_modular(cls) and harness.supported(p)[0]:
             try:
-                call, _ = harness.make_experts_call(p, inp)
+                call, _ = harness.make_experts_call(p, inp, prepare=prepare)
             except Exception as exc:  # noqa: BLE001
                 fail(f"{shape.id} M={M} {name} step", exc)
                 return []

@@ -10,9 +10,11 @@ the device and quantized with ``reference.schemes.quantize_weights`` (the refere
 ``n_sets`` rotating sets of hidden states ``~ N(0, 1)`` and routing (top-k of the softmax of random logits over the
 held experts, int32 ids); weight copies too when the layer's weights are smaller than 4 x L2.
 
-``MOE_BENCH_PREPARE=backend`` quantizes the activations in prepare with the backend's own
-``per_token_group_quant_fp8`` / ``scaled_fp8_quant`` op where it offers one (default ``reference``: every backend
-gets the same reference prepare, so rows differ only in the experts step).
+The step's prepare (``make_experts_call(..., prepare=)``): ``"backend"`` quantizes the activations with the
+backend's own ``per_token_group_quant_fp8`` / ``scaled_fp8_quant`` / ``int8_quant_per_token`` op where it offers one
+(what a serving user pays: ``python -m benchmarks --backend NAME`` does this by default), ``"reference"`` with the
+reference's torch ops (every backend gets the same prepare, so rows differ only in the experts step); unset:
+``MOE_BENCH_PREPARE`` (default ``reference``, the pytest suite's side-by-side rows).
 """
 
 from __future__ import annotations
@@ -350,36 +352,79 @@ def moe_config_for(shape: S.ExpertsShape):
     )
 
 
-def _prepare_for(backend_name: str):
-    """``MoEPrepareAndFinalizeNoEP`` (default), or with ``MOE_BENCH_PREPARE=backend`` a subclass whose a1
-    quantization uses the backend's own op when it has one. Returns (instance, label)."""
+PREPARE_MODES = ("backend", "reference")
+
+
+def _prepare_for(backend_name: str, mode: str | None = None):
+    """``(prepare/finalize instance, label)`` for the step of ``backend_name``: ``MoEPrepareAndFinalizeNoEP`` with
+    the reference's quantizers (``mode`` ``"reference"``), or (``"backend"``) a subclass whose a1 quantization runs
+    the backend's own op where it has one for the scheme (:class:`BackendQuantPrepare`); ``mode`` None:
+    ``MOE_BENCH_PREPARE`` (default ``reference``).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
     from reference.modular import MoEPrepareAndFinalizeNoEP
 
-    if os.environ.get("MOE_BENCH_PREPARE", "reference") != "backend" or backend_name == "reference":
+    mode = mode if mode is not None else os.environ.get("MOE_BENCH_PREPARE", "reference")
+    if mode not in PREPARE_MODES:
+        raise ValueError(f"prepare mode {mode!r}: expected one of {PREPARE_MODES}")
+    if mode != "backend" or backend_name == "reference":
         return MoEPrepareAndFinalizeNoEP(), "reference"
-    b = _ready(backend_name)
+    b = _ready(backend_name) or backends().get(backend_name, (None, None))[0]  # (on a CPU: the interpreter)
     ops = getattr(b, "ops", {}) or {}
-    group_op, tensor_op = ops.get("per_token_group_quant_fp8"), ops.get("scaled_fp8_quant")
-    if group_op is None and tensor_op is None:
+    quant_ops = {k: ops[k] for k in ("per_token_group_quant_fp8", "scaled_fp8_quant", "int8_quant_per_token")
+                 if k in ops}
+    if not quant_ops:
         return MoEPrepareAndFinalizeNoEP(), "reference (backend has no quant op)"
+    return backend_quant_prepare_class()(quant_ops), f"{backend_name} quant ops ({', '.join(quant_ops)})"
+
+
+@cache
+def backend_quant_prepare_class():
+    """The class ``BackendQuantPrepare`` (built on first use: this module imports only torch at import time)."""
+    from reference.modular import MoEPrepareAndFinalizeNoEP
 
     class BackendQuantPrepare(MoEPrepareAndFinalizeNoEP):
+        """``MoEPrepareAndFinalizeNoEP`` whose a1 quantization calls a backend's ops (``ops``: name -> function, the
+        reference's signatures), as vLLM's prepare calls its custom ops: FP8 1 x group (``per_token_group_quant_fp8``),
+        FP8 per-tensor static / dynamic and dynamic per-token (``scaled_fp8_quant``), INT8 dynamic per-token
+        (``int8_quant_per_token``). Anything else (no such op, deferred quantization, the router weight on the input,
+        unquantized or other formats) goes through the reference's prepare. ``used`` counts the calls per op
+        (``"reference"``: the reference's quantizer ran, ``"unquantized"``: nothing to quantize)."""
+
+        def __init__(self, ops: dict):
+            self.ops = dict(ops)
+            self.used: dict[str, int] = {}
+
+        def _quant(self, a1, quant_config):
+            d = quant_config.a1
+            shape = d.shape
+            if d.dtype == torch.float8_e4m3fn:
+                if shape is not None and shape[0] == 1 and shape[1] > 0 and "per_token_group_quant_fp8" in self.ops:
+                    return "per_token_group_quant_fp8", self.ops["per_token_group_quant_fp8"](
+                        a1, shape[1], use_ue8m0=quant_config.use_ue8m0)
+                if shape in ((-1, -1), (1, -1)) and "scaled_fp8_quant" in self.ops and not (
+                        shape == (1, -1) and d.scale is not None):
+                    return "scaled_fp8_quant", self.ops["scaled_fp8_quant"](
+                        a1, d.scale, use_per_token_if_dynamic=shape == (1, -1))
+            elif d.dtype == torch.int8 and shape == (1, -1) and d.scale is None and "int8_quant_per_token" in self.ops:
+                return "int8_quant_per_token", self.ops["int8_quant_per_token"](a1)
+            return None, None
+
         def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
                     quant_config, defer_input_quant=False):
-            d = quant_config.a1
-            if defer_input_quant or apply_router_weight_on_input or d.dtype != torch.float8_e4m3fn:
-                return super().prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
-                                       apply_router_weight_on_input, quant_config, defer_input_quant)
-            if d.shape is not None and d.shape[0] == 1 and d.shape[1] > 0 and group_op is not None:
-                q, s = group_op(a1, d.shape[1], use_ue8m0=quant_config.use_ue8m0)
-                return q, s, None, None, None
-            if tensor_op is not None and d.shape in ((-1, -1), (1, -1)):
-                q, s = tensor_op(a1, d.scale, use_per_token_if_dynamic=d.shape == (1, -1))
-                return q, s, None, None, None
+            name = "unquantized" if quant_config.a1.dtype is None else "reference"
+            if not (defer_input_quant or apply_router_weight_on_input or quant_config.a1.dtype is None):
+                op, qs = self._quant(a1 if a1.is_contiguous() else a1.contiguous(), quant_config)
+                if op is not None:
+                    self.used[op] = self.used.get(op, 0) + 1
+                    return qs[0], qs[1], None, None, None
+            self.used[name] = self.used.get(name, 0) + 1
             return super().prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
                                    apply_router_weight_on_input, quant_config, defer_input_quant)
 
-    return BackendQuantPrepare(), f"{backend_name} quant ops"
+    return BackendQuantPrepare
 
 
 def supported(p: ExpertsParam) -> tuple[bool, str]:
@@ -403,8 +448,11 @@ def _weights_qc_key(shape: S.ExpertsShape):
     return qc.weight_key, qc.activation_key
 
 
-def make_experts_call(p: ExpertsParam, inp: ExpertsInputs):
-    """``(call(i), prepare_label)``: one layer call on input set ``i`` (weights copy ``i % copies``)."""
+def make_experts_call(p: ExpertsParam, inp: ExpertsInputs, prepare: str | None = None):
+    """``(call(i), prepare_label)``: one layer call on input set ``i`` (weights copy ``i % copies``); ``prepare``:
+    ``"backend"`` / ``"reference"`` quantizers in the step's prepare (None: ``MOE_BENCH_PREPARE``, see
+    ``_prepare_for``). ``call.prepares``: the prepare/finalize instances (a ``BackendQuantPrepare``'s ``used``
+    counts the backend ops it ran)."""
     shape = p.shape
     copies, sets = inp.weights.copies, inp.sets
     nw = len(copies)
@@ -421,10 +469,11 @@ def make_experts_call(p: ExpertsParam, inp: ExpertsInputs):
     from reference.modular import FusedMoEKernel
 
     moe_config = moe_config_for(shape)
-    kernels = []
+    kernels, prepares = [], []
     label = "reference"
     for w1, w2, qc in copies:
-        prep, label = _prepare_for(p.backend)
+        prep, label = _prepare_for(p.backend, prepare)
+        prepares.append(prep)
         kernels.append(FusedMoEKernel(prep, p.cls(moe_config, qc)))
 
     def call(i):
@@ -432,6 +481,7 @@ def make_experts_call(p: ExpertsParam, inp: ExpertsInputs):
         h, tw, ids = sets[i]
         return kernels[i % nw].apply(h, w1, w2, tw, ids, **kw)
 
+    call.prepares = prepares
     return call, label
 
 

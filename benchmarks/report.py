@@ -232,10 +232,19 @@ def render_suite(doc: dict) -> str:
                      + "; check = worst metric / its error-model bound against the reference ((e): timed eagerly, "
                        "graph capture failed).")
         if doc.get("prepare") and any(c == "step" or c.startswith("step:") for c in cols):
-            # the step's prepare quantizes the activations; with the reference's torch ops (the default, so that
-            # rows differ only in the experts step) that is several kernels, most of a decode step's time
+            # the step's prepare quantizes the activations: with the backend's own ops (python -m benchmarks'
+            # default) or the reference's torch ops (several kernels, most of a decode step's time)
+            mode = doc.get("prepare_mode")
+            how = {"backend": " (--prepare backend: the backend's own ops; --prepare reference: the reference's)",
+                   "reference": " (--prepare reference; --prepare backend: the backend's own ops)"}.get(
+                mode, " (MOE_BENCH_PREPARE=backend: the backend's own op)")
+            ops = sorted({o for r in rows for v in r.get("prepare_ops", {}).values() for o in v.split(", ")})
             lines.append(f"step = the whole layer call: prepare + experts + finalize; the activations are quantized in "
-                         f"prepare by {doc['prepare']} (MOE_BENCH_PREPARE=backend: the backend's own op).")
+                         f"prepare by {doc['prepare']}{how}" + (f"; ops run: {', '.join(ops)}." if ops else "."))
+        graph = [f"{r['case']} M={r['M']} {k}: {v}" for r in rows for k, v in r.get("graph_errors", {}).items()]
+        if graph:
+            lines.append(f"not captured in a CUDA graph (timed eagerly, launch gaps included): {len(graph)}"
+                         + "".join(f"\n  - {g[:200]}" for g in graph[:10]))
         pre = [r["peer_s"] / r["times_s"][ref] for r in rows if r.get("peer_s") and r.get("times_s", {}).get(ref)
                and r["M"] >= 1024]
         dec = [100 * r["floor_s"] / r["times_s"][ref] for r in rows if r.get("times_s", {}).get(ref)
@@ -245,6 +254,7 @@ def render_suite(doc: dict) -> str:
                          f"{_geomean(pre):.3f}x over {len(pre)} points")
         if dec:
             lines.append(f"decode (M 8..64) % of floor of {ref}: min {min(dec):.0f}%, mean {sum(dec) / len(dec):.0f}%")
+        lines += _criteria(rows, ref, peer, ratios)
     gates = doc.get("gate", [])
     if gates:
         cols = _variants(gates)
@@ -261,6 +271,36 @@ def render_suite(doc: dict) -> str:
     lines.append(f"failures: {len(fails)}" + "".join(f"\n  - {f[:220]}" for f in fails[:25]))
     lines += doc.get("notes", [])
     return "\n".join(lines)
+
+
+#: issue 44's bar for the whole step against its GEMM stage (``step / gemms``)
+STEP_OVER_GEMMS_BAR = 1.3
+
+
+def _criteria(rows: list[dict], ref: str, peer, ratios: list) -> list[str]:
+    """Summary lines counted over every row of the table: rows at or above the peer (speedup >= 1.00x, the rows
+    below named), the M = 4096 rows' % of the floor, and ``step / gemms`` against ``STEP_OVER_GEMMS_BAR`` (the rows
+    above it named)."""
+    out = []
+    sp = [(r, r["peer_s"] / r["times_s"][ref]) for r in rows if r.get("peer_s") and r.get("times_s", {}).get(ref)]
+    if peer and sp:
+        low = [f"{r['case']} M={r['M']} {x:.2f}x" for r, x in sp if x < 1.0]
+        no_peer = sum(1 for r in rows if r.get("times_s", {}).get(ref) and not r.get("peer_s"))
+        out.append(f"rows at or above 1.00x of {peer['title']}: {len(sp) - len(low)} of {len(sp)}"
+                   + (f" ({no_peer} rows without a peer time)" if no_peer else "")
+                   + (f"; below: {', '.join(low)}" if low else ""))
+    big = [100 * r["floor_s"] / r["times_s"][ref] for r in rows if r["M"] == 4096 and r.get("floor_s")
+           and r.get("times_s", {}).get(ref)]
+    if big:
+        out.append(f"M = 4096 % of floor of {ref}: min {min(big):.0f}% over {len(big)} rows")
+    if ("step / gemms", "step", "gemms") in ratios:
+        rs = [(r, r["times_s"]["step"] / r["times_s"]["gemms"]) for r in rows
+              if r.get("times_s", {}).get("step") and r.get("times_s", {}).get("gemms")]
+        if rs:
+            over = [f"{r['case']} M={r['M']} {x:.2f}" for r, x in rs if x > STEP_OVER_GEMMS_BAR]
+            out.append(f"step / gemms: max {max(x for _, x in rs):.2f}; {len(rs) - len(over)} of {len(rs)} rows "
+                       f"<= {STEP_OVER_GEMMS_BAR}" + (f"; above: {', '.join(over)}" if over else ""))
+    return out
 
 
 def _jsonable(x):

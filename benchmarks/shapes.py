@@ -195,11 +195,13 @@ def gate_shapes() -> tuple[GateShape, ...]:
 
 def experts_shape(shape_id: str) -> ExpertsShape:
     """The shape of id ``shape_id``: one of :func:`gpu_experts_shapes` / :func:`cpu_experts_shapes`, or a known
-    ``<model>[_tpN|_epN]`` prefix of those with another scheme of ``specs/schemes.toml`` (``dsv3_ep8-bf16``)."""
+    ``<model>[_tpN|_epN]`` prefix of those with another scheme of ``specs/schemes.toml`` (``dsv3_ep8-bf16``), with
+    ``-cpu_small`` at its end scaled down as :func:`cpu_experts_shapes` (``mixtral_tp2-fp8_tensor-cpu_small``)."""
     known = {s.id: s for s in gpu_experts_shapes() + cpu_experts_shapes()}
     if shape_id in known:
         return known[shape_id]
-    prefix, _, scheme = shape_id.partition("-")
+    small = shape_id.endswith("-cpu_small")  # the CPU scale-down of cpu_experts_shapes, for any scheme
+    prefix, _, scheme = shape_id.removesuffix("-cpu_small").partition("-")
     base = next((s for s in gpu_experts_shapes() if s.id.partition("-")[0] == prefix), None)
     from specs import load_schemes
 
@@ -207,6 +209,9 @@ def experts_shape(shape_id: str) -> ExpertsShape:
         raise KeyError(f"unknown experts shape {shape_id!r}: known {sorted(known)}, or <prefix>-<scheme> with a "
                        f"prefix of {sorted({s.id.partition('-')[0] for s in gpu_experts_shapes()})} and a scheme "
                        "of specs/schemes.toml")
+    if small:
+        return ExpertsShape(shape_id, base.model, scheme, tp=base.tp, ep=base.ep, scale=8, max_experts=16,
+                            note="CPU scale-down: K, I / 8 (multiples of 128), E <= 16")
     return ExpertsShape(shape_id, base.model, scheme, tp=base.tp, ep=base.ep, note=base.note)
 
 

@@ -21,7 +21,10 @@ def test_arguments():
     a = cli.parse_args(["--backend", "triton", "--shapes", "qwen3_30b_bf16, dsv3_ep8-fp8_block128", "--ms", "1,64"])
     assert a.backend == "triton" and a.shapes == ["qwen3_30b_bf16", "dsv3_ep8-fp8_block128"] and a.ms == [1, 64]
     assert not a.quick and not a.no_check and a.json is None
-    for bad in ([], ["--backend", "triton", "--ms", "1,x"], ["--backend", "triton", "--quick", "--ms", "1"]):
+    assert a.prepare == "backend"  # the step a serving user pays: the backend's own quantizers in prepare
+    assert cli.parse_args(["--backend", "triton", "--prepare", "reference"]).prepare == "reference"
+    for bad in ([], ["--backend", "triton", "--ms", "1,x"], ["--backend", "triton", "--quick", "--ms", "1"],
+                ["--backend", "triton", "--prepare", "torch"]):
         with pytest.raises(SystemExit) as e:
             cli.parse_args(bad)
         assert e.value.code == 2
@@ -140,6 +143,76 @@ def test_table_on_synthetic_figures():
     assert "failures: 1" in text and "a note" in lines
     assert ("step = the whole layer call: prepare + experts + finalize; the activations are quantized in prepare by "
             "reference (MOE_BENCH_PREPARE=backend: the backend's own op).") in lines
+
+
+def _doc_issue44():
+    """Four rows as the triton suite's with a live peer: one below the peer, one whose step is 1.5x its GEMMs, an
+    M = 4096 row, one step timed eagerly (its capture failed)."""
+    def row(case, M, step, gemms, peer, floor, **kw):
+        return dict(case=case, label=case, M=M, E=8, topk=2, K=4096, I=7168, scheme="fp8_tensor",
+                    times_s={"step": step * 1e-6, "gemms": gemms * 1e-6, "vLLM 0.33.0": peer * 1e-6},
+                    methods={"step": "cuda-graph", "gemms": "cuda-graph", "vLLM 0.33.0": "cuda-graph"},
+                    checks={}, floor_s=floor * 1e-6, peer_s=peer * 1e-6, extra={},
+                    prepare_ops={"step": "scaled_fp8_quant"}, graph_errors={}, **kw)
+    rows = [row("mixtral_tp2-fp8_tensor", 1, 110.0, 100.0, 81.0, 84.0),
+            row("mixtral_tp2-fp8_tensor", 8, 390.0, 260.0, 270.0, 250.0),
+            row("mixtral_tp2-fp8_tensor", 4096, 2600.0, 2500.0, 2600.0, 1800.0),
+            row("qwen3_30b-bf16", 64, 300.0, 280.0, 290.0, 280.0)]
+    rows[3]["prepare_ops"] = {"step": "unquantized"}
+    rows[3]["methods"]["step"] = "cuda-events"
+    rows[3]["graph_errors"] = {"step": "RuntimeError: operation not permitted when stream is capturing"}
+    return {"backend": "triton", "device": {"name": "NVIDIA H200"},
+            "ceilings": {"copy_bytes_per_s": 4.2e12, "matmul_flops_per_s": {"bf16": 7.9e14}},
+            "peer": {"title": "vLLM 0.33.0 (live)", "device": "NVIDIA H200", "source": "vllm", "measures": "gemms",
+                     "unit": "us", "live": True, "column": "vLLM 0.33.0"},
+            "compare": "gemms", "experts": rows, "prepare": "triton quant ops (scaled_fp8_quant)",
+            "prepare_mode": "backend", "gate": [], "failures": [], "notes": []}
+
+
+def test_table_reads_issue_44_criteria_per_row():
+    """The summary counts every row: rows at or above the peer (the rows below named), the M = 4096 rows' % of the
+    floor, step / gemms against 1.3 (the rows above named), which quantizers the step's prepare ran, and the rows
+    timed eagerly with their capture error."""
+    lines = report.render_suite(_doc_issue44()).splitlines()
+    head = next(ln for ln in lines if ln.startswith("| shape"))
+    assert "| step / gemms |" in head
+    assert "| mixtral_tp2-fp8_tensor (8,2,4096,7168) | 8 | 390.00 | 260.00 | 270.00 | 1.04x | 1.50 | 250.00 | 96% |" \
+        in "\n".join(lines)
+    assert "rows at or above 1.00x of vLLM 0.33.0 (live): 3 of 4; below: mixtral_tp2-fp8_tensor M=1 0.81x" in lines
+    assert "M = 4096 % of floor of gemms: min 72% over 1 rows" in lines
+    assert "step / gemms: max 1.50; 3 of 4 rows <= 1.3; above: mixtral_tp2-fp8_tensor M=8 1.50" in lines
+    assert any(ln.startswith("step = the whole layer call") and "by triton quant ops (scaled_fp8_quant) "
+               "(--prepare backend" in ln and ln.endswith("ops run: scaled_fp8_quant, unquantized.") for ln in lines)
+    i = lines.index("not captured in a CUDA graph (timed eagerly, launch gaps included): 1")
+    assert lines[i + 1] == ("  - qwen3_30b-bf16 M=64 step: RuntimeError: operation not permitted when stream is "
+                            "capturing")
+    assert "| qwen3_30b-bf16 (8,2,4096,7168) | 64 | 300.00 (e) |" in "\n".join(lines)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the CPU run of the torch backend")
+def test_torch_backend_step_uses_its_own_quantizers(capsys, tmp_path):
+    """``--prepare backend`` (the default): the FP8 step quantizes its input with the backend's own ops (recorded per
+    row in ``prepare_ops``) and still passes the check against the reference (the error model's bound);
+    ``--prepare reference`` runs the reference's prepare."""
+    import json
+
+    out = tmp_path / "r.json"
+    shapes = "qwen3_30b-fp8_block128-cpu_small,mixtral_tp2-fp8_tensor-cpu_small,qwen3_30b-fp8_channel_token-cpu_small"
+    rc = cli.main(["--backend", "torch", "--shapes", shapes, "--ms", "2", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    doc = json.loads(out.read_text())
+    ops = {r["case"]: r["prepare_ops"]["step"] for r in doc["experts"]}
+    assert ops == {"qwen3_30b-fp8_block128-cpu_small": "per_token_group_quant_fp8",
+                   "mixtral_tp2-fp8_tensor-cpu_small": "scaled_fp8_quant",
+                   "qwen3_30b-fp8_channel_token-cpu_small": "scaled_fp8_quant"}, ops
+    assert all(r["checks"]["step"].startswith("ok ") for r in doc["experts"]), doc["experts"]
+    assert doc["prepare_mode"] == "backend" and doc["prepare"].startswith("torch quant ops")
+    rc = cli.main(["--backend", "torch", "--shapes", "mixtral_tp2-fp8_tensor-cpu_small", "--ms", "2", "--prepare",
+                   "reference", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["prepare"] == "reference" and doc["experts"][0]["prepare_ops"]["step"] == "reference"
 
 
 @pytest.mark.skipif(not NO_GPU, reason="the CPU run of the torch backend")

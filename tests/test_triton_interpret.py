@@ -40,7 +40,7 @@ CHECKS = [
     "experts_router_weight_on_input",
     "experts_fp8_block", "experts_fp8_block_swap_ab", "experts_fp8_nonblock_swap_ab", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
     "experts_fp8_channel_token", "experts_int8", "fp8_promotion_order", "experts_fp8_promotion",
-    "experts_permute_a", "align_tiles", "experts_half_tail", "experts_n_tiles", "experts_split_k",
+    "experts_permute_a", "align_tiles", "align_one_launch", "experts_half_tail", "experts_n_tiles", "experts_split_k",
     "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "experts_stages",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
@@ -622,6 +622,54 @@ def _():
         n = int(lay.num_tiles)
         if n != len(want) or lay.tiles[:n].tolist() != want or n > lay.tiles.numel():
             bad.append((M, topk, E, bs, ep, n, len(want)))
+    return bad or None
+
+
+@check("align_one_launch")
+def _():
+    """The one-launch layout (``_align_one_kernel``, up to ``ONE_LAUNCH_MAX_ROUTES`` routes) equals the four-launch
+    one and the reference's, field by field (sorted ids, expert ids, num_tokens_post_padded, local ids, the
+    HALF_TAIL tile list): several chunks carried in one program (E = 128: 16-route chunks here), an expert map
+    with dropped routes, -1 and out-of-range ids, block sizes 16 / 64, one route and the threshold itself."""
+    from backends.triton.experts import layout_rows
+    bad = []
+    saved = T_align.ONE_LAUNCH_MAX_ROUTES
+    for M, topk, E, bs, ep, tiles in ((1, 8, 128, 16, None, False), (13, 8, 128, 16, None, True),
+                                      (100, 8, 128, 16, 4, True), (64, 2, 8, 64, None, True), (1, 1, 4, 16, None, False),
+                                      (128, 8, 128, 16, None, False), (37, 4, 16, 16, 2, False)):
+        ids = torch.stack([torch.randperm(E, generator=G)[:topk] for _ in range(M)]).to(torch.int32)
+        if M > 10:  # no-route sentinels and ids outside the id space (dropped)
+            ids[3, 0], ids[5, topk - 1] = -1, E + 3
+        emap = determine_expert_map(ep, ep - 1, E)[1].to(torch.int32) if ep else None
+        nl = E // ep if ep else E
+        rows = layout_rows(ids.numel(), nl, bs)
+        lays = []
+        for limit in (saved, 0):  # one launch, four launches
+            T_align.ONE_LAUNCH_MAX_ROUTES = limit
+            try:
+                lays.append(T_align.align_routes(ids, bs, nl, emap, E if ep else nl, rows, tiles=tiles))
+            finally:
+                T_align.ONE_LAUNCH_MAX_ROUTES = saved
+        one, four = lays
+        if ids.numel() > saved:
+            bad.append(f"case M={M} topk={topk} has {ids.numel()} routes, above the one-launch limit {saved}")
+        n = int(four.num_tiles) if tiles else 0
+        same = [torch.equal(a, b) for a, b in zip(one[:4], four[:4])]
+        if tiles:
+            same.append(int(one.num_tiles) == n and torch.equal(one.tiles[:n], four.tiles[:n]))
+        if not all(same):
+            bad.append((M, topk, E, bs, ep, tiles, same))
+        # the reference on the local ids the layout sorts by (align_routes' slots are the nl local experts; the
+        # reference's expert_map form lays out all E global slots instead): global -> local, dropped -> -1
+        ok_id = (ids >= 0) & (ids < E)
+        loc = torch.where(ok_id, ids.clamp(0, E - 1), torch.full_like(ids, -1))
+        if emap is not None:
+            loc = torch.where(ok_id, emap.long()[loc.clamp(min=0).long()].to(torch.int32), loc)
+        r_sorted, r_eids, r_ntpp = ref_align(loc, bs, nl)
+        n_pad = int(r_ntpp)
+        if int(one[2]) != n_pad or not torch.equal(one[0][:n_pad], r_sorted[:n_pad]) \
+                or not torch.equal(one[1][:n_pad // bs], r_eids[:n_pad // bs]):
+            bad.append(("reference", M, topk, E, bs, ep))
     return bad or None
 
 

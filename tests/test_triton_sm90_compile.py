@@ -183,12 +183,12 @@ SHAPES = shapes()
 from backends.triton.experts import fused_experts, strict_kernels
 
 for name, M in (("qwen3_30b_bf16", 1024), ("qwen3_30b_bf16", 4096), ("qwen3_30b_fp8blk", 1024),
-                ("dsv3_ep8_fp8blk", 4096)):
+                ("dsv3_ep8_fp8blk", 4096), ("mixtral_tp2_fp8_tensor", 4096), ("qwen3_30b_fp8_channel_token", 1024)):
     sh = next(s for s in SHAPES if s.name == name)
     w1, w2, qc, act = sm90._weights(sh)
     x = torch.empty(M, sh.K, dtype=torch.bfloat16)
     w, ids = make_routing(M, sh.E, sh.topk, torch.device("cpu"), seed=M)
-    fp8 = sh.scheme == "fp8_block128"
+    fp8 = sh.scheme.startswith("fp8")  # block, per-tensor or per-channel: the FP8 tile list (tune --variants ws)
     bm = 64 if M == 1024 else 128
     g = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128 if fp8 else 64, GROUP_SIZE_M=8,
              num_warps=bm // 16, num_stages=3)
@@ -219,8 +219,8 @@ print(json.dumps(dict(fallback=[k.name for k in log])))
 
 
 def test_every_warp_specialized_variant_compiles():
-    """Every warp-specialized variant the tuner tries (ping-pong and cooperative; bf16 and block FP8; GEMM1 with
-    SiLU-and-mul and GEMM2; 64- and 128-row tiles, HALF_TAIL) compiles for sm_90 to 12 warps without spills, within
+    """Every warp-specialized variant the tuner tries (ping-pong and cooperative; bf16, block FP8 and FP8 per-tensor /
+    per-channel; GEMM1 with SiLU-and-mul and GEMM2; 64- and 128-row tiles, HALF_TAIL) compiles for sm_90 to 12 warps without spills, within
     the SM's shared memory, on wgmma, the block-FP8 ones with their promotion overlapped; and an entry the kernel
     does not cover names why under ``strict_kernels`` (as the tuner runs) and falls back to ``fused_moe_kernel``
     otherwise."""
@@ -230,6 +230,12 @@ def test_every_warp_specialized_variant_compiles():
     kernels = [r for r in rows if "variant" in r]
     names = {r["variant"] for r in kernels}
     assert {"ws2-pingpong", "ws12-coop-bm128+half_tail", "ws12-pingpong-bm64", "ws1-coop+ws2-pingpong"} <= names, names
+    # FP8 per-tensor / per-channel (issue 44): every variant of the FP8 tile list runs on the kernel (strict_kernels
+    # raised for none), GEMM1 and GEMM2 both where the variant puts both there
+    for shape in ("mixtral_tp2_fp8_tensor", "qwen3_30b_fp8_channel_token"):
+        got = [r["variant"] for r in kernels if r["shape"] == shape]
+        assert {"ws12-coop-bm128", "ws12-pingpong-bm64", "ws12-coop-bm128-unfused"} <= set(got), (shape, got)
+        assert got.count("ws12-coop-bm128") == 2, (shape, got)
     bad = [r for r in kernels if r["stack"] > 0 or r["shared"] > SM90["max_shared_mem"] or r["warps"] != 12
            or not {"HGMMA", "QGMMA"} & set(r["ops"]) or ("QGMMA" in r["ops"] and not r["ops"].get("DEPBAR_LE_1"))]
     assert not bad, f"warp-specialized variants spilling, over shared memory, or with serialized wgmmas: {bad}"

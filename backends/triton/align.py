@@ -6,7 +6,8 @@ Layout (see the reference): for each local expert ``e`` in increasing order, the
 ``-1``, out of range (when dropping) or mapped to ``-1`` by ``expert_map`` are dropped.
 
 Unlike vLLM's CUDA kernel (atomics: order within an expert is arbitrary), this implementation is deterministic and
-reproduces the reference's order exactly, in four launches and without host synchronization:
+reproduces the reference's order exactly, in four launches (one for small inputs, below) and without host
+synchronization:
 
 1. ``torch.full`` fills ``sorted_token_ids`` with the padding value ``numel``;
 2. ``_align_count_kernel`` (one program per chunk of routes): local expert of every route, per-chunk per-expert
@@ -20,11 +21,17 @@ With ``tiles=True`` (the experts' ``HALF_TAIL`` configs) launches 3 and 4 also b
 blocks in pairs, plus its odd last block alone (``first_block * 2 + full``), in sorted-row order, so that the GEMMs
 run two-block tiles and one single-block tail per expert in one launch.
 
+Up to ``ONE_LAUNCH_MAX_ROUTES`` routes (decode) the four steps run in one launch instead, ``_align_one_kernel``: one
+program does the fill, walks the chunks in turn (counts carried from chunk to chunk instead of scanned), then
+scatters and writes the expert ids, with CTA barriers between the phases; the same layout, three launches fewer on
+the step's critical path.
+
 All index arithmetic is int32 (the layout is refused when it does not fit, as the reference does).
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -124,6 +131,85 @@ def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, exp
             tl.store(tiles_ptr + t, b * 2 + full, mask=ok & (r % 2 == 0))
 
 
+@triton.jit
+def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr, expert_ids_ptr,
+                      tiles_ptr, ntpp_ptr, ntiles_ptr, numel, num_ids, total_len, num_blocks, E,
+                      CHUNK: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr,
+                      FILL: tl.constexpr, HAS_MAP: tl.constexpr, TILES: tl.constexpr):
+    """The whole layout in one program (small ``numel``: decode): the fill, ``_align_count_kernel`` over the chunks
+    in turn (each route's rank = its rank inside its chunk + the routes of its expert in the chunks before),
+    ``_align_scan_kernel``'s segment ends and ``_align_scatter_kernel``'s writes, with CTA barriers between the
+    phases (each phase reads what other threads of the program wrote to global memory in the one before)."""
+    # 1. sorted_token_ids = numel (the padding value)
+    for f0 in range(0, total_len, FILL):
+        f = f0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + f, tl.zeros([FILL], dtype=tl.int32) + numel, mask=f < total_len)
+    # 2. local expert and rank of every route, counts per expert
+    cols = tl.arange(0, E_PAD)
+    carry = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, numel, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        m = offs < numel
+        ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+        valid = m & (ids >= 0) & (ids < num_ids)
+        if HAS_MAP:
+            le = tl.load(emap_ptr + tl.where(valid, ids, 0), mask=valid, other=-1).to(tl.int32)
+        else:
+            le = ids
+        le = tl.where(valid, le, -1)
+        oh = (le[:, None] == cols[None, :]).to(tl.int32)
+        rank = tl.sum((tl.cumsum(oh, axis=0) - 1 + carry[None, :]) * oh, axis=1)
+        carry += tl.sum(oh, axis=0)
+        tl.store(local_ptr + offs, le, mask=m)
+        tl.store(rank_ptr + offs, rank, mask=m)
+    # 3. segment ends (padded to BS), num_tokens_post_padded, the tile list's ends
+    padded = tl.where(cols < E, (carry + BS - 1) // BS * BS, 0)
+    end = tl.cumsum(padded, axis=0)
+    tl.store(ends_ptr + cols, end)
+    tl.store(ntpp_ptr, tl.sum(padded, axis=0))
+    if TILES:
+        nt = (padded // BS + 1) // 2
+        tl.store(tile_end_ptr + cols, tl.cumsum(nt, axis=0))
+        tl.store(ntiles_ptr, tl.sum(nt, axis=0))
+    tl.debug_barrier()  # the fill, local / rank and the ends are read below by other threads of the program
+    # 4. scatter the routes to their rows
+    for c0 in range(0, numel, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        m = offs < numel
+        le = tl.load(local_ptr + offs, mask=m, other=-1)
+        keep = m & (le >= 0)
+        lec = tl.where(keep, le, 0)
+        rank = tl.load(rank_ptr + offs, mask=keep, other=0)
+        seg_end = tl.load(ends_ptr + lec, mask=keep, other=0)
+        seg_start = tl.load(ends_ptr + lec - 1, mask=keep & (lec > 0), other=0)
+        pos = seg_start + rank
+        tl.store(sorted_ptr + pos, offs, mask=keep & (pos < seg_end))
+    # 5. the expert id of every block (and the tile list), as _align_scatter_kernel over all blocks
+    ends = tl.load(ends_ptr + cols)
+    ecol = cols < E
+    for b0 in range(0, num_blocks, BLK):
+        b = b0 + tl.arange(0, BLK)
+        p = b * BS
+        eid = tl.sum(((ends[None, :] <= p[:, None]) & ecol[None, :]).to(tl.int32), axis=1)
+        eid = tl.where(eid >= E, -1, eid)
+        tl.store(expert_ids_ptr + b, eid, mask=b < num_blocks)
+        if TILES:
+            ok = (b < num_blocks) & (eid >= 0)
+            ec = tl.where(ok, eid, 0)
+            seg_start = tl.load(ends_ptr + ec - 1, mask=ok & (ec > 0), other=0)
+            seg_end = tl.load(ends_ptr + ec, mask=ok, other=0)
+            r = b - seg_start // BS
+            t = tl.load(tile_end_ptr + ec - 1, mask=ok & (ec > 0), other=0) + r // 2
+            full = ((b + 2) * BS <= seg_end).to(tl.int32)
+            tl.store(tiles_ptr + t, b * 2 + full, mask=ok & (r % 2 == 0))
+
+
+#: ``align_routes`` builds the layout in one launch (``_align_one_kernel``) up to this many routes (decode: M * topk
+#: of a few hundred tokens), in four launches above (the fill, then count / scan / scatter over chunks in parallel);
+#: ``MOE_TRITON_ALIGN_ONE_MAX`` sets it (0: always four launches, for an A / B on the GPU)
+ONE_LAUNCH_MAX_ROUTES = int(os.environ.get("MOE_TRITON_ALIGN_ONE_MAX", "1024"))
+
+
 def max_num_tokens_padded(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
     """Length of ``sorted_token_ids`` (same rule as ``reference.align.max_num_tokens_padded``):
     ``numel + E * (bs - 1)`` (rounded up to bs if ``pad_sorted_ids``), capped at ``numel * bs`` when
@@ -187,7 +273,10 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
     dev = topk_ids.device
     numel = topk_ids.numel()
     num_blocks = cdiv(total_len, block_size)
-    sorted_ids = torch.full((total_len,), numel, dtype=torch.int32, device=dev)
+    if 0 < numel <= ONE_LAUNCH_MAX_ROUTES:  # filled by the one-launch kernel's first phase
+        sorted_ids = torch.empty((total_len,), dtype=torch.int32, device=dev)
+    else:
+        sorted_ids = torch.full((total_len,), numel, dtype=torch.int32, device=dev)
     expert_ids = torch.empty((num_blocks,), dtype=torch.int32, device=dev)
     ntpp = torch.empty((1,), dtype=torch.int32, device=dev)
     local = torch.empty((numel,), dtype=torch.int32, device=dev)
@@ -204,6 +293,19 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
         return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
     e_pad = next_pow2(num_slots + 1)
     chunk, cb = _chunk_sizes(e_pad)
+    if numel <= ONE_LAUNCH_MAX_ROUTES:
+        rank = torch.empty((numel,), dtype=torch.int32, device=dev)
+        ends = torch.empty((e_pad,), dtype=torch.int32, device=dev)
+        tile_ends = torch.empty((e_pad,), dtype=torch.int32, device=dev) if tiles else ends
+        blk = max(16, min(128, next_pow2(num_blocks), 8192 // e_pad))
+        _align_one_kernel[(1,)](topk_ids.reshape(-1), expert_map if expert_map is not None else topk_ids, local, rank,
+                                ends, tile_ends, sorted_ids, expert_ids, tile_list if tiles else expert_ids, ntpp,
+                                ntiles if tiles else ntpp, numel, num_ids, total_len, num_blocks, num_slots,
+                                CHUNK=max(16, min(chunk, next_pow2(numel))), E_PAD=e_pad, BS=block_size, BLK=blk,
+                                FILL=1024 if not INTERPRET else 256,
+                                HAS_MAP=expert_map is not None, TILES=tiles, num_warps=8,
+                                num_stages=1)  # no loop pipelining across the phases' barrier
+        return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
     num_chunks = cdiv(numel, chunk)
     rank = torch.empty((numel,), dtype=torch.int32, device=dev)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)

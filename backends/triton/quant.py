@@ -224,7 +224,7 @@ def quantize_activation(x: torch.Tensor, qmode: int, scale: torch.Tensor | None 
         if M:
             launch_act_quant(x=x, y=qv, stat=stat, qmode=QMODE_FP8_TENSOR_AMAX, **kw)
             launch_act_quant(x=x, y=qv, ys=srow, stat=stat, qmode=QMODE_FP8_TENSOR_QUANT, **kw)
-            return q, srow[:1, 0].clone()
+            return q, srow[:1, 0]  # a view (not a copy: one kernel fewer in the experts step's prepare)
         return q, torch.zeros(1, dtype=torch.float32, device=x.device)
     raise ValueError(f"unknown quantization mode {qmode}")
 
@@ -238,9 +238,14 @@ def _check_hp(x, fn):
 
 
 def _static_scale(scale, fn) -> torch.Tensor:
+    """The one-element fp32 static scale; its value is checked on the host (a device-to-host copy), except while a
+    CUDA graph is being captured on its device (a copy cannot be recorded: the check ran on the eager warm-up call,
+    as ``backends._validation`` does for route ids)."""
     t = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale), dtype=torch.float32)
     if t.numel() != 1:
         raise ValueError(f"{fn}: a static scale must have exactly one element, got shape {tuple(t.shape)}")
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return t.reshape(1).to(torch.float32)
     v = float(t.reshape(()))
     if not (v > 0.0 and v != float("inf")):
         raise ValueError(f"{fn}: scale must be positive and finite, got {v!r}")
