@@ -28,6 +28,11 @@ EXPECTED = {
     "kMxfp8Dynamic": (FP8, E8M0, False, (1, 32), None),
     "kMxfp4Static": (FP4, E8M0, True, (1, 32), None),
     "kMxfp4Dynamic": (FP4, E8M0, False, (1, 32), None),
+    # MXFP6 (vLLM 0.33 quant_utils.py: scalar_types.float6_e3m2f / float6_e2m3f, E8M0 per 1x32)
+    "kMxfp6E3M2Static": (rq.keys.FP6_E3M2_DTYPE, E8M0, True, (1, 32), None),
+    "kMxfp6E3M2Dynamic": (rq.keys.FP6_E3M2_DTYPE, E8M0, False, (1, 32), None),
+    "kMxfp6E2M3Static": (rq.keys.FP6_E2M3_DTYPE, E8M0, True, (1, 32), None),
+    "kMxfp6E2M3Dynamic": (rq.keys.FP6_E2M3_DTYPE, E8M0, False, (1, 32), None),
     "kNvfp4Static": (FP4, FP8, True, (1, 16), (F32, True, (-1, -1))),
     "kNvfp4Dynamic": (FP4, FP8, False, (1, 16), (F32, True, (-1, -1))),
     "kInt8StaticChannelSym": (torch.int8, F32, True, (-1, 1), None),

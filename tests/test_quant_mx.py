@@ -369,3 +369,132 @@ def test_mx_subnormal_blocks_match_oracle(rule):
     p, s4 = mxfp4_quantize(x, scale_rule=rule)
     want_p, want_s4 = oracle_mxfp4(x.numpy(), rule)
     assert np.array_equal(s4.numpy(), want_s4) and np.array_equal(p.numpy(), want_p)
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP6 (E3M2 / E2M3): oracle ml_dtypes float6_e3m2fn / float6_e2m3fn; scale rule "even" = Quark's even_round
+
+from reference.quant import fp6_decode, fp6_encode, mxfp6_dequantize, mxfp6_quantize, pack_fp6, unpack_fp6  # noqa: E402
+
+FP6 = {"e3m2": (ml_dtypes.float6_e3m2fn, 28.0, 4, 2), "e2m3": (ml_dtypes.float6_e2m3fn, 7.5, 2, 3)}
+
+
+def _ml_codes(x: np.ndarray, element: str) -> np.ndarray:
+    return x.astype(F32).astype(FP6[element][0]).view(np.uint8)
+
+
+@pytest.mark.parametrize("element", sorted(FP6))
+def test_fp6_decode_every_code_matches_ml_dtypes(element):
+    codes = np.arange(64, dtype=np.uint8)
+    want = codes.view(FP6[element][0]).astype(F32)
+    got = fp6_decode(torch.from_numpy(codes), element).numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # bitwise: -0.0 is code 32
+    assert float(got.max()) == FP6[element][1] and len(set(got[:32].tolist())) == 32
+
+
+@pytest.mark.parametrize("element", sorted(FP6))
+def test_fp6_encode_representable_values_ties_and_saturation(element):
+    """Every representable value encodes to its own code; every midpoint between neighbours (both signs) rounds to
+    the even code as ml_dtypes does; values just off a midpoint go to the nearer neighbour; past the largest value
+    (and +-inf) saturates."""
+    vals = np.arange(32, dtype=np.uint8).view(FP6[element][0]).astype(F32)  # 0 .. max, increasing
+    assert np.all(np.diff(vals) > 0)
+    mids = ((vals[:-1].astype(np.float64) + vals[1:]) / 2).astype(F32)  # exact in fp32
+    assert np.array_equal(mids.astype(np.float64), (vals[:-1].astype(np.float64) + vals[1:]) / 2)
+    near = np.concatenate([np.nextafter(mids, F32(0)), np.nextafter(mids, F32(np.inf))])
+    big = np.array([vals[-1] * 1.0625, vals[-1] * 1.2, 1e30, np.inf], dtype=F32)
+    x = np.concatenate([vals, mids, near, big])
+    x = np.concatenate([x, -x])
+    got = fp6_encode(torch.from_numpy(x), element).numpy()
+    assert np.array_equal(got, _ml_codes(x, element))
+    assert np.array_equal(got[: len(vals)], np.arange(32))
+    # ties to even: the midpoint's code has mantissa LSB 0
+    tie_codes = got[len(vals): 2 * len(vals) - 1]
+    assert np.all(tie_codes % 2 == 0)
+    assert np.all(got[-len(big):] == 63) and np.all(got[len(x) // 2 - len(big): len(x) // 2] == 31)
+
+
+@pytest.mark.parametrize("element", sorted(FP6))
+def test_fp6_encode_every_bf16_matches_ml_dtypes(element):
+    t, want = all_bf16()
+    fin = ~np.isnan(want)
+    got = fp6_encode(t[torch.from_numpy(fin)], element).numpy()
+    assert np.array_equal(got, _ml_codes(want[fin], element))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64))
+def test_fp6_encode_fp32_matches_ml_dtypes(vals):
+    x = np.array(vals, dtype=F32)
+    for element in FP6:
+        assert np.array_equal(fp6_encode(torch.from_numpy(x), element).numpy(), _ml_codes(x, element))
+
+
+def test_fp6_errors():
+    with pytest.raises(ValueError, match="NaN"):
+        fp6_encode(torch.tensor([float("nan")]), "e3m2")
+    with pytest.raises(ValueError, match="element"):
+        fp6_encode(torch.zeros(2), "e4m3")
+    with pytest.raises(TypeError):
+        fp6_encode(torch.zeros(2, dtype=torch.int32), "e2m3")
+    with pytest.raises(ValueError, match="0..63"):
+        fp6_decode(torch.tensor([64], dtype=torch.uint8), "e3m2")
+    with pytest.raises(ValueError, match="divisible by 4"):
+        pack_fp6(torch.zeros(6, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="divisible by 3"):
+        unpack_fp6(torch.zeros(4, dtype=torch.uint8))
+
+
+def test_pack_fp6_quark_layout_hand_bytes_and_round_trip():
+    # Quark Pack_fp6: byte0 = v1[1:0] v0[5:0], byte1 = v2[3:0] v1[5:2], byte2 = v3[5:0] v2[5:4] (MSB first)
+    c = torch.tensor([[0b000001, 0b110010, 0b101011, 0b111111]], dtype=torch.uint8)
+    b = pack_fp6(c)
+    assert b.tolist() == [[0b10_000001, 0b1011_1100, 0b111111_10]]
+    assert torch.equal(unpack_fp6(b), c)
+    codes = torch.randint(0, 64, (3, 5, 96), generator=torch.Generator().manual_seed(6), dtype=torch.uint8)
+    p = pack_fp6(codes)
+    assert p.shape == (3, 5, 72) and torch.equal(unpack_fp6(p), codes)
+
+
+@pytest.mark.parametrize("element", sorted(FP6))
+def test_fp6_scale_rule_even_is_quarks_even_round(element):
+    """Quark's even_round (vLLM 0.33 mxfp6_utils.py): round amax's fp32 mantissa to mbits (add 2^(22-mbits), keep
+    sign and exponent), floor(log2) - emax, clamp [-127, 127]. Oracle: frexp with the mantissa threshold
+    2 - 2^-(mbits+1) (E3M2: 1.875, E2M3: 1.9375)."""
+    _, _, emax, mbits = FP6[element]
+    a = amax_samples()
+    E, m = frexp_em(a)
+    want = np.clip(E + (m >= 2 - 2.0 ** -(mbits + 1)) - emax, -127, 127) + 127
+    got = mx_scale_e8m0(torch.from_numpy(a), element=element, scale_rule="even").numpy().astype(int)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("element", sorted(FP6))
+def test_mxfp6_matches_oracle_and_dequantizes_exactly_to_bf16(element):
+    t, vmax, emax, mbits = FP6[element]
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(12, 320, generator=g) * torch.logspace(-10, 10, 12).unsqueeze(1)).to(torch.bfloat16)
+    codes, s = mxfp6_quantize(x, element)
+    xb = x.float().numpy().reshape(12, 10, 32)
+    E, m = frexp_em(np.abs(xb).max(-1))
+    e = np.clip(E + (m >= 2 - 2.0 ** -(mbits + 1)) - emax, -127, 127)
+    y = (xb / np.ldexp(F32(1), e)[..., None].astype(F32)).reshape(12, 320)
+    assert np.array_equal(s.numpy(), (e + 127).astype(np.uint8))
+    assert codes.shape == (12, 320) and np.array_equal(codes.numpy(), _ml_codes(y, element))
+    deq = mxfp6_dequantize(codes, s, element)
+    want = (codes.numpy().view(t).astype(F32).reshape(12, 10, 32) * np.ldexp(F32(1), e)[..., None]).reshape(12, 320)
+    assert np.array_equal(deq.numpy(), want)
+    # vLLM's emulation casts the dequantized values to the activation dtype: exact here
+    assert torch.equal(mxfp6_dequantize(codes, s, element, out_dtype=torch.bfloat16).float(), deq)
+    # on the grid, quantize(dequantize(q)) == q
+    c2, s2 = mxfp6_quantize(deq, element)
+    assert torch.equal(c2, codes) and torch.equal(s2, s)
+
+
+def test_mxfp6_zero_and_poisoned_blocks():
+    x = torch.zeros(2, 64)
+    x[1, 3] = float("inf")
+    codes, s = mxfp6_quantize(x, "e3m2")
+    assert s.tolist() == [[0, 0], [255, 0]] and int(codes.max()) == 0
+    d = mxfp6_dequantize(codes, s, "e3m2")
+    assert torch.isnan(d[1, :32]).all() and (d[1, 32:] == 0).all() and (d[0] == 0).all()

@@ -89,6 +89,10 @@ from .keys import (
     kInt8StaticTensorSym,
     kMxfp4Dynamic,
     kMxfp4Static,
+    kMxfp6E2M3Dynamic,
+    kMxfp6E2M3Static,
+    kMxfp6E3M2Dynamic,
+    kMxfp6E3M2Static,
     kMxfp8Dynamic,
     kMxfp8Static,
     kNvfp4Dynamic,
@@ -120,6 +124,13 @@ from .mx import (
     mxfp8_quantize,
     pack_fp4,
     unpack_fp4,
+    FP6_ELEMENTS,
+    fp6_decode,
+    fp6_encode,
+    mxfp6_dequantize,
+    mxfp6_quantize,
+    pack_fp6,
+    unpack_fp6,
 )
 from .nvfp4 import (
     NVFP4_BLOCK_SIZE,
@@ -166,6 +177,8 @@ __all__ = [
     "MX_BLOCK_SIZE", "MX_SCALE_RULES", "FP4_E2M1_MAX", "E2M1_VALUES", "e8m0_to_fp32", "mx_scale_e8m0",
     "mxfp8_quantize", "mxfp8_dequantize", "e2m1_encode", "e2m1_decode", "pack_fp4", "unpack_fp4",
     "mxfp4_quantize", "mxfp4_dequantize",
+    "FP6_ELEMENTS", "fp6_encode", "fp6_decode", "pack_fp6", "unpack_fp6", "mxfp6_quantize", "mxfp6_dequantize",
+    "kMxfp6E3M2Static", "kMxfp6E3M2Dynamic", "kMxfp6E2M3Static", "kMxfp6E2M3Dynamic",
     # nvfp4
     "NVFP4_BLOCK_SIZE", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_dequantize",
     "nvfp4_quantize_per_token", "nvfp4_dequantize_per_token",

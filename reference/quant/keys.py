@@ -48,6 +48,11 @@ __all__ = [
     "kMxfp8Dynamic",
     "kMxfp4Static",
     "kMxfp4Dynamic",
+    "kMxfp6E3M2Static",
+    "kMxfp6E3M2Dynamic",
+    "kMxfp6E2M3Static",
+    "kMxfp6E2M3Dynamic",
+    "FloatScalarType",
     "kNvfp4Static",
     "kNvfp4Dynamic",
     "kInt8StaticChannelSym",
@@ -80,6 +85,23 @@ FP4_DTYPE = torch.float4_e2m1fn_x2
 E8M0_DTYPE = torch.float8_e8m0fnu
 INT4_DTYPE = torch.int4
 
+
+@dataclass(frozen=True)
+class FloatScalarType:
+    """A floating element type torch has no dtype for, by vLLM's ``scalar_types`` name (``vllm/scalar_type.py``:
+    ``float6_e3m2f = ScalarType.float_(3, 2, True, NanRepr.NONE)``, ``float6_e2m3f``): the MXFP6 keys' dtype."""
+
+    name: str
+    exponent: int
+    mantissa: int
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+FP6_E3M2_DTYPE = FloatScalarType("float6_e3m2f", 3, 2)
+FP6_E2M3_DTYPE = FloatScalarType("float6_e2m3f", 2, 3)
+
 _DTYPE_NAMES = {
     torch.float8_e4m3fn: "fp8e4m3",
     torch.float4_e2m1fn_x2: "fp4e2m1",
@@ -90,6 +112,8 @@ _DTYPE_NAMES = {
     torch.float32: "fp32",
     torch.float16: "fp16",
     torch.bfloat16: "bf16",
+    FP6_E3M2_DTYPE: "fp6e3m2",
+    FP6_E2M3_DTYPE: "fp6e2m3",
 }
 
 
@@ -224,6 +248,11 @@ kMxfp8Static = QuantKey(FP8_DTYPE, ScaleDesc(E8M0_DTYPE, True, GroupShape(1, 32)
 kMxfp8Dynamic = QuantKey(FP8_DTYPE, ScaleDesc(E8M0_DTYPE, False, GroupShape(1, 32)))
 kMxfp4Static = QuantKey(FP4_DTYPE, ScaleDesc(E8M0_DTYPE, True, GroupShape(1, 32)))
 kMxfp4Dynamic = QuantKey(FP4_DTYPE, ScaleDesc(E8M0_DTYPE, False, GroupShape(1, 32)))
+# MXFP6 (OCP MX; vLLM 0.33 quant_utils.py, the OCP MX emulation experts): E3M2 / E2M3 elements, E8M0 per 1x32
+kMxfp6E3M2Static = QuantKey(FP6_E3M2_DTYPE, ScaleDesc(E8M0_DTYPE, True, GroupShape(1, 32)))
+kMxfp6E3M2Dynamic = QuantKey(FP6_E3M2_DTYPE, ScaleDesc(E8M0_DTYPE, False, GroupShape(1, 32)))
+kMxfp6E2M3Static = QuantKey(FP6_E2M3_DTYPE, ScaleDesc(E8M0_DTYPE, True, GroupShape(1, 32)))
+kMxfp6E2M3Dynamic = QuantKey(FP6_E2M3_DTYPE, ScaleDesc(E8M0_DTYPE, False, GroupShape(1, 32)))
 
 # NVFP4: E4M3 scale per 1x16 + fp32 global scale
 kNvfp4Static = QuantKey(FP4_DTYPE, ScaleDesc(FP8_DTYPE, True, GroupShape(1, 16)), scale2=kStaticTensorScale)
@@ -284,6 +313,7 @@ KEYS_NEW_IN_0_33 = frozenset({
     "kInt4Static", "kInt4StaticAsym", "kInt4Static32", "kInt4Static32Asym", "kInt8Static",
     "kInt4W4A8StaticGroup128Sym", "kInt4W4A8StaticGroup64Sym", "kInt4W4A8StaticGroup32Sym",
     "kInt4W4A8StaticGroupSym", "kInt4W4A8StaticChannelSym",
+    "kMxfp6E3M2Static", "kMxfp6E3M2Dynamic", "kMxfp6E2M3Static", "kMxfp6E2M3Dynamic",
 })
 #: Names no vLLM release defines: the reference names a key vLLM builds unnamed (kFp8Static64BlockSym), or one of
 #: the seed era's reference (kInt4StaticGroup128Sym).
