@@ -35,6 +35,8 @@ __all__ = [
     "int8_w8a16_moe_quant_config",
     "fp8_w8a16_moe_quant_config",
     "mxfp8_w8a8_moe_quant_config",
+    "microscaling_activation_desc",
+    "mx_moe_quant_config",
     "is_wna16",
     "quant_key_of",
 ]
@@ -106,7 +108,8 @@ class FusedMoEQuantDesc:
     """How one operand (a1, a2, w1 or w2) is quantized.
 
     dtype: None (unquantized), ``torch.float8_e4m3fn``, ``torch.int8``, or a string format name
-        (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``, ``"int4"`` (WNA16), ``"int4_w4a8"`` (CUTLASS INT4 x FP8)).
+        (``"mxfp8"``, ``"mxfp4"``, ``"mxfp6_e3m2"``, ``"mxfp6_e2m3"``, ``"nvfp4"``, ``"int4"`` (WNA16), ``"int4_w4a8"``
+        (CUTLASS INT4 x FP8)).
     shape: group shape ``(rows, cols)`` of one scale: ``(-1, -1)`` per tensor, ``(1, -1)`` per token/channel,
         ``(1, 128)`` per 1x128 group, ``(128, 128)`` per block, ``(1, 32)`` MX, ``(0, G)`` weight-only groups of G
         along K (vLLM's ``block_shape=[0, group_size]`` of ``int4_w4a16_moe_quant_config``).
@@ -250,11 +253,98 @@ class FusedMoEQuantConfig:
             return "fp8_tensor_static" if a.scale is not None else "fp8_tensor"
         if w.dtype == torch.int8:
             return "int8_tensor" if w.shape == (-1, -1) else "int8_channel_token"
+        if w.dtype in ("mxfp4", "mxfp8", "nvfp4", "mxfp6_e3m2", "mxfp6_e2m3"):
+            cross = _microscaling_cross_scheme(w, a)
+            if cross is not None:
+                return cross
         if w.dtype == "mxfp4":
             return {None: "mxfp4_w4a16", "mxfp8": "mxfp4_mxfp8", "mxfp4": "mxfp4_w4a4"}.get(a.dtype, "mxfp4_fp8")
         if w.dtype == "nvfp4" and a.per_token_gscale:
             return "nvfp4_token"
         return {"nvfp4": "nvfp4", "int4_w4a8": "w4a8", "mxfp8": "mxfp8"}.get(w.dtype, str(w.dtype))
+
+
+# --- microscaling cross pairs (vLLM 0.33; issue 41 item 5): MXFP4 / MXFP8 / NVFP4 / MXFP6 weights with other
+# activations. One block, kept together: the scheme names of specs/schemes.toml these configs carry.
+_FP8 = torch.float8_e4m3fn
+
+
+def _microscaling_cross_scheme(w: FusedMoEQuantDesc, a: FusedMoEQuantDesc) -> str | None:
+    """The scheme name of a microscaling-weight config whose activation is not the weight's own format (None for the
+    pairs ``scheme_name`` names itself)."""
+    fp8 = None
+    if a.dtype == _FP8:
+        fp8 = ("fp8_static" if a.scale is not None else "fp8_tensor") if a.shape == (-1, -1) else \
+            "fp8_token" if a.shape == (1, -1) else f"fp8_block{a.shape[1]}"
+    if w.dtype == "mxfp4":
+        return fp8 and f"mxfp4_{fp8}" or {"mxfp6_e3m2": "mxfp4_mxfp6_e3m2", "mxfp6_e2m3": "mxfp4_mxfp6_e2m3"}.get(a.dtype)
+    if w.dtype == "mxfp8":
+        return "mxfp8_w8a16" if a.dtype is None else fp8 and f"mxfp8_{fp8}"
+    if w.dtype == "nvfp4":
+        return {None: "nvfp4_w4a16", "mxfp8": "nvfp4_mxfp8"}.get(a.dtype) or fp8 and f"nvfp4_{fp8}"
+    if w.dtype in ("mxfp6_e3m2", "mxfp6_e2m3"):
+        return w.dtype if a.dtype == w.dtype else f"{w.dtype}_w6a16" if a.dtype is None else \
+            fp8 and f"{w.dtype}_{fp8}"
+    return None
+
+
+def microscaling_activation_desc(activation: str | None, a1_scale: torch.Tensor | None = None,
+                                 a2_scale: torch.Tensor | None = None) -> tuple[FusedMoEQuantDesc, FusedMoEQuantDesc]:
+    """The ``(a1, a2)`` descriptors of the activations paired with microscaling weights (vLLM 0.33 keys):
+
+    ``None`` (bf16 / fp16, W-only), ``"mxfp8"`` (kMxfp8Dynamic), ``"mxfp4"`` (kMxfp4Dynamic), ``"mxfp6_e3m2"`` /
+    ``"mxfp6_e2m3"`` (kMxfp6E3M2Dynamic / kMxfp6E2M3Dynamic, E8M0 per 1x32), ``"fp8_static"`` (kFp8StaticTensorSym:
+    ``a1_scale`` / ``a2_scale`` one element each), ``"fp8_token"`` (kFp8DynamicTokenSym), ``"fp8_block128"``
+    (kFp8Dynamic128Sym: dynamic per 1x128 group).
+
+    Raises:
+        ValueError: an unknown activation, or static FP8 without both scales.
+    """
+    if activation == "fp8_static":
+        if a1_scale is None or a2_scale is None:
+            raise ValueError("fp8_static activations need a1_scale and a2_scale (static per-tensor)")
+        return FusedMoEQuantDesc(_FP8, (-1, -1), a1_scale), FusedMoEQuantDesc(_FP8, (-1, -1), a2_scale)
+    table = {None: FusedMoEQuantDesc(), "fp8_token": FusedMoEQuantDesc(_FP8, (1, -1)),
+             "fp8_block128": FusedMoEQuantDesc(_FP8, (1, 128)),
+             **{f: FusedMoEQuantDesc(f, (1, 32)) for f in ("mxfp8", "mxfp4", "mxfp6_e3m2", "mxfp6_e2m3")}}
+    if activation not in table:
+        raise ValueError(f"unknown microscaling activation {activation!r}; known: {sorted(map(str, table))} "
+                         f"and 'fp8_static'")
+    return table[activation], table[activation]
+
+
+def mx_moe_quant_config(weight: str, w1_scale: torch.Tensor, w2_scale: torch.Tensor, *, activation: str | None,
+                        a1_scale: torch.Tensor | None = None, a2_scale: torch.Tensor | None = None,
+                        w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                        g1_gscale: torch.Tensor | None = None, g2_gscale: torch.Tensor | None = None,
+                        gemm1_alpha: float | None = None, gemm1_clamp_limit: float | None = None,
+                        ) -> FusedMoEQuantConfig:
+    """Microscaling weights with any activation of :func:`microscaling_activation_desc` (the cross pairs of vLLM 0.33:
+    ``experts/fused_humming_moe.py``, ``b12x.py``, ``flashinfer_b12x_moe.py``, ``aiter_mxfp4_w4a8_moe.py``,
+    ``deep_gemm_moe.py``, ``xpu_moe.py``, ``ocp_mx_emulation_moe.py``).
+
+    ``weight``: ``"mxfp4"`` (packed E2M1 ``(E, N, K // 2)`` + E8M0 bytes ``(E, N, K // 32)``), ``"mxfp8"`` (E4M3
+    ``(E, N, K)`` + E8M0 bytes), ``"mxfp6_e3m2"`` / ``"mxfp6_e2m3"`` (FP6 codes one per byte ``(E, N, K)`` + E8M0
+    bytes; :func:`reference.quant.pack_fp6` gives the checkpoint's 4-in-3 layout) or ``"nvfp4"`` (packed E2M1 + E4M3
+    block scales ``(E, N, K // 16)`` + fp32 encode scales ``g*_gscale`` ``(E,)``).
+
+    Raises:
+        ValueError: an unknown weight format, NVFP4 without its encode scales, or a bad activation (see above).
+    """
+    a1, a2 = microscaling_activation_desc(activation, a1_scale, a2_scale)
+    if weight == "nvfp4":
+        if g1_gscale is None or g2_gscale is None:
+            raise ValueError("NVFP4 weights need g1_gscale and g2_gscale (one fp32 encode scale per expert)")
+        w1 = FusedMoEQuantDesc("nvfp4", (1, 16), w1_scale, alpha_or_gscale=g1_gscale, bias=w1_bias)
+        w2 = FusedMoEQuantDesc("nvfp4", (1, 16), w2_scale, alpha_or_gscale=g2_gscale, bias=w2_bias)
+    elif weight in ("mxfp4", "mxfp8", "mxfp6_e3m2", "mxfp6_e2m3"):
+        w1 = FusedMoEQuantDesc(weight, (1, 32), w1_scale, bias=w1_bias)
+        w2 = FusedMoEQuantDesc(weight, (1, 32), w2_scale, bias=w2_bias)
+    else:
+        raise ValueError(f"mx_moe_quant_config: unknown weight format {weight!r}")
+    return FusedMoEQuantConfig(a1=a1, a2=a2, w1=w1, w2=w2, gemm1_alpha=gemm1_alpha,
+                               gemm1_clamp_limit=gemm1_clamp_limit)
+# --- end of the microscaling cross pairs
 
 
 FUSED_MOE_UNQUANTIZED_CONFIG = FusedMoEQuantConfig()
@@ -426,6 +516,10 @@ def quant_key_of(desc: FusedMoEQuantDesc, *, is_weight: bool):
         ("mxfp8", (1, 32), False): K.kMxfp8Dynamic,
         ("mxfp4", (1, 32), True): K.kMxfp4Static,
         ("mxfp4", (1, 32), False): K.kMxfp4Dynamic,
+        ("mxfp6_e3m2", (1, 32), True): K.kMxfp6E3M2Static,
+        ("mxfp6_e3m2", (1, 32), False): K.kMxfp6E3M2Dynamic,
+        ("mxfp6_e2m3", (1, 32), True): K.kMxfp6E2M3Static,
+        ("mxfp6_e2m3", (1, 32), False): K.kMxfp6E2M3Dynamic,
         ("nvfp4", (1, 16), True): K.kNvfp4Static,
         ("nvfp4", (1, 16), False): K.kNvfp4Dynamic,
         # The CUTLASS INT4 x FP8 experts claim kInt4Static (vLLM 0.33 experts/cutlass_moe.py); vLLM 0.33's

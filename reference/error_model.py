@@ -179,9 +179,14 @@ _MANTISSA = {
     torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52,
     torch.float8_e4m3fn: 3, torch.float8_e5m2: 2,
     "mxfp8": 3, "mxfp4": 1, "nvfp4": 1,
+    # OCP MXFP6 (vLLM 0.33 OCP MX emulation): E3M2 / E2M3 elements under E8M0 scales per 32
+    "mxfp6_e3m2": 2, "mxfp6_e2m3": 3,
 }
 # Formats whose scales are powers of two (a scale change leaves a floating grid's values in place).
-_POW2_SCALES = {"mxfp8", "mxfp4"}
+_POW2_SCALES = {"mxfp8", "mxfp4", "mxfp6_e3m2", "mxfp6_e2m3"}
+# Activation formats that no MMA takes natively in vLLM 0.33: the experts fake-quantize them to the activation dtype
+# (fused_moe/utils.py::_mxfp6_e3m2_quantize, ocp_mx_emulation_moe.py) and run a bf16 / fp16 GEMM (step 1b).
+_EMULATED_16BIT = {"mxfp6_e3m2", "mxfp6_e2m3"}
 
 
 def format_mantissa_bits(fmt) -> int | None:
@@ -849,7 +854,7 @@ def experts_error_bound(quant_config: FusedMoEQuantConfig, *, act_dtype: torch.d
         """(additive, proportional) relative accumulation differences of a length-n GEMM (steps 1, 1b)."""
         fp8 = _is_fp8_mma(desc)
         # bf16/fp16 operands on the MMA: unquantized activations, or weight-only schemes dequantized to the act dtype
-        mma16 = desc.dtype is None and act_dtype in (torch.bfloat16, torch.float16)
+        mma16 = (desc.dtype is None or desc.dtype in _EMULATED_16BIT) and act_dtype in (torch.bfloat16, torch.float16)
         total = math.hypot(accumulation.relative_error(n, fp8, mma16), ref_acc.relative_error(n, fp8, mma16))
         shrink = accumulation.shrink(n, fp8, mma16)
         return math.sqrt(max(total * total - shrink * shrink, 0.0)), shrink

@@ -30,6 +30,7 @@ from reference.config import (
     int8_w8a8_moe_quant_config,
     int8_w8a16_moe_quant_config,
     mxfp4_moe_quant_config,
+    mx_moe_quant_config,
     mxfp8_w8a8_moe_quant_config,
     nvfp4_moe_quant_config,
     w4a8_moe_quant_config,
@@ -211,6 +212,46 @@ def _w4a8(scheme, w1, w2, w1_bias, w2_bias, extra):
     return w1q, w2q, w4a8_moe_quant_config(s1, s2, c1, c2)
 
 
+# --- microscaling cross pairs (vLLM 0.33, issue 41 item 5): one block, kept together.
+# Weights: MXFP4 as _mxfp4 (OCP "floor" scale rule), MXFP8 as _mxfp8, NVFP4 per expert as _nvfp4, MXFP6 with Quark's
+# "even" rule (the rule of vLLM 0.33's MXFP6 path, mxfp6_utils.py). Activations: reference.config
+# microscaling_activation_desc (static FP8 with the fixed scales of fp8_tensor_static).
+_MX_CROSS = {  # scheme -> (weight format, activation)
+    "mxfp4_fp8_static": ("mxfp4", "fp8_static"),
+    "mxfp4_fp8_block128": ("mxfp4", "fp8_block128"),
+    "mxfp4_fp8_token": ("mxfp4", "fp8_token"),
+    "mxfp8_w8a16": ("mxfp8", None),
+    "mxfp8_fp8_token": ("mxfp8", "fp8_token"),
+    "nvfp4_w4a16": ("nvfp4", None),
+    "nvfp4_mxfp8": ("nvfp4", "mxfp8"),
+    "nvfp4_fp8_token": ("nvfp4", "fp8_token"),
+    "mxfp6_e3m2": ("mxfp6_e3m2", "mxfp6_e3m2"),
+    "mxfp6_e2m3": ("mxfp6_e2m3", "mxfp6_e2m3"),
+    "mxfp4_mxfp6_e3m2": ("mxfp4", "mxfp6_e3m2"),
+    "mxfp4_mxfp6_e2m3": ("mxfp4", "mxfp6_e2m3"),
+}
+
+
+def _mx_cross(scheme, w1, w2, w1_bias, w2_bias, extra):
+    weight, act = _MX_CROSS[scheme]
+    statics = dict(a1_scale=FP8_A1_STATIC_SCALE, a2_scale=FP8_A2_STATIC_SCALE) if act == "fp8_static" else {}
+    if weight == "nvfp4":
+        (w1q, s1, g1), (w2q, s2, g2) = (_stack([q.nvfp4_quantize(w[e]) for e in range(w.shape[0])])
+                                        for w in (w1, w2))
+        return w1q, w2q, mx_moe_quant_config("nvfp4", s1, s2, activation=act, g1_gscale=g1.reshape(-1),
+                                             g2_gscale=g2.reshape(-1), **statics, **extra)
+    if weight == "mxfp4":
+        (w1q, s1), (w2q, s2) = q.mxfp4_quantize(w1), q.mxfp4_quantize(w2)
+    elif weight == "mxfp8":
+        (w1q, s1), (w2q, s2) = q.mxfp8_quantize(w1), q.mxfp8_quantize(w2)
+    else:
+        element = weight.split("_")[1]
+        (w1q, s1), (w2q, s2) = q.mxfp6_quantize(w1, element), q.mxfp6_quantize(w2, element)
+    return w1q, w2q, mx_moe_quant_config(weight, s1, s2, activation=act, w1_bias=w1_bias, w2_bias=w2_bias,
+                                         **statics, **extra)
+# --- end of the microscaling cross pairs
+
+
 # How each scheme of specs/schemes.toml quantizes: (scheme, w1, w2, w1_bias, w2_bias, extra) -> (w1q, w2q, qc).
 _BUILDERS: dict[str, Callable] = {
     "bf16": _unquantized, "fp16": _unquantized, "fp32": _unquantized,
@@ -235,6 +276,7 @@ _BUILDERS: dict[str, Callable] = {
     "mxfp8": _mxfp8,
     "mxfp4_w4a4": _mxfp4,
     "nvfp4_token": _nvfp4,
+    **{name: _mx_cross for name in _MX_CROSS},
 }
 
 

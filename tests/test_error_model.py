@@ -232,6 +232,41 @@ def test_schemes_of_033_have_bounds_and_the_reference_sits_inside(scheme):
     test_float64_reference_sits_well_inside("qwen3_30b_a3b", scheme)
 
 
+# The microscaling cross pairs of vLLM 0.33 (issue 41 item 5): every bound derives from the formats' existing steps
+# (FP8, MXFP8, MXFP4 and the MXFP6 mantissas; no per-scheme constant), and the float64 reference sits inside it.
+_SCHEMES_MX_CROSS = ["mxfp4_fp8_static", "mxfp4_fp8_block128", "mxfp4_fp8_token", "mxfp8_w8a16", "mxfp8_fp8_token",
+                     "nvfp4_w4a16", "nvfp4_mxfp8", "nvfp4_fp8_token", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_mxfp6_e3m2",
+                     "mxfp4_mxfp6_e2m3"]
+
+
+@pytest.mark.parametrize("scheme", _SCHEMES_MX_CROSS)
+def test_microscaling_cross_pairs_have_bounds_and_the_reference_sits_inside(scheme):
+    from reference.schemes import get_scheme
+
+    get_scheme(scheme)
+    test_float64_reference_sits_well_inside("qwen3_30b_a3b", scheme)
+
+
+def test_mxfp6_bounds_derive_from_the_mantissa_bits_and_the_emulated_bf16_mma():
+    """No per-scheme constant: under the same accumulation, MXFP6 E2M3 activations (3 mantissa bits, E8M0 scales) get
+    exactly the bound of MXFP8 E4M3 ones (3 bits, E8M0 scales), E3M2 (2 bits) another; with the allowed accumulation
+    the MXFP6 pairs add the 16-bit MMA term of the bf16 GEMM vLLM's emulation runs (step 1b), the MXFP8 pair the FP8
+    MMA's."""
+    from reference.schemes import quantize_weights
+
+    w1, w2 = torch.randn(2, 256, 128, dtype=torch.bfloat16), torch.randn(2, 128, 128, dtype=torch.bfloat16)
+
+    def rms(scheme, acc=None):
+        qc = quantize_weights(scheme, w1, w2)[2]
+        return experts_error_bound(qc, act_dtype=torch.bfloat16, K=128, I=128, accumulation=acc).rms_norm
+
+    fp32 = Accumulation.fp32()
+    assert rms("mxfp4_mxfp6_e2m3", fp32) == rms("mxfp4_mxfp8", fp32)
+    assert rms("mxfp4_mxfp6_e3m2", fp32) != rms("mxfp4_mxfp6_e2m3", fp32)
+    for scheme in ("mxfp4_mxfp6_e3m2", "mxfp4_mxfp6_e2m3", "mxfp6_e3m2", "mxfp6_e2m3"):
+        assert rms(scheme) > rms(scheme, fp32)
+
+
 def test_int8_per_tensor_step_spans_the_routed_rows():
     """A dynamic per-tensor INT8 scale is the amax over every routed row: a wider step than per token."""
     tok, ten = _qc("int8_channel_token"), _qc("int8_tensor")

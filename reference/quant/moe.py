@@ -15,6 +15,8 @@ int8           1         static per-tensor, dynamic per-token /        as fp8 (a
                          (``per_token_group_quant_int8``: truncated)
 mxfp8          1         ``mxfp8_quantize`` (recipe's MX scale rule)   ``mxfp8_dequantize``
 mxfp4          2         ``mxfp4_quantize`` (W4A4 activations)         ``mxfp4_dequantize``
+mxfp6_e3m2,    1         ``mxfp6_quantize`` (Quark's "even" scale      ``mxfp6_dequantize`` rounded to the
+mxfp6_e2m3               rule; codes one per byte)                     activation dtype (OCP MX emulation; exact)
 nvfp4          2         ``nvfp4_quantize`` with ``a*_gscale``, or per ``nvfp4_dequantize`` (global scale per expert)
                          token (``kNvfp4DynamicToken``)
 wna16          2 (int4)  not quantized (weight-only)                   ``wna16_dequantize``, rounded to the scales'
@@ -138,6 +140,20 @@ def _quant_mxfp4(A, A_scale, qc, desc, desc_name):  # kMxfp4Dynamic (W4A4): code
     return q.mxfp4_quantize(A, scale_rule=q.get_recipe(qc.recipe).mx_scale_rule)
 
 
+def _quant_mxfp6(A, A_scale, qc, desc, desc_name):
+    # kMxfp6E3M2Dynamic / kMxfp6E2M3Dynamic: vLLM 0.33 fake-quantizes (fused_moe/utils.py::_mxfp6_e3m2_quantize,
+    # Quark's quant-dequant with the "even" scale rule whatever the recipe); the codes and scales here dequantize to
+    # exactly those values (mxfp6_quantize's docstring).
+    return q.mxfp6_quantize(A, desc.dtype.split("_")[1], scale_rule="even")
+
+
+def _dequant_w_mxfp6(w, desc, e, act_dtype=torch.bfloat16):
+    # OCP MX emulation (fused_moe/experts/ocp_mx_emulation_moe.py): the weights are dequantized to the activation
+    # dtype before the bf16 Triton GEMM (mxfp6_utils.py::_dequant_mxfp6 ... .to(float_dtype)). The rounding is
+    # mirrored here with bf16 (the dtype of every OCP MX case; exact unless a scale is below 2^-120).
+    return q.mxfp6_dequantize(w[e], desc.scale[e], desc.dtype.split("_")[1], out_dtype=act_dtype).float()
+
+
 def _quant_nvfp4(A, A_scale, qc, desc, desc_name):
     if desc.alpha_or_gscale is None:
         raise ValueError(f"NVFP4 activation quantization needs the global scale ({desc_name}_gscale)")
@@ -188,6 +204,8 @@ FORMATS: dict[str, MoEFormat] = {f.name: f for f in (
               lambda w, desc, e: q.mxfp8_dequantize(w[e], desc.scale[e])),
     MoEFormat("mxfp4", 2, _quant_mxfp4, lambda aq, scale, desc: q.mxfp4_dequantize(aq, scale),
               lambda w, desc, e: q.mxfp4_dequantize(w[e], desc.scale[e])),
+    *(MoEFormat(f, 1, _quant_mxfp6, lambda aq, scale, desc: q.mxfp6_dequantize(aq, scale, desc.dtype.split("_")[1]),
+                _dequant_w_mxfp6) for f in ("mxfp6_e3m2", "mxfp6_e2m3")),
     MoEFormat("nvfp4", 2, _quant_nvfp4,
               lambda aq, scale, desc: q.nvfp4_dequantize(aq, scale, desc.alpha_or_gscale), _dequant_w_nvfp4),
     MoEFormat("nvfp4_per_token", 2, _quant_nvfp4_per_token, _dequant_act_nvfp4_per_token, _dequant_w_nvfp4),
@@ -202,7 +220,8 @@ FORMATS["int4_w4a8_int8"] = MoEFormat(
     lambda w, desc, e: q.int4_w4a8_int8_dequantize_weight(w[e], desc.scale[e]))
 
 _BY_DTYPE = {None: "unquantized", torch.float8_e4m3fn: "fp8", torch.int8: "int8", "mxfp8": "mxfp8",
-             "mxfp4": "mxfp4", "nvfp4": "nvfp4", "int4_w4a8": "int4_w4a8", "int4_w4a8_int8": "int4_w4a8_int8"}
+             "mxfp4": "mxfp4", "nvfp4": "nvfp4", "int4_w4a8": "int4_w4a8", "int4_w4a8_int8": "int4_w4a8_int8",
+             "mxfp6_e3m2": "mxfp6_e3m2", "mxfp6_e2m3": "mxfp6_e2m3"}
 
 
 def format_of(desc: FusedMoEQuantDesc) -> str | None:
@@ -233,7 +252,7 @@ def moe_kernel_quantize_input(
     Returns ``(A, None)`` unchanged when the activation is not quantized. FP8: static per-tensor when a scale is
     given, else dynamic per-tensor / per-token / per-1x``block_k`` group (row-major fp32 scales ``(M, K/block_k)``,
     UE8M0-rounded when ``quant_config.use_ue8m0``) under ``quant_config.recipe``. INT8: dynamic per-token or static
-    per-tensor. MXFP8 / MXFP4: codes and E8M0 scales. NVFP4: packed codes and block scales (per-token global scale:
+    per-tensor. MXFP8 / MXFP4 / MXFP6: codes and E8M0 scales. NVFP4: packed codes and block scales (per-token global scale:
     the per-block decode factors). Mirrors ``vllm/model_executor/layers/fused_moe/utils.py::moe_kernel_quantize_input``.
 
     Raises:
