@@ -22,6 +22,8 @@ from reference.modular import ACTIVATION_PARAMS, FusedMoEActivationFormat, Fused
 from reference.quant import keys as K
 
 _GATED = frozenset(GATED_ACTIVATIONS)
+_MX = ("mxfp8", "mxfp4", "mxfp6_e3m2", "mxfp6_e2m3")  # E8M0-per-32 formats (tq.mx_values / tq.fake_quant_mx)
+_MXFP6 = ("mxfp6_e3m2", "mxfp6_e2m3")
 _NO_MUL = frozenset(NO_MUL_ACTIVATIONS)
 
 
@@ -167,7 +169,7 @@ def _requantize(g: torch.Tensor, qc) -> torch.Tensor:
     desc = qc.a2
     if desc.dtype is None:
         return g
-    if desc.dtype in ("mxfp8", "mxfp4"):
+    if desc.dtype in _MX:
         return tq.fake_quant_mx(g, desc.dtype)
     if desc.dtype == "nvfp4" and desc.per_token_gscale:
         return tq.fake_quant_nvfp4_per_token(g)
@@ -182,7 +184,10 @@ class TorchExperts(FusedMoEExpertsModular):
     """Vectorized experts: bf16/fp16/fp32, FP8 (per-tensor x per-tensor static/dynamic or per-token, per-channel x
     per-token, 128x128 or 64x64 blocks x 1 x block_k groups, fp32 or UE8M0 scales, W8A16), INT8 W8A8 (per-channel x
     per-token, per-tensor x dynamic per-tensor), weight-only INT4 / INT8 (groups of 128 or 32, zero points), MXFP8
-    W8A8, MXFP4 W4A4 and NVFP4 with per-token global scales. Quantized weights are dequantized per expert in fp32 (the
+    W8A8, MXFP4 W4A4, NVFP4 with per-token global scales, and the microscaling cross pairs of vLLM 0.33 (MXFP4 weights
+    x FP8 static / per-token / 1x128 or MXFP6 activations, MXFP8 weights x bf16 / FP8 per-token, NVFP4 weights x bf16
+    / MXFP8 / FP8 per-token, OCP MXFP6 E3M2 / E2M3 W6A6, the MXFP6 weights rounded to bf16 as vLLM's emulation
+    does). Quantized weights are dequantized per expert in fp32 (the
     GEMMs run on exact fp32 products of codes and scales); activations are requantized between the GEMMs with this
     backend's own quantizers (``backends.torch.quant``, vllm recipe)."""
 
@@ -229,6 +234,19 @@ class TorchExperts(FusedMoEExpertsModular):
             (K.kInt4W4A8StaticGroup64Sym, None),
             (K.kInt4W4A8StaticGroup32Sym, None),
             (K.kInt4W4A8StaticGroupSym, None),
+            # the microscaling cross pairs of vLLM 0.33 (specs/schemes.toml, issue 41 item 5)
+            (K.kMxfp4Static, K.kFp8StaticTensorSym),
+            (K.kMxfp4Static, K.kFp8Dynamic128Sym),
+            (K.kMxfp4Static, K.kFp8DynamicTokenSym),
+            (K.kMxfp8Static, None),
+            (K.kMxfp8Static, K.kFp8DynamicTokenSym),
+            (K.kNvfp4Static, None),
+            (K.kNvfp4Static, K.kMxfp8Dynamic),
+            (K.kNvfp4Static, K.kFp8DynamicTokenSym),
+            (K.kMxfp6E3M2Static, K.kMxfp6E3M2Dynamic),
+            (K.kMxfp6E2M3Static, K.kMxfp6E2M3Dynamic),
+            (K.kMxfp4Static, K.kMxfp6E3M2Dynamic),
+            (K.kMxfp4Static, K.kMxfp6E2M3Dynamic),
         }),
         activations=frozenset(_GATED | _NO_MUL),
         finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
@@ -247,7 +265,7 @@ class TorchExperts(FusedMoEExpertsModular):
         if desc.dtype is None:
             return a1q[tokens]
         rows = a1q[tokens]
-        if desc.dtype in ("mxfp8", "mxfp4"):
+        if desc.dtype in _MX:
             return tq.mx_values(rows, a1q_scale[tokens], desc.dtype)
         if desc.dtype == "nvfp4":  # per-token global scale: prepare hands on SF / gs_token per 16 elements
             return tq.nvfp4_values(rows, a1q_scale[tokens])
@@ -266,7 +284,9 @@ class TorchExperts(FusedMoEExpertsModular):
         if desc.shape is not None and desc.shape[0] == 0:  # weight-only INT4 / INT8 groups along K
             return tq.wna16_weights(wsel, scale, _expert_scales(desc.zp, experts), 4 if desc.dtype == "int4" else 8,
                                     desc.shape[1])
-        if desc.dtype in ("mxfp8", "mxfp4"):
+        if desc.dtype in _MXFP6:  # the OCP MX emulation dequantizes the weights to bf16 (exact for FP6 x 2^k)
+            return tq.mx_values(wsel, scale, desc.dtype).to(torch.bfloat16).float()
+        if desc.dtype in _MX:
             return tq.mx_values(wsel, scale, desc.dtype)
         if desc.dtype == "nvfp4":  # E4M3 block scales over the expert's fp32 encode scale
             gs = _expert_scales(desc.alpha_or_gscale, experts).float().reshape(-1, 1, 1)
@@ -407,7 +427,7 @@ class TorchBatchedExperts(TorchExperts):
             n = int(counts[e])
             if n:
                 s = None if a1q_scale is None else (a1q_scale[e, :n] if a1q_scale[e].numel() > 1 else a1q_scale[e])
-                if qc.a1.dtype in ("mxfp8", "mxfp4"):
+                if qc.a1.dtype in _MX:
                     rows[e, :n] = tq.mx_values(hidden_states[e, :n], a1q_scale[e, :n], qc.a1.dtype)
                 elif qc.a1.dtype == "nvfp4":
                     rows[e, :n] = tq.nvfp4_values(hidden_states[e, :n], a1q_scale[e, :n])

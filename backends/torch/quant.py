@@ -141,19 +141,50 @@ def _pow2_even_scale(amax: torch.Tensor, emax: int, mbits: int) -> torch.Tensor:
     return torch.exp2((e - emax).clamp(-127, 127).to(torch.float32))
 
 
+# --- MXFP6 (OCP MX emulation of vLLM 0.33): E3M2 / E2M3 by table (own code; reference.quant.mx specifies them) ---
+# (exponent bits, mantissa bits, bias, emax of the largest value)
+_FP6 = {"mxfp6_e3m2": (3, 2, 3, 4), "mxfp6_e2m3": (2, 3, 1, 2)}
+
+
+def _fp6_table(fmt: str) -> torch.Tensor:
+    """The 32 non-negative FP6 magnitudes by code (increasing): subnormals m 2^(1-bias-mb), then normals."""
+    eb, mb, bias, _ = _FP6[fmt]
+    return torch.tensor([(m / 2**mb) * 2.0 ** (1 - bias) if e == 0 else (1 + m / 2**mb) * 2.0 ** (e - bias)
+                         for e in range(2**eb) for m in range(2**mb)], dtype=torch.float32)
+
+
+def _fp6_round(y: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Round fp32 to the FP6 grid by table: the nearer neighbour, a tie to the even code, saturating (values)."""
+    table = _fp6_table(fmt).to(y.device)
+    a = y.abs().clamp(max=float(table[-1]))
+    hi = torch.searchsorted(table, a).clamp(max=len(table) - 1)  # first grid value >= a
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - table[lo], table[hi] - a
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    return torch.copysign(torch.where(pick_hi, table[hi], table[lo]), y)
+
+
+def fp6_values(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """FP6 codes (one per byte, bit 5 the sign) -> fp32 values."""
+    c = codes.to(torch.int64)
+    mag = _fp6_table(fmt).to(codes.device)[c & 31]
+    return torch.where(c >= 32, -mag, mag)
+
+
 def fake_quant_mx(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """MXFP8 (``"mxfp8"``) or MXFP4 (``"mxfp4"``) quantize-dequantize per 32 along the last dim (vllm recipe's
-    "even" scale rule), fp32 result."""
+    """MXFP8 (``"mxfp8"``), MXFP4 (``"mxfp4"``) or MXFP6 (``"mxfp6_e3m2"`` / ``"mxfp6_e2m3"``) quantize-dequantize
+    per 32 along the last dim (vllm recipe's "even" scale rule, Quark's for MXFP6), fp32 result."""
     xb = x.float().unflatten(-1, (x.shape[-1] // 32, 32))
-    s = _pow2_even_scale(xb.abs().amax(-1, keepdim=True), *((8, 3) if fmt == "mxfp8" else (2, 1)))
+    params = {"mxfp8": (8, 3), "mxfp4": (2, 1)}.get(fmt) or (_FP6[fmt][3], _FP6[fmt][1])
+    s = _pow2_even_scale(xb.abs().amax(-1, keepdim=True), *params)
     y = xb / s
-    q = _fp8(y).float() if fmt == "mxfp8" else _e2m1_round(y)
+    q = _fp8(y).float() if fmt == "mxfp8" else _e2m1_round(y) if fmt == "mxfp4" else _fp6_round(y, fmt)
     return (q * s).flatten(-2)
 
 
 def mx_values(codes: torch.Tensor, scale_bytes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """MX codes (fp8 e4m3 or packed E2M1) and E8M0 bytes per 32 -> fp32 values."""
-    v = codes.float() if fmt == "mxfp8" else e2m1_values(codes)
+    """MX codes (fp8 e4m3, packed E2M1 or FP6 one per byte) and E8M0 bytes per 32 -> fp32 values."""
+    v = codes.float() if fmt == "mxfp8" else fp6_values(codes, fmt) if fmt in _FP6 else e2m1_values(codes)
     s = torch.exp2(scale_bytes.view(torch.uint8).to(torch.float32) - 127)
     return (v.unflatten(-1, (v.shape[-1] // 32, 32)) * s.unsqueeze(-1)).flatten(-2)
 
