@@ -430,3 +430,38 @@ def test_record_fields_match_the_runtime_errors(monkeypatch):
         cuda_experts.CutlassExpertsBf16, dataclasses.replace(cfg, in_dtype=torch.bfloat16), None, None,
         FusedMoEActivationFormat.Standard)
     assert ok
+
+
+# The microscaling cross pairs of vLLM 0.33 (issue 41 item 5): the torch backend claims every one; each GPU backend's
+# experts class refuses each one it does not claim with the reason of backends/_declined.py (an SM100 / SM120 / ROCm /
+# XPU-only kernel, Humming, or the OCP MX emulation), shown by is_supported_config once the device probe passes.
+_MX_CROSS_SCHEMES = ["mxfp4_fp8_static", "mxfp4_fp8_block128", "mxfp4_fp8_token", "mxfp8_w8a16", "mxfp8_fp8_token",
+                     "nvfp4_w4a16", "nvfp4_mxfp8", "nvfp4_fp8_token", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_mxfp6_e3m2",
+                     "mxfp4_mxfp6_e2m3"]
+
+
+@pytest.mark.parametrize("scheme", _MX_CROSS_SCHEMES)
+def test_microscaling_cross_pairs_claimed_by_torch_declined_with_reasons_by_gpu_backends(scheme):
+    from backends._declined import MICROSCALING_DECLINED
+    from reference.schemes import get_scheme
+
+    wk, ak = get_scheme(scheme).quant_keys()
+    assert (wk, ak) in MICROSCALING_DECLINED
+    mc = FusedMoEConfig(num_experts=8, experts_per_token=2, hidden_dim=2048, intermediate_size_per_partition=768,
+                        num_local_experts=8)
+    for cls in (torch_experts.TorchExperts, torch_experts.TorchBatchedExperts):
+        assert cls.is_supported_config(cls, mc, wk, ak, cls.activation_format()) == (True, None)
+    gpu = [triton_experts.TritonExperts, cuda_experts.CutlassExpertsBf16, cuda_experts.CutlassExpertsFp8,
+           cuda_experts.CutlassExpertsFp4, cuda_experts.CutlassExpertsMxfp4, dg_experts.DeepGemmExperts,
+           dg_experts.BatchedDeepGemmExperts, dg_experts.DeepGemmFP4Experts]
+    refused = 0
+    for cls in gpu:
+        if cls.support.claims_quant(wk, ak):  # DeepGemmFP4Experts: the seed's SM100 claim (its device probe refuses)
+            assert cls.support.device_reason() is not None
+            continue
+        # past the device probe (this machine may have no GPU), the refusal names the pair and why
+        here = type(f"{cls.__name__}OnItsDevice", (cls,), {"support": dataclasses.replace(cls.support, device=None)})
+        ok, reason = here.is_supported_config(here, mc, wk, ak, cls.activation_format())
+        assert not ok and MICROSCALING_DECLINED[(wk, ak)] in reason, (cls.__name__, reason)
+        refused += 1
+    assert refused >= len(gpu) - 1

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backends._declined import MICROSCALING_DECLINED
 from backends._validation import check_topk_ids_range, validate_routes_requested
 from reference.activation import ACTIVATIONS_SINCE_033, GATED_ACTIVATIONS, NO_MUL_ACTIVATIONS, MoEActivation
 from reference.modular import ACTIVATION_PARAMS, FusedMoEActivationFormat, FusedMoEExpertsModular, SupportRecord, \
@@ -491,6 +492,7 @@ class _CutlassExpertsBase(FusedMoEExpertsModular):
         finalize="(M, K) weighted and reduced: TopKWeightAndReduceNoOP",
         activation_params=ACTIVATION_PARAMS, ue8m0_scales=True,  # every variant, as before the claims had them
         notes="torch CUTLASS grouped GEMMs (SM90); no expert biases; < 1024 local experts; I a multiple of ALIGN",
+        declined=MICROSCALING_DECLINED,  # vLLM 0.33's microscaling cross pairs: why not here (backends/_declined.py)
     )
 
     @classmethod

@@ -43,6 +43,7 @@ from math import prod
 
 import torch
 
+from backends._declined import MICROSCALING_DECLINED
 from backends._validation import validate_routes_requested
 from backends.deep_gemm import platform, triton_kernels
 from backends.deep_gemm.act_quant import SUPPORTED_ACTIVATIONS, act_mul_quant, per_token_group_quant_fp8_mn_major
@@ -314,6 +315,7 @@ class DeepGemmExperts(FusedMoEExpertsModular):
 
     support = SupportRecord(
         FusedMoEActivationFormat.Standard,
+        declined=MICROSCALING_DECLINED,  # vLLM 0.33's microscaling cross pairs: why not here (backends/_declined.py)
         # Seed 001's pairs. The MXFP8 pair is the seed's SM100-only claim: _supports_quant_scheme adds the device
         # condition (and the device probe is SM90-only, so it is never claimed here; __init__ raises for it).
         quant_schemes=frozenset({(kFp8Static128BlockSym, kFp8Dynamic128Sym), (kMxfp8Static, kMxfp8Dynamic)}),
@@ -689,6 +691,7 @@ class DeepGemmFP4Experts(FusedMoEExpertsModular):
 
     support = SupportRecord(
         FusedMoEActivationFormat.Standard,
+        declined=MICROSCALING_DECLINED,  # vLLM 0.33's microscaling cross pairs: why not here (backends/_declined.py)
         quant_schemes=frozenset({(kMxfp4Static, kFp8Dynamic128Sym)}),
         activations=frozenset({MoEActivation.SILU, MoEActivation.SWIGLUSTEP}),
         no_act_and_mul=False,

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton.language as tl
 
+from backends._declined import MICROSCALING_DECLINED
 from backends._validation import check_topk_ids_range
 from reference.activation import MoEActivation, adjust_N_for_activation
 from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig
@@ -789,6 +790,7 @@ class TritonExperts(FusedMoEExpertsModular):
         activation_params=ACTIVATION_PARAMS, ue8m0_scales=True,  # every variant, as before the claims had them
         notes="fused_moe_kernel (+ Gluon SM90 variants); FP8 pairs only on sm_89+ or the interpreter (fp8_capable); "
               "expert biases; unquantized weights must have the activation dtype",
+        declined=MICROSCALING_DECLINED,  # vLLM 0.33's microscaling cross pairs: why not here (backends/_declined.py)
     )
 
     @classmethod

@@ -170,7 +170,8 @@ class FusedMoEExperts(ABC):
         if not cls._supports_activation(moe_config.activation):
             return False, _make_reason(f"{moe_config.activation} activation")
         if not cls._supports_quant_scheme(weight_key, activation_key):
-            return False, _make_reason(f"quantization scheme {weight_key}x{activation_key}")
+            why = cls.support.declined_reason(weight_key, activation_key) if cls.support is not None else None
+            return False, _make_reason(f"quantization scheme {weight_key}x{activation_key}" + (f": {why}" if why else ""))
         if not cls._supports_parallel_config(moe_config.moe_parallel_config):
             return False, _make_reason(f"parallel config {moe_config.moe_parallel_config}")
         v033 = current_semantics() >= SemanticsVersion.V0_33  # point modular.is_supported_config

@@ -4,7 +4,7 @@ predicates; ``reference.modular.FusedMoEExperts`` derives the predicates from it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
@@ -62,6 +62,9 @@ class SupportRecord:
             (``FusedMoEQuantConfig.use_ue8m0``: DeepGEMM's recipe on SM90 / SM100) is claimed too (opt-in: claiming
             ``kFp8Static128BlockSym x kFp8Dynamic128Sym`` claims fp32 scales only).
         notes: one line for the matrix (recipes, limits not expressible above).
+        declined: ``{(weight_key, activation_key): reason}`` for unclaimed pairs the class names a reason for (a
+            vLLM 0.33 pair that only an SM100 / ROCm / external kernel runs, ...); ``is_supported_config`` adds the
+            reason to its refusal. Never a claim: a pair in both ``quant_schemes`` and here is claimed.
 
     Variants: a configuration the oracle (``is_supported_config``, on vLLM's keys) accepts may still use a variant
     that the keys do not name (an activation parameter, UE8M0 scales); ``variant_reason`` says which one is not
@@ -89,6 +92,12 @@ class SupportRecord:
     activation_params: frozenset = frozenset()
     ue8m0_scales: bool = False
     notes: str = ""
+    declined: Mapping = field(default_factory=dict, compare=False)
+
+    def declined_reason(self, weight_key, activation_key) -> str | None:
+        """The reason ``declined`` gives for an unclaimed pair, or None."""
+        return None if self.claims_quant(weight_key, activation_key) else \
+            self.declined.get((weight_key, activation_key))
 
     def claims_quant(self, weight_key, activation_key) -> bool:
         if self.quant_schemes is None:
