@@ -14,6 +14,11 @@ ref_nvfp4_quant``: multiply by fp32 reciprocals). vLLM's CUDA kernel uses ``rcp.
 for the reciprocals, so a GPU backend can differ from this in the last ulp of ``mult`` and, very
 rarely, in a code at an exact E2M1 midpoint. torchao's decode convention (never-zero block
 scales) is a different recipe and is not implemented here.
+
+NVFP4 weights with unquantized activations (``nvfp4_w4a16``, vLLM 0.33 ``fused_humming_moe.py`` / ``b12x.py``):
+``e2m1(q) * SF`` has at most 6 significant bits, so a kernel that dequantizes it to bf16 and applies ``1 / gs`` to
+its fp32 accumulator (per expert) computes the reference's ``e2m1(q) * (SF / gs)`` up to the fp32 rounding of that
+product, which the error model's accumulation terms cover (``reference.error_model``).
 """
 
 from __future__ import annotations
