@@ -71,6 +71,15 @@ TORCH_033_PAIRS |= {
     (qk.kInt4W4A8StaticGroup128Sym, None), (qk.kInt4W4A8StaticGroup64Sym, None),
     (qk.kInt4W4A8StaticGroup32Sym, None), (qk.kInt4W4A8StaticGroupSym, None),
 }
+# The microscaling cross pairs of vLLM 0.33 (issue 41 item 5, specs/schemes.toml's microscaling block): new torch
+# claims on purpose, as above.
+TORCH_033_PAIRS = TORCH_033_PAIRS | {
+    (qk.kMxfp4Static, qk.kFp8StaticTensorSym), (qk.kMxfp4Static, qk.kFp8Dynamic128Sym),
+    (qk.kMxfp4Static, qk.kFp8DynamicTokenSym), (qk.kMxfp8Static, None), (qk.kMxfp8Static, qk.kFp8DynamicTokenSym),
+    (qk.kNvfp4Static, None), (qk.kNvfp4Static, qk.kMxfp8Dynamic), (qk.kNvfp4Static, qk.kFp8DynamicTokenSym),
+    (qk.kMxfp6E3M2Static, qk.kMxfp6E3M2Dynamic), (qk.kMxfp6E2M3Static, qk.kMxfp6E2M3Dynamic),
+    (qk.kMxfp4Static, qk.kMxfp6E3M2Dynamic), (qk.kMxfp4Static, qk.kMxfp6E2M3Dynamic),
+}
 #: Claims added on purpose since the baseline: (class, pair) -> the new answer, each with why.
 INTENDED = {
     # vLLM 0.33 pairs every FP8 block shape with kFp8Dynamic128Sym; the Triton kernels computed 64x64 blocks but did
