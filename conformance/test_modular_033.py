@@ -249,7 +249,7 @@ def test_experts_get_the_expert_map_form_they_consume(backend, experts_cls, repr
     out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(cfg, qc), poison=float("nan")).apply(
         inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids,
         **{**kw, "expert_map": handed})
-    expected, heavy = reference_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
+    expected, heavy = fused_experts_with_heavy(inputs.hidden_states, inputs.w1, inputs.w2, inputs.topk_weights,
                                            inputs.topk_ids, quant_config=qc, **kw)
     assert_close(out, expected, case_error_bound(case, qc, experts_cls, heavy=heavy).as_tolerance(),
                  case=case.id + "-emapform",
@@ -280,7 +280,7 @@ def test_expert_substitution_routes_reach_the_experts(backend, experts_cls, repr
     kw = {**kw, "global_num_experts": len(keep), "expert_map": None}
     out = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), experts_cls(cfg, qc), poison=float("nan")).apply(
         inputs.hidden_states, w1, w2, w, ids, **kw)
-    expected, heavy = reference_with_heavy(inputs.hidden_states, w1, w2, w, ids, quant_config=qc, **kw)
+    expected, heavy = fused_experts_with_heavy(inputs.hidden_states, w1, w2, w, ids, quant_config=qc, **kw)
     assert_close(add_constant_output(out, const), add_constant_output(expected, const),
                  case_error_bound(case, qc, experts_cls, topk_ids=ids, heavy=heavy).as_tolerance(),
                  case=case.id + "-substitution",
