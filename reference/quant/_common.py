@@ -72,6 +72,17 @@ def check_positive_int(v: object, name: str) -> int:
     return v
 
 
+
+def check_block_weight(w: object, block_shape, fn: str) -> tuple[int, int]:
+    """A block-quantized weight's arguments: ``w`` high precision ``(N, K)`` or ``(E, N, K)`` and ``block_shape``
+    ``(bn, bk)`` of positive ints; returns ``(bn, bk)``. Raises TypeError (dtype) or ValueError naming ``fn``."""
+    check_high_precision(w, "w")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"{fn}: w must be (N, K) or (E, N, K), got shape {tuple(w.shape)}")
+    if len(block_shape) != 2:
+        raise ValueError(f"{fn}: block_shape must be (bn, bk), got {block_shape!r}")
+    return check_positive_int(block_shape[0], "block_shape[0]"), check_positive_int(block_shape[1], "block_shape[1]")
+
 def check_last_dim_multiple(x: torch.Tensor, group: int, fn: str, what: str = "group_size") -> None:
     """Raise ValueError unless x.shape[-1] is a multiple of ``group``."""
     if x.dim() == 0:

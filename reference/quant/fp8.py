@@ -22,6 +22,7 @@ import torch
 from ._common import (
     FP8_E4M3_MAX,
     cdiv,
+    check_block_weight,
     check_contiguous,
     check_dtype,
     check_high_precision,
@@ -345,13 +346,7 @@ def per_block_quant_fp8(
     Raises: TypeError (dtype), ValueError (rank not 2/3, bad block_shape, unknown recipe).
     """
     fn = "per_block_quant_fp8"
-    check_high_precision(w, "w")
-    if w.dim() not in (2, 3):
-        raise ValueError(f"{fn}: w must be (N, K) or (E, N, K), got shape {tuple(w.shape)}")
-    if len(block_shape) != 2:
-        raise ValueError(f"{fn}: block_shape must be (bn, bk), got {block_shape!r}")
-    bn = check_positive_int(block_shape[0], "block_shape[0]")
-    bk = check_positive_int(block_shape[1], "block_shape[1]")
+    bn, bk = check_block_weight(w, block_shape, fn)
     r = get_recipe(recipe)
 
     n, k = w.shape[-2], w.shape[-1]

@@ -24,7 +24,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from ._common import cdiv, check_dtype, check_high_precision, check_last_dim_multiple, check_positive_int
+from ._common import cdiv, check_block_weight, check_dtype, check_high_precision, check_last_dim_multiple, check_positive_int
 
 __all__ = [
     "per_token_group_quant_int8",
@@ -108,13 +108,7 @@ def per_block_quant_int8(w: torch.Tensor, block_shape: Sequence[int] = (128, 128
     Raises: TypeError (dtype); ValueError (rank, block shape, NaN / inf).
     """
     fn = "per_block_quant_int8"
-    check_high_precision(w, "w")
-    if w.dim() not in (2, 3):
-        raise ValueError(f"{fn}: w must be (N, K) or (E, N, K), got shape {tuple(w.shape)}")
-    if len(block_shape) != 2:
-        raise ValueError(f"{fn}: block_shape must be (bn, bk), got {block_shape!r}")
-    bn = check_positive_int(block_shape[0], "block_shape[0]")
-    bk = check_positive_int(block_shape[1], "block_shape[1]")
+    bn, bk = check_block_weight(w, block_shape, fn)
     wf = w.to(torch.float32)
     _check_finite(wf, fn)
     n, k = w.shape[-2:]
