@@ -17,6 +17,7 @@ What the interpreter cannot cover (``python -m benchmarks --backend triton`` and
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -38,7 +39,7 @@ CHECKS = [
     "experts_bf16_silu", "experts_bf16_unfused", "experts_bf16_tma", "experts_fp16_ep", "experts_fp32",
     "experts_swigluoai_bias", "experts_swigluoai_uninterleave", "experts_relu2_no_mul", "experts_gelu",
     "experts_router_weight_on_input",
-    "experts_fp8_block", "experts_fp8_block_swap_ab", "experts_fp8_nonblock_swap_ab", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor",
+    "experts_fp8_block", "experts_fp8_block_swap_ab", "experts_fp8_nonblock_swap_ab", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor", "experts_fp8_tensor_amax_in_gemm1",
     "experts_fp8_channel_token", "experts_int8", "fp8_promotion_order", "experts_fp8_promotion",
     "experts_permute_a", "align_tiles", "align_one_launch", "experts_half_tail", "experts_n_tiles", "experts_split_k",
     "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "experts_stages",
@@ -46,7 +47,7 @@ CHECKS = [
 ]
 
 WORKER = r'''
-import json, os, sys, traceback, warnings
+import dataclasses, json, os, sys, traceback, warnings
 warnings.filterwarnings("ignore")
 assert os.environ.get("TRITON_INTERPRET") == "1"
 import torch
@@ -163,6 +164,13 @@ def _():
             q2, s2 = rq.scaled_fp8_quant(x, *args, use_per_token_if_dynamic=mode == "token")
             if not (same_codes(q1, q2) and same_scales(s1, s2)):
                 bad.append((str(dt), mode))
+    # rows longer than one tile: the per-token modes' two passes, the per-tensor amax over many column chunks
+    x = quant_input(3, 2048, torch.bfloat16)
+    for mode in ("tensor", "token"):
+        q1, s1 = T_quant.scaled_fp8_quant(x, use_per_token_if_dynamic=mode == "token")
+        q2, s2 = rq.scaled_fp8_quant(x, use_per_token_if_dynamic=mode == "token")
+        if not (same_codes(q1, q2) and same_scales(s1, s2)):
+            bad.append(("K 2048", mode))
     z = torch.zeros(3, 128)
     q1, s1 = T_quant.scaled_fp8_quant(z)
     q2, s2 = rq.scaled_fp8_quant(z)
@@ -644,12 +652,13 @@ def _():
         nl = E // ep if ep else E
         rows = layout_rows(ids.numel(), nl, bs)
         lays = []
-        for limit in (saved, 0):  # one launch, four launches
-            T_align.ONE_LAUNCH_MAX_ROUTES = limit
+        saved_work = T_align.ONE_LAUNCH_MAX_WORK
+        for limit in (saved, 0):  # one launch (whatever the E x routes work), four launches
+            T_align.ONE_LAUNCH_MAX_ROUTES, T_align.ONE_LAUNCH_MAX_WORK = limit, 1 << 30
             try:
                 lays.append(T_align.align_routes(ids, bs, nl, emap, E if ep else nl, rows, tiles=tiles))
             finally:
-                T_align.ONE_LAUNCH_MAX_ROUTES = saved
+                T_align.ONE_LAUNCH_MAX_ROUTES, T_align.ONE_LAUNCH_MAX_WORK = saved, saved_work
         one, four = lays
         if ids.numel() > saved:
             bad.append(f"case M={M} topk={topk} has {ids.numel()} routes, above the one-launch limit {saved}")
@@ -888,6 +897,37 @@ def _():
                              act=0, split=0, qmode=QMODE_FP8_TENSOR_AMAX, act_dtype=torch.bfloat16)
     want = x.float()[ids < nv].abs().max()
     return bool(stat[0] == want) or f"amax {stat[0].item()} != {want.item()} over the routed rows"
+
+
+@check("experts_fp8_tensor_amax_in_gemm1")
+def _():
+    """The dynamic per-tensor requantization's amax found in GEMM1's epilogue (``OUT_AMAX``) gives the same bits as
+    act_quant_kernel's own pass: routed rows only (a bias makes the padding rows' activations nonzero, and larger
+    than the routed ones), over several N tiles and row tiles, with an expert map; then one routed NaN poisons the
+    call on both paths."""
+    from backends.triton.experts import FLAGS
+    xe, w1e, w2e, we, ide, eme, Ege = make(11, 2, 128, 64, 2, torch.bfloat16, ep=2)
+    (q1, s1), (q2, s2) = per_expert(rq.scaled_fp8_quant, w1e), per_expert(rq.scaled_fp8_quant, w2e)
+    b1 = torch.full((w1e.shape[0], w1e.shape[1]), 30.0).bfloat16()  # act(bias) on padding rows: ~30 x 30
+    qc = fp8_w8a8_moe_quant_config(s1.reshape(-1), s2.reshape(-1))
+    qc = dataclasses.replace(qc, w1=dataclasses.replace(qc.w1, bias=b1))
+    xn = xe.clone()
+    routed = (eme[ide.long()] >= 0).any(1).nonzero()[0, 0]
+    xn[routed, 5] = float("nan")  # a token routed to an expert held here
+    outs = {}
+    for flag in (True, False):
+        saved, FLAGS["amax_in_gemm1"] = FLAGS["amax_in_gemm1"], flag
+        try:
+            outs[flag] = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc,
+                                 config=CFG()) for xx in (xe, xn)]
+        finally:
+            FLAGS["amax_in_gemm1"] = saved
+    bad = []
+    if not torch.equal(outs[True][0], outs[False][0]):
+        bad.append(f"outputs differ: max |diff| {(outs[True][0].float() - outs[False][0].float()).abs().max()}")
+    if not torch.equal(outs[True][1].isnan(), outs[False][1].isnan()) or not outs[True][1].isnan().any():
+        bad.append("a routed NaN does not poison the call as the act_quant pass does")
+    return bad or None
 
 
 @check("experts_stages")

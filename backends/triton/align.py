@@ -21,7 +21,8 @@ With ``tiles=True`` (the experts' ``HALF_TAIL`` configs) launches 3 and 4 also b
 blocks in pairs, plus its odd last block alone (``first_block * 2 + full``), in sorted-row order, so that the GEMMs
 run two-block tiles and one single-block tail per expert in one launch.
 
-Up to ``ONE_LAUNCH_MAX_ROUTES`` routes (decode) the four steps run in one launch instead, ``_align_one_kernel``: one
+Up to ``ONE_LAUNCH_MAX_ROUTES`` routes (decode; and ``ONE_LAUNCH_MAX_WORK`` routes x experts, :func:`one_launch`)
+the four steps run in one launch instead, ``_align_one_kernel``: one
 program does the fill, walks the chunks in turn (counts carried from chunk to chunk instead of scanned), then
 scatters and writes the expert ids, with CTA barriers between the phases; the same layout, three launches fewer on
 the step's critical path.
@@ -208,6 +209,15 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
 #: of a few hundred tokens), in four launches above (the fill, then count / scan / scatter over chunks in parallel);
 #: ``MOE_TRITON_ALIGN_ONE_MAX`` sets it (0: always four launches, for an A / B on the GPU)
 ONE_LAUNCH_MAX_ROUTES = int(os.environ.get("MOE_TRITON_ALIGN_ONE_MAX", "1024"))
+#: ... and while routes x ``next_pow2(E + 1)`` (the one program's one-hot rank work) is at most this. H200, eleventh
+#: session: E 8 at 16 / 128 routes 2.0 / 2.9 us in one launch against 16 us in four (the count kernel's one
+#: 1024-route chunk); E 128 at 64 routes 6.2 us against 8.4 us, at 512 routes 29.0 us against 8.2 us
+ONE_LAUNCH_MAX_WORK = 16384
+
+
+def one_launch(numel: int, num_slots: int) -> bool:
+    """Whether :func:`align_routes` builds this layout in one launch (see ``ONE_LAUNCH_MAX_ROUTES``)."""
+    return 0 < numel <= ONE_LAUNCH_MAX_ROUTES and numel * next_pow2(num_slots + 1) <= ONE_LAUNCH_MAX_WORK
 
 
 def max_num_tokens_padded(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
@@ -273,7 +283,8 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
     dev = topk_ids.device
     numel = topk_ids.numel()
     num_blocks = cdiv(total_len, block_size)
-    if 0 < numel <= ONE_LAUNCH_MAX_ROUTES:  # filled by the one-launch kernel's first phase
+    one = one_launch(numel, num_slots)
+    if one:  # filled by the one-launch kernel's first phase
         sorted_ids = torch.empty((total_len,), dtype=torch.int32, device=dev)
     else:
         sorted_ids = torch.full((total_len,), numel, dtype=torch.int32, device=dev)
@@ -293,7 +304,7 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
         return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
     e_pad = next_pow2(num_slots + 1)
     chunk, cb = _chunk_sizes(e_pad)
-    if numel <= ONE_LAUNCH_MAX_ROUTES:
+    if one:
         rank = torch.empty((numel,), dtype=torch.int32, device=dev)
         ends = torch.empty((e_pad,), dtype=torch.int32, device=dev)
         tile_ends = torch.empty((e_pad,), dtype=torch.int32, device=dev) if tiles else ends

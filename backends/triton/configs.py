@@ -45,7 +45,8 @@ wgmma's 64-row M and the tile's 16-32 token rows its N. ``SPLIT_K`` (optional, d
 with gate / up as two chains nor INT8) runs that many programs per output tile over contiguous shares of K, the last
 to finish summing their fp32 partials in split order before the epilogue: decode GEMMs whose (expert, N tile)
 programs are too few to stream the weights (DeepSeek-V3 TP8 GEMM1 at M = 1: 64 programs of K = 7168).
-``QUANT_WARPS`` (optional, default 4; GEMM2 entry) is the warps per program of the requantization kernel run
+``QUANT_WARPS`` (optional; GEMM2 entry; default 4, or for a per-token requantization one warp per 256 elements of
+a tile, up to 16) is the warps per program of the requantization kernel run
 before GEMM2 (``act_quant_kernel``, where GEMM1 does not requantize in its epilogue): a power of two in [1, 16].
 The entry whose ``M`` is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch;
 otherwise (or without a table) :func:`default_config` chooses by tokens per expert.

@@ -55,6 +55,7 @@ from reference.quant import keys as K
 from . import configs as _configs
 from .host import (
     INTERPRET,
+    OUT_AMAX,
     SUPPORTED_ACTIVATIONS,
     Fusion,
     GemmEpilogue,
@@ -97,8 +98,10 @@ _GATED_HALVES = {MoEActivation.SILU, MoEActivation.GELU, MoEActivation.GELU_TANH
                  MoEActivation.SWIGLUOAI_UNINTERLEAVE, MoEActivation.SWIGLUSTEP}
 
 # Diagnostics switches (environment): MOE_TRITON_BSCALAR=0 loads 128x128 weight scales per column instead of one
-# scalar per K tile. "strict": see strict_kernels.
-FLAGS = {"b_scalar": os.environ.get("MOE_TRITON_BSCALAR", "1") != "0", "strict": False}
+# scalar per K tile; MOE_TRITON_AMAX_IN_GEMM1=0 finds the dynamic per-tensor requantization's amax in its own pass
+# (act_quant_kernel) instead of GEMM1's epilogue (OUT_AMAX), for an A / B. "strict": see strict_kernels.
+FLAGS = {"b_scalar": os.environ.get("MOE_TRITON_BSCALAR", "1") != "0", "strict": False,
+         "amax_in_gemm1": os.environ.get("MOE_TRITON_AMAX_IN_GEMM1", "1") != "0"}
 
 
 @contextlib.contextmanager
@@ -613,24 +616,31 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             taps["activation"] = _unsort_rows(c2, layout, numel, M, topk)
     else:
         c1 = _view(buf2, 0, (rows, c1_cols), act_dtype)
-        launch_gemm(GemmOperands(a1, w1, c1, a_scale=a1s, w_scale=qc.w1_scale, bias=w1_bias),
+        qm = plan.a2_qmode if quant else QMODE_NONE
+        stat = amax_in_gemm1 = None
+        if qm == QMODE_FP8_TENSOR_AMAX:
+            # one scale over all routed rows of the call (reference: vLLM quantizes intermediate_cache2 at once):
+            # [amax, non-finite flag], found by GEMM1's epilogue when it applies the activation on fused_moe_kernel
+            # (OUT_AMAX), else by act_quant_kernel's first pass
+            stat = torch.zeros(2, dtype=torch.float32, device=dev)
+            amax_in_gemm1 = FLAGS["amax_in_gemm1"] and bool(fuse) and not any(g1.get(k, 0) for k in GLUON_KEYS)
+        launch_gemm(GemmOperands(a1, w1, c1, cs=stat.view(1, 2) if amax_in_gemm1 else None, a_scale=a1s,
+                                 w_scale=qc.w1_scale, bias=w1_bias),
                      GemmShape(n_out=I if fuse else NW1, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
-                     epi1, g1, pdl_trigger=pdl)
+                     replace(epi1, out_quant=OUT_AMAX) if amax_in_gemm1 else epi1, g1, pdl_trigger=pdl)
         if taps is not None:  # copied now: GEMM2's output C3 reuses this buffer
             taps["activation" if fuse else "gemm1"] = _unsort_rows(c1, layout, numel, M, topk)
         aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,
                   up_off=I if split == 1 else 0, num_e=1, block_m=BM, act_dtype=act_dtype, rp=rp,
                   use_ue8m0=plan.use_ue8m0, group=group, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit,
-                  num_warps=g2.get("QUANT_WARPS", 4))
+                  num_warps=g2.get("QUANT_WARPS"))
         if fuse:
             aq.update(act=0, split=0, up_off=0)
         else:
             aq.update(act=act, split=split)
-        qm = plan.a2_qmode if quant else QMODE_NONE
         if qm == QMODE_FP8_TENSOR_AMAX:
-            # one scale over all routed rows of the call (reference: vLLM quantizes intermediate_cache2 at once)
-            stat = torch.zeros(2, dtype=torch.float32, device=dev)
-            _launch_act_quant(x=c1, y=c2_view, stat=stat, qmode=QMODE_FP8_TENSOR_AMAX, **aq)
+            if not amax_in_gemm1:
+                _launch_act_quant(x=c1, y=c2_view, stat=stat, qmode=QMODE_FP8_TENSOR_AMAX, **aq)
             _launch_act_quant(x=c1, y=c2_view, ys=c2s, stat=stat, qmode=QMODE_FP8_TENSOR_QUANT, **aq)
         else:
             a2s = None
@@ -660,7 +670,8 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     if stages == "gemms":
         return out
     # ---- weighted top-k sum
-    bk = min(next_pow2(K), 128 if INTERPRET else 1024)
+    # decode: narrower column blocks, so that a few tokens still spread over many programs
+    bk = min(next_pow2(K), 128 if INTERPRET else (1024 if M >= 64 else 256))
     tw = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
     moe_sum_kernel[(M, cdiv(K, bk))](
         c3, tw, local, out, K, c3.stride(0), tw.stride(0), out.stride(0),

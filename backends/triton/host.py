@@ -236,12 +236,20 @@ class GemmScales:
     group_k: int = 128
 
 
+#: ``GemmEpilogue.out_quant``: the per-tensor amax of the output folded into ``cs`` (see ``GemmEpilogue``)
+OUT_AMAX = 2
+
+
 @dataclass(frozen=True)
 class GemmEpilogue:
     """What the epilogue does after dequantization and bias: the fused activation (``fuse``; ``act`` its ``ACT``
     code with ``alpha`` / ``beta`` / ``limit`` / ``has_limit`` from :func:`act_params`), the rounding to
-    ``act_dtype``, and (``out_quant``) an FP8 quantization of each row's ``BLOCK_N`` columns with the recipe
-    parameters ``rp`` (:func:`recipe_params`) and ``use_ue8m0`` scales."""
+    ``act_dtype``, and ``out_quant``: 0 none; 1 (``True``) an FP8 quantization of each row's ``BLOCK_N`` columns
+    with the recipe parameters ``rp`` (:func:`recipe_params`) and ``use_ue8m0`` scales (codes in ``c``, scales in
+    ``cs``); :data:`OUT_AMAX` (2) the rounded output stored as is, and its routed rows' largest finite magnitude
+    and a non-finite flag folded into ``cs`` (``(1, 2)`` fp32, ``[amax, bad]``, zeros before the launch) by
+    atomic max: the first pass of a dynamic per-tensor requantization (``act_quant_kernel``'s QMODE 6) done by the
+    GEMM that writes the values, ``fused_moe_kernel`` only."""
 
     act_dtype: torch.dtype
     fuse: Fusion = Fusion.NONE
@@ -250,6 +258,6 @@ class GemmEpilogue:
     beta: float = 0.0
     limit: float = 0.0
     has_limit: bool = False
-    out_quant: bool = False
+    out_quant: int = 0
     rp: dict | None = None
     use_ue8m0: bool = False

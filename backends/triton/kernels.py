@@ -346,7 +346,18 @@ def _moe_tile(
         if SPLIT_K > 1:  # only the program that summed the partials stores
             row_mask = row_mask & is_last
         c_ptrs = c_ptr + c_rows[:, None].to(tl.int64) * stride_cm + offs_cn[None, :] * stride_cn
-        if OUT_QUANT:
+        if OUT_QUANT == 2:
+            # the dynamic per-tensor requantization's first pass (act_quant_kernel QMODE 6) on the values stored:
+            # the largest finite |y| of the tile's routed rows and whether any is NaN / inf, folded by atomic max
+            # (one per program; the zeros were written before the launch)
+            tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+            yf = y.to(tl.float32)
+            ay = tl.abs(yf)
+            ok = (token_mask & row_mask)[:, None] & n_mask[None, :]
+            badv = ok & ((yf != yf) | (ay == float("inf")))
+            tl.atomic_max(cs_ptr, tl.max(tl.max(tl.where(ok & ~badv, ay, 0.0), axis=1), axis=0))
+            tl.atomic_max(cs_ptr + stride_csg, tl.max(tl.max(badv.to(tl.float32), axis=1), axis=0))
+        elif OUT_QUANT:
             yq = tl.where(n_mask[None, :], y.to(tl.float32), 0.0)
             codes, s = fp8_quant_rows(yq, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL, EMU)
             tl.store(c_ptrs, codes, mask=row_mask[:, None] & n_mask[None, :])
@@ -433,7 +444,8 @@ def fused_moe_kernel(
     ``A_SCALE`` (``host.ScaleMode``): 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K.
     ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
     (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).
-    ``OUT_QUANT``: quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns).
+    ``OUT_QUANT``: 1 quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns); 2
+    (``host.OUT_AMAX``) store it and fold its routed rows' amax and non-finite flag into ``cs[0, 0:2]``.
     ``N_TILES``: a program computes that many consecutive N tiles of its rows in turn (``FLATTEN``: as one
     flattened, software-pipelined loop); N tiles past ``N`` are computed on wrapped columns and not stored.
     ``PROMOTE`` (FP8 per-tensor / per-channel operands, ``A_SCALE`` 1 or 2, not ``INT8``): K tiles accumulated in
@@ -540,13 +552,15 @@ def act_quant_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BS: tl.constexpr, SORTED: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, QMODE: tl.constexpr, ACT_DT: tl.constexpr,
     USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr,
-    EMU: tl.constexpr, PDL: tl.constexpr = False,
+    EMU: tl.constexpr, PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = False,
 ):
     """Activation (``ACT``; ``ACT_NONE`` = copy) of ``NC`` output columns per row, rounded to ``ACT_DT``, then stored
     as ``ACT_DT`` or quantized (``QMODE``). Rows are ``[0, R)`` or, with ``SORTED``, the sorted positions below
     ``num_tokens_post_padded`` (padding rows are processed too; they are excluded from per-tensor amax).
     ``PDL`` (launched with programmatic dependent launch, between the two GEMMs): let the next kernel start early,
-    and wait for the previous one before reading its output."""
+    and wait for the previous one before reading its output. ``ONE_PASS`` (row modes 2 / 3 / 6): the tile holds
+    the whole row (``NC <= BLOCK_C``), or for the per-tensor amax (6) this program's column chunk (grid axis 1), so
+    it is loaded (and its activation computed) once instead of once per pass."""
     if PDL:
         gdc_launch_dependents()
     pid_r = tl.program_id(0)
@@ -604,18 +618,28 @@ def act_quant_kernel(
             s = tl.where(bad, float("nan"), s)
             tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask & (pid_c == 0))
     else:
-        # row modes: pass 1 amax over the whole row
-        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-        nbad = tl.zeros([BLOCK_R], dtype=tl.int32)
-        for c0 in range(0, NC, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
+        # row modes. ONE_PASS: the program's tile is the whole row (or, for the per-tensor amax, its own column
+        # chunk: grid axis 1), loaded once; otherwise pass 1 finds the row's amax over chunks, pass 2 reloads them
+        if ONE_PASS:
             mask = rmask[:, None] & (cols < NC)[None, :]
             y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
                           SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
             ay = tl.abs(y)
             badv = (y != y) | (ay == float("inf"))
-            nbad += tl.sum(badv.to(tl.int32), axis=1)
-            amax = tl.maximum(amax, tl.max(tl.where(badv, 0.0, ay), axis=1))
+            nbad = tl.sum(badv.to(tl.int32), axis=1)
+            amax = tl.max(tl.where(badv, 0.0, ay), axis=1)
+        else:
+            amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+            nbad = tl.zeros([BLOCK_R], dtype=tl.int32)
+            for c0 in range(0, NC, BLOCK_C):
+                cols = c0 + tl.arange(0, BLOCK_C)
+                mask = rmask[:, None] & (cols < NC)[None, :]
+                y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
+                              SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+                ay = tl.abs(y)
+                badv = (y != y) | (ay == float("inf"))
+                nbad += tl.sum(badv.to(tl.int32), axis=1)
+                amax = tl.maximum(amax, tl.max(tl.where(badv, 0.0, ay), axis=1))
         if QMODE == 6:
             tl.atomic_max(stat_ptr + ex, amax, mask=route_ok)
             tl.atomic_max(stat_ptr + NUM_E + ex, (nbad > 0).to(tl.float32), mask=route_ok)
@@ -627,17 +651,25 @@ def act_quant_kernel(
                 s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
                 # the kernel's tmp_scale = 127 / absmax, one IEEE division (reference: rdiv(127.0, absmax))
                 mult = tl.where(amax == 0, 0.0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax))
-            for c0 in range(0, NC, BLOCK_C):
-                cols = c0 + tl.arange(0, BLOCK_C)
-                mask = rmask[:, None] & (cols < NC)[None, :]
-                y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
-                              SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+            if ONE_PASS:
                 if QMODE == 2:
                     codes = fp8e4m3_code(tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape)), EMU)
                     codes = tl.where((nbad > 0)[:, None], 0x7F, codes.to(tl.int32)).to(tl.uint8)
                 else:
                     codes = int8_code(mul_rn(y, tl.broadcast_to(mult[:, None], y.shape), EMU), EMU)
                 tl.store(y_rows + cols[None, :], codes, mask=mask)
+            else:
+                for c0 in range(0, NC, BLOCK_C):
+                    cols = c0 + tl.arange(0, BLOCK_C)
+                    mask = rmask[:, None] & (cols < NC)[None, :]
+                    y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
+                                  SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+                    if QMODE == 2:
+                        codes = fp8e4m3_code(tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape)), EMU)
+                        codes = tl.where((nbad > 0)[:, None], 0x7F, codes.to(tl.int32)).to(tl.uint8)
+                    else:
+                        codes = int8_code(mul_rn(y, tl.broadcast_to(mult[:, None], y.shape), EMU), EMU)
+                    tl.store(y_rows + cols[None, :], codes, mask=mask)
             tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask)
 
 
@@ -671,12 +703,14 @@ def moe_sum_kernel(c3_ptr, w_ptr, local_ptr, out_ptr, K, stride_c3, stride_w, st
     cm = cols < K
     acc = tl.zeros([BLOCK_K], dtype=tl.float32)
     t64 = t.to(tl.int64)
+    # no branch per route: the TOPK loads are issued together (decode: one chain of latencies instead of TOPK).
+    # A route not held here adds +0.0, which leaves the sum's bits unchanged (acc starts at +0.0 and is never -0.0)
     for k in tl.static_range(TOPK):
-        le = tl.load(local_ptr + t64 * TOPK + k)
-        if le >= 0:
-            y = tl.load(c3_ptr + (t64 * TOPK + k) * stride_c3 + cols, mask=cm, other=0.0).to(tl.float32)
-            if APPLY_W:
-                acc += tl.load(w_ptr + t64 * stride_w + k).to(tl.float32) * y
-            else:
-                acc += y
+        keep = tl.load(local_ptr + t64 * TOPK + k) >= 0
+        y = tl.load(c3_ptr + (t64 * TOPK + k) * stride_c3 + cols, mask=cm & keep, other=0.0).to(tl.float32)
+        if APPLY_W:
+            w = tl.load(w_ptr + t64 * stride_w + k).to(tl.float32)
+            acc += tl.where(keep, w * y, 0.0)
+        else:
+            acc += y
     tl.store(out_ptr + t64 * stride_o + cols, to_act(acc, out_ptr.dtype.element_ty, EMU), mask=cm)

@@ -151,24 +151,39 @@ def per_token_group_quant_fp8(
 def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, expert_ids=None, ntpp=None,
                       rows, nc, num_valid, up_off=0, num_e=1, block_m=16, act, split, qmode, act_dtype,
                       alpha=1.0, beta=0.0, limit=0.0, has_limit=False, rp=None, use_ue8m0=False, group=128,
-                      pdl=False, num_warps=4):
+                      pdl=False, num_warps=None):
     """Launch ``act_quant_kernel`` over ``rows`` rows (sorted layout when ``sorted_ids`` is given); ``pdl``: with
     programmatic dependent launch (see ``kernels.act_quant_kernel``); ``num_warps`` per program (the table's
-    ``QUANT_WARPS``: at decode the kernel is a chain of per-thread latencies, more threads per tile shorten it)."""
+    ``QUANT_WARPS``: at decode the kernel is a chain of per-thread latencies, more threads per tile shorten it;
+    None: 4, or one warp per 256 elements of a row-mode tile, up to 16).
+
+    Tiles: element-wise modes take ``[BLOCK_R, min(next_pow2(nc), 1024)]`` chunks (grid axis 1); the per-token modes
+    (2, 3) a whole row of up to 4096 columns in one pass (longer rows: two passes over 1024-column chunks), one row
+    per program at up to 128 rows (decode: as many programs as rows) and up to 4096 elements a tile above; the
+    per-tensor amax (6) one ``[BLOCK_R, 1024]`` chunk per program."""
     sorted_ = sorted_ids is not None
+    row_mode = qmode in (QMODE_FP8_TOKEN, QMODE_INT8_TOKEN)
     if qmode == QMODE_FP8_GROUP:
         bc = group
         if bc & (bc - 1):
             raise ValueError(f"group size {group} must be a power of two")
+    elif row_mode and next_pow2(nc) <= (1024 if INTERPRET else 4096):
+        bc = next_pow2(nc)
     else:
         bc = min(next_pow2(nc), 128 if INTERPRET else 1024)
     budget = 2048 if INTERPRET else 4096
     br = max(1, min(budget // bc, 64))
     br = 1 << (br.bit_length() - 1)
+    if row_mode and rows <= 128:
+        br = 1  # decode: one row per program, the row's reduction spread over the program's warps
     if sorted_:
         br = min(br, block_m)
-    per_chunk = qmode in (QMODE_NONE, QMODE_FP8_GROUP, QMODE_FP8_STATIC, QMODE_INT8_STATIC, QMODE_FP8_TENSOR_QUANT)
+    per_chunk = qmode in (QMODE_NONE, QMODE_FP8_GROUP, QMODE_FP8_STATIC, QMODE_INT8_STATIC, QMODE_FP8_TENSOR_QUANT,
+                          QMODE_FP8_TENSOR_AMAX)
+    one_pass = qmode == QMODE_FP8_TENSOR_AMAX or (row_mode and nc <= bc)
     grid = (cdiv(rows, br), cdiv(nc, bc) if per_chunk else 1)
+    if num_warps is None:
+        num_warps = max(4, min(16, br * bc // 256)) if row_mode else 4
     dummy = y
     rp = rp or recipe_params("vllm")
     act_quant_kernel[grid](
@@ -181,7 +196,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         alpha, beta, limit, rp["amax_floor"], rp["ue8m0_floor"], _MIN_TOKEN_SCALE,
         BLOCK_R=br, BLOCK_C=bc, BS=block_m, SORTED=sorted_, ACT=act, HAS_LIMIT=has_limit, SPLIT=split,
         QMODE=qmode, ACT_DT=_tl_dtype(act_dtype), USE_UE8M0=use_ue8m0, UE8M0_EXACT=rp["UE8M0_EXACT"],
-        SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl,
+        SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl, ONE_PASS=one_pass,
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
 
