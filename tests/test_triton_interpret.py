@@ -901,31 +901,32 @@ def _():
 
 @check("experts_fp8_tensor_amax_in_gemm1")
 def _():
-    """The dynamic per-tensor requantization's amax found in GEMM1's epilogue (``OUT_AMAX``) gives the same bits as
-    act_quant_kernel's own pass: routed rows only (a bias makes the padding rows' activations nonzero, and larger
-    than the routed ones), over several N tiles and row tiles, with an expert map; then one routed NaN poisons the
-    call on both paths."""
-    from backends.triton.experts import FLAGS
+    """The dynamic per-tensor requantization's amax found in GEMM1's epilogue (``AMAX_EPILOGUE``: ``OUT_AMAX``) gives
+    the same bits as act_quant_kernel's own pass: routed rows only (a bias makes the padding rows' activations
+    nonzero, and larger than the routed ones), over several N tiles and row tiles, with an expert map; then one
+    routed NaN poisons the call on both paths."""
     xe, w1e, w2e, we, ide, eme, Ege = make(11, 2, 128, 64, 2, torch.bfloat16, ep=2)
+    # routed rows: x >= 0, w1 < 0, so x . w1 ~ -20 and the activation of (x . w1 + 30) ~ 10 x 10; padding rows
+    # (A masked to zero) get the activation of the bias alone, silu(30) x 30 ~ 900: counted, they would set the scale
+    xe = xe.abs()
+    w1e = -(0.1 + 0.2 * torch.rand(w1e.shape, generator=G)).to(w1e.dtype)
     (q1, s1), (q2, s2) = per_expert(rq.scaled_fp8_quant, w1e), per_expert(rq.scaled_fp8_quant, w2e)
-    b1 = torch.full((w1e.shape[0], w1e.shape[1]), 30.0).bfloat16()  # act(bias) on padding rows: ~30 x 30
+    b1 = torch.full((w1e.shape[0], w1e.shape[1]), 30.0).bfloat16()
     qc = fp8_w8a8_moe_quant_config(s1.reshape(-1), s2.reshape(-1))
     qc = dataclasses.replace(qc, w1=dataclasses.replace(qc.w1, bias=b1))
     xn = xe.clone()
     routed = (eme[ide.long()] >= 0).any(1).nonzero()[0, 0]
     xn[routed, 5] = float("nan")  # a token routed to an expert held here
     outs = {}
-    for flag in (True, False):
-        saved, FLAGS["amax_in_gemm1"] = FLAGS["amax_in_gemm1"], flag
-        try:
-            outs[flag] = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc,
-                                 config=CFG()) for xx in (xe, xn)]
-        finally:
-            FLAGS["amax_in_gemm1"] = saved
+    for flag in (1, 0):
+        cfg = CFG()
+        cfg["gemm1"]["AMAX_EPILOGUE"] = flag
+        outs[flag] = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc,
+                             config=cfg) for xx in (xe, xn)]
     bad = []
-    if not torch.equal(outs[True][0], outs[False][0]):
-        bad.append(f"outputs differ: max |diff| {(outs[True][0].float() - outs[False][0].float()).abs().max()}")
-    if not torch.equal(outs[True][1].isnan(), outs[False][1].isnan()) or not outs[True][1].isnan().any():
+    if not torch.equal(outs[1][0], outs[0][0]):
+        bad.append(f"outputs differ: max |diff| {(outs[1][0].float() - outs[0][0].float()).abs().max()}")
+    if not torch.equal(outs[1][1].isnan(), outs[0][1].isnan()) or not outs[1][1].isnan().any():
         bad.append("a routed NaN does not poison the call as the act_quant pass does")
     return bad or None
 

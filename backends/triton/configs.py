@@ -6,7 +6,7 @@ intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
                        USE_TMA, N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, FUSE_ACT, FUSE_QUANT,
-                       PROMOTE_K, FAST_ACCUM, SWAP_AB, SPLIT_K, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP},
+                       PROMOTE_K, FAST_ACCUM, SWAP_AB, SPLIT_K, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP, AMAX_EPILOGUE},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
                        N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, PDL, PROMOTE_K, FAST_ACCUM,
                        SWAP_AB, SPLIT_K, QUANT_WARPS}},
@@ -48,6 +48,11 @@ programs are too few to stream the weights (DeepSeek-V3 TP8 GEMM1 at M = 1: 64 p
 ``QUANT_WARPS`` (optional; GEMM2 entry; default 4, or for a per-token requantization one warp per 256 elements of
 a tile, up to 16) is the warps per program of the requantization kernel run
 before GEMM2 (``act_quant_kernel``, where GEMM1 does not requantize in its epilogue): a power of two in [1, 16].
+``AMAX_EPILOGUE`` (optional, default 0; GEMM1 entry; dynamic per-tensor FP8 requantization, GEMM1 applying the
+activation on ``fused_moe_kernel``) finds the requantization's amax in GEMM1's epilogue (one atomic max per program,
+``host.OUT_AMAX``) instead of a pass of ``act_quant_kernel`` over GEMM1's output: one kernel fewer, paid by the
+tile reduction and the programs' atomics on one address (H200, Mixtral TP2 fp8_tensor: a gain at M = 1, a loss
+from M = 8 up).
 The entry whose ``M`` is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch;
 otherwise (or without a table) :func:`default_config` chooses by tokens per expert.
 """
@@ -76,7 +81,7 @@ GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "n
 # (PROMOTE_K's default and its largest allowed value; DeepGEMM / CUTLASS use 128)
 DEFAULT_PROMOTE_K = 256
 MAX_PROMOTE_K = 256
-GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL", "JOINT_GATE_UP")
+GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL", "JOINT_GATE_UP", "AMAX_EPILOGUE")
 
 
 def device_name() -> str:
@@ -188,6 +193,9 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
     out["gemm1"].setdefault("PERMUTE_A", 0)
     out["gemm1"].setdefault("HALF_TAIL", 0)
     out["gemm1"].setdefault("JOINT_GATE_UP", 0)
+    out["gemm1"].setdefault("AMAX_EPILOGUE", 0)
+    if "AMAX_EPILOGUE" in out["gemm2"]:
+        raise ValueError("AMAX_EPILOGUE is a gemm1 key (GEMM1's epilogue finds the requantization's amax)")
     if out["gemm1"]["HALF_TAIL"] and out["gemm1"]["BLOCK_SIZE_M"] < 32:
         raise ValueError(f"HALF_TAIL needs BLOCK_SIZE_M >= 32 (tail tiles of BLOCK_SIZE_M / 2 >= 16 rows), got "
                          f"{out['gemm1']['BLOCK_SIZE_M']}")

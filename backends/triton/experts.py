@@ -98,10 +98,8 @@ _GATED_HALVES = {MoEActivation.SILU, MoEActivation.GELU, MoEActivation.GELU_TANH
                  MoEActivation.SWIGLUOAI_UNINTERLEAVE, MoEActivation.SWIGLUSTEP}
 
 # Diagnostics switches (environment): MOE_TRITON_BSCALAR=0 loads 128x128 weight scales per column instead of one
-# scalar per K tile; MOE_TRITON_AMAX_IN_GEMM1=0 finds the dynamic per-tensor requantization's amax in its own pass
-# (act_quant_kernel) instead of GEMM1's epilogue (OUT_AMAX), for an A / B. "strict": see strict_kernels.
-FLAGS = {"b_scalar": os.environ.get("MOE_TRITON_BSCALAR", "1") != "0", "strict": False,
-         "amax_in_gemm1": os.environ.get("MOE_TRITON_AMAX_IN_GEMM1", "1") != "0"}
+# scalar per K tile. "strict": see strict_kernels.
+FLAGS = {"b_scalar": os.environ.get("MOE_TRITON_BSCALAR", "1") != "0", "strict": False}
 
 
 @contextlib.contextmanager
@@ -620,10 +618,11 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
         stat = amax_in_gemm1 = None
         if qm == QMODE_FP8_TENSOR_AMAX:
             # one scale over all routed rows of the call (reference: vLLM quantizes intermediate_cache2 at once):
-            # [amax, non-finite flag], found by GEMM1's epilogue when it applies the activation on fused_moe_kernel
-            # (OUT_AMAX), else by act_quant_kernel's first pass
+            # [amax, non-finite flag], found by act_quant_kernel's first pass, or (AMAX_EPILOGUE) by GEMM1's epilogue
+            # when it applies the activation on fused_moe_kernel (OUT_AMAX)
             stat = torch.zeros(2, dtype=torch.float32, device=dev)
-            amax_in_gemm1 = FLAGS["amax_in_gemm1"] and bool(fuse) and not any(g1.get(k, 0) for k in GLUON_KEYS)
+            amax_in_gemm1 = bool(g1.get("AMAX_EPILOGUE", 0)) and bool(fuse) and not any(g1.get(k, 0)
+                                                                                        for k in GLUON_KEYS)
         launch_gemm(GemmOperands(a1, w1, c1, cs=stat.view(1, 2) if amax_in_gemm1 else None, a_scale=a1s,
                                  w_scale=qc.w1_scale, bias=w1_bias),
                      GemmShape(n_out=I if fuse else NW1, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
