@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reference.semantics import use_semantics
 from reference.quant import (
     DEEPGEMM,
     VLLM,
@@ -84,8 +85,9 @@ def np_ceil_pow2(v: np.ndarray) -> np.ndarray:
     return np.ldexp(1.0, np.where(m == 0.5, e - 1, e)).astype(F32)
 
 
-def oracle_group_quant(x_f32: np.ndarray, g: int, recipe: str, use_ue8m0: bool):
-    """The facts-file table rows for vLLM CUDA / DeepGEMM, in numpy float32."""
+def oracle_group_quant(x_f32: np.ndarray, g: int, recipe: str, use_ue8m0: bool, semantics: str = "0.33"):
+    """The facts-file table rows for vLLM CUDA / DeepGEMM, in numpy float32. vLLM 0.17's kernel divides by the
+    group scale, 0.33's multiplies by its reciprocal (``1.0f / y_s``, per_token_group_quant.cu)."""
     m, k = x_f32.shape
     xg = x_f32.reshape(m, k // g, g)
     amax = np.abs(xg).max(axis=-1).astype(F32)
@@ -97,7 +99,7 @@ def oracle_group_quant(x_f32: np.ndarray, g: int, recipe: str, use_ue8m0: bool):
             s = np.maximum(s, F32(1e-10))
         s = np_ceil_pow2(s)
     with np.errstate(invalid="ignore", divide="ignore"):  # inf / NaN groups: checked separately
-        if recipe == "vllm":
+        if recipe == "vllm" and semantics == "0.17":
             y = xg / s[..., None]
         else:
             y = xg * (F32(1) / s)[..., None]
@@ -128,15 +130,16 @@ def test_satfinite_cast_hand_values():
 # per_token_group_quant_fp8
 
 
-@pytest.mark.parametrize("recipe", ["vllm", "deepgemm"])
+@pytest.mark.parametrize("recipe,semantics", [("vllm", "0.17"), ("vllm", "0.33"), ("deepgemm", "0.33")])
 @pytest.mark.parametrize("group_size", [128, 64])
 @pytest.mark.parametrize("use_ue8m0", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_group_quant_matches_oracle(recipe, group_size, use_ue8m0, dtype):
+def test_group_quant_matches_oracle(recipe, semantics, group_size, use_ue8m0, dtype):
     g = torch.Generator().manual_seed(1234 + group_size)
     x = (torch.randn(64, 512, generator=g) * torch.logspace(-3, 3, 64).unsqueeze(1)).to(dtype)
-    q, s = per_token_group_quant_fp8(x, group_size, use_ue8m0=use_ue8m0, recipe=recipe)
-    want_q, want_s = oracle_group_quant(x.float().numpy(), group_size, recipe, use_ue8m0)
+    with use_semantics(semantics):
+        q, s = per_token_group_quant_fp8(x, group_size, use_ue8m0=use_ue8m0, recipe=recipe)
+    want_q, want_s = oracle_group_quant(x.float().numpy(), group_size, recipe, use_ue8m0, semantics)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
     assert s.shape == (64, 512 // group_size) and s.is_contiguous()
     np.testing.assert_array_equal(s.numpy().view(np.uint32), want_s.view(np.uint32))
@@ -153,11 +156,16 @@ def test_group_quant_leading_dims():
 
 
 def test_recipes_differ_with_fp32_scales_and_agree_with_pow2_scales():
-    # facts: x*(1/s) vs x/s differ in ~0.05 % of codes for N(0,1) bf16 1x128 groups
+    # facts: x*(1/s) vs x/s differ in ~0.05 % of codes for N(0,1) bf16 1x128 groups. vLLM 0.17 divides (DeepGEMM
+    # multiplies by the reciprocal); vLLM 0.33 multiplies too, so there its codes equal DeepGEMM's where the scales do
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2048, 1024, generator=g).to(torch.bfloat16)
-    qv, sv = per_token_group_quant_fp8(x, 128, recipe="vllm")
+    with use_semantics("0.17"):
+        qv, sv = per_token_group_quant_fp8(x, 128, recipe="vllm")
+    with use_semantics("0.33"):
+        q33, _ = per_token_group_quant_fp8(x, 128, recipe="vllm")
     qd, sd = per_token_group_quant_fp8(x, 128, recipe="deepgemm")
+    assert np.array_equal(codes(q33), codes(qd))
     assert torch.equal(sv, sd)  # amax >> both floors: identical fp32 scales
     diff = codes(qv) != codes(qd)
     assert 0 < diff.sum() < 0.005 * diff.size, int(diff.sum())

@@ -3,7 +3,7 @@ pure-torch quantize / dequantize pair, the recipes that name where implementatio
 scale layouts, and the ``QuantKey`` names experts match on.
 
 Modules:
-    recipes  QuantRecipe, VLLM (default), DEEPGEMM, RECIPES, get_recipe
+    recipes  QuantRecipe, VLLM (= VLLM_033; VLLM_017), DEEPGEMM, RECIPES, get_recipe
     fp8      scaled_fp8_quant, per_token_group_quant_fp8, per_block_quant_fp8, dequantizers
     ue8m0    ceil_to_ue8m0, ue8m0_byte, pack_ue8m0 / unpack_ue8m0, DeepGemmQuantScaleFMT
     mx       E8M0, MX scale rules, MXFP8, E2M1, MXFP4
@@ -140,7 +140,7 @@ from .nvfp4 import (
     nvfp4_quantize,
     nvfp4_quantize_per_token,
 )
-from .recipes import DEEPGEMM, RECIPES, VLLM, QuantRecipe, get_recipe
+from .recipes import DEEPGEMM, RECIPES, VLLM, VLLM_017, VLLM_033, QuantRecipe, get_recipe
 from .wna16 import WNA16_BIAS, pack_uint4, unpack_uint4, wna16_dequantize, wna16_quantize
 from .ue8m0 import DeepGemmQuantScaleFMT, ceil_to_ue8m0, pack_ue8m0, ue8m0_byte, unpack_ue8m0
 
@@ -166,7 +166,7 @@ from .keys import (
 
 __all__ = [
     # recipes
-    "QuantRecipe", "VLLM", "DEEPGEMM", "RECIPES", "get_recipe",
+    "QuantRecipe", "VLLM", "VLLM_017", "VLLM_033", "DEEPGEMM", "RECIPES", "get_recipe",
     # fp8
     "FP8_DTYPE", "FP8_E4M3_MAX", "to_e4m3_satfinite", "round_scale_to_ue8m0", "scaled_fp8_quant",
     "per_token_group_quant_fp8", "per_token_group_quant_fp8_packed_for_deepgemm", "per_block_quant_fp8",

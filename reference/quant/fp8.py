@@ -215,7 +215,9 @@ def per_token_group_quant_fp8(
     ``deep_gemm/utils/math.py::per_token_cast_to_fp8`` with ``recipe="deepgemm"``.
 
     Per group: ``amax = max(max|x|, amax_floor)``; ``s = amax / 448``; with ``use_ue8m0`` ``s`` is
-    rounded up to a power of two by the recipe's rule; ``q = sat(x / s)`` or ``sat(x * (1/s))``.
+    rounded up to a power of two by the recipe's rule; ``q = sat(x / s)`` or ``sat(x * (1/s))`` by the recipe's
+    ``quant_op`` (``"vllm"``: division under semantics 0.17, the reciprocal multiply under 0.33; semantics point
+    ``quant.per_token_group_quant_op``).
 
     Args:
         x: ``(..., K)`` float16 / bfloat16 / float32, contiguous (the kernel requires it).

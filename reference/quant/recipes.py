@@ -6,18 +6,22 @@ whether the element is divided by the scale or multiplied by its reciprocal (see
 ``shared/facts/quant-formats.md``). A :class:`QuantRecipe` names those choices so that a backend
 can declare which one it implements and be checked bit-exactly against the reference.
 
-``VLLM`` (the default, the seeds' choice) follows vLLM's CUDA ``per_token_group_quant_8bit`` kernel
-(``csrc/quantization/w8a8/fp8/per_token_group_quant.cu``); ``DEEPGEMM`` follows
-``deep_gemm/utils/math.py::per_token_cast_to_fp8`` / ``per_block_cast_to_fp8``.
+``"vllm"`` (the default) follows vLLM's CUDA ``per_token_group_quant_8bit`` kernel
+(``csrc/quantization/w8a8/fp8/per_token_group_quant.cu``), which changed between the releases the reference
+specifies (semantics point ``quant.per_token_group_quant_op``): 0.17 divides each element by the group's scale
+(``VLLM_017``), 0.33 multiplies it by the scale's reciprocal, one ``1.0f / y_s`` per group (``VLLM_033``, also
+exported as ``VLLM``); :func:`get_recipe` resolves the name under the current semantics version
+(``reference.semantics``). ``DEEPGEMM`` follows ``deep_gemm/utils/math.py::per_token_cast_to_fp8`` /
+``per_block_cast_to_fp8``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Literal, Mapping
 
-__all__ = ["QuantRecipe", "VLLM", "DEEPGEMM", "RECIPES", "get_recipe"]
+__all__ = ["QuantRecipe", "VLLM", "VLLM_017", "VLLM_033", "DEEPGEMM", "RECIPES", "get_recipe"]
 
 UE8M0Rounding = Literal["exp2_ceil_log2", "ceil_to_ue8m0"]
 QuantOp = Literal["divide", "reciprocal_multiply", "max_over_amax_multiply"]
@@ -93,9 +97,9 @@ class QuantRecipe:
                 raise ValueError(f"QuantRecipe.{field} must be a float >= 0, got {v!r}")
 
 
-#: vLLM CUDA per_token_group_quant_8bit: absmax starts at eps=1e-10, s = absmax/448,
+#: vLLM 0.17 CUDA per_token_group_quant_8bit: absmax starts at eps=1e-10, s = absmax/448,
 #: UE8M0 s = exp2f(ceilf(log2f(fmaxf(s, 1e-10)))), q = clamp(x / s, +-448).
-VLLM = QuantRecipe(
+VLLM_017 = QuantRecipe(
     name="vllm",
     amax_floor=1e-10,
     scale_computation="amax/max",
@@ -105,6 +109,15 @@ VLLM = QuantRecipe(
     overflow="saturate",
     mx_scale_rule="even",
 )
+
+#: vLLM 0.33 CUDA per_token_group_quant_8bit: as 0.17, but q = clamp(x * (1.0f / s), +-448) (``inv_y = 1.0f / y_s``
+#: once per group, in both the shared-memory and the register-resident kernel). Its register-resident UE8M0 branch
+#: rounds by exponent bits (ceil), which equals exp2f(ceilf(log2f(s))) for every scale of a 16-bit input (the only
+#: inputs that path takes; tests/test_quant_recipes.py), so ``ue8m0_rounding`` is unchanged.
+VLLM_033 = replace(VLLM_017, quant_op="reciprocal_multiply")
+
+#: today's vLLM (the newest semantics version)
+VLLM = VLLM_033
 
 #: DeepGEMM per_token_cast_to_fp8 / per_block_cast_to_fp8: amax.clamp(1e-4), s = amax/448,
 #: optionally ceil_to_ue8m0(s), q = (x * (1.0 / s)).to(fp8).
@@ -123,8 +136,12 @@ DEEPGEMM = QuantRecipe(
 RECIPES: Mapping[str, QuantRecipe] = MappingProxyType({"vllm": VLLM, "deepgemm": DEEPGEMM})
 
 
-def get_recipe(name_or_recipe: str | QuantRecipe) -> QuantRecipe:
+def get_recipe(name_or_recipe: str | QuantRecipe, semantics=None) -> QuantRecipe:
     """Resolve a recipe name (``"vllm"``, ``"deepgemm"``) or pass a :class:`QuantRecipe` through.
+
+    ``"vllm"`` is the recipe of the vLLM release that ``semantics`` (a ``reference.semantics`` version; None: the
+    current one) selects: ``VLLM_017`` (divide) or ``VLLM_033`` (reciprocal multiply); see the semantics point
+    ``quant.per_token_group_quant_op``. ``RECIPES`` maps each name to its newest recipe.
 
     Raises:
         ValueError: unknown name (the message lists the valid names).
@@ -133,6 +150,10 @@ def get_recipe(name_or_recipe: str | QuantRecipe) -> QuantRecipe:
     if isinstance(name_or_recipe, QuantRecipe):
         return name_or_recipe
     if isinstance(name_or_recipe, str):
+        if name_or_recipe == "vllm":
+            from reference.semantics import SemanticsVersion, resolve_semantics
+
+            return VLLM_017 if resolve_semantics(semantics) == SemanticsVersion.V0_17 else VLLM_033
         try:
             return RECIPES[name_or_recipe]
         except KeyError:
@@ -142,3 +163,19 @@ def get_recipe(name_or_recipe: str | QuantRecipe) -> QuantRecipe:
     raise TypeError(
         f"recipe must be a recipe name or a QuantRecipe, got {type(name_or_recipe).__name__}"
     )
+
+
+from reference.semantics import register_point as _register_point  # noqa: E402  (after the recipes it names)
+
+_PTGQ = "csrc/quantization/w8a8/fp8/per_token_group_quant.cu"
+_register_point(
+    "quant.per_token_group_quant_op", component="quant",
+    behaviour={"0.17": "per_token_group_quant_fp8 (recipe 'vllm'): q = sat(x / s), one IEEE division per element.",
+               "0.33": "per_token_group_quant_fp8 (recipe 'vllm'): q = sat(x * (1 / s)), the reciprocal once per "
+                       "group (1.0f / y_s) and one multiply per element; the codes differ from 0.17's where the "
+                       "two fp32 results fall on either side of an E4M3 rounding boundary."},
+    upstream={"0.17": f"vLLM 0.17.0 {_PTGQ} (QuantizeGroup: static_cast<float>(src) / y_s)",
+              "0.33": f"vLLM 0.33.0 {_PTGQ} (QuantizeGroup and the register-resident kernel: inv_y = 1.0f / y_s; "
+                      "its Triton fallback for non-CUDA platforms, fp8_utils.py, still divides)"},
+    reference="reference.quant.recipes.get_recipe('vllm') -> VLLM_017 / VLLM_033",
+    introduced="0.33")
