@@ -3,7 +3,8 @@
 ``python -m benchmarks`` checks the output of each timed experts class on input set 0 against
 ``reference.experts.fused_experts`` with ``reference.metrics.error_stats`` and the error model's bound of the case
 (``reference.error_model.experts_error_bound``, as ``conformance/test_experts.py`` ``case_error_bound`` computes it:
-every route of the benchmark is local, so the routed rows are ``M * topk``). The reference runs on the CPU:
+every route of the benchmark is local, so the routed rows are ``M * topk``; the heavy event on the call's own values
+at GEMM2's input, from the same reference run). The reference runs on the CPU:
 ``reference.quant`` divides by Python scalars, which torch's CUDA kernels compute as a multiplication by the
 reciprocal, so the reference's FP8 / INT8 scales are bit-stable only there.
 """
@@ -37,25 +38,29 @@ class Check:
         return max(getattr(self.stats, m) / b for m, b in self.bound.items() if b > 0)
 
 
-def experts_bound(shape, quant_config, M: int, experts_cls=None, accumulation=None) -> ErrorBound:
+def experts_bound(shape, quant_config, M: int, experts_cls=None, accumulation=None,
+                  heavy: torch.Tensor | None = None) -> ErrorBound:
     """The error model's bound for ``shape`` (a ``benchmarks.shapes.ExpertsShape``) at ``M`` tokens;
-    ``accumulation``: a ``reference.error_model.Accumulation`` other than the default (a peer's opt-in recipe)."""
+    ``accumulation``: a ``reference.error_model.Accumulation`` other than the default (a peer's opt-in recipe);
+    ``heavy``: the call's own values at GEMM2's input (:func:`reference_output` with ``heavy=True``), on which the
+    heavy event of step 7b is evaluated, as conformance does (None: its distributional estimate)."""
     return experts_error_bound(quant_config, act_dtype=shape.dtype, K=shape.K, I=shape.I,
                                activation=shape.activation, routed_rows=M * shape.topk, routes_per_row=shape.topk,
                                router_weight_rounding=getattr(getattr(experts_cls, "support", None),
                                                               "router_weight_rounding", "reference"),
-                               accumulation=accumulation)
+                               accumulation=accumulation, heavy=heavy)
 
 
-def reference_output(hidden, w1, w2, topk_weights, topk_ids, quant_config, **kwargs) -> torch.Tensor:
-    """``reference.experts.fused_experts`` on the CPU (inputs and the quant config's tensors copied there)."""
-    from reference.experts import fused_experts
+def reference_output(hidden, w1, w2, topk_weights, topk_ids, quant_config, *, heavy: bool = False, **kwargs):
+    """``reference.experts.fused_experts`` on the CPU (inputs and the quant config's tensors copied there); with
+    ``heavy``, ``(output, heavy values)`` from the same run (``reference.experts.fused_experts_with_heavy``)."""
+    from reference.experts import fused_experts, fused_experts_with_heavy
 
     cpu = torch.device("cpu")
     kw = {k: replicate(v, cpu) for k, v in kwargs.items()}
-    return fused_experts(replicate(hidden, cpu), replicate(w1, cpu), replicate(w2, cpu),
-                         replicate(topk_weights, cpu), replicate(topk_ids, cpu),
-                         quant_config=replicate(quant_config, cpu), **kw)
+    return (fused_experts_with_heavy if heavy else fused_experts)(
+        replicate(hidden, cpu), replicate(w1, cpu), replicate(w2, cpu), replicate(topk_weights, cpu),
+        replicate(topk_ids, cpu), quant_config=replicate(quant_config, cpu), **kw)
 
 
 def verdict(out: torch.Tensor, ref: torch.Tensor, bound: ErrorBound | dict) -> Check:

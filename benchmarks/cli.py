@@ -403,8 +403,9 @@ def _check(shape, M, cls, inp, out):
 
     w1, w2, qc = inp.weights.copies[0]
     h, tw, ids = inp.sets[0]
-    ref = reference_output(h, w1, w2, tw, ids, qc, activation=shape.activation, global_num_experts=shape.E)
-    return verdict(out, ref.to(out.device), experts_bound(shape, qc, M, cls))
+    ref, heavy = reference_output(h, w1, w2, tw, ids, qc, heavy=True, activation=shape.activation,
+                                  global_num_experts=shape.E)
+    return verdict(out, ref.to(out.device), experts_bound(shape, qc, M, cls, heavy=heavy))
 
 
 def _gate_row(backend, shape, M, device, l2, ceilings, settings, hook) -> dict:

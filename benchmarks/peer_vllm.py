@@ -627,11 +627,12 @@ def check(vt: VllmTriton, shape, M: int, inp, device=None):
     out = p.chain(0)
     w1, w2, qc = inp.weights.copies[0]
     h, tw, ids = inp.sets[0]
-    ref = reference_output(h, w1, w2, tw, ids, qc, activation=shape.activation, global_num_experts=shape.E)
+    ref, heavy = reference_output(h, w1, w2, tw, ids, qc, heavy=True, activation=shape.activation,
+                                  global_num_experts=shape.E)
     cls = SimpleNamespace(support=SimpleNamespace(router_weight_rounding="before_store"))
     flags = _plan(shape, qc)
     fast = Accumulation.fast(14) if flags["use_fp8_w8a8"] and flags["block_shape"] is None else None
-    return verdict(out, ref.to(out.device), experts_bound(shape, qc, M, cls, accumulation=fast))
+    return verdict(out, ref.to(out.device), experts_bound(shape, qc, M, cls, accumulation=fast, heavy=heavy))
 
 
 # ----------------------------------------------------------------------------------------------------------------
