@@ -542,6 +542,26 @@ def _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
     return tl.where(mask, y, 0.0)
 
 
+@triton.jit
+def _tile_amax(y):
+    """Per row of a tile: (largest finite |y|, count of NaN / inf)."""
+    ay = tl.abs(y)
+    badv = (y != y) | (ay == float("inf"))
+    return tl.max(tl.where(badv, 0.0, ay), axis=1), tl.sum(badv.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _row_codes(y, s, mult, nbad, QMODE: tl.constexpr, EMU: tl.constexpr):
+    """The per-row codes of ``act_quant_kernel``'s row modes: FP8 ``sat(y / s)`` with a poisoned row's NaN codes
+    (``QMODE`` 2), or INT8 ``y * mult`` (3)."""
+    if QMODE == 2:
+        codes = fp8e4m3_code(tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape)), EMU)
+        codes = tl.where((nbad > 0)[:, None], 0x7F, codes.to(tl.int32)).to(tl.uint8)
+    else:
+        codes = int8_code(mul_rn(y, tl.broadcast_to(mult[:, None], y.shape), EMU), EMU)
+    return codes
+
+
 @triton.jit(do_not_specialize=["R", "num_valid"])
 def act_quant_kernel(
     x_ptr, y_ptr, ys_ptr, stat_ptr, a2s_ptr,
@@ -624,10 +644,7 @@ def act_quant_kernel(
             mask = rmask[:, None] & (cols < NC)[None, :]
             y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
                           SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
-            ay = tl.abs(y)
-            badv = (y != y) | (ay == float("inf"))
-            nbad = tl.sum(badv.to(tl.int32), axis=1)
-            amax = tl.max(tl.where(badv, 0.0, ay), axis=1)
+            amax, nbad = _tile_amax(y)
         else:
             amax = tl.zeros([BLOCK_R], dtype=tl.float32)
             nbad = tl.zeros([BLOCK_R], dtype=tl.int32)
@@ -636,10 +653,9 @@ def act_quant_kernel(
                 mask = rmask[:, None] & (cols < NC)[None, :]
                 y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
                               SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
-                ay = tl.abs(y)
-                badv = (y != y) | (ay == float("inf"))
-                nbad += tl.sum(badv.to(tl.int32), axis=1)
-                amax = tl.maximum(amax, tl.max(tl.where(badv, 0.0, ay), axis=1))
+                a, n = _tile_amax(y)
+                amax = tl.maximum(amax, a)
+                nbad += n
         if QMODE == 6:
             tl.atomic_max(stat_ptr + ex, amax, mask=route_ok)
             tl.atomic_max(stat_ptr + NUM_E + ex, (nbad > 0).to(tl.float32), mask=route_ok)
@@ -647,29 +663,20 @@ def act_quant_kernel(
             if QMODE == 2:
                 s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), min_token_scale)
                 s = tl.where(nbad > 0, float("nan"), s)
+                mult = s  # (INT8 only)
             else:  # QMODE == 3
                 s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
                 # the kernel's tmp_scale = 127 / absmax, one IEEE division (reference: rdiv(127.0, absmax))
                 mult = tl.where(amax == 0, 0.0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax))
             if ONE_PASS:
-                if QMODE == 2:
-                    codes = fp8e4m3_code(tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape)), EMU)
-                    codes = tl.where((nbad > 0)[:, None], 0x7F, codes.to(tl.int32)).to(tl.uint8)
-                else:
-                    codes = int8_code(mul_rn(y, tl.broadcast_to(mult[:, None], y.shape), EMU), EMU)
-                tl.store(y_rows + cols[None, :], codes, mask=mask)
+                tl.store(y_rows + cols[None, :], _row_codes(y, s, mult, nbad, QMODE, EMU), mask=mask)
             else:
                 for c0 in range(0, NC, BLOCK_C):
                     cols = c0 + tl.arange(0, BLOCK_C)
                     mask = rmask[:, None] & (cols < NC)[None, :]
                     y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
                                   SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
-                    if QMODE == 2:
-                        codes = fp8e4m3_code(tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape)), EMU)
-                        codes = tl.where((nbad > 0)[:, None], 0x7F, codes.to(tl.int32)).to(tl.uint8)
-                    else:
-                        codes = int8_code(mul_rn(y, tl.broadcast_to(mult[:, None], y.shape), EMU), EMU)
-                    tl.store(y_rows + cols[None, :], codes, mask=mask)
+                    tl.store(y_rows + cols[None, :], _row_codes(y, s, mult, nbad, QMODE, EMU), mask=mask)
             tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask)
 
 
