@@ -1,13 +1,17 @@
 """The torch backend's own FP8 / INT8 quantizers (vLLM recipe), written independently of ``reference.quant``.
 
 They implement the ``vllm`` recipe (declared in ``Backend.recipes``): amax floored at 1e-10, ``s = amax / 448``,
-UE8M0 scales as ``exp2(ceil(log2(s)))``, codes ``clamp(x / s, +-448)`` cast with round-to-nearest-even. Non-finite
-inputs follow the reference's definition (the whole group is poisoned: NaN scale, NaN codes).
+UE8M0 scales as ``exp2(ceil(log2(s)))``, codes ``clamp(x / s, +-448)`` (vLLM 0.17) or ``clamp(x * (1 / s), +-448)``
+(vLLM 0.33: the semantics point ``quant.per_token_group_quant_op``, read from ``reference.semantics``) cast with
+round-to-nearest-even. Non-finite inputs follow the reference's definition (the whole group is poisoned: NaN scale,
+NaN codes).
 """
 
 from __future__ import annotations
 
 import torch
+
+from reference.semantics import SemanticsVersion, current_semantics
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -33,7 +37,11 @@ def per_token_group_quant_fp8(x, group_size=128, *, column_major_scales=False, t
     if use_ue8m0:
         s = torch.exp2(torch.ceil(torch.log2(s.clamp(min=1e-10))))
     s = s.masked_fill(bad, float("nan"))
-    q = (xg / s.unsqueeze(-1)).masked_fill(bad.unsqueeze(-1), float("nan"))
+    if current_semantics() == SemanticsVersion.V0_17:
+        y = xg / s.unsqueeze(-1)  # vLLM 0.17: one division per element
+    else:
+        y = xg * (1.0 / s).unsqueeze(-1)  # vLLM 0.33: the group scale's reciprocal (1.0f / y_s), then a multiply
+    q = y.masked_fill(bad.unsqueeze(-1), float("nan"))
     q = _fp8(q).flatten(-2)
     if column_major_scales:
         M = x.shape[-2]
