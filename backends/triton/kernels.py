@@ -351,12 +351,10 @@ def _moe_tile(
             # the largest finite |y| of the tile's routed rows and whether any is NaN / inf, folded by atomic max
             # (one per program; the zeros were written before the launch)
             tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
-            yf = y.to(tl.float32)
-            ay = tl.abs(yf)
             ok = (token_mask & row_mask)[:, None] & n_mask[None, :]
-            badv = ok & ((yf != yf) | (ay == float("inf")))
-            tl.atomic_max(cs_ptr, tl.max(tl.max(tl.where(ok & ~badv, ay, 0.0), axis=1), axis=0))
-            tl.atomic_max(cs_ptr + stride_csg, tl.max(tl.max(badv.to(tl.float32), axis=1), axis=0))
+            amax, nbad = _tile_amax(tl.where(ok, y.to(tl.float32), 0.0))
+            tl.atomic_max(cs_ptr, tl.max(amax, axis=0))
+            tl.atomic_max(cs_ptr + stride_csg, (tl.max(nbad, axis=0) > 0).to(tl.float32))
         elif OUT_QUANT:
             yq = tl.where(n_mask[None, :], y.to(tl.float32), 0.0)
             codes, s = fp8_quant_rows(yq, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL, EMU)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Literal, Mapping
 
+from reference.semantics import SemanticsVersion, register_point, resolve_semantics
+
 __all__ = ["QuantRecipe", "VLLM", "VLLM_017", "VLLM_033", "DEEPGEMM", "RECIPES", "get_recipe"]
 
 UE8M0Rounding = Literal["exp2_ceil_log2", "ceil_to_ue8m0"]
@@ -151,8 +153,6 @@ def get_recipe(name_or_recipe: str | QuantRecipe, semantics=None) -> QuantRecipe
         return name_or_recipe
     if isinstance(name_or_recipe, str):
         if name_or_recipe == "vllm":
-            from reference.semantics import SemanticsVersion, resolve_semantics
-
             return VLLM_017 if resolve_semantics(semantics) == SemanticsVersion.V0_17 else VLLM_033
         try:
             return RECIPES[name_or_recipe]
@@ -165,10 +165,8 @@ def get_recipe(name_or_recipe: str | QuantRecipe, semantics=None) -> QuantRecipe
     )
 
 
-from reference.semantics import register_point as _register_point  # noqa: E402  (after the recipes it names)
-
 _PTGQ = "csrc/quantization/w8a8/fp8/per_token_group_quant.cu"
-_register_point(
+register_point(
     "quant.per_token_group_quant_op", component="quant",
     behaviour={"0.17": "per_token_group_quant_fp8 (recipe 'vllm'): q = sat(x / s), one IEEE division per element.",
                "0.33": "per_token_group_quant_fp8 (recipe 'vllm'): q = sat(x * (1 / s)), the reciprocal once per "

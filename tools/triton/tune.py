@@ -110,12 +110,6 @@ def candidates(M, E, topk, fp8_block, fp8):
         out[bm] = (_dedupe(g1), _dedupe(g2))
     if 128 in out:  # 128-row tiles over a 64-row padding (one 64-row tail tile per expert): HALF_TAIL
         out["128h"] = ([dict(c, HALF_TAIL=1) for c in out[128][0]], out[128][1])
-    if fp8 and not fp8_block and T <= 24 and 64 not in out:
-        # FP8 per-tensor / per-channel decode on 64-row wgmma tiles, vLLM 0.33's H200 decode entries for these
-        # shapes (BLOCK_SIZE_M 64, BLOCK_SIZE_N 128, 4 warps): mostly empty rows, but wide weight tiles streamed by
-        # FP8 wgmma (promoted every PROMOTE_K) instead of 16-row mma.sync tiles
-        g = [_c(64, 128, 256, 1, 4, 4), _c(64, 128, 128, 1, 4, 5), _c(64, 128, 128, 1, 4, 4)]
-        out[64] = (_dedupe(g), _dedupe(g))
     return out
 
 
