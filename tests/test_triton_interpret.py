@@ -59,6 +59,7 @@ from reference.config import (FusedMoEConfig, FusedMoEQuantConfig, biased_moe_qu
 from reference.experts import ReferenceExperts, fused_experts as ref_fe
 from reference.routing import determine_expert_map, fused_topk as ref_topk
 from backends.triton import align as T_align, quant as T_quant, routing as T_routing
+from backends.triton import experts as tx
 from backends.triton.experts import TritonExperts, fused_experts as tri_fe
 from reference.error_model import Accumulation
 from specs import load_tolerances
@@ -901,8 +902,9 @@ def _():
 
 @check("experts_fp8_tensor_amax_in_gemm1")
 def _():
-    """The dynamic per-tensor requantization's amax found in GEMM1's epilogue (``AMAX_EPILOGUE``: ``OUT_AMAX``) gives
-    the same bits as act_quant_kernel's own pass: routed rows only (a bias makes the padding rows' activations
+    """The dynamic per-tensor requantization's amax found in GEMM1's epilogue (``AMAX_EPILOGUE`` 1: ``OUT_AMAX``;
+    2: ``OUT_AMAX_SLOTS`` with GEMM2 quantizing its A tiles on load) gives the same bits as act_quant_kernel's own
+    pass: routed rows only (a bias makes the padding rows' activations
     nonzero, and larger than the routed ones), over several N tiles and row tiles, with an expert map; then one
     routed NaN poisons the call on both paths."""
     xe, w1e, w2e, we, ide, eme, Ege = make(11, 2, 128, 64, 2, torch.bfloat16, ep=2)
@@ -917,17 +919,84 @@ def _():
     xn = xe.clone()
     routed = (eme[ide.long()] >= 0).any(1).nonzero()[0, 0]
     xn[routed, 5] = float("nan")  # a token routed to an expert held here
-    outs = {}
-    for flag in (1, 0):
-        cfg = CFG()
+    # AMAX_EPILOGUE 2 (slots, GEMM2 quantizing on load) also on the tilings that change the slot count or who
+    # writes a slot: N_TILES 2, HALF_TAIL, SPLIT_K on GEMM1 (one chain), SWAP_AB on GEMM2
+    def cfg_of(flag, variant=""):
+        cfg = CFG(bm=32, half=1) if variant == "half_tail" else CFG()
         cfg["gemm1"]["AMAX_EPILOGUE"] = flag
-        outs[flag] = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc,
-                             config=cfg) for xx in (xe, xn)]
-    bad = []
-    if not torch.equal(outs[1][0], outs[0][0]):
-        bad.append(f"outputs differ: max |diff| {(outs[1][0].float() - outs[0][0].float()).abs().max()}")
-    if not torch.equal(outs[1][1].isnan(), outs[0][1].isnan()) or not outs[1][1].isnan().any():
-        bad.append("a routed NaN does not poison the call as the act_quant pass does")
+        if variant == "n_tiles":
+            cfg["gemm1"].update(N_TILES=2)
+        elif variant == "split_k":
+            cfg["gemm1"].update(SPLIT_K=2, JOINT_GATE_UP=1)
+        elif variant == "swap":
+            cfg["gemm2"].update(SWAP_AB=1)
+        return cfg
+
+    runs = {(1, ""): cfg_of(1), (2, ""): cfg_of(2), **{(2, v): cfg_of(2, v) for v in ("n_tiles", "half_tail",
+                                                                                       "split_k", "swap")}}
+    # fresh workspaces full of 0x7F bytes (fp32 3.4e38): a slot no tile wrote would set a huge scale
+    real_region = tx._bytes_region
+    tx._bytes_region = lambda ws, nbytes, device: real_region(ws, nbytes, device).fill_(0x7F)
+    try:
+        base = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc,
+                       config=cfg_of(0)) for xx in (xe, xn)]
+        bad = []
+        for (flag, variant), cfg in runs.items():
+            out = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc, config=cfg)
+                   for xx in (xe, xn)]
+            name = f"AMAX_EPILOGUE {flag} {variant}".strip()
+            if not torch.equal(out[0], base[0]):
+                bad.append(f"{name}: outputs differ: max |diff| {(out[0].float() - base[0].float()).abs().max()}")
+            if not torch.equal(out[1].isnan(), base[1].isnan()) or not out[1].isnan().any():
+                bad.append(f"{name}: a routed NaN does not poison the call as the act_quant pass does")
+    finally:
+        tx._bytes_region = real_region
+    return bad or None
+
+
+@check("experts_fp8_token_quant_on_load")
+def _():
+    """The dynamic per-token requantization with GEMM1's per-row amax slots and GEMM2 quantizing its A tiles on load
+    (``AMAX_EPILOGUE`` 2: ``OUT_ROW_AMAX_SLOTS`` / ``ROW_SLOTS``) gives the bits of act_quant_kernel's pass (QMODE 2):
+    over several N tiles (N_TILES 2 too), HALF_TAIL, SPLIT_K on GEMM1, SWAP_AB on GEMM2, with an expert map, in
+    workspaces full of stale bytes; a NaN poisons its token's rows only, as on the act_quant path; a row of tiny
+    values takes the per-token floor."""
+    xe, w1e, w2e, we, ide, eme, Ege = make(11, 2, 128, 64, 2, torch.bfloat16, ep=2)
+    f = lambda w: rq.scaled_fp8_quant(w, use_per_token_if_dynamic=True)  # noqa: E731
+    (q1, s1), (q2, s2) = per_expert(f, w1e), per_expert(f, w2e)
+    qc = fp8_w8a8_moe_quant_config(s1, s2, per_act_token_quant=True, per_out_ch_quant=True)
+    xn = xe.clone()
+    routed = (eme[ide.long()] >= 0).any(1).nonzero()
+    xn[routed[0, 0], 5] = float("nan")
+    xn[routed[1, 0]] *= 1e-3  # activations ~1e-7: the scale is the floor 1 / (448 * 512), not amax / 448
+
+    def cfg_of(flag, variant=""):
+        cfg = CFG(bm=32, half=1) if variant == "half_tail" else CFG()
+        cfg["gemm1"]["AMAX_EPILOGUE"] = flag
+        if variant == "n_tiles":
+            cfg["gemm1"].update(N_TILES=2)
+        elif variant == "split_k":
+            cfg["gemm1"].update(SPLIT_K=2, JOINT_GATE_UP=1)
+        elif variant == "swap":
+            cfg["gemm2"].update(SWAP_AB=1)
+        return cfg
+
+    real_region = tx._bytes_region
+    tx._bytes_region = lambda ws, nbytes, device: real_region(ws, nbytes, device).fill_(0x7F)
+    try:
+        base = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc,
+                       config=cfg_of(0)) for xx in (xe, xn)]
+        bad = []
+        if base[1].isnan().all() or not base[1].isnan().any():
+            bad.append("the act_quant path: a NaN should poison its own token's rows only")
+        for variant in ("", "n_tiles", "half_tail", "split_k", "swap"):
+            out = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc,
+                          config=cfg_of(2, variant)) for xx in (xe, xn)]
+            for o, b, what in zip(out, base, ("finite", "NaN / tiny rows")):
+                if not torch.equal(o.isnan(), b.isnan()) or not torch.equal(o.nan_to_num(), b.nan_to_num()):
+                    bad.append(f"AMAX_EPILOGUE 2 {variant}: {what} input: outputs differ")
+    finally:
+        tx._bytes_region = real_region
     return bad or None
 
 

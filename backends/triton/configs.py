@@ -52,7 +52,13 @@ before GEMM2 (``act_quant_kernel``, where GEMM1 does not requantize in its epilo
 activation on ``fused_moe_kernel``) finds the requantization's amax in GEMM1's epilogue (one atomic max per program,
 ``host.OUT_AMAX``) instead of a pass of ``act_quant_kernel`` over GEMM1's output: one kernel fewer, paid by the
 tile reduction and the programs' atomics on one address (H200, Mixtral TP2 fp8_tensor: a gain at M = 1, a loss
-from M = 8 up).
+from M = 8 up). ``AMAX_EPILOGUE`` 2 removes the requantization kernel altogether: each GEMM1 tile stores its amax in
+a slot of its own (``host.OUT_AMAX_SLOTS``: plain stores, no zeros written before) and GEMM2, on
+``fused_moe_kernel`` too, reduces the slots and quantizes its A tiles as it loads them (``ScaleMode.TENSOR_SLOTS``:
+one multiply and one conversion per element, the codes of ``act_quant_kernel``'s pass bit for bit); for a dynamic
+per-token FP8 requantization (fp8_channel_token) 2 does the same per row (``host.OUT_ROW_AMAX_SLOTS``: each row's
+amax per GEMM1 N tile; ``ScaleMode.ROW_SLOTS``: one IEEE division per element, as the kernel's pass), and 1 is
+ignored.
 The entry whose ``M`` is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch;
 otherwise (or without a table) :func:`default_config` chooses by tokens per expert.
 """
@@ -196,6 +202,9 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
     out["gemm1"].setdefault("AMAX_EPILOGUE", 0)
     if "AMAX_EPILOGUE" in out["gemm2"]:
         raise ValueError("AMAX_EPILOGUE is a gemm1 key (GEMM1's epilogue finds the requantization's amax)")
+    if out["gemm1"]["AMAX_EPILOGUE"] not in (0, 1, 2):
+        raise ValueError(f"AMAX_EPILOGUE={out['gemm1']['AMAX_EPILOGUE']!r} must be 0 (act_quant's amax pass), 1 "
+                         "(GEMM1's epilogue, atomics) or 2 (slots, GEMM2 quantizes on load)")
     if out["gemm1"]["HALF_TAIL"] and out["gemm1"]["BLOCK_SIZE_M"] < 32:
         raise ValueError(f"HALF_TAIL needs BLOCK_SIZE_M >= 32 (tail tiles of BLOCK_SIZE_M / 2 >= 16 rows), got "
                          f"{out['gemm1']['BLOCK_SIZE_M']}")

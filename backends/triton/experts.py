@@ -56,6 +56,8 @@ from . import configs as _configs
 from .host import (
     INTERPRET,
     OUT_AMAX,
+    OUT_AMAX_SLOTS,
+    OUT_ROW_AMAX_SLOTS,
     SUPPORTED_ACTIVATIONS,
     Fusion,
     GemmEpilogue,
@@ -87,7 +89,7 @@ from .kernels import (
     permute_rows_kernel,
 )
 from .quant import launch_act_quant as _launch_act_quant
-from .quant import quantize_activation
+from .quant import _MIN_TOKEN_SCALE, quantize_activation
 
 __all__ = ["TritonExperts", "fused_experts", "run_experts", "plan_quant", "QuantPlan", "quantize_activation",
            "layout_rows", "layout_block", "route_layout", "promotion_tiles"]
@@ -342,7 +344,7 @@ def split_k_scratch(dev: torch.device, slots: int, slot_floats: int) -> tuple[to
 
 def promotion_tiles(cfg: dict, *, a_mode: int, int8: bool = False) -> int:
     """``fused_moe_kernel``'s ``PROMOTE`` for one GEMM of launch config ``cfg`` (a ``gemm1`` / ``gemm2`` entry): the
-    K tiles an FP8 per-tensor / per-channel GEMM (``a_mode`` 1 or 2, not INT8) accumulates in the MMA accumulator
+    K tiles an FP8 per-tensor / per-channel GEMM (``a_mode`` 1, 2, 4 or 5, not INT8) accumulates in the MMA accumulator
     before adding it to the fp32 accumulator, ``PROMOTE_K // BLOCK_SIZE_K`` (``PROMOTE_K`` K elements per
     interval, default ``configs.DEFAULT_PROMOTE_K`` = 256; DeepGEMM and CUTLASS promote every 128). 0 = in place:
     every other GEMM (bf16 / fp16 / fp32; block FP8, promoted per K tile with its scales; INT8, exact in int32),
@@ -352,7 +354,8 @@ def promotion_tiles(cfg: dict, *, a_mode: int, int8: bool = False) -> int:
     Raises:
         ValueError: ``BLOCK_SIZE_K > PROMOTE_K`` for such a GEMM (one K tile would already exceed the interval).
     """
-    if int8 or a_mode not in (ScaleMode.TENSOR, ScaleMode.ROW) or cfg.get("FAST_ACCUM", 0):
+    if int8 or a_mode not in (ScaleMode.TENSOR, ScaleMode.ROW, ScaleMode.TENSOR_SLOTS, ScaleMode.ROW_SLOTS) or \
+            cfg.get("FAST_ACCUM", 0):
         return 0
     pk, bk = cfg.get("PROMOTE_K", _configs.DEFAULT_PROMOTE_K), cfg["BLOCK_SIZE_K"]
     if bk > pk:
@@ -370,6 +373,16 @@ def _gluon_module(name: str):
         return importlib.import_module(f"{__package__}.{name}")
     except ImportError:
         return None
+
+
+def amax_slots(cfg: dict, shape: GemmShape) -> tuple[int, int]:
+    """The amax slots ``fused_moe_kernel`` writes for one GEMM of launch config ``cfg`` over ``shape``, as
+    ``(row tiles, N tiles per row tile)``: ``OUT_AMAX_SLOTS`` writes their product (one slot per tile),
+    ``OUT_ROW_AMAX_SLOTS`` the N tiles per row. The N tiles of a row tile are counted in whole groups of ``N_TILES``
+    (wrapped ones included)."""
+    BM, BN, n_tiles = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg.get("N_TILES", 1)
+    num_pid_m = shape.layout.tiles.numel() if shape.half_tail else cdiv(shape.rows, BM)
+    return num_pid_m, cdiv(cdiv(shape.n_out, BN), n_tiles) * n_tiles
 
 
 def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict, *,
@@ -392,6 +405,12 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
     half_tail = shape.half_tail
     up_off = shape.n_out if fuse.halves else 0
     ws, sbe, sbn, sbk = _scale_strides(ops.w_scale, scales.b_mode, E, NW)
+    if epi.out_quant in (OUT_AMAX_SLOTS, OUT_ROW_AMAX_SLOTS):
+        tiles_m, tiles_n = amax_slots(cfg, shape)
+        want = (tiles_m * tiles_n, 2) if epi.out_quant == OUT_AMAX_SLOTS else (shape.rows, tiles_n)
+        if cs is None or tuple(cs.shape) != want:
+            raise ValueError(f"out_quant {epi.out_quant} (amax slots) needs cs of shape {want}, got "
+                             f"{None if cs is None else tuple(cs.shape)}")
     special = "gluon_sm90" if cfg.get("GLUON", 0) else (
         "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None)
     if special is not None and cfg.get("SPLIT_K", 1) > 1:
@@ -417,8 +436,13 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
         raise ValueError(f"table entry {cfg}: SWAP_AB is implemented for FP8 GEMMs only (block, per-tensor or "
                          f"per-channel scales), this GEMM has A_SCALE {int(scales.a_mode)} / B_SCALE "
                          f"{int(scales.b_mode)}" + (" and INT8 operands" if scales.int8 else ""))
-    if scales.a_mode == ScaleMode.GROUP:
+    num_a_slots = 0
+    if scales.a_mode in (ScaleMode.GROUP, ScaleMode.TENSOR_SLOTS, ScaleMode.ROW_SLOTS):
         asm, ask = ops.a_scale.stride(0), ops.a_scale.stride(1)
+        if scales.a_mode == ScaleMode.TENSOR_SLOTS:
+            num_a_slots = ops.a_scale.shape[0]
+        elif scales.a_mode == ScaleMode.ROW_SLOTS:
+            num_a_slots = ops.a_scale.shape[1]
     elif scales.a_mode == ScaleMode.ROW:
         asm, ask = ops.a_scale.stride(0), 0
     else:
@@ -466,14 +490,14 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
         layout.tiles if half_tail else layout.expert_ids, layout.num_tiles if half_tail else layout.expert_ids,
         # sizes
-        shape.n_out, K, em, shape.num_valid, up_off, NW,
+        shape.n_out, K, em, shape.num_valid, up_off, NW, num_a_slots,
         # strides
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         asm, ask, sbe, sbn, sbk, sbias_e, sbias_n,
         cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
         # epilogue scalars
         epi.alpha, epi.beta, epi.limit,
-        rp["amax_floor"] if rp else 0.0, rp["ue8m0_floor"] if rp else 0.0,
+        rp["amax_floor"] if rp else 0.0, rp["ue8m0_floor"] if rp else 0.0, _MIN_TOKEN_SCALE,
         # constexprs: tiling and scheduling
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), HALF_TAIL=half_tail,
         N_TILES=n_tiles, FLATTEN=bool(cfg.get("FLATTEN", 0)), SPLIT_K=split_k,
@@ -568,31 +592,46 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     # PDL (gemm2 entry key): GEMM2 (and the requantization between the GEMMs) are launched during GEMM1's last wave
     # and wait for its output (programmatic dependent launch); fused_moe_kernel on both GEMMs only, and not around
     # the two-pass per-tensor requantization
-    pdl = bool(g2.get("PDL", 0)) and not INTERPRET and stages in ("all", "gemms") and plan.a2_qmode != \
-        QMODE_FP8_TENSOR_AMAX and not any(g.get(k, 0) for g in (g1, g2) for k in GLUON_KEYS)
+    on_fused_kernel = not any(g.get(k, 0) for g in (g1, g2) for k in GLUON_KEYS)
+    # AMAX_EPILOGUE 2: the dynamic per-tensor requantization without a kernel between the GEMMs (GEMM1's tiles
+    # store their amax in slots, GEMM2 quantizes its A tiles as it loads them)
+    quant_on_load = plan.a2_qmode in (QMODE_FP8_TENSOR_AMAX, QMODE_FP8_TOKEN) and g1.get("AMAX_EPILOGUE", 0) == 2 \
+        and bool(fuse) and on_fused_kernel
+    per_token_on_load = quant_on_load and plan.a2_qmode == QMODE_FP8_TOKEN
+    pdl = bool(g2.get("PDL", 0)) and not INTERPRET and stages in ("all", "gemms") and (
+        plan.a2_qmode != QMODE_FP8_TENSOR_AMAX or quant_on_load) and on_fused_kernel
     if plan.a2_qmode == QMODE_FP8_GROUP and I % group:
         raise ValueError(f"block-FP8 requantization needs I % {group} == 0, got I = {I}")
 
-    # ---- ws13: GEMM2's input (C2 codes + scales, or C2 in act dtype)
-    c2_bytes = rows * I * (1 if quant else elt)
+    gemm_rows = dict(layout=layout, rows=rows, num_valid=numel, top_k=topk)
+    # ---- ws13: GEMM2's input (C2 codes + scales, or C2 in act dtype; with quant_on_load GEMM1's output in the act
+    # dtype and its amax slots: per-tensor (tiles, 2) fp32 stored as [amax..., flags...], per-token (rows, N tiles))
+    c2_bytes = rows * I * (elt if quant_on_load or not quant else 1)
     s_off = round_up(c2_bytes, 16)
+    tiles_m, tiles_n = amax_slots(g1, GemmShape(n_out=I, a_gather=True, c_sorted=True, **gemm_rows)) \
+        if quant_on_load else (0, 0)
+    n_slots = rows * tiles_n if per_token_on_load else 2 * tiles_m * tiles_n
     s_cols = G2 if plan.a2_qmode == QMODE_FP8_GROUP else 1
-    buf13 = _bytes_region(ws13, s_off + rows * s_cols * 4, dev)
-    c2 = _view(buf13, 0, (rows, I), a2q_dtype if quant else act_dtype)
+    buf13 = _bytes_region(ws13, s_off + max(rows * s_cols, n_slots) * 4, dev)
+    c2 = _view(buf13, 0, (rows, I), act_dtype if quant_on_load or not quant else a2q_dtype)
     c2s = _view(buf13, s_off, (rows, s_cols), torch.float32) if quant else None
+    slots = None
+    if per_token_on_load:
+        slots = _view(buf13, s_off, (rows, tiles_n), torch.float32)
+    elif quant_on_load:
+        slots = _view(buf13, s_off, (2, tiles_m * tiles_n), torch.float32).t()
     # ---- ws2: C1 (unfused GEMM1 output) or the pre-quant C2, then C3 (GEMM2 output by route)
-    c1_cols = 0 if fuse and (out_quant or not quant) else (I if fuse else NW1)
+    c1_cols = 0 if fuse and (out_quant or not quant or quant_on_load) else (I if fuse else NW1)
     buf2 = _bytes_region(ws2, max(rows * c1_cols, numel * K) * elt, dev)
     c3 = _view(buf2, 0, (numel, K), act_dtype)
 
     w1_bias, w2_bias = qc.w1_bias, qc.w2_bias
-    gemm_rows = dict(layout=layout, rows=rows, num_valid=numel, top_k=topk)
     # rp / use_ue8m0 go to both GEMMs (the kernel reads them only with out_quant)
     epi_quant = dict(act_dtype=act_dtype, rp=rp, use_ue8m0=plan.use_ue8m0)
     group_n = plan.block_shape[0] if plan.block_shape else 128
     scales1 = GemmScales(a_mode=plan.a1_mode, b_mode=plan.b_mode, int8=int8, group_n=group_n, group_k=group)
     epi1 = GemmEpilogue(fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit, **epi_quant)
-    c2_view = c2.view(torch.uint8) if quant and not int8 else c2
+    c2_view = c2.view(torch.uint8) if quant and not int8 and not quant_on_load else c2
     # ---- GEMM1's A: gathered by route inside the GEMM, or (PERMUTE_A) copied into sorted order first so that GEMM1
     # reads contiguous row tiles (TMA with USE_TMA)
     a1, a1s, gather = a1q, a1q_scale, True
@@ -605,6 +644,13 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     # ---- GEMM1 (+ activation (+ requantization))
     if stages == "gemm2":
         pass
+    elif quant_on_load:
+        launch_gemm(GemmOperands(a1, w1, c2, cs=slots, a_scale=a1s, w_scale=qc.w1_scale, bias=w1_bias),
+                     GemmShape(n_out=I, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
+                     replace(epi1, out_quant=OUT_ROW_AMAX_SLOTS if per_token_on_load else OUT_AMAX_SLOTS), g1,
+                     pdl_trigger=pdl)
+        if taps is not None:
+            taps["activation"] = _unsort_rows(c2, layout, numel, M, topk)
     elif fuse and (out_quant or not quant):
         launch_gemm(GemmOperands(a1, w1, c2_view, cs=c2s if out_quant else None, a_scale=a1s, w_scale=qc.w1_scale,
                                   bias=w1_bias),
@@ -652,7 +698,9 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
         return out
     # ---- GEMM2
     a2_scale_arg, a2_mode = None, ScaleMode.NONE
-    if quant:
+    if quant_on_load:
+        a2_scale_arg, a2_mode = slots, (ScaleMode.ROW_SLOTS if per_token_on_load else ScaleMode.TENSOR_SLOTS)
+    elif quant:
         a2_mode = plan.a2_mode
         if a2_mode == ScaleMode.TENSOR:
             a2_scale_arg = (a2_scale if a2_scale is not None else qc.a2_scale).reshape(1).to(torch.float32)

@@ -64,13 +64,13 @@ def _moe_tile(
     # this program's tile: the layout's route ids, its first sorted row, expert, N tile group, row tile, K split
     sorted_token_ids_ptr, row0, e, pid_ng, tile_id, pid_k,
     # sizes
-    N, K, num_valid_tokens, UP_OFF, NW,
+    N, K, num_valid_tokens, UP_OFF, NW, num_a_slots,
     # strides
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
     stride_csm, stride_csg,
-    # epilogue scalars
-    alpha, beta, limit, amax_floor, ue8m0_floor,
+    # epilogue scalars; a_min_scale: the per-token scale's floor with A_SCALE 5
+    alpha, beta, limit, amax_floor, ue8m0_floor, a_min_scale,
     # constexprs (groups as fused_moe_kernel's): tiling
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
     FLATTEN: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -100,6 +100,10 @@ def _moe_tile(
         a_rows = offs_m
 
     offs_k = tl.arange(0, BLOCK_K)
+    if A_SCALE == 4:  # A in the activation dtype, quantized here with the per-tensor scale of GEMM1's amax slots
+        a_s, a_inv = _slots_tensor_scale(a_scale_ptr, num_a_slots, stride_asm, stride_ask)
+    elif A_SCALE == 5:  # the same with one scale per row (per-token), from the row's slots
+        a_s = _slots_row_scale(a_scale_ptr, a_rows, num_a_slots, stride_asm, stride_ask, a_min_scale, BLOCK_M)
     # N_TILES consecutive N tiles per program: the rows and their bookkeeping are loaded once, and with FLATTEN the
     # compiler pipelines the flattened (tile, K) loop, so the next tile's loads overlap this tile's epilogue
     for j in tl.range(0, N_TILES, flatten=FLATTEN):
@@ -206,6 +210,14 @@ def _moe_tile(
                         bu = tl.load(bu_ptrs, mask=kmask, other=0.0)
                     else:
                         bu = b
+            if A_SCALE == 4:
+                # act_quant_kernel's QMODE 7 codes, sat(y * (1 / s)); a poisoned tensor's codes need no NaN: its
+                # scale is NaN, so is every output (FINITE skips the NaN select)
+                a = fp8e4m3_code(mul_rn(a.to(tl.float32), a_inv, EMU), EMU, FINITE=True).to(tl.float8e4nv,
+                                                                                             bitcast=True)
+            elif A_SCALE == 5:  # QMODE 2's codes, sat(y / s) per row (a poisoned row's NaN scale: a NaN row out)
+                a = fp8e4m3_code(tl.math.div_rn(a.to(tl.float32), tl.broadcast_to(a_s[:, None], a.shape)), EMU,
+                                 FINITE=True).to(tl.float8e4nv, bitcast=True)
             if EMU:
                 if not INT8:
                     if a.dtype != tl.float8e4nv:
@@ -297,6 +309,12 @@ def _moe_tile(
             sa = tl.load(a_scale_ptr)
             accf = accf * sa
             accu = accu * sa
+        elif A_SCALE == 4:
+            accf = accf * a_s
+            accu = accu * a_s
+        elif A_SCALE == 5:
+            accf = accf * a_s[:, None]
+            accu = accu * a_s[:, None]
         elif A_SCALE == 2:
             sa = tl.load(a_scale_ptr + a_rows.to(tl.int64) * stride_asm, mask=token_mask, other=0.0)
             accf = accf * sa[:, None]
@@ -355,6 +373,27 @@ def _moe_tile(
             amax, nbad = _tile_amax(tl.where(ok, y.to(tl.float32), 0.0))
             tl.atomic_max(cs_ptr, tl.max(amax, axis=0))
             tl.atomic_max(cs_ptr + stride_csg, (tl.max(nbad, axis=0) > 0).to(tl.float32))
+        elif OUT_QUANT == 3:
+            # the same amax and flag, stored in this tile's own slot (row tile, N tile): no atomics, no zeros
+            # before the launch (every slot is written by its tile, or by fused_moe_kernel for a tile it skips)
+            tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+            ok = (token_mask & row_mask)[:, None] & n_mask[None, :]
+            amax, nbad = _tile_amax(tl.where(ok, y.to(tl.float32), 0.0))
+            slot = tile_id.to(tl.int64) * (tl.cdiv(tl.cdiv(N, BLOCK_N), N_TILES) * N_TILES) + pid_n
+            bad = (tl.max(nbad, axis=0) > 0).to(tl.float32)
+            if SPLIT_K > 1:  # one store per tile: by the program that summed the partials
+                tl.store(cs_ptr + slot * stride_csm, tl.max(amax, axis=0), mask=is_last)
+                tl.store(cs_ptr + slot * stride_csm + stride_csg, bad, mask=is_last)
+            else:
+                tl.store(cs_ptr + slot * stride_csm, tl.max(amax, axis=0))
+                tl.store(cs_ptr + slot * stride_csm + stride_csg, bad)
+        elif OUT_QUANT == 4:
+            # per row: its largest finite |y| in this tile, +inf when one is NaN / inf, in slot (row, N tile); the
+            # rows of every tile GEMM2 reads are written (GEMM2 skips the tiles GEMM1 skips), so nothing is zeroed
+            tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+            amax, nbad = _tile_amax(tl.where(n_mask[None, :], y.to(tl.float32), 0.0))
+            tl.store(cs_ptr + c_rows.to(tl.int64) * stride_csm + pid_n * stride_csg,
+                     tl.where(nbad > 0, float("inf"), amax), mask=row_mask)
         elif OUT_QUANT:
             yq = tl.where(n_mask[None, :], y.to(tl.float32), 0.0)
             codes, s = fp8_quant_rows(yq, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL, EMU)
@@ -363,6 +402,42 @@ def _moe_tile(
                      mask=row_mask & (pid_n * BLOCK_N < N))
         else:
             tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _slots_tensor_scale(slots_ptr, num_slots, stride_slot, stride_flag, BLOCK: tl.constexpr = 1024):
+    """The dynamic per-tensor FP8 scale from GEMM1's amax slots (``OUT_QUANT`` 3: ``[amax, non-finite flag]`` per
+    tile): ``(s, 1 / s)`` with ``s = amax / 448`` (``1 / s`` = 0 when ``s`` = 0; ``s`` NaN when a value was NaN /
+    inf), as ``act_quant_kernel``'s QMODE 7 finds them from its ``stat``."""
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    bad = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, num_slots, BLOCK):
+        offs = (i + tl.arange(0, BLOCK)).to(tl.int64)
+        m = offs < num_slots
+        amax = tl.maximum(amax, tl.load(slots_ptr + offs * stride_slot, mask=m, other=0.0))
+        bad = tl.maximum(bad, tl.load(slots_ptr + offs * stride_slot + stride_flag, mask=m, other=0.0))
+    amax_all = tl.max(amax, axis=0)
+    s = tl.math.div_rn(amax_all, 448.0)
+    inv = tl.where(s == 0, 0.0, tl.math.div_rn(1.0, s))
+    s = tl.where(tl.max(bad, axis=0) > 0, float("nan"), s)
+    return s, inv
+
+
+@triton.jit
+def _slots_row_scale(slots_ptr, rows, num_slots, stride_row, stride_slot, min_scale, BLOCK_M: tl.constexpr,
+                     BLOCK: tl.constexpr = 32):
+    """The dynamic per-token FP8 scales of ``rows`` from GEMM1's per-row amax slots (``OUT_QUANT`` 4: the row's
+    finite amax per N tile, +inf for a NaN / inf): ``max(amax / 448, min_scale)``, NaN for a poisoned row, as
+    ``act_quant_kernel``'s QMODE 2 finds them."""
+    amax = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
+    base = slots_ptr + rows.to(tl.int64)[:, None] * stride_row
+    for i in range(0, num_slots, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.load(base + offs[None, :] * stride_slot, mask=(offs < num_slots)[None, :],
+                                        other=0.0))
+    m = tl.max(amax, axis=1)
+    s = tl.maximum(tl.math.div_rn(m, tl.full(m.shape, 448.0, tl.float32)), min_scale)
+    return tl.where(m == float("inf"), float("nan"), s)
 
 
 @triton.jit
@@ -390,21 +465,33 @@ def _split_k_reduce(acc, part_ptr, cnt_ptr, slot, pid_k, SPLIT_K: tl.constexpr):
     return acc, is_last
 
 
-@triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
+@triton.jit
+def _zero_slots(cs_ptr, pid_m, pid_ng, pid_k, N, stride_csm, stride_csg, BLOCK_N: tl.constexpr,
+                N_TILES: tl.constexpr, OUT_QUANT: tl.constexpr):
+    """``OUT_QUANT`` 3: the amax slots of the tiles a program skips (no routes here) are zeros (one split writes)."""
+    if OUT_QUANT == 3:
+        if pid_k == 0:
+            base = pid_m.to(tl.int64) * (tl.cdiv(tl.cdiv(N, BLOCK_N), N_TILES) * N_TILES) + pid_ng * N_TILES
+            for j in tl.static_range(N_TILES):
+                tl.store(cs_ptr + (base + j) * stride_csm, 0.0)
+                tl.store(cs_ptr + (base + j) * stride_csm + stride_csg, 0.0)
+
+
+@triton.jit(do_not_specialize=["EM", "num_valid_tokens", "num_a_slots"])
 def fused_moe_kernel(
     # operands (experts.launch_gemm's GemmOperands), split-K scratch (part, cnt), TMA descriptors (or None)
     a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
     a_desc, a_desc_h, b_desc,
     # the route layout (align.RouteLayout; tiles / num_tiles used with HALF_TAIL)
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
-    # sizes
-    N, K, EM, num_valid_tokens, UP_OFF, NW,
+    # sizes (num_a_slots: A's amax slots with A_SCALE 4)
+    N, K, EM, num_valid_tokens, UP_OFF, NW, num_a_slots,
     # strides: A, W, C; A's scales, W's scales, bias; C's scales
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
     stride_csm, stride_csg,
-    # epilogue scalars: the activation's parameters, the output quantization's floors
-    alpha, beta, limit, amax_floor, ue8m0_floor,
+    # epilogue scalars: the activation's parameters, the output quantization's floors, A's per-token scale floor
+    alpha, beta, limit, amax_floor, ue8m0_floor, a_min_scale,
     # constexprs: tiling and scheduling
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HALF_TAIL: tl.constexpr, N_TILES: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -439,11 +526,20 @@ def fused_moe_kernel(
     tile; 4 ``GATED_JOINT`` gated halves as one ``[2 * BLOCK_N]`` weight tile (the N tile's gate rows, then its up
     rows: one MMA chain twice as wide, split in the epilogue; ``b_desc`` is then a rank-3 descriptor over the
     ``(E * 2, N, K)`` halves).
-    ``A_SCALE`` (``host.ScaleMode``): 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K.
+    ``A_SCALE`` (``host.ScaleMode``): 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K;
+    4 (``TENSOR_SLOTS``) A in the activation dtype, quantized to FP8 as each tile is loaded with one dynamic
+    per-tensor scale reduced from ``num_a_slots`` amax slots at ``a_scale`` (GEMM1's ``OUT_QUANT`` 3; strides
+    ``stride_asm`` per slot, ``stride_ask`` to the flag): the requantization between the GEMMs without a kernel;
+    5 (``ROW_SLOTS``) the same per token: each row's scale ``max(amax / 448, a_min_scale)`` from its
+    ``num_a_slots`` slots (GEMM1's ``OUT_QUANT`` 4; ``stride_asm`` per row, ``stride_ask`` per slot).
     ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
     (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).
     ``OUT_QUANT``: 1 quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns); 2
-    (``host.OUT_AMAX``) store it and fold its routed rows' amax and non-finite flag into ``cs[0, 0:2]``.
+    (``host.OUT_AMAX``) store it and fold its routed rows' amax and non-finite flag into ``cs[0, 0:2]``; 3
+    (``host.OUT_AMAX_SLOTS``) store it and write that amax and flag to the tile's own slot ``cs[slot, 0:2]``, slot =
+    row tile * (N tiles per row tile, wrapped ones included) + N tile (``num_a_slots`` of GEMM2 = their count;
+    skipped tiles write zeros, so nothing is zeroed before the launch); 4 (``host.OUT_ROW_AMAX_SLOTS``) store it and
+    write each row's largest finite magnitude in the tile (+inf if one is NaN / inf) to ``cs[row, N tile]``.
     ``N_TILES``: a program computes that many consecutive N tiles of its rows in turn (``FLATTEN``: as one
     flattened, software-pipelined loop); N tiles past ``N`` are computed on wrapped columns and not stored.
     ``PROMOTE`` (FP8 per-tensor / per-channel operands, ``A_SCALE`` 1 or 2, not ``INT8``): K tiles accumulated in
@@ -487,6 +583,7 @@ def fused_moe_kernel(
         num_tiles = tl.load(num_tiles_ptr)
         tile = tl.load(tiles_ptr + pid_m)  # pid_m < EM = the list's length; entries past num_tiles are not used
         if pid_m >= num_tiles:
+            _zero_slots(cs_ptr, pid_m, pid_n, pid_k, N, stride_csm, stride_csg, BLOCK_N, N_TILES, OUT_QUANT)
             return
         block = tile // 2
         row0 = block * (BLOCK_M // 2)
@@ -495,9 +592,8 @@ def fused_moe_kernel(
     else:
         ntpp = tl.load(num_tokens_post_padded_ptr)
         e = tl.load(expert_ids_ptr + pid_m)  # pid_m < cdiv(EM, BLOCK_M) = the layout's block count
-        if pid_m * BLOCK_M >= ntpp:
-            return
-        if e < 0:
+        if pid_m * BLOCK_M >= ntpp or e < 0:
+            _zero_slots(cs_ptr, pid_m, pid_n, pid_k, N, stride_csm, stride_csg, BLOCK_N, N_TILES, OUT_QUANT)
             return
         row0 = pid_m * BLOCK_M
         half = 0
@@ -510,11 +606,11 @@ def fused_moe_kernel(
             _moe_tile(a_ptr, b_ptr, c_ptr, cs_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
                       a_desc_h if HALF else a_desc, b_desc,
                       sorted_token_ids_ptr, row0, e, pid_n, pid_m, pid_k,
-                      N, K, num_valid_tokens, UP_OFF, NW,
+                      N, K, num_valid_tokens, UP_OFF, NW, num_a_slots,
                       stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                       stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
                       stride_csm, stride_csg,
-                      alpha, beta, limit, amax_floor, ue8m0_floor,
+                      alpha, beta, limit, amax_floor, ue8m0_floor, a_min_scale,
                       BLOCK_M // (1 + HALF), BLOCK_N, BLOCK_K, N_TILES, FLATTEN, SPLIT_K,
                       TOP_K, A_GATHER, C_SORTED,
                       A_SCALE, B_SCALE, B_SCALAR, GROUP_N, GROUP_K, INT8, PROMOTE, SWAP_AB, DOT_PREC,

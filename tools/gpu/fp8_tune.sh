@@ -14,7 +14,7 @@
 #      tune.candidates (decode: BLOCK_M 16 (and 32 at Qwen3 M = 64), 10 GEMM1 x 24 GEMM2 configs at M <= 8, 6 x 20
 #      above, each compiled once and timed 0.25 s), an existing entry kept unless beaten; a shape's sweep starts no
 #      new M after TUNE_S (default 70) s;
-#   3. variants: tune --variants swap,pdl,quant_warps,amax --repeats 2 on those decode entries (SWAP_AB on GEMM2 / GEMM1
+#   3. variants: tune --variants $VARIANTS (default swap,pdl,quant_warps,amax) --repeats 2 on those decode entries (SWAP_AB on GEMM2 / GEMM1
 #      / both: up to 8 variants; PDL flipped; the requantization kernel at the other two of 4 / 8 / 16 warps;
 #      AMAX_EPILOGUE flipped on the per-tensor entries);
 #   4. prefill: tune --variants ws --repeats 1 on Mixtral's M = 1024 / 4096 entries (the warp-specialized Gluon
@@ -58,7 +58,7 @@ step tune-$qwen 115 310 python3 -m tools.triton.tune --shapes $qwen --ms 1,8,64 
 step tune-$mixtral 115 300 python3 -m tools.triton.tune --shapes $mixtral --ms 1,8,64 --out "$tab" --keep-entry \
   --budget-s "$tune_s"
 step variants-decode 90 215 python3 -m tools.triton.tune --shapes $qwen,$mixtral --ms 1,8,64 --out "$tab" \
-  --variants swap,pdl,quant_warps,amax --repeats 2
+  --variants "${VARIANTS:-swap,pdl,quant_warps,amax}" --repeats 2
 if [ "$(left 100000)" -ge 285 ]; then
   step prefill-variants 65 215 python3 -m tools.triton.tune --shapes $mixtral --ms 1024,4096 --out "$tab" \
     --variants ws --repeats 1
