@@ -55,10 +55,10 @@ tile reduction and the programs' atomics on one address (H200, Mixtral TP2 fp8_t
 from M = 8 up). ``AMAX_EPILOGUE`` 2 removes the requantization kernel altogether: each GEMM1 tile stores its amax in
 a slot of its own (``host.OUT_AMAX_SLOTS``: plain stores, no zeros written before) and GEMM2, on
 ``fused_moe_kernel`` too, reduces the slots and quantizes its A tiles as it loads them (``ScaleMode.TENSOR_SLOTS``:
-one multiply and one conversion per element, the codes of ``act_quant_kernel``'s pass bit for bit); for a dynamic
-per-token FP8 requantization (fp8_channel_token) 2 does the same per row (``host.OUT_ROW_AMAX_SLOTS``: each row's
-amax per GEMM1 N tile; ``ScaleMode.ROW_SLOTS``: one IEEE division per element, as the kernel's pass), and 1 is
-ignored.
+one multiply and one conversion per element, the codes of ``act_quant_kernel``'s pass bit for bit). H200, Mixtral TP2
+fp8_tensor: a gain at M = 8 (GEMMs 167.7 -> 160.4 us with GEMM2's PDL), a tie at M = 1, a loss at M = 64 (196.7 ->
+222.0: the 32-row A tiles quantized once per N tile); the per-token form (one IEEE division per element) was 1.4-1.8x
+slower at every Qwen3-30B decode entry and is not kept (docs/notes/triton.md).
 The entry whose ``M`` is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch;
 otherwise (or without a table) :func:`default_config` chooses by tokens per expert.
 """

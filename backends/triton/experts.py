@@ -57,7 +57,6 @@ from .host import (
     INTERPRET,
     OUT_AMAX,
     OUT_AMAX_SLOTS,
-    OUT_ROW_AMAX_SLOTS,
     SUPPORTED_ACTIVATIONS,
     Fusion,
     GemmEpilogue,
@@ -89,7 +88,7 @@ from .kernels import (
     permute_rows_kernel,
 )
 from .quant import launch_act_quant as _launch_act_quant
-from .quant import _MIN_TOKEN_SCALE, quantize_activation
+from .quant import quantize_activation
 
 __all__ = ["TritonExperts", "fused_experts", "run_experts", "plan_quant", "QuantPlan", "quantize_activation",
            "layout_rows", "layout_block", "route_layout", "promotion_tiles"]
@@ -344,7 +343,7 @@ def split_k_scratch(dev: torch.device, slots: int, slot_floats: int) -> tuple[to
 
 def promotion_tiles(cfg: dict, *, a_mode: int, int8: bool = False) -> int:
     """``fused_moe_kernel``'s ``PROMOTE`` for one GEMM of launch config ``cfg`` (a ``gemm1`` / ``gemm2`` entry): the
-    K tiles an FP8 per-tensor / per-channel GEMM (``a_mode`` 1, 2, 4 or 5, not INT8) accumulates in the MMA accumulator
+    K tiles an FP8 per-tensor / per-channel GEMM (``a_mode`` 1, 2 or 4, not INT8) accumulates in the MMA accumulator
     before adding it to the fp32 accumulator, ``PROMOTE_K // BLOCK_SIZE_K`` (``PROMOTE_K`` K elements per
     interval, default ``configs.DEFAULT_PROMOTE_K`` = 256; DeepGEMM and CUTLASS promote every 128). 0 = in place:
     every other GEMM (bf16 / fp16 / fp32; block FP8, promoted per K tile with its scales; INT8, exact in int32),
@@ -354,8 +353,7 @@ def promotion_tiles(cfg: dict, *, a_mode: int, int8: bool = False) -> int:
     Raises:
         ValueError: ``BLOCK_SIZE_K > PROMOTE_K`` for such a GEMM (one K tile would already exceed the interval).
     """
-    if int8 or a_mode not in (ScaleMode.TENSOR, ScaleMode.ROW, ScaleMode.TENSOR_SLOTS, ScaleMode.ROW_SLOTS) or \
-            cfg.get("FAST_ACCUM", 0):
+    if int8 or a_mode not in (ScaleMode.TENSOR, ScaleMode.ROW, ScaleMode.TENSOR_SLOTS) or cfg.get("FAST_ACCUM", 0):
         return 0
     pk, bk = cfg.get("PROMOTE_K", _configs.DEFAULT_PROMOTE_K), cfg["BLOCK_SIZE_K"]
     if bk > pk:
@@ -376,10 +374,9 @@ def _gluon_module(name: str):
 
 
 def amax_slots(cfg: dict, shape: GemmShape) -> tuple[int, int]:
-    """The amax slots ``fused_moe_kernel`` writes for one GEMM of launch config ``cfg`` over ``shape``, as
-    ``(row tiles, N tiles per row tile)``: ``OUT_AMAX_SLOTS`` writes their product (one slot per tile),
-    ``OUT_ROW_AMAX_SLOTS`` the N tiles per row. The N tiles of a row tile are counted in whole groups of ``N_TILES``
-    (wrapped ones included)."""
+    """The amax slots ``fused_moe_kernel`` writes with ``OUT_AMAX_SLOTS`` for one GEMM of launch config ``cfg`` over
+    ``shape``, as ``(row tiles, N tiles per row tile)``: one slot per tile, the N tiles of a row tile counted in
+    whole groups of ``N_TILES`` (wrapped ones included)."""
     BM, BN, n_tiles = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg.get("N_TILES", 1)
     num_pid_m = shape.layout.tiles.numel() if shape.half_tail else cdiv(shape.rows, BM)
     return num_pid_m, cdiv(cdiv(shape.n_out, BN), n_tiles) * n_tiles
@@ -405,11 +402,10 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
     half_tail = shape.half_tail
     up_off = shape.n_out if fuse.halves else 0
     ws, sbe, sbn, sbk = _scale_strides(ops.w_scale, scales.b_mode, E, NW)
-    if epi.out_quant in (OUT_AMAX_SLOTS, OUT_ROW_AMAX_SLOTS):
+    if epi.out_quant == OUT_AMAX_SLOTS:
         tiles_m, tiles_n = amax_slots(cfg, shape)
-        want = (tiles_m * tiles_n, 2) if epi.out_quant == OUT_AMAX_SLOTS else (shape.rows, tiles_n)
-        if cs is None or tuple(cs.shape) != want:
-            raise ValueError(f"out_quant {epi.out_quant} (amax slots) needs cs of shape {want}, got "
+        if cs is None or tuple(cs.shape) != (tiles_m * tiles_n, 2):
+            raise ValueError(f"OUT_AMAX_SLOTS needs cs of shape ({tiles_m * tiles_n}, 2), got "
                              f"{None if cs is None else tuple(cs.shape)}")
     special = "gluon_sm90" if cfg.get("GLUON", 0) else (
         "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None)
@@ -437,12 +433,10 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
                          f"per-channel scales), this GEMM has A_SCALE {int(scales.a_mode)} / B_SCALE "
                          f"{int(scales.b_mode)}" + (" and INT8 operands" if scales.int8 else ""))
     num_a_slots = 0
-    if scales.a_mode in (ScaleMode.GROUP, ScaleMode.TENSOR_SLOTS, ScaleMode.ROW_SLOTS):
+    if scales.a_mode in (ScaleMode.GROUP, ScaleMode.TENSOR_SLOTS):
         asm, ask = ops.a_scale.stride(0), ops.a_scale.stride(1)
         if scales.a_mode == ScaleMode.TENSOR_SLOTS:
             num_a_slots = ops.a_scale.shape[0]
-        elif scales.a_mode == ScaleMode.ROW_SLOTS:
-            num_a_slots = ops.a_scale.shape[1]
     elif scales.a_mode == ScaleMode.ROW:
         asm, ask = ops.a_scale.stride(0), 0
     else:
@@ -497,7 +491,7 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
         cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
         # epilogue scalars
         epi.alpha, epi.beta, epi.limit,
-        rp["amax_floor"] if rp else 0.0, rp["ue8m0_floor"] if rp else 0.0, _MIN_TOKEN_SCALE,
+        rp["amax_floor"] if rp else 0.0, rp["ue8m0_floor"] if rp else 0.0,
         # constexprs: tiling and scheduling
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), HALF_TAIL=half_tail,
         N_TILES=n_tiles, FLATTEN=bool(cfg.get("FLATTEN", 0)), SPLIT_K=split_k,
@@ -595,9 +589,8 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     on_fused_kernel = not any(g.get(k, 0) for g in (g1, g2) for k in GLUON_KEYS)
     # AMAX_EPILOGUE 2: the dynamic per-tensor requantization without a kernel between the GEMMs (GEMM1's tiles
     # store their amax in slots, GEMM2 quantizes its A tiles as it loads them)
-    quant_on_load = plan.a2_qmode in (QMODE_FP8_TENSOR_AMAX, QMODE_FP8_TOKEN) and g1.get("AMAX_EPILOGUE", 0) == 2 \
-        and bool(fuse) and on_fused_kernel
-    per_token_on_load = quant_on_load and plan.a2_qmode == QMODE_FP8_TOKEN
+    quant_on_load = plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and g1.get("AMAX_EPILOGUE", 0) == 2 and bool(fuse) \
+        and on_fused_kernel
     pdl = bool(g2.get("PDL", 0)) and not INTERPRET and stages in ("all", "gemms") and (
         plan.a2_qmode != QMODE_FP8_TENSOR_AMAX or quant_on_load) and on_fused_kernel
     if plan.a2_qmode == QMODE_FP8_GROUP and I % group:
@@ -605,21 +598,17 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
 
     gemm_rows = dict(layout=layout, rows=rows, num_valid=numel, top_k=topk)
     # ---- ws13: GEMM2's input (C2 codes + scales, or C2 in act dtype; with quant_on_load GEMM1's output in the act
-    # dtype and its amax slots: per-tensor (tiles, 2) fp32 stored as [amax..., flags...], per-token (rows, N tiles))
+    # dtype and its amax slots, (tiles, 2) fp32 stored as [amax..., flags...])
     c2_bytes = rows * I * (elt if quant_on_load or not quant else 1)
     s_off = round_up(c2_bytes, 16)
     tiles_m, tiles_n = amax_slots(g1, GemmShape(n_out=I, a_gather=True, c_sorted=True, **gemm_rows)) \
         if quant_on_load else (0, 0)
-    n_slots = rows * tiles_n if per_token_on_load else 2 * tiles_m * tiles_n
+    n_slots = 2 * tiles_m * tiles_n
     s_cols = G2 if plan.a2_qmode == QMODE_FP8_GROUP else 1
     buf13 = _bytes_region(ws13, s_off + max(rows * s_cols, n_slots) * 4, dev)
     c2 = _view(buf13, 0, (rows, I), act_dtype if quant_on_load or not quant else a2q_dtype)
     c2s = _view(buf13, s_off, (rows, s_cols), torch.float32) if quant else None
-    slots = None
-    if per_token_on_load:
-        slots = _view(buf13, s_off, (rows, tiles_n), torch.float32)
-    elif quant_on_load:
-        slots = _view(buf13, s_off, (2, tiles_m * tiles_n), torch.float32).t()
+    slots = _view(buf13, s_off, (2, n_slots // 2), torch.float32).t() if quant_on_load else None
     # ---- ws2: C1 (unfused GEMM1 output) or the pre-quant C2, then C3 (GEMM2 output by route)
     c1_cols = 0 if fuse and (out_quant or not quant or quant_on_load) else (I if fuse else NW1)
     buf2 = _bytes_region(ws2, max(rows * c1_cols, numel * K) * elt, dev)
@@ -647,8 +636,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     elif quant_on_load:
         launch_gemm(GemmOperands(a1, w1, c2, cs=slots, a_scale=a1s, w_scale=qc.w1_scale, bias=w1_bias),
                      GemmShape(n_out=I, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
-                     replace(epi1, out_quant=OUT_ROW_AMAX_SLOTS if per_token_on_load else OUT_AMAX_SLOTS), g1,
-                     pdl_trigger=pdl)
+                     replace(epi1, out_quant=OUT_AMAX_SLOTS), g1, pdl_trigger=pdl)
         if taps is not None:
             taps["activation"] = _unsort_rows(c2, layout, numel, M, topk)
     elif fuse and (out_quant or not quant):
@@ -699,7 +687,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     # ---- GEMM2
     a2_scale_arg, a2_mode = None, ScaleMode.NONE
     if quant_on_load:
-        a2_scale_arg, a2_mode = slots, (ScaleMode.ROW_SLOTS if per_token_on_load else ScaleMode.TENSOR_SLOTS)
+        a2_scale_arg, a2_mode = slots, ScaleMode.TENSOR_SLOTS
     elif quant:
         a2_mode = plan.a2_mode
         if a2_mode == ScaleMode.TENSOR:

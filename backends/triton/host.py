@@ -180,7 +180,6 @@ class ScaleMode(enum.IntEnum):
     ROW = 2  # A: one per row (token); W: one per expert and output channel
     GROUP = 3  # A: one per row and GROUP_K group of K; W: one per GROUP_N x GROUP_K block
     TENSOR_SLOTS = 4  # A only: in the act dtype, quantized on load with a dynamic per-tensor scale (amax slots)
-    ROW_SLOTS = 5  # A only: the same with a dynamic per-token scale (per-row amax slots)
 
 
 @dataclass(frozen=True)
@@ -242,8 +241,6 @@ class GemmScales:
 OUT_AMAX = 2
 #: ``GemmEpilogue.out_quant``: the per-tensor amax of each output tile in a slot of its own (see ``GemmEpilogue``)
 OUT_AMAX_SLOTS = 3
-#: ``GemmEpilogue.out_quant``: each row's amax in each output tile, in a slot of its own (see ``GemmEpilogue``)
-OUT_ROW_AMAX_SLOTS = 4
 
 
 @dataclass(frozen=True)
@@ -257,8 +254,7 @@ class GemmEpilogue:
     atomic max: the first pass of a dynamic per-tensor requantization (``act_quant_kernel``'s QMODE 6) done by the
     GEMM that writes the values, ``fused_moe_kernel`` only; :data:`OUT_AMAX_SLOTS` (3) the same amax and flag
     per output tile in ``cs`` of ``(amax_slots(...), 2)`` (no zeros needed), read by a GEMM2 of
-    ``ScaleMode.TENSOR_SLOTS``; :data:`OUT_ROW_AMAX_SLOTS` (4) per row and N tile, ``cs`` of ``(rows, N tiles)``
-    (+inf where a value is NaN / inf), read by a GEMM2 of ``ScaleMode.ROW_SLOTS``."""
+    ``ScaleMode.TENSOR_SLOTS``."""
 
     act_dtype: torch.dtype
     fuse: Fusion = Fusion.NONE

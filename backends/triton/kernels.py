@@ -69,8 +69,8 @@ def _moe_tile(
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
     stride_csm, stride_csg,
-    # epilogue scalars; a_min_scale: the per-token scale's floor with A_SCALE 5
-    alpha, beta, limit, amax_floor, ue8m0_floor, a_min_scale,
+    # epilogue scalars
+    alpha, beta, limit, amax_floor, ue8m0_floor,
     # constexprs (groups as fused_moe_kernel's): tiling
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
     FLATTEN: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -102,8 +102,6 @@ def _moe_tile(
     offs_k = tl.arange(0, BLOCK_K)
     if A_SCALE == 4:  # A in the activation dtype, quantized here with the per-tensor scale of GEMM1's amax slots
         a_s, a_inv = _slots_tensor_scale(a_scale_ptr, num_a_slots, stride_asm, stride_ask)
-    elif A_SCALE == 5:  # the same with one scale per row (per-token), from the row's slots
-        a_s = _slots_row_scale(a_scale_ptr, a_rows, num_a_slots, stride_asm, stride_ask, a_min_scale, BLOCK_M)
     # N_TILES consecutive N tiles per program: the rows and their bookkeeping are loaded once, and with FLATTEN the
     # compiler pipelines the flattened (tile, K) loop, so the next tile's loads overlap this tile's epilogue
     for j in tl.range(0, N_TILES, flatten=FLATTEN):
@@ -215,9 +213,6 @@ def _moe_tile(
                 # scale is NaN, so is every output (FINITE skips the NaN select)
                 a = fp8e4m3_code(mul_rn(a.to(tl.float32), a_inv, EMU), EMU, FINITE=True).to(tl.float8e4nv,
                                                                                              bitcast=True)
-            elif A_SCALE == 5:  # QMODE 2's codes, sat(y / s) per row (a poisoned row's NaN scale: a NaN row out)
-                a = fp8e4m3_code(tl.math.div_rn(a.to(tl.float32), tl.broadcast_to(a_s[:, None], a.shape)), EMU,
-                                 FINITE=True).to(tl.float8e4nv, bitcast=True)
             if EMU:
                 if not INT8:
                     if a.dtype != tl.float8e4nv:
@@ -312,9 +307,6 @@ def _moe_tile(
         elif A_SCALE == 4:
             accf = accf * a_s
             accu = accu * a_s
-        elif A_SCALE == 5:
-            accf = accf * a_s[:, None]
-            accu = accu * a_s[:, None]
         elif A_SCALE == 2:
             sa = tl.load(a_scale_ptr + a_rows.to(tl.int64) * stride_asm, mask=token_mask, other=0.0)
             accf = accf * sa[:, None]
@@ -387,13 +379,6 @@ def _moe_tile(
             else:
                 tl.store(cs_ptr + slot * stride_csm, tl.max(amax, axis=0))
                 tl.store(cs_ptr + slot * stride_csm + stride_csg, bad)
-        elif OUT_QUANT == 4:
-            # per row: its largest finite |y| in this tile, +inf when one is NaN / inf, in slot (row, N tile); the
-            # rows of every tile GEMM2 reads are written (GEMM2 skips the tiles GEMM1 skips), so nothing is zeroed
-            tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
-            amax, nbad = _tile_amax(tl.where(n_mask[None, :], y.to(tl.float32), 0.0))
-            tl.store(cs_ptr + c_rows.to(tl.int64) * stride_csm + pid_n * stride_csg,
-                     tl.where(nbad > 0, float("inf"), amax), mask=row_mask)
         elif OUT_QUANT:
             yq = tl.where(n_mask[None, :], y.to(tl.float32), 0.0)
             codes, s = fp8_quant_rows(yq, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL, EMU)
@@ -421,23 +406,6 @@ def _slots_tensor_scale(slots_ptr, num_slots, stride_slot, stride_flag, BLOCK: t
     inv = tl.where(s == 0, 0.0, tl.math.div_rn(1.0, s))
     s = tl.where(tl.max(bad, axis=0) > 0, float("nan"), s)
     return s, inv
-
-
-@triton.jit
-def _slots_row_scale(slots_ptr, rows, num_slots, stride_row, stride_slot, min_scale, BLOCK_M: tl.constexpr,
-                     BLOCK: tl.constexpr = 32):
-    """The dynamic per-token FP8 scales of ``rows`` from GEMM1's per-row amax slots (``OUT_QUANT`` 4: the row's
-    finite amax per N tile, +inf for a NaN / inf): ``max(amax / 448, min_scale)``, NaN for a poisoned row, as
-    ``act_quant_kernel``'s QMODE 2 finds them."""
-    amax = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
-    base = slots_ptr + rows.to(tl.int64)[:, None] * stride_row
-    for i in range(0, num_slots, BLOCK):
-        offs = i + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.load(base + offs[None, :] * stride_slot, mask=(offs < num_slots)[None, :],
-                                        other=0.0))
-    m = tl.max(amax, axis=1)
-    s = tl.maximum(tl.math.div_rn(m, tl.full(m.shape, 448.0, tl.float32)), min_scale)
-    return tl.where(m == float("inf"), float("nan"), s)
 
 
 @triton.jit
@@ -490,8 +458,8 @@ def fused_moe_kernel(
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
     stride_csm, stride_csg,
-    # epilogue scalars: the activation's parameters, the output quantization's floors, A's per-token scale floor
-    alpha, beta, limit, amax_floor, ue8m0_floor, a_min_scale,
+    # epilogue scalars: the activation's parameters, the output quantization's floors
+    alpha, beta, limit, amax_floor, ue8m0_floor,
     # constexprs: tiling and scheduling
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HALF_TAIL: tl.constexpr, N_TILES: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -529,17 +497,14 @@ def fused_moe_kernel(
     ``A_SCALE`` (``host.ScaleMode``): 0 none, 1 per-tensor scalar, 2 per row, 3 per row and ``GROUP_K`` group of K;
     4 (``TENSOR_SLOTS``) A in the activation dtype, quantized to FP8 as each tile is loaded with one dynamic
     per-tensor scale reduced from ``num_a_slots`` amax slots at ``a_scale`` (GEMM1's ``OUT_QUANT`` 3; strides
-    ``stride_asm`` per slot, ``stride_ask`` to the flag): the requantization between the GEMMs without a kernel;
-    5 (``ROW_SLOTS``) the same per token: each row's scale ``max(amax / 448, a_min_scale)`` from its
-    ``num_a_slots`` slots (GEMM1's ``OUT_QUANT`` 4; ``stride_asm`` per row, ``stride_ask`` per slot).
+    ``stride_asm`` per slot, ``stride_ask`` to the flag): the requantization between the GEMMs without a kernel.
     ``B_SCALE``: 0 none, 1 per expert, 2 per expert and output channel, 3 per ``GROUP_N x GROUP_K`` block
     (``B_SCALAR``: the tile's weight rows, and its up rows, lie inside one ``GROUP_N`` block).
     ``OUT_QUANT``: 1 quantize the output tile to FP8 with one scale per row (group = ``BLOCK_N`` columns); 2
     (``host.OUT_AMAX``) store it and fold its routed rows' amax and non-finite flag into ``cs[0, 0:2]``; 3
     (``host.OUT_AMAX_SLOTS``) store it and write that amax and flag to the tile's own slot ``cs[slot, 0:2]``, slot =
     row tile * (N tiles per row tile, wrapped ones included) + N tile (``num_a_slots`` of GEMM2 = their count;
-    skipped tiles write zeros, so nothing is zeroed before the launch); 4 (``host.OUT_ROW_AMAX_SLOTS``) store it and
-    write each row's largest finite magnitude in the tile (+inf if one is NaN / inf) to ``cs[row, N tile]``.
+    skipped tiles write zeros, so nothing is zeroed before the launch).
     ``N_TILES``: a program computes that many consecutive N tiles of its rows in turn (``FLATTEN``: as one
     flattened, software-pipelined loop); N tiles past ``N`` are computed on wrapped columns and not stored.
     ``PROMOTE`` (FP8 per-tensor / per-channel operands, ``A_SCALE`` 1 or 2, not ``INT8``): K tiles accumulated in
@@ -610,7 +575,7 @@ def fused_moe_kernel(
                       stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                       stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_biase, stride_biasn,
                       stride_csm, stride_csg,
-                      alpha, beta, limit, amax_floor, ue8m0_floor, a_min_scale,
+                      alpha, beta, limit, amax_floor, ue8m0_floor,
                       BLOCK_M // (1 + HALF), BLOCK_N, BLOCK_K, N_TILES, FLATTEN, SPLIT_K,
                       TOP_K, A_GATHER, C_SORTED,
                       A_SCALE, B_SCALE, B_SCALAR, GROUP_N, GROUP_K, INT8, PROMOTE, SWAP_AB, DOT_PREC,

@@ -450,9 +450,8 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
     - ``splitk`` (decode entries): ``SPLIT_K`` on GEMM1, GEMM2 or both (see ``_splitk_variants``);
     - ``quant_warps`` (quantized schemes whose GEMM1 does not requantize in its epilogue): the requantization kernel
       at 4 / 8 / 16 warps per program (``QUANT_WARPS``);
-    - ``amax`` (dynamic per-tensor or per-token FP8 requantization, both GEMMs on ``fused_moe_kernel``):
-      ``AMAX_EPILOGUE`` at its other values (0: the requantization's amax in its own pass; 1 (per-tensor): in
-      GEMM1's epilogue by atomics; 2: in slots, GEMM2 quantizing its A tiles on load, also with GEMM2's ``PDL``
+    - ``amax`` (dynamic per-tensor FP8 requantization, both GEMMs on ``fused_moe_kernel``): ``AMAX_EPILOGUE`` at
+      its other values (0: the requantization's amax in its own pass; 1: in GEMM1's epilogue by atomics; 2: in slots, GEMM2 quantizing its A tiles on load, also with GEMM2's ``PDL``
       flipped; bitwise equal);
 
     and keep the fastest (best of ``repeats`` round-robin timings) whose output is bitwise equal to the gathering
@@ -470,7 +469,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
     from backends.triton import configs as C
     from tools.triton.common import draw_inputs, make_weights, time_us
     from backends.triton.experts import GLUON_KEYS, plan_quant, requantizes_in_epilogue, route_layout, run_experts
-    from backends.triton.kernels import QMODE_FP8_TENSOR_AMAX, QMODE_FP8_TOKEN
+    from backends.triton.kernels import QMODE_FP8_TENSOR_AMAX
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
     plan = plan_quant(qc)
@@ -524,12 +523,12 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             # entry's): the same arithmetic, so bitwise equal
             variants += [(f"quant_warps{w}", entry["gemm1"], dict(g2, QUANT_WARPS=w)) for w in (4, 8, 16)
                          if g2.get("QUANT_WARPS", 4) != w]
-        if ("amax" in families and plan.a2_qmode in (QMODE_FP8_TENSOR_AMAX, QMODE_FP8_TOKEN)
+        if ("amax" in families and plan.a2_qmode == QMODE_FP8_TENSOR_AMAX
                 and not any(g.get(k, 0) for g in (entry["gemm1"], g2) for k in GLUON_KEYS)):
             # the per-tensor amax found by its own pass (0), GEMM1's epilogue (1), or GEMM1's slots with GEMM2
-            # quantizing on load (2; then GEMM2 may take PDL); per-token: 0 or 2. The same codes, so bitwise equal
+            # quantizing on load (2; then GEMM2 may take PDL). The same codes, so bitwise equal
             cur = entry["gemm1"].get("AMAX_EPILOGUE", 0)
-            for v in ((0, 1, 2) if plan.a2_qmode == QMODE_FP8_TENSOR_AMAX else (0, 2)):
+            for v in (0, 1, 2):
                 if v != cur:
                     variants.append((f"amax{v}", dict(entry["gemm1"], AMAX_EPILOGUE=v), g2))
                 if v == 2:
