@@ -39,7 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import INTERPRET, cdiv, check_device, next_pow2, round_up
+from triton.language.extra.cuda import gdc_wait
+
+from .host import INTERPRET, STEP_PDL, cdiv, check_device, next_pow2, round_up
 
 __all__ = ["moe_align_block_size", "count_expert_num_tokens", "align_routes", "max_num_tokens_padded", "max_num_tiles",
            "RouteLayout"]
@@ -136,11 +138,14 @@ def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, exp
 def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr, expert_ids_ptr,
                       tiles_ptr, ntpp_ptr, ntiles_ptr, numel, num_ids, total_len, num_blocks, E,
                       CHUNK: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr,
-                      FILL: tl.constexpr, HAS_MAP: tl.constexpr, TILES: tl.constexpr):
+                      FILL: tl.constexpr, HAS_MAP: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr = False):
     """The whole layout in one program (small ``numel``: decode): the fill, ``_align_count_kernel`` over the chunks
     in turn (each route's rank = its rank inside its chunk + the routes of its expert in the chunks before),
     ``_align_scan_kernel``'s segment ends and ``_align_scatter_kernel``'s writes, with CTA barriers between the
-    phases (each phase reads what other threads of the program wrote to global memory in the one before)."""
+    phases (each phase reads what other threads of the program wrote to global memory in the one before).
+    ``PDL`` (launched with programmatic dependent launch, ``host.STEP_PDL``): the program may run beside the kernel
+    before it (the input quantizer, which triggers at its start; the ids it reads are the router's, older), and waits
+    for it at its end, so that its completion implies that kernel's (GEMM1, launched after it, reads the codes)."""
     # 1. sorted_token_ids = numel (the padding value)
     for f0 in range(0, total_len, FILL):
         f = f0 + tl.arange(0, FILL)
@@ -203,6 +208,8 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
             t = tl.load(tile_end_ptr + ec - 1, mask=ok & (ec > 0), other=0) + r // 2
             full = ((b + 2) * BS <= seg_end).to(tl.int32)
             tl.store(tiles_ptr + t, b * 2 + full, mask=ok & (r % 2 == 0))
+    if PDL:
+        gdc_wait()
 
 
 #: ``align_routes`` builds the layout in one launch (``_align_one_kernel``) up to this many routes (decode: M * topk
@@ -261,7 +268,7 @@ def max_num_tiles(numel: int, num_experts: int, block_size: int, total_len: int)
 
 
 def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert_map: torch.Tensor | None,
-                 num_ids: int, total_len: int, tiles: bool = False) -> RouteLayout:
+                 num_ids: int, total_len: int, tiles: bool = False, pdl: bool = False) -> RouteLayout:
     """The layout kernels without argument checks (the experts' fast path).
 
     Args:
@@ -272,6 +279,8 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
         total_len: length of ``sorted_token_ids`` (>= any layout: ``max_num_tokens_padded``).
         tiles: also build the tile list of the ``HALF_TAIL`` GEMMs: each expert's segment cut into tiles of two
             blocks, the last one a single block when the segment has an odd number of blocks.
+        pdl: the one-launch kernel with programmatic dependent launch (the experts step after its input quantizer,
+            ``host.STEP_PDL``; see ``_align_one_kernel``).
 
     Returns:
         ``RouteLayout(sorted_token_ids int32 (total_len,), expert_ids int32 (cdiv(total_len, bs),),
@@ -314,8 +323,9 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
                                 ntiles if tiles else ntpp, numel, num_ids, total_len, num_blocks, num_slots,
                                 CHUNK=max(16, min(chunk, next_pow2(numel))), E_PAD=e_pad, BS=block_size, BLK=blk,
                                 FILL=1024 if not INTERPRET else 256,
-                                HAS_MAP=expert_map is not None, TILES=tiles, num_warps=8,
-                                num_stages=1)  # no loop pipelining across the phases' barrier
+                                HAS_MAP=expert_map is not None, TILES=tiles, PDL=pdl, num_warps=8,
+                                num_stages=1,  # no loop pipelining across the phases' barrier
+                                **({"launch_pdl": True} if pdl else {}))
         return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
     num_chunks = cdiv(numel, chunk)
     rank = torch.empty((numel,), dtype=torch.int32, device=dev)

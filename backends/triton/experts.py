@@ -57,6 +57,7 @@ from .host import (
     INTERPRET,
     OUT_AMAX,
     OUT_AMAX_SLOTS,
+    STEP_PDL,
     SUPPORTED_ACTIVATIONS,
     Fusion,
     GemmEpilogue,
@@ -229,13 +230,14 @@ def requantizes_in_epilogue(g1: dict, plan: QuantPlan, I: int) -> bool:
 
 
 def route_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map: torch.Tensor | None = None,
-                 num_ids: int | None = None) -> RouteLayout:
+                 num_ids: int | None = None, pdl: bool = False) -> RouteLayout:
     """``align_routes`` for this config (block :func:`layout_block`, tile list with ``HALF_TAIL``); ids must be
-    int32/int64 and contiguous, ``expert_map`` int32 or None."""
+    int32/int64 and contiguous, ``expert_map`` int32 or None; ``pdl``: launched to overlap the input quantizer
+    before it (``host.STEP_PDL``)."""
     bs = layout_block(cfg)
     rows = layout_rows(topk_ids.numel(), num_experts, bs)
     return align_routes(topk_ids, bs, num_experts, expert_map, num_experts if num_ids is None else num_ids, rows,
-                        tiles=bool(cfg["gemm1"].get("HALF_TAIL", 0)))
+                        tiles=bool(cfg["gemm1"].get("HALF_TAIL", 0)), pdl=pdl)
 
 
 def _fusion(activation: MoEActivation) -> Fusion:
@@ -561,7 +563,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             else topk_ids.contiguous().to(torch.int32)
         emap = expert_map.to(torch.int32).contiguous() if expert_map is not None and expert_map.dtype != torch.int32 \
             else expert_map
-        layout = route_layout(ids, cfg, E, emap, num_ids)
+        layout = route_layout(ids, cfg, E, emap, num_ids, pdl=STEP_PDL and stages == "all")
     sorted_ids, expert_ids, ntpp, local = layout[:4]
 
     act = activation_code(activation)
@@ -696,9 +698,12 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             a2_scale_arg = c2s[:, :1]
         else:
             a2_scale_arg = c2s
+    # STEP_PDL: the top-k sum is launched during GEMM2 (which lets it start once every program of GEMM2 has) and
+    # waits for it
+    sum_pdl = STEP_PDL and stages == "all"
     launch_gemm(GemmOperands(c2, w2, c3, a_scale=a2_scale_arg, w_scale=qc.w2_scale, bias=w2_bias),
                  GemmShape(n_out=K, a_gather=False, c_sorted=False, **gemm_rows), replace(scales1, a_mode=a2_mode),
-                 GemmEpilogue(**epi_quant), g2, pdl_wait=pdl)
+                 GemmEpilogue(**epi_quant), g2, pdl_wait=pdl, pdl_trigger=sum_pdl)
     if taps is not None:  # C3 is by route; rows of routes not held here were never written
         taps["gemm2"] = torch.where((local >= 0)[:, None], c3, torch.zeros((), dtype=c3.dtype, device=dev)).view(
             M, topk, K)  # a new tensor: C3's buffer may be reused
@@ -710,7 +715,8 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     tw = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
     moe_sum_kernel[(M, cdiv(K, bk))](
         c3, tw, local, out, K, c3.stride(0), tw.stride(0), out.stride(0),
-        TOPK=topk, BLOCK_K=bk, APPLY_W=not apply_router_weight_on_input, EMU=INTERPRET, num_warps=4)
+        TOPK=topk, BLOCK_K=bk, APPLY_W=not apply_router_weight_on_input, EMU=INTERPRET, PDL=sum_pdl, num_warps=4,
+        **({"launch_pdl": True} if sum_pdl else {}))
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,15 @@ __all__ = [
 ]
 
 INTERPRET = jit.INTERPRET
+
+#: Programmatic dependent launch around the experts step's small kernels (sm_90; never under the interpreter): the
+#: input quantizers let the next kernel start (they trigger at their start), the one-launch route alignment is
+#: launched early and overlaps them (it reads only the router's ids; it waits for the quantizer at its end, so GEMM1,
+#: launched after it, sees the codes), and the top-k sum is launched during GEMM2 and waits for it.
+#: ``MOE_TRITON_STEP_PDL=0`` turns it off (an A / B on the GPU). Safe because the only kernels that trigger early
+#: are the quantizers (and the GEMMs / requantization, whose dependents wait before reading their outputs): no
+#: kernel that produces the alignment's input ever lets it start early.
+STEP_PDL = os.environ.get("MOE_TRITON_STEP_PDL", "1") != "0" and not INTERPRET
 
 _ACT_CODES = {
     MoEActivation.SILU: jit.ACT_SILU,

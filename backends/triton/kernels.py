@@ -631,7 +631,7 @@ def act_quant_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BS: tl.constexpr, SORTED: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, QMODE: tl.constexpr, ACT_DT: tl.constexpr,
     USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr,
-    EMU: tl.constexpr, PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = False,
+    EMU: tl.constexpr, PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = False, TRIGGER: tl.constexpr = False,
 ):
     """Activation (``ACT``; ``ACT_NONE`` = copy) of ``NC`` output columns per row, rounded to ``ACT_DT``, then stored
     as ``ACT_DT`` or quantized (``QMODE``). Rows are ``[0, R)`` or, with ``SORTED``, the sorted positions below
@@ -639,8 +639,9 @@ def act_quant_kernel(
     ``PDL`` (launched with programmatic dependent launch, between the two GEMMs): let the next kernel start early,
     and wait for the previous one before reading its output. ``ONE_PASS`` (row modes 2 / 3 / 6): the tile holds
     the whole row (``NC <= BLOCK_C``), or for the per-tensor amax (6) this program's column chunk (grid axis 1), so
-    it is loaded (and its activation computed) once instead of once per pass."""
-    if PDL:
+    it is loaded (and its activation computed) once instead of once per pass. ``TRIGGER`` (an input quantizer,
+    ``host.STEP_PDL``): let a kernel launched with programmatic dependent launch after this one start now."""
+    if PDL or TRIGGER:
         gdc_launch_dependents()
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -762,8 +763,12 @@ def permute_rows_kernel(src_ptr, dst_ptr, sorted_ids_ptr, ntpp_ptr, num_valid, n
 
 @triton.jit
 def moe_sum_kernel(c3_ptr, w_ptr, local_ptr, out_ptr, K, stride_c3, stride_w, stride_o,
-                   TOPK: tl.constexpr, BLOCK_K: tl.constexpr, APPLY_W: tl.constexpr, EMU: tl.constexpr):
-    """``out[t] = round(sum_k w[t, k] * C3[t*TOPK + k])`` in fp32 over the routes held here (local id >= 0)."""
+                   TOPK: tl.constexpr, BLOCK_K: tl.constexpr, APPLY_W: tl.constexpr, EMU: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    """``out[t] = round(sum_k w[t, k] * C3[t*TOPK + k])`` in fp32 over the routes held here (local id >= 0).
+    ``PDL`` (launched with programmatic dependent launch during GEMM2): wait for GEMM2 before reading anything."""
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cm = cols < K

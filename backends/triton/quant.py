@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from .host import INTERPRET, cdiv, check_device, next_pow2, recipe_params
+from .host import INTERPRET, STEP_PDL, cdiv, check_device, next_pow2, recipe_params
 from .jit import fp8_quant_rows
 from .kernels import (
     QMODE_FP8_GROUP,
@@ -48,8 +49,10 @@ def _per_token_group_quant_fp8_kernel(
     amax_floor, ue8m0_floor,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_R: tl.constexpr,
     USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr,
-    EMU: tl.constexpr,
+    EMU: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
+    if TRIGGER:  # host.STEP_PDL: the next kernel (the route alignment) may start now
+        gdc_launch_dependents()
     pid_r = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -146,7 +149,7 @@ def per_token_group_quant_fp8(
         p["amax_floor"], p["ue8m0_floor"],
         GROUP=group_size, GROUP_P2=gp2, BLOCK_R=block_r,
         USE_UE8M0=bool(use_ue8m0), UE8M0_EXACT=p["UE8M0_EXACT"], SCALE_INV=p["SCALE_INV"],
-        RECIP_MUL=p["RECIP_MUL"], EMU=INTERPRET,
+        RECIP_MUL=p["RECIP_MUL"], EMU=INTERPRET, TRIGGER=STEP_PDL,
     )
     return q, s
 
@@ -154,9 +157,10 @@ def per_token_group_quant_fp8(
 def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, expert_ids=None, ntpp=None,
                       rows, nc, num_valid, up_off=0, num_e=1, block_m=16, act, split, qmode, act_dtype,
                       alpha=1.0, beta=0.0, limit=0.0, has_limit=False, rp=None, use_ue8m0=False, group=128,
-                      pdl=False, num_warps=None):
+                      pdl=False, num_warps=None, trigger=False):
     """Launch ``act_quant_kernel`` over ``rows`` rows (sorted layout when ``sorted_ids`` is given); ``pdl``: with
-    programmatic dependent launch (see ``kernels.act_quant_kernel``); ``num_warps`` per program (the table's
+    programmatic dependent launch (see ``kernels.act_quant_kernel``); ``trigger``: let the next kernel start early
+    (an input quantizer's last launch, ``host.STEP_PDL``); ``num_warps`` per program (the table's
     ``QUANT_WARPS``: at decode the kernel is a chain of per-thread latencies, more threads per tile shorten it;
     None: 4, or one warp per 256 elements of a row-mode tile, up to 16).
 
@@ -199,7 +203,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         alpha, beta, limit, rp["amax_floor"], rp["ue8m0_floor"], _MIN_TOKEN_SCALE,
         BLOCK_R=br, BLOCK_C=bc, BS=block_m, SORTED=sorted_, ACT=act, HAS_LIMIT=has_limit, SPLIT=split,
         QMODE=qmode, ACT_DT=_tl_dtype(act_dtype), USE_UE8M0=use_ue8m0, UE8M0_EXACT=rp["UE8M0_EXACT"],
-        SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl, ONE_PASS=one_pass,
+        SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl, ONE_PASS=one_pass, TRIGGER=trigger,
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -227,21 +231,21 @@ def quantize_activation(x: torch.Tensor, qmode: int, scale: torch.Tensor | None 
     if qmode in (QMODE_FP8_TOKEN, QMODE_INT8_TOKEN):
         s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
         if M:
-            launch_act_quant(x=x, y=qv, ys=s, qmode=qmode, **kw)
+            launch_act_quant(x=x, y=qv, ys=s, qmode=qmode, trigger=STEP_PDL, **kw)
         return q, s
     if qmode in (QMODE_FP8_STATIC, QMODE_INT8_STATIC):
         if scale is None:
             raise ValueError("static quantization needs a scale")
         s = scale.reshape(1).to(torch.float32)
         if M:
-            launch_act_quant(x=x, y=qv, a2s=s, qmode=qmode, **kw)
+            launch_act_quant(x=x, y=qv, a2s=s, qmode=qmode, trigger=STEP_PDL, **kw)
         return q, s
     if qmode == QMODE_FP8_TENSOR_AMAX:
         stat = torch.zeros(2, dtype=torch.float32, device=x.device)
         srow = torch.empty((max(M, 1), 1), dtype=torch.float32, device=x.device)
         if M:
             launch_act_quant(x=x, y=qv, stat=stat, qmode=QMODE_FP8_TENSOR_AMAX, **kw)
-            launch_act_quant(x=x, y=qv, ys=srow, stat=stat, qmode=QMODE_FP8_TENSOR_QUANT, **kw)
+            launch_act_quant(x=x, y=qv, ys=srow, stat=stat, qmode=QMODE_FP8_TENSOR_QUANT, trigger=STEP_PDL, **kw)
             return q, srow[:1, 0]  # a view (not a copy: one kernel fewer in the experts step's prepare)
         return q, torch.zeros(1, dtype=torch.float32, device=x.device)
     raise ValueError(f"unknown quantization mode {qmode}")
