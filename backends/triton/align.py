@@ -135,23 +135,11 @@ def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, exp
 
 
 @triton.jit
-def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr, expert_ids_ptr,
-                      tiles_ptr, ntpp_ptr, ntiles_ptr, numel, num_ids, total_len, num_blocks, E,
-                      CHUNK: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr,
-                      FILL: tl.constexpr, HAS_MAP: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr = False):
-    """The whole layout in one program (small ``numel``: decode): the fill, ``_align_count_kernel`` over the chunks
-    in turn (each route's rank = its rank inside its chunk + the routes of its expert in the chunks before),
-    ``_align_scan_kernel``'s segment ends and ``_align_scatter_kernel``'s writes, with CTA barriers between the
-    phases (each phase reads what other threads of the program wrote to global memory in the one before).
-    ``PDL`` (launched with programmatic dependent launch, ``host.STEP_PDL``): the program may run beside the kernel
-    before it (the input quantizer, which triggers at its start; the ids it reads are the router's, older), and waits
-    for it at its end, so that its completion implies that kernel's (GEMM1, launched after it, reads the codes)."""
-    # 1. sorted_token_ids = numel (the padding value)
-    for f0 in range(0, total_len, FILL):
-        f = f0 + tl.arange(0, FILL)
-        tl.store(sorted_ptr + f, tl.zeros([FILL], dtype=tl.int32) + numel, mask=f < total_len)
+def _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr, ntpp_ptr,
+                      ntiles_ptr, numel, num_ids, E, cols, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+                      BS: tl.constexpr, HAS_MAP: tl.constexpr, TILES: tl.constexpr):
+    """Phases 2-4 of ``_align_one_kernel`` over several chunks of routes; returns the segment ends (``[E_PAD]``)."""
     # 2. local expert and rank of every route, counts per expert
-    cols = tl.arange(0, E_PAD)
     carry = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, numel, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
@@ -190,8 +178,62 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
         seg_start = tl.load(ends_ptr + lec - 1, mask=keep & (lec > 0), other=0)
         pos = seg_start + rank
         tl.store(sorted_ptr + pos, offs, mask=keep & (pos < seg_end))
+    return tl.load(ends_ptr + cols)
+
+
+@triton.jit
+def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr, expert_ids_ptr,
+                      tiles_ptr, ntpp_ptr, ntiles_ptr, numel, num_ids, total_len, num_blocks, E,
+                      CHUNK: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr,
+                      FILL: tl.constexpr, HAS_MAP: tl.constexpr, TILES: tl.constexpr, ONE_CHUNK: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
+    """The whole layout in one program (small ``numel``: decode): the fill, ``_align_count_kernel`` over the chunks
+    in turn (each route's rank = its rank inside its chunk + the routes of its expert in the chunks before),
+    ``_align_scan_kernel``'s segment ends and ``_align_scatter_kernel``'s writes, with CTA barriers between the
+    phases (each phase reads what other threads of the program wrote to global memory in the one before).
+    ``ONE_CHUNK`` (``numel <= CHUNK``): the count, scan and scatter phases on registers, one barrier (after the
+    fill) instead of a store, a barrier and a reload between each (H200, Qwen3-30B M=1: see docs/notes/triton.md).
+    ``PDL`` (launched with programmatic dependent launch, ``host.STEP_PDL``): the program may run beside the kernel
+    before it (the input quantizer, which triggers at its start; the ids it reads are the router's, older), and waits
+    for it at its end, so that its completion implies that kernel's (GEMM1, launched after it, reads the codes)."""
+    # 1. sorted_token_ids = numel (the padding value)
+    for f0 in range(0, total_len, FILL):
+        f = f0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + f, tl.zeros([FILL], dtype=tl.int32) + numel, mask=f < total_len)
+    cols = tl.arange(0, E_PAD)
+    if ONE_CHUNK:
+        # decode: every route in one chunk, so the phases below run on registers (no store / barrier / reload of
+        # local, rank and the ends between them: each such round trip is a global-memory latency on a one-program
+        # critical path); one barrier orders the fill before the scatter
+        offs = tl.arange(0, CHUNK)
+        m = offs < numel
+        ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+        valid = m & (ids >= 0) & (ids < num_ids)
+        if HAS_MAP:
+            le = tl.load(emap_ptr + tl.where(valid, ids, 0), mask=valid, other=-1).to(tl.int32)
+        else:
+            le = ids
+        le = tl.where(valid, le, -1)
+        tl.store(local_ptr + offs, le, mask=m)
+        oh = (le[:, None] == cols[None, :]).to(tl.int32)
+        rank = tl.sum((tl.cumsum(oh, axis=0) - 1) * oh, axis=1)
+        carry = tl.sum(oh, axis=0)
+        padded = tl.where(cols < E, (carry + BS - 1) // BS * BS, 0)
+        end = tl.cumsum(padded, axis=0)
+        tl.store(ends_ptr + cols, end)
+        tl.store(ntpp_ptr, tl.sum(padded, axis=0))
+        if TILES:
+            nt = (padded // BS + 1) // 2
+            tl.store(tile_end_ptr + cols, tl.cumsum(nt, axis=0))
+            tl.store(ntiles_ptr, tl.sum(nt, axis=0))
+        pos = tl.sum(oh * (end - padded)[None, :], axis=1) + rank  # the expert's segment start + the route's rank
+        tl.debug_barrier()  # the fill (and, with TILES, the ends read by index below) before what follows
+        tl.store(sorted_ptr + pos, offs, mask=m & (le >= 0))
+        ends = end
+    else:
+        ends = _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr,
+                                 ntpp_ptr, ntiles_ptr, numel, num_ids, E, cols, CHUNK, E_PAD, BS, HAS_MAP, TILES)
     # 5. the expert id of every block (and the tile list), as _align_scatter_kernel over all blocks
-    ends = tl.load(ends_ptr + cols)
     ecol = cols < E
     for b0 in range(0, num_blocks, BLK):
         b = b0 + tl.arange(0, BLK)
@@ -318,12 +360,13 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
         ends = torch.empty((e_pad,), dtype=torch.int32, device=dev)
         tile_ends = torch.empty((e_pad,), dtype=torch.int32, device=dev) if tiles else ends
         blk = max(16, min(128, next_pow2(num_blocks), 8192 // e_pad))
+        one_chunk = max(16, min(chunk, next_pow2(numel)))
         _align_one_kernel[(1,)](topk_ids.reshape(-1), expert_map if expert_map is not None else topk_ids, local, rank,
                                 ends, tile_ends, sorted_ids, expert_ids, tile_list if tiles else expert_ids, ntpp,
                                 ntiles if tiles else ntpp, numel, num_ids, total_len, num_blocks, num_slots,
-                                CHUNK=max(16, min(chunk, next_pow2(numel))), E_PAD=e_pad, BS=block_size, BLK=blk,
-                                FILL=1024 if not INTERPRET else 256,
-                                HAS_MAP=expert_map is not None, TILES=tiles, PDL=pdl, num_warps=8,
+                                CHUNK=one_chunk, E_PAD=e_pad, BS=block_size, BLK=blk,
+                                FILL=1024 if not INTERPRET else 256, HAS_MAP=expert_map is not None, TILES=tiles,
+                                ONE_CHUNK=numel <= one_chunk, PDL=pdl, num_warps=8,
                                 num_stages=1,  # no loop pipelining across the phases' barrier
                                 **({"launch_pdl": True} if pdl else {}))
         return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
