@@ -192,14 +192,20 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
     ``_align_scan_kernel``'s segment ends and ``_align_scatter_kernel``'s writes, with CTA barriers between the
     phases (each phase reads what other threads of the program wrote to global memory in the one before).
     ``ONE_CHUNK`` (``numel <= CHUNK``): the count, scan and scatter phases on registers, one barrier (after the
-    fill) instead of a store, a barrier and a reload between each (H200, Qwen3-30B M=1: see docs/notes/triton.md).
+    fill) instead of a store, a barrier and a reload between each, and (without the tile list) each route writes
+    its block's expert id instead of every block searching the segment ends.
     ``PDL`` (launched with programmatic dependent launch, ``host.STEP_PDL``): the program may run beside the kernel
     before it (the input quantizer, which triggers at its start; the ids it reads are the router's, older), and waits
     for it at its end, so that its completion implies that kernel's (GEMM1, launched after it, reads the codes)."""
-    # 1. sorted_token_ids = numel (the padding value)
+    # 1. sorted_token_ids = numel (the padding value); with ONE_CHUNK and no tile list also expert_ids = -1 (each
+    # block of a segment is then written by the routes it holds)
     for f0 in range(0, total_len, FILL):
         f = f0 + tl.arange(0, FILL)
         tl.store(sorted_ptr + f, tl.zeros([FILL], dtype=tl.int32) + numel, mask=f < total_len)
+    if ONE_CHUNK and not TILES:
+        for f0 in range(0, num_blocks, FILL):
+            f = f0 + tl.arange(0, FILL)
+            tl.store(expert_ids_ptr + f, tl.zeros([FILL], dtype=tl.int32) - 1, mask=f < num_blocks)
     cols = tl.arange(0, E_PAD)
     if ONE_CHUNK:
         # decode: every route in one chunk, so the phases below run on registers (no store / barrier / reload of
@@ -229,13 +235,17 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
         pos = tl.sum(oh * (end - padded)[None, :], axis=1) + rank  # the expert's segment start + the route's rank
         tl.debug_barrier()  # the fill (and, with TILES, the ends read by index below) before what follows
         tl.store(sorted_ptr + pos, offs, mask=m & (le >= 0))
+        if not TILES:
+            # each route writes its block's expert: a segment of ceil(count / BS) blocks holds ranks 0 .. count - 1,
+            # so every block of it is written (by all its routes, the same value); blocks past the segments keep -1
+            tl.store(expert_ids_ptr + pos // BS, le, mask=m & (le >= 0))
         ends = end
     else:
         ends = _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr,
                                  ntpp_ptr, ntiles_ptr, numel, num_ids, E, cols, CHUNK, E_PAD, BS, HAS_MAP, TILES)
     # 5. the expert id of every block (and the tile list), as _align_scatter_kernel over all blocks
     ecol = cols < E
-    for b0 in range(0, num_blocks, BLK):
+    for b0 in range(0, num_blocks if not ONE_CHUNK or TILES else 0, BLK):
         b = b0 + tl.arange(0, BLK)
         p = b * BS
         eid = tl.sum(((ends[None, :] <= p[:, None]) & ecol[None, :]).to(tl.int32), axis=1)
@@ -262,6 +272,9 @@ ONE_LAUNCH_MAX_ROUTES = int(os.environ.get("MOE_TRITON_ALIGN_ONE_MAX", "1024"))
 #: session: E 8 at 16 / 128 routes 2.0 / 2.9 us in one launch against 16 us in four (the count kernel's one
 #: 1024-route chunk); E 128 at 64 routes 6.2 us against 8.4 us, at 512 routes 29.0 us against 8.2 us
 ONE_LAUNCH_MAX_WORK = 16384
+#: the one-launch kernel's register path for routes that fit one chunk (``ONE_CHUNK``); ``MOE_TRITON_ALIGN_ONE_CHUNK=0``
+#: turns it off (an A / B on the GPU)
+ONE_CHUNK = os.environ.get("MOE_TRITON_ALIGN_ONE_CHUNK", "1") != "0"
 
 
 def one_launch(numel: int, num_slots: int) -> bool:
@@ -366,7 +379,7 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
                                 ntiles if tiles else ntpp, numel, num_ids, total_len, num_blocks, num_slots,
                                 CHUNK=one_chunk, E_PAD=e_pad, BS=block_size, BLK=blk,
                                 FILL=1024 if not INTERPRET else 256, HAS_MAP=expert_map is not None, TILES=tiles,
-                                ONE_CHUNK=numel <= one_chunk, PDL=pdl, num_warps=8,
+                                ONE_CHUNK=ONE_CHUNK and numel <= one_chunk, PDL=pdl, num_warps=8,
                                 num_stages=1,  # no loop pipelining across the phases' barrier
                                 **({"launch_pdl": True} if pdl else {}))
         return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
