@@ -51,23 +51,30 @@ _INT32_MAX = 2**31 - 1
 
 @triton.jit
 def _align_count_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, counts_ptr, numel, num_ids,
-                        CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
+                        CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, SUB: tl.constexpr = 0):
+    """Chunk ``c`` of ``CHUNK`` routes: each route's local expert and its rank among the chunk's routes of that
+    expert, and the chunk's count per expert. The one-hot rank work is ``[SUB, E_PAD]`` a step, ``CHUNK / SUB``
+    steps in turn (``SUB`` 0: one step), so that many experts need not mean many chunks for the scan."""
     c = tl.program_id(0)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    m = offs < numel
-    ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-    valid = m & (ids >= 0) & (ids < num_ids)
-    if HAS_MAP:
-        le = tl.load(emap_ptr + tl.where(valid, ids, 0), mask=valid, other=-1).to(tl.int32)
-    else:
-        le = ids
-    le = tl.where(valid, le, -1)
     cols = tl.arange(0, E_PAD)
-    oh = (le[:, None] == cols[None, :]).to(tl.int32)
-    tl.store(counts_ptr + c * E_PAD + cols, tl.sum(oh, axis=0))
-    rank = tl.sum(tl.cumsum(oh, axis=0) * oh, axis=1) - 1
-    tl.store(local_ptr + offs, le, mask=m)
-    tl.store(rank_ptr + offs, rank, mask=m)
+    STEP: tl.constexpr = CHUNK if SUB == 0 else SUB
+    carry = tl.zeros([E_PAD], dtype=tl.int32)
+    for s0 in range(0, CHUNK, STEP):
+        offs = c * CHUNK + s0 + tl.arange(0, STEP)
+        m = offs < numel
+        ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+        valid = m & (ids >= 0) & (ids < num_ids)
+        if HAS_MAP:
+            le = tl.load(emap_ptr + tl.where(valid, ids, 0), mask=valid, other=-1).to(tl.int32)
+        else:
+            le = ids
+        le = tl.where(valid, le, -1)
+        oh = (le[:, None] == cols[None, :]).to(tl.int32)
+        rank = tl.sum((tl.cumsum(oh, axis=0) - 1 + carry[None, :]) * oh, axis=1)  # dropped routes: 0, never read
+        carry += tl.sum(oh, axis=0)
+        tl.store(local_ptr + offs, le, mask=m)
+        tl.store(rank_ptr + offs, rank, mask=m)
+    tl.store(counts_ptr + c * E_PAD + cols, carry)
 
 
 @triton.jit
@@ -294,6 +301,12 @@ def max_num_tokens_padded(numel: int, num_experts: int, block_size: int, pad_sor
     return padded
 
 
+#: the four-launch layout's chunks of routes: at most about this many (each ``_align_count_kernel`` program then
+#: steps over several one-hot sub-chunks): the scan runs over the chunks in turn in one program, and 1024 chunks of
+#: 32 routes (DeepSeek-V3 TP8 at M = 4096: E 256, 32768 routes) took it 122 us on an H200
+TARGET_CHUNKS = 8 if INTERPRET else 64
+
+
 def _chunk_sizes(e_pad: int) -> tuple[int, int]:
     budget = 4096 if INTERPRET else 16384
     chunk = max(16, min(1024, next_pow2(budget // e_pad) if budget >= e_pad else 16))
@@ -379,10 +392,15 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
                                 ntiles if tiles else ntpp, numel, num_ids, total_len, num_blocks, num_slots,
                                 CHUNK=one_chunk, E_PAD=e_pad, BS=block_size, BLK=blk,
                                 FILL=1024 if not INTERPRET else 256, HAS_MAP=expert_map is not None, TILES=tiles,
-                                ONE_CHUNK=ONE_CHUNK and numel <= one_chunk, PDL=pdl, num_warps=8,
+                                ONE_CHUNK=ONE_CHUNK and numel <= one_chunk, PDL=pdl,
+                                # one chunk over E_PAD >= 512 columns: 4 warps (H200, DSV3 TP8 M=1: step 26.18 ->
+                                # 25.81 us; 2 warps 26.6; Qwen3's E_PAD 256 keeps 8: 4 warps cost it 0.1-0.15 us)
+                                num_warps=4 if numel <= one_chunk and e_pad >= 512 else 8,
                                 num_stages=1,  # no loop pipelining across the phases' barrier
                                 **({"launch_pdl": True} if pdl else {}))
         return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
+    sub = chunk  # the one-hot step; a chunk is several of them when there would be more than TARGET_CHUNKS chunks
+    chunk = sub * next_pow2(cdiv(cdiv(numel, sub), TARGET_CHUNKS))
     num_chunks = cdiv(numel, chunk)
     rank = torch.empty((numel,), dtype=torch.int32, device=dev)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
@@ -392,7 +410,8 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
     ids = topk_ids.reshape(-1)
     emap = expert_map if expert_map is not None else ids  # dummy pointer when there is no map
     _align_count_kernel[(num_chunks,)](ids, emap, local, rank, counts, numel, num_ids,
-                                       CHUNK=chunk, E_PAD=e_pad, HAS_MAP=expert_map is not None)
+                                       CHUNK=chunk, E_PAD=e_pad, HAS_MAP=expert_map is not None,
+                                       SUB=sub if chunk > sub else 0)
     _align_scan_kernel[(1,)](counts, offs, ends, ntpp, tile_ends, ntiles if tiles else ntpp, num_chunks, num_slots,
                              BS=block_size, E_PAD=e_pad, CB=cb, TILES=tiles,
                              num_warps=8)  # one CTA scans [CB, E_PAD] tiles: at 4 warps E = 128 spilled 192 bytes
