@@ -336,6 +336,7 @@ def test_promotion_applies_to_fp8_per_tensor_and_channel_only():
                            "gemm2": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64)})["gemm1"]
     assert g["PROMOTE_K"] == C.DEFAULT_PROMOTE_K == 256 and g["FAST_ACCUM"] == 0
     assert promotion_tiles(g, a_mode=1) == promotion_tiles(g, a_mode=2) == 4
+    assert promotion_tiles(g, a_mode=4) == 4  # TENSOR_SLOTS: A quantized on load is the same FP8 GEMM
     assert promotion_tiles(dict(g, PROMOTE_K=128), a_mode=1) == 2
     # bf16 / fp16 (0), block FP8 (3, promoted per K tile with its scales), INT8 (exact int32), the opt-in: in place
     assert promotion_tiles(g, a_mode=0) == promotion_tiles(g, a_mode=3) == 0
@@ -419,3 +420,32 @@ def test_quant_warps_is_validated():
             C.sanitize_config({"gemm1": dict(g), "gemm2": dict(g, QUANT_WARPS=bad)})
     with pytest.raises(ValueError, match="gemm2 key"):
         C.sanitize_config({"gemm1": dict(g, QUANT_WARPS=8), "gemm2": dict(g)})
+
+
+def test_amax_epilogue_is_validated():
+    """AMAX_EPILOGUE (where a dynamic per-tensor requantization's amax is found, a GEMM1 entry key): 0, 1 or 2;
+    anything else, or the key in a gemm2 entry, is refused with what to write."""
+    g = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128)
+    for v in (0, 1, 2):
+        assert C.sanitize_config({"gemm1": dict(g, AMAX_EPILOGUE=v), "gemm2": dict(g)})["gemm1"]["AMAX_EPILOGUE"] == v
+    with pytest.raises(ValueError, match="AMAX_EPILOGUE=3 must be 0"):
+        C.sanitize_config({"gemm1": dict(g, AMAX_EPILOGUE=3), "gemm2": dict(g)})
+    with pytest.raises(ValueError, match="gemm1 key"):
+        C.sanitize_config({"gemm1": dict(g), "gemm2": dict(g, AMAX_EPILOGUE=2)})
+
+
+def test_amax_slots_count_every_tile_of_the_launch():
+    """The slots GEMM1 writes with OUT_AMAX_SLOTS: one per (row tile, N tile), N tiles counted in whole N_TILES
+    groups (wrapped tiles write too), row tiles the layout's BLOCK_M blocks or, with HALF_TAIL, its tile list."""
+    from types import SimpleNamespace
+    from backends.triton.experts import amax_slots
+    from backends.triton.host import GemmShape
+
+    plain = SimpleNamespace(tiles=None)
+    shape = GemmShape(layout=plain, rows=200, num_valid=16, top_k=2, n_out=7168, a_gather=True, c_sorted=True)
+    cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128)
+    assert amax_slots(cfg, shape) == (13, 224)
+    assert amax_slots(dict(cfg, N_TILES=3), shape) == (13, 225)  # 224 N tiles in 75 groups of 3
+    half = SimpleNamespace(tiles=torch.empty(9, dtype=torch.int32))
+    assert amax_slots(dict(cfg, BLOCK_SIZE_M=32), GemmShape(layout=half, rows=200, num_valid=16, top_k=2, n_out=7168,
+                                                            a_gather=True, c_sorted=True)) == (9, 224)
