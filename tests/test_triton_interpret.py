@@ -60,6 +60,7 @@ from reference.experts import ReferenceExperts, fused_experts as ref_fe
 from reference.routing import determine_expert_map, fused_topk as ref_topk
 from backends.triton import align as T_align, quant as T_quant, routing as T_routing
 from backends.triton import experts as tx
+from backends.triton.host import OUT_AMAX, OUT_AMAX_SLOTS, ScaleMode
 from backends.triton.experts import TritonExperts, fused_experts as tri_fe
 from reference.error_model import Accumulation
 from specs import load_tolerances
@@ -934,23 +935,35 @@ def _():
 
     runs = {(1, ""): cfg_of(1), (2, ""): cfg_of(2), **{(2, v): cfg_of(2, v) for v in ("n_tiles", "half_tail",
                                                                                        "split_k", "swap")}}
-    # fresh workspaces full of 0x7F bytes (fp32 3.4e38): a slot no tile wrote would set a huge scale
-    real_region = tx._bytes_region
+    # fresh workspaces full of 0x7F bytes (fp32 3.4e38): a slot no tile wrote would set a huge scale; every
+    # launch's epilogue and A mode recorded, so that AMAX_EPILOGUE 2 is seen to take the slots path
+    real_region, real_launch, seen = tx._bytes_region, tx.launch_gemm, []
     tx._bytes_region = lambda ws, nbytes, device: real_region(ws, nbytes, device).fill_(0x7F)
+
+    def launch(ops, shape, scales, epi, cfg, **kw):
+        seen.append((int(epi.out_quant), int(scales.a_mode)))
+        return real_launch(ops, shape, scales, epi, cfg, **kw)
+
+    tx.launch_gemm = launch
     try:
         base = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc,
                        config=cfg_of(0)) for xx in (xe, xn)]
         bad = []
         for (flag, variant), cfg in runs.items():
+            seen.clear()
             out = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc, config=cfg)
                    for xx in (xe, xn)]
             name = f"AMAX_EPILOGUE {flag} {variant}".strip()
+            want = [(OUT_AMAX_SLOTS, ScaleMode.TENSOR), (0, ScaleMode.TENSOR_SLOTS)] * 2 if flag == 2 else \
+                [(OUT_AMAX, ScaleMode.TENSOR), (0, ScaleMode.ROW)] * 2
+            if seen != want:
+                bad.append(f"{name}: launches (out_quant, A_SCALE) {seen}, expected {want}")
             if not torch.equal(out[0], base[0]):
                 bad.append(f"{name}: outputs differ: max |diff| {(out[0].float() - base[0].float()).abs().max()}")
             if not torch.equal(out[1].isnan(), base[1].isnan()) or not out[1].isnan().any():
                 bad.append(f"{name}: a routed NaN does not poison the call as the act_quant pass does")
     finally:
-        tx._bytes_region = real_region
+        tx._bytes_region, tx.launch_gemm = real_region, real_launch
     return bad or None
 
 

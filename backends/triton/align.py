@@ -41,7 +41,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_wait
 
-from .host import INTERPRET, STEP_PDL, cdiv, check_device, next_pow2, round_up
+from .host import INTERPRET, cdiv, check_device, next_pow2, round_up
 
 __all__ = ["moe_align_block_size", "count_expert_num_tokens", "align_routes", "max_num_tokens_padded", "max_num_tiles",
            "RouteLayout"]
@@ -142,6 +142,14 @@ def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, exp
 
 
 @triton.jit
+def _fill(ptr, n, value, FILL: tl.constexpr):
+    """``ptr[0:n] = value`` (int32) by one program."""
+    for f0 in range(0, n, FILL):
+        f = f0 + tl.arange(0, FILL)
+        tl.store(ptr + f, tl.zeros([FILL], dtype=tl.int32) + value, mask=f < n)
+
+
+@triton.jit
 def _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr, ntpp_ptr,
                       ntiles_ptr, numel, num_ids, E, cols, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
                       BS: tl.constexpr, HAS_MAP: tl.constexpr, TILES: tl.constexpr):
@@ -201,18 +209,12 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
     ``ONE_CHUNK`` (``numel <= CHUNK``): the count, scan and scatter phases on registers, one barrier (after the
     fill) instead of a store, a barrier and a reload between each, and (without the tile list) each route writes
     its block's expert id instead of every block searching the segment ends.
-    ``PDL`` (launched with programmatic dependent launch, ``host.STEP_PDL``): the program may run beside the kernel
-    before it (the input quantizer, which triggers at its start; the ids it reads are the router's, older), and waits
-    for it at its end, so that its completion implies that kernel's (GEMM1, launched after it, reads the codes)."""
-    # 1. sorted_token_ids = numel (the padding value); with ONE_CHUNK and no tile list also expert_ids = -1 (each
-    # block of a segment is then written by the routes it holds)
-    for f0 in range(0, total_len, FILL):
-        f = f0 + tl.arange(0, FILL)
-        tl.store(sorted_ptr + f, tl.zeros([FILL], dtype=tl.int32) + numel, mask=f < total_len)
-    if ONE_CHUNK and not TILES:
-        for f0 in range(0, num_blocks, FILL):
-            f = f0 + tl.arange(0, FILL)
-            tl.store(expert_ids_ptr + f, tl.zeros([FILL], dtype=tl.int32) - 1, mask=f < num_blocks)
+    ``PDL`` (launched with programmatic dependent launch, ``host.STEP_PDL``): the program may start beside the kernel
+    before it (the input quantizer, which triggers at its start) and read the router's ids and the expert map (older,
+    alive) and, with ``ONE_CHUNK``, compute the layout in registers; it waits for that kernel before its first write
+    (its outputs are fresh allocations, which the caching allocator may have carved out of memory that kernel still
+    reads, a temporary freed after its launch), so its completion also implies that kernel's (GEMM1, launched after
+    it, reads the codes)."""
     cols = tl.arange(0, E_PAD)
     if ONE_CHUNK:
         # decode: every route in one chunk, so the phases below run on registers (no store / barrier / reload of
@@ -227,20 +229,27 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
         else:
             le = ids
         le = tl.where(valid, le, -1)
-        tl.store(local_ptr + offs, le, mask=m)
         oh = (le[:, None] == cols[None, :]).to(tl.int32)
         rank = tl.sum((tl.cumsum(oh, axis=0) - 1) * oh, axis=1)
         carry = tl.sum(oh, axis=0)
         padded = tl.where(cols < E, (carry + BS - 1) // BS * BS, 0)
         end = tl.cumsum(padded, axis=0)
+        pos = tl.sum(oh * (end - padded)[None, :], axis=1) + rank  # the expert's segment start + the route's rank
+        if PDL:  # every write of the kernel comes after the kernel before it has finished (host.STEP_PDL)
+            gdc_wait()
+        # 1. sorted_token_ids = numel (the padding value), and (no tile list) expert_ids = -1: each block of a
+        # segment is then written by the routes it holds
+        _fill(sorted_ptr, total_len, numel, FILL)
+        if not TILES:
+            _fill(expert_ids_ptr, num_blocks, -1, FILL)
+        tl.store(local_ptr + offs, le, mask=m)
         tl.store(ends_ptr + cols, end)
         tl.store(ntpp_ptr, tl.sum(padded, axis=0))
         if TILES:
             nt = (padded // BS + 1) // 2
             tl.store(tile_end_ptr + cols, tl.cumsum(nt, axis=0))
             tl.store(ntiles_ptr, tl.sum(nt, axis=0))
-        pos = tl.sum(oh * (end - padded)[None, :], axis=1) + rank  # the expert's segment start + the route's rank
-        tl.debug_barrier()  # the fill (and, with TILES, the ends read by index below) before what follows
+        tl.debug_barrier()  # the fills (and, with TILES, the ends read by index below) before what follows
         tl.store(sorted_ptr + pos, offs, mask=m & (le >= 0))
         if not TILES:
             # each route writes its block's expert: a segment of ceil(count / BS) blocks holds ranks 0 .. count - 1,
@@ -248,6 +257,9 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
             tl.store(expert_ids_ptr + pos // BS, le, mask=m & (le >= 0))
         ends = end
     else:
+        if PDL:
+            gdc_wait()
+        _fill(sorted_ptr, total_len, numel, FILL)  # 1. sorted_token_ids = numel (the padding value)
         ends = _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr,
                                  ntpp_ptr, ntiles_ptr, numel, num_ids, E, cols, CHUNK, E_PAD, BS, HAS_MAP, TILES)
     # 5. the expert id of every block (and the tile list), as _align_scatter_kernel over all blocks
@@ -267,8 +279,6 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
             t = tl.load(tile_end_ptr + ec - 1, mask=ok & (ec > 0), other=0) + r // 2
             full = ((b + 2) * BS <= seg_end).to(tl.int32)
             tl.store(tiles_ptr + t, b * 2 + full, mask=ok & (r % 2 == 0))
-    if PDL:
-        gdc_wait()
 
 
 #: ``align_routes`` builds the layout in one launch (``_align_one_kernel``) up to this many routes (decode: M * topk

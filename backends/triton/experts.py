@@ -883,6 +883,13 @@ class TritonExperts(FusedMoEExpertsModular):
         rows = layout_rows(M * topk, local_num_experts, layout_block(cfg))
         elt = self._act_elt()
         need13 = round_up(rows * I, 16) + rows * cdiv(I, self.plan.group_k) * 4
+        g1 = cfg["gemm1"]
+        if self.plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and g1.get("AMAX_EPILOGUE", 0) == 2:
+            # GEMM2's input in the act dtype and GEMM1's amax slots (run_experts' quant_on_load): row tiles at most
+            # rows / (BLOCK_M / 2) (HALF_TAIL's tail tiles), N tiles in whole N_TILES groups
+            bm, nt = g1["BLOCK_SIZE_M"], g1.get("N_TILES", 1)
+            tiles = cdiv(rows, bm // 2 if g1.get("HALF_TAIL", 0) else bm) * cdiv(cdiv(I, g1["BLOCK_SIZE_N"]), nt) * nt
+            need13 = max(need13, round_up(rows * I * elt, 16) + max(rows, 2 * tiles) * 4)
         cols13 = max(I, cdiv(need13, rows * elt))
         return (rows, cols13), (rows, max(N, K, I)), (M, K)
 

@@ -35,11 +35,13 @@ INTERPRET = jit.INTERPRET
 
 #: Programmatic dependent launch around the experts step's small kernels (sm_90; never under the interpreter): the
 #: input quantizers let the next kernel start (they trigger at their start), the one-launch route alignment is
-#: launched early and overlaps them (it reads only the router's ids; it waits for the quantizer at its end, so GEMM1,
-#: launched after it, sees the codes), and the top-k sum is launched during GEMM2 and waits for it.
-#: ``MOE_TRITON_STEP_PDL=0`` turns it off (an A / B on the GPU). Safe because the only kernels that trigger early
-#: are the quantizers (and the GEMMs / requantization, whose dependents wait before reading their outputs): no
-#: kernel that produces the alignment's input ever lets it start early.
+#: launched early and reads the router's ids beside them, and the top-k sum is launched during GEMM2.
+#: ``MOE_TRITON_STEP_PDL=0`` turns it off (an A / B on the GPU). The rules that make it safe: a kernel launched so
+#: reads, before its ``gdc_wait``, only what was finished before the kernel it follows started (the ids, the map),
+#: and writes nothing before it (its outputs are fresh allocations, and the caching allocator may hand out memory
+#: that the running kernel still reads, e.g. a temporary freed right after its launch); after the wait the kernel
+#: before it has finished and its writes are visible, so GEMM1, launched normally after the alignment, sees the
+#: codes.
 STEP_PDL = os.environ.get("MOE_TRITON_STEP_PDL", "1") != "0" and not INTERPRET
 
 _ACT_CODES = {

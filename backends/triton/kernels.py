@@ -101,7 +101,10 @@ def _moe_tile(
 
     offs_k = tl.arange(0, BLOCK_K)
     if A_SCALE == 4:  # A in the activation dtype, quantized here with the per-tensor scale of GEMM1's amax slots
-        a_s, a_inv = _slots_tensor_scale(a_scale_ptr, num_a_slots, stride_asm, stride_ask)
+        if EMU:  # 2 slots a step: the interpreter's few slots still take several
+            a_s, a_inv = _slots_tensor_scale(a_scale_ptr, num_a_slots, stride_asm, stride_ask, 2)
+        else:
+            a_s, a_inv = _slots_tensor_scale(a_scale_ptr, num_a_slots, stride_asm, stride_ask, 1024)
     # N_TILES consecutive N tiles per program: the rows and their bookkeeping are loaded once, and with FLATTEN the
     # compiler pipelines the flattened (tile, K) loop, so the next tile's loads overlap this tile's epilogue
     for j in tl.range(0, N_TILES, flatten=FLATTEN):
@@ -390,7 +393,7 @@ def _moe_tile(
 
 
 @triton.jit
-def _slots_tensor_scale(slots_ptr, num_slots, stride_slot, stride_flag, BLOCK: tl.constexpr = 1024):
+def _slots_tensor_scale(slots_ptr, num_slots, stride_slot, stride_flag, BLOCK: tl.constexpr):
     """The dynamic per-tensor FP8 scale from GEMM1's amax slots (``OUT_QUANT`` 3: ``[amax, non-finite flag]`` per
     tile): ``(s, 1 / s)`` with ``s = amax / 448`` (``1 / s`` = 0 when ``s`` = 0; ``s`` NaN when a value was NaN /
     inf), as ``act_quant_kernel``'s QMODE 7 finds them from its ``stat``."""

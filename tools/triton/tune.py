@@ -529,8 +529,9 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             # quantizing on load (2; then GEMM2 may take PDL). The same codes, so bitwise equal
             cur = entry["gemm1"].get("AMAX_EPILOGUE", 0)
             for v in (0, 1, 2):
-                if v != cur:
-                    variants.append((f"amax{v}", dict(entry["gemm1"], AMAX_EPILOGUE=v), g2))
+                if v != cur:  # (GEMM2's PDL works only after the slots path: a dead key is dropped elsewhere)
+                    variants.append((f"amax{v}", dict(entry["gemm1"], AMAX_EPILOGUE=v),
+                                     g2 if v == 2 else {k: x for k, x in g2.items() if k != "PDL"}))
                 if v == 2:
                     variants.append(("amax2-pdl", dict(entry["gemm1"], AMAX_EPILOGUE=2),
                                      dict(g2, PDL=1 - g2.get("PDL", 0))))
