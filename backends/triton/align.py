@@ -57,24 +57,39 @@ def _align_count_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, counts_ptr, nume
     steps in turn (``SUB`` 0: one step), so that many experts need not mean many chunks for the scan."""
     c = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
-    STEP: tl.constexpr = CHUNK if SUB == 0 else SUB
     carry = tl.zeros([E_PAD], dtype=tl.int32)
-    for s0 in range(0, CHUNK, STEP):
-        offs = c * CHUNK + s0 + tl.arange(0, STEP)
-        m = offs < numel
-        ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-        valid = m & (ids >= 0) & (ids < num_ids)
-        if HAS_MAP:
-            le = tl.load(emap_ptr + tl.where(valid, ids, 0), mask=valid, other=-1).to(tl.int32)
-        else:
-            le = ids
-        le = tl.where(valid, le, -1)
-        oh = (le[:, None] == cols[None, :]).to(tl.int32)
-        rank = tl.sum((tl.cumsum(oh, axis=0) - 1 + carry[None, :]) * oh, axis=1)  # dropped routes: 0, never read
-        carry += tl.sum(oh, axis=0)
-        tl.store(local_ptr + offs, le, mask=m)
-        tl.store(rank_ptr + offs, rank, mask=m)
+    if SUB == 0:  # one step
+        carry = _count_step(ids_ptr, emap_ptr, local_ptr, rank_ptr, c * CHUNK + tl.arange(0, CHUNK), numel, num_ids,
+                            cols, carry, HAS_MAP, True)
+    else:
+        for s0 in range(0, CHUNK, SUB):
+            carry = _count_step(ids_ptr, emap_ptr, local_ptr, rank_ptr, c * CHUNK + s0 + tl.arange(0, SUB), numel,
+                                num_ids, cols, carry, HAS_MAP, False)
     tl.store(counts_ptr + c * E_PAD + cols, carry)
+
+
+@triton.jit
+def _count_step(ids_ptr, emap_ptr, local_ptr, rank_ptr, offs, numel, num_ids, cols, carry, HAS_MAP: tl.constexpr,
+                FIRST: tl.constexpr):
+    """Routes ``offs``: their local experts and ranks (after ``carry`` routes per expert counted before them; none
+    with ``FIRST``) are stored; returns ``carry`` plus their counts."""
+    m = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+    valid = m & (ids >= 0) & (ids < num_ids)
+    if HAS_MAP:
+        le = tl.load(emap_ptr + tl.where(valid, ids, 0), mask=valid, other=-1).to(tl.int32)
+    else:
+        le = ids
+    le = tl.where(valid, le, -1)
+    oh = (le[:, None] == cols[None, :]).to(tl.int32)
+    cnt = tl.sum(oh, axis=0)  # (first: the one-hot tile's sum before its scan, or E 8's [1024, 16] tile spills)
+    if FIRST:
+        rank = tl.sum(tl.cumsum(oh, axis=0) * oh, axis=1) - 1
+    else:
+        rank = tl.sum((tl.cumsum(oh, axis=0) - 1 + carry[None, :]) * oh, axis=1)  # dropped routes: 0, never read
+    tl.store(local_ptr + offs, le, mask=m)
+    tl.store(rank_ptr + offs, rank, mask=m)
+    return carry + cnt
 
 
 @triton.jit
