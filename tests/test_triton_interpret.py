@@ -42,7 +42,7 @@ CHECKS = [
     "experts_fp8_block", "experts_fp8_block_swap_ab", "experts_fp8_nonblock_swap_ab", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor", "experts_fp8_tensor_amax_in_gemm1",
     "experts_fp8_channel_token", "experts_int8", "fp8_promotion_order", "experts_fp8_promotion",
     "experts_permute_a", "align_tiles", "align_one_launch", "experts_half_tail", "experts_n_tiles", "experts_split_k",
-    "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "experts_stages",
+    "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "act_quant_routes", "experts_stages",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
 
@@ -670,6 +670,10 @@ def _():
             same.append(int(one.num_tiles) == n and torch.equal(one.tiles[:n], four.tiles[:n]))
         if not all(same):
             bad.append((M, topk, E, bs, ep, tiles, same))
+        for name, lay in (("one", one), ("four", four)):  # inv_permuted_idx: each held route's row of the layout
+            held = (lay.local_ids >= 0).nonzero().flatten()
+            if not torch.equal(lay.sorted_token_ids[lay.inv_permuted_idx[held].long()], held.to(torch.int32)):
+                bad.append(("inv_permuted_idx", name, M, topk, E, bs, ep))
         # the reference on the local ids the layout sorts by (align_routes' slots are the nl local experts; the
         # reference's expert_map form lays out all E global slots instead): global -> local, dropped -> -1
         ok_id = (ids >= 0) & (ids < E)
@@ -899,6 +903,62 @@ def _():
                              act=0, split=0, qmode=QMODE_FP8_TENSOR_AMAX, act_dtype=torch.bfloat16)
     want = x.float()[ids < nv].abs().max()
     return bool(stat[0] == want) or f"amax {stat[0].item()} != {want.item()} over the routed rows"
+
+
+@check("act_quant_routes")
+def _():
+    """The requantization between the GEMMs over the routes (``ROUTES``: decode layouts, mostly padding rows) writes
+    every held route's row with the same bits as the pass over the layout's rows, in every mode (FP8 groups,
+    per-token FP8 / INT8, static FP8 / INT8, dynamic per-tensor's amax and quantization passes, and the unquantized
+    activation), with an expert map dropping routes; and it is the path taken (padding rows stay unwritten)."""
+    from backends.triton import kernels as K_
+    from backends.triton.experts import layout_rows
+    bad = []
+    M, topk, E, bs, NC = 3, 4, 16, 16, 256
+    ids = torch.stack([torch.randperm(E, generator=G)[:topk] for _ in range(M)]).to(torch.int32)
+    emap = determine_expert_map(2, 1, E)[1].to(torch.int32)
+    nl, numel = E // 2, M * topk
+    rows = layout_rows(numel, nl, bs)
+    lay = T_align.align_routes(ids, bs, nl, emap, E, rows)
+    x = torch.randn(rows, 2 * NC, generator=G).bfloat16()
+    held = (lay.local_ids >= 0).nonzero().flatten()
+    hrows = lay.inv_permuted_idx[held].long()
+    for qmode, act, split, dt, scols in ((K_.QMODE_FP8_GROUP, 0, 0, torch.uint8, NC // 128),
+                                         (K_.QMODE_FP8_TOKEN, tx.activation_code(A.SILU), 1, torch.uint8, 1),
+                                         (K_.QMODE_INT8_TOKEN, 0, 0, torch.int8, 1),
+                                         (K_.QMODE_FP8_STATIC, 0, 0, torch.uint8, 0),
+                                         (K_.QMODE_INT8_STATIC, 0, 0, torch.int8, 0),
+                                         (K_.QMODE_FP8_TENSOR_QUANT, 0, 0, torch.uint8, 1),
+                                         (K_.QMODE_NONE, tx.activation_code(A.SILU), 1, torch.bfloat16, 0)):
+        outs = []
+        for routes in (True, False):
+            y = torch.full((rows, NC), 7, dtype=dt)
+            ys = torch.full((rows, max(scols, 1)), -5.0) if scols else None
+            stat = torch.zeros(2, dtype=torch.float32)
+            kw = dict(x=x, y=y, ys=ys, sorted_ids=lay.sorted_token_ids, expert_ids=lay.expert_ids,
+                      ntpp=lay.num_tokens_post_padded, rows=rows, nc=NC, num_valid=numel, up_off=NC if split else 0,
+                      block_m=bs, act=act, split=split, act_dtype=torch.bfloat16, local_ids=lay.local_ids,
+                      inv_permuted_idx=lay.inv_permuted_idx)
+            if qmode in (K_.QMODE_FP8_STATIC, K_.QMODE_INT8_STATIC):
+                kw["a2s"] = torch.tensor([0.0125])
+            saved = T_quant.QUANT_ROUTES
+            T_quant.QUANT_ROUTES = routes
+            try:
+                if qmode == K_.QMODE_FP8_TENSOR_QUANT:
+                    T_quant.launch_act_quant(qmode=K_.QMODE_FP8_TENSOR_AMAX, stat=stat, **kw)
+                T_quant.launch_act_quant(qmode=qmode, stat=stat, **kw)
+            finally:
+                T_quant.QUANT_ROUTES = saved
+            outs.append((y, ys, stat))
+        (y1, s1, t1), (y0, s0, t0) = outs
+        if not torch.equal(y1[hrows].view(torch.uint8), y0[hrows].view(torch.uint8)) or not torch.equal(t1, t0) or (
+                scols and not torch.equal(torch.nan_to_num(s1[hrows]), torch.nan_to_num(s0[hrows]))):
+            bad.append(f"qmode {qmode}: the held routes' rows differ between the route and the row passes")
+        pad = torch.ones(rows, dtype=torch.bool)
+        pad[hrows] = False
+        if not bool((y1[pad] == 7).all()):
+            bad.append(f"qmode {qmode}: a padding row was written (the route pass was not taken)")
+    return bad or None
 
 
 @check("experts_fp8_tensor_amax_in_gemm1")

@@ -138,6 +138,7 @@ def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, exp
     cnt_pad_start = tl.load(end_ptr + lec - 1, mask=keep & (lec > 0), other=0)
     pos = cnt_pad_start + tl.load(off_ptr + c * E_PAD + lec, mask=keep, other=0) + rank
     tl.store(sorted_ptr + pos, offs, mask=keep & (pos < end))
+    tl.store(rank_ptr + offs, pos, mask=keep)  # rank -> inv_permuted_idx (read above by the same thread)
     # expert id of blocks [c * blocks_per_prog, (c + 1) * blocks_per_prog)
     cols = tl.arange(0, E_PAD)
     ends = tl.load(end_ptr + cols)
@@ -208,6 +209,7 @@ def _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
         seg_start = tl.load(ends_ptr + lec - 1, mask=keep & (lec > 0), other=0)
         pos = seg_start + rank
         tl.store(sorted_ptr + pos, offs, mask=keep & (pos < seg_end))
+        tl.store(rank_ptr + offs, pos, mask=keep)  # rank -> inv_permuted_idx (the same thread read it above)
     return tl.load(ends_ptr + cols)
 
 
@@ -259,6 +261,7 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
             tl.store(ntiles_ptr, tl.sum(nt, axis=0))
         tl.debug_barrier()  # the fills (and, with TILES, the ends read by index below) before what follows
         tl.store(sorted_ptr + pos, offs, mask=m & (le >= 0))
+        tl.store(rank_ptr + offs, pos, mask=m & (le >= 0))  # inv_permuted_idx
         if not TILES:
             # each route writes its block's expert: a segment of ceil(count / BS) blocks holds ranks 0 .. count - 1,
             # so every block of it is written (by all its routes, the same value); blocks past the segments keep -1
@@ -345,6 +348,9 @@ class RouteLayout(NamedTuple):
     local_ids: torch.Tensor
     tiles: torch.Tensor | None = None
     num_tiles: torch.Tensor | None = None
+    #: route -> its row in the sorted layout (vLLM's ``moe_permute`` name): ``sorted_token_ids[inv_permuted_idx[r]]
+    #: == r`` for every route held here; undefined for dropped routes (``local_ids < 0``)
+    inv_permuted_idx: torch.Tensor | None = None
 
 
 def max_num_tiles(numel: int, num_experts: int, block_size: int, total_len: int) -> int:
@@ -370,8 +376,10 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
 
     Returns:
         ``RouteLayout(sorted_token_ids int32 (total_len,), expert_ids int32 (cdiv(total_len, bs),),
-        num_tokens_post_padded int32 (1,), local_ids int32 (numel,), tiles, num_tiles)``; ``local_ids`` is each
-        route's local expert, -1 when dropped. With ``tiles``: ``tiles`` int32 ``(max_num_tiles,)``, entry ``t <
+        num_tokens_post_padded int32 (1,), local_ids int32 (numel,), tiles, num_tiles, inv_permuted_idx int32
+        (numel,))``; ``local_ids`` is each route's local expert, -1 when dropped; ``inv_permuted_idx`` each held
+        route's row in the layout (what the requantization between the GEMMs reads at decode, where most rows are
+        padding). With ``tiles``: ``tiles`` int32 ``(max_num_tiles,)``, entry ``t <
         num_tiles`` = ``first_block * 2 + (1 if the tile has two blocks else 0)``, tiles in sorted-row order (entries
         from ``num_tiles`` on are undefined); ``num_tiles`` int32 (1,). Otherwise both are None.
     """
@@ -396,7 +404,7 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
         expert_ids.fill_(-1)
         if tiles:
             ntiles.zero_()
-        return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
+        return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles, local)
     e_pad = next_pow2(num_slots + 1)
     chunk, cb = _chunk_sizes(e_pad)
     if one:
@@ -416,7 +424,7 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
                                 num_warps=4 if numel <= one_chunk and e_pad >= 512 else 8,
                                 num_stages=1,  # no loop pipelining across the phases' barrier
                                 **({"launch_pdl": True} if pdl else {}))
-        return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
+        return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles, rank)
     sub = chunk  # the one-hot step; a chunk is several of them when there would be more than TARGET_CHUNKS chunks
     chunk = sub * next_pow2(cdiv(cdiv(numel, sub), TARGET_CHUNKS))
     num_chunks = cdiv(numel, chunk)
@@ -439,7 +447,7 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
                                          tile_list if tiles else expert_ids, numel, num_blocks,
                                          num_slots, blocks_per_prog, CHUNK=chunk, E_PAD=e_pad, BS=block_size,
                                          BLK=blk, TILES=tiles)
-    return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles)
+    return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles, rank)
 
 
 def _check_ids_and_map(fn, topk_ids, expert_map, num_slots, num_ids_no_map, drop_out_of_range_ids):

@@ -668,7 +668,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
         aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,
                   up_off=I if split == 1 else 0, num_e=1, block_m=BM, act_dtype=act_dtype, rp=rp,
                   use_ue8m0=plan.use_ue8m0, group=group, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit,
-                  num_warps=g2.get("QUANT_WARPS"))
+                  num_warps=g2.get("QUANT_WARPS"), local_ids=local, inv_permuted_idx=layout.inv_permuted_idx)
         if fuse:
             aq.update(act=0, split=0, up_off=0)
         else:

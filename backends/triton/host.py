@@ -43,6 +43,11 @@ INTERPRET = jit.INTERPRET
 #: before it has finished and its writes are visible, so GEMM1, launched normally after the alignment, sees the
 #: codes.
 STEP_PDL = os.environ.get("MOE_TRITON_STEP_PDL", "1") != "0" and not INTERPRET
+#: The activation / requantization kernel between the GEMMs takes the routes instead of the layout's rows where at
+#: least half of the rows are padding (decode: E * (BLOCK_M - 1) padding rows against M * topk routes), and leaves
+#: the padding rows unwritten (``quant.launch_act_quant``'s ``ROUTES``). ``MOE_TRITON_QUANT_ROUTES=0`` turns it off
+#: (an A / B on the GPU).
+QUANT_ROUTES = os.environ.get("MOE_TRITON_QUANT_ROUTES", "1") != "0"
 
 _ACT_CODES = {
     MoEActivation.SILU: jit.ACT_SILU,

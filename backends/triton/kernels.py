@@ -627,7 +627,7 @@ def _row_codes(y, s, mult, nbad, QMODE: tl.constexpr, EMU: tl.constexpr):
 @triton.jit(do_not_specialize=["R", "num_valid"])
 def act_quant_kernel(
     x_ptr, y_ptr, ys_ptr, stat_ptr, a2s_ptr,
-    sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
+    sorted_ids_ptr, expert_ids_ptr, ntpp_ptr, local_ptr, inv_ptr,
     R, NC, num_valid, UP_OFF, NUM_E,
     stride_xm, stride_ym, stride_ysm, stride_ysg,
     alpha, beta, limit, amax_floor, ue8m0_floor, min_token_scale,
@@ -635,44 +635,60 @@ def act_quant_kernel(
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, QMODE: tl.constexpr, ACT_DT: tl.constexpr,
     USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr,
     EMU: tl.constexpr, PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = False, TRIGGER: tl.constexpr = False,
+    ROUTES: tl.constexpr = False,
 ):
     """Activation (``ACT``; ``ACT_NONE`` = copy) of ``NC`` output columns per row, rounded to ``ACT_DT``, then stored
     as ``ACT_DT`` or quantized (``QMODE``). Rows are ``[0, R)`` or, with ``SORTED``, the sorted positions below
-    ``num_tokens_post_padded`` (padding rows are processed too; they are excluded from per-tensor amax).
+    ``num_tokens_post_padded`` (padding rows are processed too, unless ``ROUTES``; they are excluded from
+    per-tensor amax).
     ``PDL`` (launched with programmatic dependent launch, between the two GEMMs): let the next kernel start early,
     and wait for the previous one before reading its output. ``ONE_PASS`` (row modes 2 / 3 / 6): the tile holds
     the whole row (``NC <= BLOCK_C``), or for the per-tensor amax (6) this program's column chunk (grid axis 1), so
     it is loaded (and its activation computed) once instead of once per pass. ``TRIGGER`` (an input quantizer,
-    ``host.STEP_PDL``): let a kernel launched with programmatic dependent launch after this one start now."""
+    ``host.STEP_PDL``): let a kernel launched with programmatic dependent launch after this one start now.
+    ``ROUTES`` (with ``SORTED``; decode, where most rows of the layout are padding): the program's rows are routes
+    ``[0, num_valid)``, each processed at its row ``inv_ptr[r]`` of the layout when held here (``local_ptr[r] >=
+    0``); padding rows are not written (GEMM2 computes them and stores none of them: rows of an MMA are
+    independent)."""
     if PDL or TRIGGER:
         gdc_launch_dependents()
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    row64 = rows.to(tl.int64)
-    if SORTED and not PDL and (QMODE == 0 or QMODE == 1 or QMODE == 4 or QMODE == 5 or QMODE == 7):
-        # the tile is loaded before the test against num_tokens_post_padded, so that the two loads' latencies overlap
-        # (rows at or past it are never stored; rows are quantized independently)
-        y = _act_load(x_ptr, row64, cols, (rows < R)[:, None] & (cols < NC)[None, :], stride_xm, UP_OFF, alpha,
-                      beta, limit, SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
-    if SORTED:
-        ntpp = tl.load(ntpp_ptr)
-        if pid_r * BLOCK_R >= ntpp:
-            return
-        rmask = rows < ntpp
-        if QMODE == 6:  # only the per-tensor amax asks which positions hold routes (one dependent load fewer)
-            route_ok = rmask & (tl.load(sorted_ids_ptr + rows, mask=rmask, other=num_valid) < num_valid)
+    if ROUTES:
+        # the layout's own outputs, complete before GEMM1 started: read before a PDL wait
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        held = (r < num_valid) & (tl.load(local_ptr + r, mask=r < num_valid, other=-1) >= 0)
+        rows = tl.load(inv_ptr + r, mask=held, other=0)
     else:
-        rmask = rows < R
-        route_ok = rmask
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row64 = rows.to(tl.int64)
+    if ROUTES:
+        rmask = held
+        route_ok = held
+    else:
+        if SORTED and not PDL and (QMODE == 0 or QMODE == 1 or QMODE == 4 or QMODE == 5 or QMODE == 7):
+            # the tile is loaded before the test against num_tokens_post_padded, so that the two loads' latencies
+            # overlap (rows at or past it are never stored; rows are quantized independently)
+            y = _act_load(x_ptr, row64, cols, (rows < R)[:, None] & (cols < NC)[None, :], stride_xm, UP_OFF, alpha,
+                          beta, limit, SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+        if SORTED:
+            ntpp = tl.load(ntpp_ptr)
+            if pid_r * BLOCK_R >= ntpp:
+                return
+            rmask = rows < ntpp
+            if QMODE == 6:  # only the per-tensor amax asks which positions hold routes (one dependent load fewer)
+                route_ok = rmask & (tl.load(sorted_ids_ptr + rows, mask=rmask, other=num_valid) < num_valid)
+        else:
+            rmask = rows < R
+            route_ok = rmask
     if PDL:  # everything read from here on (x) is the previous kernel's output
         gdc_wait()
     ex = rows * 0  # one dynamic per-tensor scale over all routed rows (slot 0 of stat)
     y_rows = y_ptr + row64[:, None] * stride_ym
     if QMODE == 0 or QMODE == 1 or QMODE == 4 or QMODE == 5 or QMODE == 7:
         mask = rmask[:, None] & (cols < NC)[None, :]
-        if PDL or not SORTED:
+        if PDL or not SORTED or ROUTES:
             y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
                           SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
         if QMODE == 0:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .host import INTERPRET, STEP_PDL, cdiv, check_device, next_pow2, recipe_params
+from .host import INTERPRET, QUANT_ROUTES, STEP_PDL, cdiv, check_device, next_pow2, recipe_params
 from .jit import fp8_quant_rows
 from .kernels import (
     QMODE_FP8_GROUP,
@@ -157,7 +157,7 @@ def per_token_group_quant_fp8(
 def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, expert_ids=None, ntpp=None,
                       rows, nc, num_valid, up_off=0, num_e=1, block_m=16, act, split, qmode, act_dtype,
                       alpha=1.0, beta=0.0, limit=0.0, has_limit=False, rp=None, use_ue8m0=False, group=128,
-                      pdl=False, num_warps=None, trigger=False):
+                      pdl=False, num_warps=None, trigger=False, local_ids=None, inv_permuted_idx=None):
     """Launch ``act_quant_kernel`` over ``rows`` rows (sorted layout when ``sorted_ids`` is given); ``pdl``: with
     programmatic dependent launch (see ``kernels.act_quant_kernel``); ``trigger``: let the next kernel start early
     (an input quantizer's last launch, ``host.STEP_PDL``); ``num_warps`` per program (the table's
@@ -167,8 +167,14 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     Tiles: element-wise modes take ``[BLOCK_R, min(next_pow2(nc), 1024)]`` chunks (grid axis 1); the per-token modes
     (2, 3) a whole row of up to 4096 columns in one pass (longer rows: two passes over 1024-column chunks), one row
     per program at up to 128 rows (decode: as many programs as rows) and up to 4096 elements a tile above; the
-    per-tensor amax (6) one ``[BLOCK_R, 1024]`` chunk per program."""
+    per-tensor amax (6) one ``[BLOCK_R, 1024]`` chunk per program.
+
+    ``local_ids`` / ``inv_permuted_idx`` (``RouteLayout``'s, with ``sorted_ids``): where at least half of the
+    layout's rows are padding (decode: E * (block_m - 1) padding rows against M * topk routes), the programs take
+    the routes instead of the rows and write only the held routes' rows (``ROUTES``; ``QUANT_ROUTES`` turns it off).
+    """
     sorted_ = sorted_ids is not None
+    routes = QUANT_ROUTES and sorted_ and inv_permuted_idx is not None and 2 * num_valid <= rows
     row_mode = qmode in (QMODE_FP8_TOKEN, QMODE_INT8_TOKEN)
     if qmode == QMODE_FP8_GROUP:
         bc = group
@@ -181,14 +187,16 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     budget = 2048 if INTERPRET else 4096
     br = max(1, min(budget // bc, 64))
     br = 1 << (br.bit_length() - 1)
-    if row_mode and rows <= 128:
+    if row_mode and (num_valid if routes else rows) <= 128:
         br = 1  # decode: one row per program, the row's reduction spread over the program's warps
+    if routes and num_valid <= 128:
+        br = 1  # a few routes: as many programs as routes
     if sorted_:
         br = min(br, block_m)
     per_chunk = qmode in (QMODE_NONE, QMODE_FP8_GROUP, QMODE_FP8_STATIC, QMODE_INT8_STATIC, QMODE_FP8_TENSOR_QUANT,
                           QMODE_FP8_TENSOR_AMAX)
     one_pass = qmode == QMODE_FP8_TENSOR_AMAX or (row_mode and nc <= bc)
-    grid = (cdiv(rows, br), cdiv(nc, bc) if per_chunk else 1)
+    grid = (cdiv(num_valid if routes else rows, br), cdiv(nc, bc) if per_chunk else 1)
     if num_warps is None:
         num_warps = max(4, min(16, br * bc // 256)) if row_mode else 4
     dummy = y
@@ -197,6 +205,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         x, y, ys if ys is not None else dummy, stat if stat is not None else dummy,
         a2s if a2s is not None else dummy,
         sorted_ids if sorted_ else dummy, expert_ids if sorted_ else dummy, ntpp if sorted_ else dummy,
+        local_ids if routes else dummy, inv_permuted_idx if routes else dummy,
         rows, nc, num_valid, up_off, num_e,
         x.stride(0), y.stride(0), ys.stride(0) if ys is not None else 0,
         (ys.stride(1) if ys is not None and ys.dim() > 1 else 0),
@@ -204,6 +213,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         BLOCK_R=br, BLOCK_C=bc, BS=block_m, SORTED=sorted_, ACT=act, HAS_LIMIT=has_limit, SPLIT=split,
         QMODE=qmode, ACT_DT=_tl_dtype(act_dtype), USE_UE8M0=use_ue8m0, UE8M0_EXACT=rp["UE8M0_EXACT"],
         SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl, ONE_PASS=one_pass, TRIGGER=trigger,
+        ROUTES=routes,
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
 
