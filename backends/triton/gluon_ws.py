@@ -44,7 +44,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
 from .jit import ACT_SILU
-from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids
+from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids, tma_load
 
 GROUP_C = gl.constexpr(GROUP)  # the 128x128 weight block, inside kernels
 
@@ -189,19 +189,19 @@ def _producer(a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_p
             if HALF_TAIL:
                 mbarrier.expect(bar, a_desc.block_type.nbytes + B_BYTES, pred=full)
                 mbarrier.expect(bar, a_desc_h.block_type.nbytes + B_BYTES, pred=not full)
-                tma.async_copy_global_to_shared(a_desc, [row0, k * BLOCK_K], bar, a_smem.index(s), pred=full)
-                tma.async_copy_global_to_shared(a_desc_h, [row0, k * BLOCK_K], bar,
+                tma_load(a_desc, [row0, k * BLOCK_K], bar, a_smem.index(s), pred=full)
+                tma_load(a_desc_h, [row0, k * BLOCK_K], bar,
                                                 a_smem.index(s).slice(0, BLOCK_M // 2), pred=not full)
             else:
                 mbarrier.expect(bar, a_desc.block_type.nbytes + B_BYTES)
-                tma.async_copy_global_to_shared(a_desc, [row0, k * BLOCK_K], bar, a_smem.index(s))
+                tma_load(a_desc, [row0, k * BLOCK_K], bar, a_smem.index(s))
             if GATED:
                 b_st = b_smem.index(s)
-                tma.async_copy_global_to_shared(b_desc, [b_row0, k * BLOCK_K], bar, b_st.slice(0, BLOCK_N))
-                tma.async_copy_global_to_shared(b_desc, [b_row0 + UP_OFF, k * BLOCK_K], bar,
+                tma_load(b_desc, [b_row0, k * BLOCK_K], bar, b_st.slice(0, BLOCK_N))
+                tma_load(b_desc, [b_row0 + UP_OFF, k * BLOCK_K], bar,
                                                 b_st.slice(BLOCK_N, BLOCK_N))
             else:
-                tma.async_copy_global_to_shared(b_desc, [b_row0, k * BLOCK_K], bar, b_smem.index(s))
+                tma_load(b_desc, [b_row0, k * BLOCK_K], bar, b_smem.index(s))
             j += 1
         tile = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
                      BLOCK_N, GROUP_M, HALF_TAIL)
