@@ -90,16 +90,18 @@ def probe_gemm_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm, BN: gl.constexp
         s = k % STAGES
         mbarrier.wait(ready.index(s), (k // STAGES) & 1)
         acc = warpgroup_mma(a_s.index(s), b_s.index(s).permute((1, 0)), acc, is_async=True)
-        # K tile k - 1's MMA done: its stage is free here; refill it with K tile k - 1 + STAGES
+        # K tile k - 1's MMA done: its stage is free here; refill it with K tile k - 1 + STAGES (at k = 0 that stage
+        # is the one the prologue left unused)
         acc = warpgroup_mma_wait(1, deps=(acc,))
         j = k - 1 + STAGES
         sp = j % STAGES
         if k > 0:
             mbarrier.arrive(empty.index(sp))
-        if (k > 0) & (j < nk):
-            # the lead CTA waits until both CTAs released the stage (the other CTA's wait is a no-op: it only
-            # loads into its own A rows, which its own MMA above has finished with)
-            mbarrier.wait(empty.index(sp), ((k - 1) // STAGES) & 1)
+        if j < nk:
+            if k > 0:
+                # the lead CTA waits until both CTAs released the stage (the other CTA's wait is a no-op: it only
+                # loads into its own A rows, which its own MMA above has finished with)
+                mbarrier.wait(empty.index(sp), ((k - 1) // STAGES) & 1)
             mbarrier.expect(ready.index(sp), nbytes)
             tma.async_load(a_desc, [off_m, j * BKC], ready.index(sp), a_s.index(sp))
             tma.async_load(b_desc, [off_n, j * BKC], ready.index(sp), b_s.index(sp), multicast=PAIR)
