@@ -42,7 +42,8 @@ CHECKS = [
     "experts_fp8_block", "experts_fp8_block_swap_ab", "experts_fp8_nonblock_swap_ab", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor", "experts_fp8_tensor_amax_in_gemm1",
     "experts_fp8_channel_token", "experts_int8", "fp8_promotion_order", "experts_fp8_promotion",
     "experts_permute_a", "align_tiles", "align_one_launch", "experts_half_tail", "experts_n_tiles", "experts_split_k",
-    "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "act_quant_routes", "experts_stages",
+    "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "act_quant_routes", "experts_route_tiles",
+    "experts_stages",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
 
@@ -958,6 +959,59 @@ def _():
         pad[hrows] = False
         if not bool((y1[pad] == 7).all()):
             bad.append(f"qmode {qmode}: a padding row was written (the route pass was not taken)")
+    return bad or None
+
+
+@check("experts_route_tiles")
+def _():
+    """Decode without a route layout (``ROUTE_TILES``: each route its own row tile, read from ``topk_ids``) gives the
+    bits of the layout path (one route per expert there too, each at its block's first row), for bf16, block FP8
+    (SWAP_AB, split-K), per-channel x per-token FP8, dynamic per-tensor FP8 (both requantization passes) and INT8;
+    with an expert map that drops routes and a -1 id; and the bound against the reference holds."""
+    bad = []
+    saved = tx.ROUTE_TILES_MAX
+    f = lambda w: rq.scaled_fp8_quant(w, use_per_token_if_dynamic=True)  # noqa: E731
+    (c1, cs1), (c2, cs2) = per_expert(f, w1), per_expert(f, w2)
+    (t1, ts1), (t2, ts2) = per_expert(rq.scaled_fp8_quant, w1), per_expert(rq.scaled_fp8_quant, w2)
+    (i1, is1), (i2, is2) = rq.int8_quant_per_channel(w1), rq.int8_quant_per_channel(w2)
+    q1, q2, qcb = block()
+    cb = CFG()
+    cb["gemm1"].update(SWAP_AB=1, SPLIT_K=2, JOINT_GATE_UP=1)
+    cb["gemm2"]["SWAP_AB"] = 1
+    schemes = [("bf16", w1, w2, None, CFG()),
+               ("fp8_block", q1, q2, qcb, cb),
+               ("fp8_channel_token", c1, c2, fp8_w8a8_moe_quant_config(cs1, cs2, per_act_token_quant=True,
+                                                                      per_out_ch_quant=True), CFG()),
+               ("fp8_tensor", t1, t2, fp8_w8a8_moe_quant_config(ts1, ts2), CFG()),
+               ("int8", i1, i2, int8_w8a8_moe_quant_config(is1, is2), CFG())]
+    xs = x[:2].contiguous()
+    for name, a, b, qc, cfg in schemes:
+        # EP 2, rank 1: global experts 4..7 are the 4 local ones; route (0, 1) goes elsewhere, (1, 0) is a -1
+        for ep, ids in ((None, torch.tensor([[0, 3]], dtype=torch.int32)),
+                        (2, torch.tensor([[5, 2], [-1, 6]], dtype=torch.int32))):
+            M = ids.shape[0]
+            Eg = a.shape[0] * (ep or 1)
+            emap = determine_expert_map(ep, 1, Eg)[1] if ep else None
+            wts = torch.rand(M, 2, generator=G)
+            kw = dict(activation=A.SILU, global_num_experts=Eg, expert_map=emap, quant_config=qc, config=cfg)
+            outs = []
+            for on in (16, 0):
+                tx.ROUTE_TILES_MAX = on
+                try:
+                    outs.append(tri_fe(xs[:M], a, b, wts, ids, **kw))
+                finally:
+                    tx.ROUTE_TILES_MAX = saved
+            if not torch.equal(outs[0].view(torch.int16) if outs[0].dtype == torch.bfloat16 else outs[0],
+                               outs[1].view(torch.int16) if outs[1].dtype == torch.bfloat16 else outs[1]):
+                bad.append(f"{name} ep={ep}: route tiles differ from the layout path "
+                           f"(max |d| {(outs[0].float() - outs[1].float()).abs().max().item():.3g})")
+    # the path is taken: ROUTE_TILES_MAX gates it, and a call it applies to launches no layout kernel
+    tx.ROUTE_TILES_MAX = 16
+    try:
+        if not tx.route_tiles_apply(CFG(), 2, 4, "all", None) or tx.route_tiles_apply(CFG(), 5, 4, "all", None):
+            bad.append("route_tiles_apply: on for 2 routes of 4 experts, off for 5")
+    finally:
+        tx.ROUTE_TILES_MAX = saved
     return bad or None
 
 

@@ -351,6 +351,10 @@ class RouteLayout(NamedTuple):
     #: route -> its row in the sorted layout (vLLM's ``moe_permute`` name): ``sorted_token_ids[inv_permuted_idx[r]]
     #: == r`` for every route held here; undefined for dropped routes (``local_ids < 0``)
     inv_permuted_idx: torch.Tensor | None = None
+    #: no layout at all (``experts.ROUTE_TILES_MAX``): 1, or 2 with an expert map; then ``sorted_token_ids`` is
+    #: ``topk_ids`` (flat), ``expert_ids`` the map, ``local_ids`` written by GEMM1, and ``num_ids`` the id space
+    route_tiles: int = 0
+    num_ids: int = 0
 
 
 def max_num_tiles(numel: int, num_experts: int, block_size: int, total_len: int) -> int:

@@ -229,6 +229,21 @@ def requantizes_in_epilogue(g1: dict, plan: QuantPlan, I: int) -> bool:
                 and g1["BLOCK_SIZE_N"] == plan.group_k and I % plan.group_k == 0)
 
 
+#: decode without a route layout (``RouteLayout.route_tiles``): up to this many routes (and no more than the local
+#: experts), each route its own row tile read from ``topk_ids`` by the GEMMs, so the step has no layout kernel.
+#: Off (0) until measured on a GPU; ``MOE_TRITON_ROUTE_TILES=16`` turns it on for an A / B
+ROUTE_TILES_MAX = int(os.environ.get("MOE_TRITON_ROUTE_TILES", "0"))
+
+
+def route_tiles_apply(cfg: dict, numel: int, E: int, stages: str, taps) -> bool:
+    """Whether this call runs without a route layout (see ``ROUTE_TILES_MAX``): the whole step, few routes (at most
+    one per local expert, so the layout's row count ``M * topk * BLOCK_M`` holds them), both GEMMs on
+    ``fused_moe_kernel`` without ``PERMUTE_A`` / ``HALF_TAIL``, no taps."""
+    g1, g2 = cfg["gemm1"], cfg["gemm2"]
+    return (0 < numel <= min(ROUTE_TILES_MAX, E) and stages == "all" and taps is None
+            and not any(g.get(k, 0) for g in (g1, g2) for k in GLUON_KEYS + ("PERMUTE_A", "HALF_TAIL")))
+
+
 def route_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map: torch.Tensor | None = None,
                  num_ids: int | None = None, pdl: bool = False) -> RouteLayout:
     """``align_routes`` for this config (block :func:`layout_block`, tile list with ``HALF_TAIL``); ids must be
@@ -511,6 +526,8 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
         RECIP_MUL=rp["RECIP_MUL"] if rp else False,
         # programmatic dependent launch
         PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait,
+        **({"local_ptr": layout.local_ids, "num_ids": layout.num_ids, "ROUTE_TILES": layout.route_tiles}
+           if layout.route_tiles else {}),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         **({"launch_pdl": True} if pdl_wait else {}),
     )
@@ -563,7 +580,14 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             else topk_ids.contiguous().to(torch.int32)
         emap = expert_map.to(torch.int32).contiguous() if expert_map is not None and expert_map.dtype != torch.int32 \
             else expert_map
-        layout = route_layout(ids, cfg, E, emap, num_ids, pdl=STEP_PDL and stages == "all")
+        if route_tiles_apply(cfg, numel, E, stages, taps):
+            # decode: no layout kernel; each route its own row tile (RouteLayout.route_tiles)
+            flat = ids.reshape(-1)
+            layout = RouteLayout(flat, emap if emap is not None else flat, flat,
+                                 torch.empty(numel, dtype=torch.int32, device=dev),
+                                 route_tiles=2 if emap is not None else 1, num_ids=num_ids)
+        else:
+            layout = route_layout(ids, cfg, E, emap, num_ids, pdl=STEP_PDL and stages == "all")
     sorted_ids, expert_ids, ntpp, local = layout[:4]
 
     act = activation_code(activation)
@@ -668,7 +692,8 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
         aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,
                   up_off=I if split == 1 else 0, num_e=1, block_m=BM, act_dtype=act_dtype, rp=rp,
                   use_ue8m0=plan.use_ue8m0, group=group, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit,
-                  num_warps=g2.get("QUANT_WARPS"), local_ids=local, inv_permuted_idx=layout.inv_permuted_idx)
+                  num_warps=g2.get("QUANT_WARPS"), local_ids=local, inv_permuted_idx=layout.inv_permuted_idx,
+                  route_tiles=bool(layout.route_tiles))
         if fuse:
             aq.update(act=0, split=0, up_off=0)
         else:

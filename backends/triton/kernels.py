@@ -83,7 +83,7 @@ def _moe_tile(
     # epilogue
     HAS_BIAS: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
-    RECIP_MUL: tl.constexpr,
+    RECIP_MUL: tl.constexpr, ROUTE_TILES: tl.constexpr = 0,
 ):
     """``N_TILES`` ``BLOCK_M x BLOCK_N`` output tiles of expert ``e``: sorted rows ``[row0, row0 + BLOCK_M)``,
     output columns of N tiles ``pid_ng * N_TILES + j`` (see :func:`fused_moe_kernel` for the modes); with
@@ -92,7 +92,10 @@ def _moe_tile(
     e64 = e.to(tl.int64)
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_token = tl.load(sorted_token_ids_ptr + offs_m)
+    if ROUTE_TILES:  # the tile is route row0 // BLOCK_M alone, in its first row
+        offs_token = tl.where(tl.arange(0, BLOCK_M) == 0, row0 // BLOCK_M, num_valid_tokens)
+    else:
+        offs_token = tl.load(sorted_token_ids_ptr + offs_m)
     token_mask = offs_token < num_valid_tokens
     if A_GATHER:
         a_rows = offs_token // TOP_K
@@ -478,6 +481,8 @@ def fused_moe_kernel(
     RECIP_MUL: tl.constexpr,
     # programmatic dependent launch
     PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
+    # decode without a route layout (ROUTE_TILES): the local expert of each route out (GEMM1), the id space
+    local_ptr=None, num_ids=0, ROUTE_TILES: tl.constexpr = 0,
 ):
     """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
 
@@ -526,6 +531,10 @@ def fused_moe_kernel(
     ``PDL_TRIGGER``: let the next kernel (launched with programmatic dependent launch) start once every program has
     started. ``PDL_WAIT`` (this kernel launched so): wait for the previous kernel before reading anything it wrote
     (A, A's scales; the layout was written before it).
+    ``ROUTE_TILES`` (decode, ``M * topk <= E``; 1, or 2 with an expert map): no route layout: row tile ``t`` is route
+    ``t`` alone (its first row; ``EM = M * topk * BLOCK_M``), ``sorted_token_ids`` is ``topk_ids`` (flat) and
+    ``expert_ids`` the expert map (2), the tile's expert read from them (ids outside ``[0, num_ids)`` and those the map
+    drops: -1, the tile skipped); GEMM1 (``C_SORTED``) writes each route's local expert to ``local``.
     """
     if PDL_TRIGGER:
         gdc_launch_dependents()
@@ -557,6 +566,21 @@ def fused_moe_kernel(
         row0 = block * (BLOCK_M // 2)
         e = tl.load(expert_ids_ptr + block)
         half = 1 - tile % 2  # the list's entries are first_block * 2 + full: 1 = a BLOCK_M / 2-row tail tile
+    elif ROUTE_TILES:
+        gid = tl.load(sorted_token_ids_ptr + pid_m).to(tl.int32)  # pid_m < M * topk: the grid's row tiles
+        ok = (gid >= 0) & (gid < num_ids)
+        if ROUTE_TILES == 2:
+            e = tl.load(expert_ids_ptr + tl.where(ok, gid, 0), mask=ok, other=-1).to(tl.int32)
+        else:
+            e = gid
+        e = tl.where(ok, e, -1)
+        if C_SORTED:  # GEMM1: the route's local expert, for the requantization and the top-k sum after it
+            tl.store(local_ptr + pid_m, e, mask=(pid_n == 0) & (pid_k == 0))
+        if e < 0:
+            _zero_slots(cs_ptr, pid_m, pid_n, pid_k, N, stride_csm, stride_csg, BLOCK_N, N_TILES, OUT_QUANT)
+            return
+        row0 = pid_m * BLOCK_M
+        half = 0
     else:
         ntpp = tl.load(num_tokens_post_padded_ptr)
         e = tl.load(expert_ids_ptr + pid_m)  # pid_m < cdiv(EM, BLOCK_M) = the layout's block count
@@ -583,7 +607,8 @@ def fused_moe_kernel(
                       TOP_K, A_GATHER, C_SORTED,
                       A_SCALE, B_SCALE, B_SCALAR, GROUP_N, GROUP_K, INT8, PROMOTE, SWAP_AB, DOT_PREC,
                       EVEN_K, TMA_A, TMA_B, EMU,
-                      HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT, OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL)
+                      HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT, OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
+                      ROUTE_TILES)
 
 
 @triton.jit
@@ -655,7 +680,14 @@ def act_quant_kernel(
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    if ROUTES:
+    if ROUTES == 2:
+        # ROUTE_TILES: route r's row is r * BS; its local expert was written by GEMM1 (read after a PDL wait)
+        if PDL:
+            gdc_wait()
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        held = (r < num_valid) & (tl.load(local_ptr + r, mask=r < num_valid, other=-1) >= 0)
+        rows = r * BS
+    elif ROUTES:
         # the layout's own outputs, complete before GEMM1 started: read before a PDL wait
         r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         held = (r < num_valid) & (tl.load(local_ptr + r, mask=r < num_valid, other=-1) >= 0)

@@ -157,7 +157,8 @@ def per_token_group_quant_fp8(
 def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, expert_ids=None, ntpp=None,
                       rows, nc, num_valid, up_off=0, num_e=1, block_m=16, act, split, qmode, act_dtype,
                       alpha=1.0, beta=0.0, limit=0.0, has_limit=False, rp=None, use_ue8m0=False, group=128,
-                      pdl=False, num_warps=None, trigger=False, local_ids=None, inv_permuted_idx=None):
+                      pdl=False, num_warps=None, trigger=False, local_ids=None, inv_permuted_idx=None,
+                      route_tiles=False):
     """Launch ``act_quant_kernel`` over ``rows`` rows (sorted layout when ``sorted_ids`` is given); ``pdl``: with
     programmatic dependent launch (see ``kernels.act_quant_kernel``); ``trigger``: let the next kernel start early
     (an input quantizer's last launch, ``host.STEP_PDL``); ``num_warps`` per program (the table's
@@ -175,6 +176,8 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     """
     sorted_ = sorted_ids is not None
     routes = QUANT_ROUTES and sorted_ and inv_permuted_idx is not None and 2 * num_valid <= rows
+    # route_tiles (no layout: RouteLayout.route_tiles): route r's row is r * block_m, its expert in local_ids
+    routes = 2 if route_tiles else int(routes)
     row_mode = qmode in (QMODE_FP8_TOKEN, QMODE_INT8_TOKEN)
     if qmode == QMODE_FP8_GROUP:
         bc = group
@@ -205,7 +208,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         x, y, ys if ys is not None else dummy, stat if stat is not None else dummy,
         a2s if a2s is not None else dummy,
         sorted_ids if sorted_ else dummy, expert_ids if sorted_ else dummy, ntpp if sorted_ else dummy,
-        local_ids if routes else dummy, inv_permuted_idx if routes else dummy,
+        local_ids if routes else dummy, inv_permuted_idx if routes == 1 else dummy,
         rows, nc, num_valid, up_off, num_e,
         x.stride(0), y.stride(0), ys.stride(0) if ys is not None else 0,
         (ys.stride(1) if ys is not None and ys.dim() > 1 else 0),
