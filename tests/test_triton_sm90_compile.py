@@ -298,3 +298,25 @@ def test_fp8_per_tensor_and_channel_gemms_compile_promoted():
                                                                      "mixtral_tp2_fp8_tensor") for M in (1024, 4096)}
     off = [r for r in ws if r["warps"] != 12 or not r["ops"].get("DEPBAR_LE_1") or "UTMALDG" not in r["ops"]]
     assert not off, f"warp-specialized FP8 GEMMs off their partitions or with serialized promotion: {off}"
+
+
+ROUTE_TILES_M1 = r"""
+import json
+import backends.triton.experts as tx
+from tools.triton.sm90 import compile_tables
+tx.ROUTE_TILES_MAX = 16  # MOE_TRITON_ROUTE_TILES=16: every M = 1 step (M * topk <= E) runs without a route layout
+for r in compile_tables("NVIDIA_H200", Ms=[1], progress=lambda *_: None):
+    print(json.dumps(r), flush=True)
+"""
+
+
+def test_decode_without_a_route_layout_compiles():
+    """``ROUTE_TILES`` (off by default; the A / B switch ``MOE_TRITON_ROUTE_TILES``): every M = 1 entry of the H200
+    tables compiles for sm_90 with it on, without spills, and its step launches no route-layout kernel."""
+    rows = _compile_script(ROUTE_TILES_M1)
+    errors = [r for r in rows if "error" in r]
+    assert not errors, errors
+    assert rows and {r["M"] for r in rows} == {1}
+    bad = [r for r in rows if r["stack"] > 0 or r["kernel"].startswith("_align")]
+    assert not bad, f"spilling kernels, or a layout kernel in a step without a layout: {bad}"
+    assert any(r["kernel"] == "fused_moe_kernel" for r in rows)
