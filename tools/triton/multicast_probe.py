@@ -155,10 +155,27 @@ def compile_only() -> int:
             ptx = k.asm["ptx"]
             lines = [ln.strip() for ln in ptx.splitlines() if not ln.strip().startswith(".loc") and (
                 "multicast" in ln or "reqnctapercluster" in ln or "mapa" in ln or "shared::cluster" in ln)]
-            print(f"{name} pair={pair}: {k.metadata.shared} B shared, {len(lines)} cluster lines")
+            print(f"{name} pair={pair}: {k.metadata.shared} B shared, {len(lines)} cluster lines, SASS wgmma waits "
+                  f"{_sass_waits(k.asm['cubin'])} (a wait leaving 0x1 group in flight: the MMAs overlap the loads)")
             for ln in lines[:8]:
                 print("   ", ln[:160])
     return 0
+
+
+def _sass_waits(cubin: bytes) -> dict:
+    """The SASS wgmma waits (``DEPBAR.LE gsb0, N``: N groups left in flight; ptxas turns every wait into 0 when it
+    serializes the wgmmas), read with Triton's bundled cuobjdump."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    return dict(collections.Counter(re.findall(r"DEPBAR\.LE gsb0, (0x\d)", sass)))
 
 
 def main(argv=None) -> int:
