@@ -123,8 +123,8 @@ def _align_scan_kernel(counts_ptr, off_ptr, end_ptr, ntpp_ptr, tile_end_ptr, nti
 
 
 @triton.jit
-def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, expert_ids_ptr, tile_end_ptr, tiles_ptr,
-                          numel, num_blocks, E, blocks_per_prog,
+def _align_scatter_kernel(local_ptr, rank_ptr, inv_ptr, off_ptr, end_ptr, sorted_ptr, expert_ids_ptr, tile_end_ptr,
+                          tiles_ptr, numel, num_blocks, E, blocks_per_prog,
                           CHUNK: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr,
                           TILES: tl.constexpr):
     c = tl.program_id(0)
@@ -138,7 +138,7 @@ def _align_scatter_kernel(local_ptr, rank_ptr, off_ptr, end_ptr, sorted_ptr, exp
     cnt_pad_start = tl.load(end_ptr + lec - 1, mask=keep & (lec > 0), other=0)
     pos = cnt_pad_start + tl.load(off_ptr + c * E_PAD + lec, mask=keep, other=0) + rank
     tl.store(sorted_ptr + pos, offs, mask=keep & (pos < end))
-    tl.store(rank_ptr + offs, pos, mask=keep)  # rank -> inv_permuted_idx (read above by the same thread)
+    tl.store(inv_ptr + offs, pos, mask=keep)  # inv_permuted_idx
     # expert id of blocks [c * blocks_per_prog, (c + 1) * blocks_per_prog)
     cols = tl.arange(0, E_PAD)
     ends = tl.load(end_ptr + cols)
@@ -173,7 +173,7 @@ def _fill(ptr, n, value, FILL: tl.constexpr):
 
 
 @triton.jit
-def _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr, ntpp_ptr,
+def _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, inv_ptr, ends_ptr, tile_end_ptr, sorted_ptr, ntpp_ptr,
                       ntiles_ptr, numel, num_ids, E, cols, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
                       BS: tl.constexpr, HAS_MAP: tl.constexpr, TILES: tl.constexpr):
     """Phases 2-4 of ``_align_one_kernel`` over several chunks of routes; returns the segment ends (``[E_PAD]``)."""
@@ -209,13 +209,13 @@ def _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
         seg_start = tl.load(ends_ptr + lec - 1, mask=keep & (lec > 0), other=0)
         pos = seg_start + rank
         tl.store(sorted_ptr + pos, offs, mask=keep & (pos < seg_end))
-        tl.store(rank_ptr + offs, pos, mask=keep)  # rank -> inv_permuted_idx (the same thread read it above)
+        tl.store(inv_ptr + offs, pos, mask=keep)  # inv_permuted_idx
     return tl.load(ends_ptr + cols)
 
 
 @triton.jit
-def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr, expert_ids_ptr,
-                      tiles_ptr, ntpp_ptr, ntiles_ptr, numel, num_ids, total_len, num_blocks, E,
+def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, inv_ptr, ends_ptr, tile_end_ptr, sorted_ptr,
+                      expert_ids_ptr, tiles_ptr, ntpp_ptr, ntiles_ptr, numel, num_ids, total_len, num_blocks, E,
                       CHUNK: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr,
                       FILL: tl.constexpr, HAS_MAP: tl.constexpr, TILES: tl.constexpr, ONE_CHUNK: tl.constexpr = False,
                       PDL: tl.constexpr = False):
@@ -261,7 +261,7 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
             tl.store(ntiles_ptr, tl.sum(nt, axis=0))
         tl.debug_barrier()  # the fills (and, with TILES, the ends read by index below) before what follows
         tl.store(sorted_ptr + pos, offs, mask=m & (le >= 0))
-        tl.store(rank_ptr + offs, pos, mask=m & (le >= 0))  # inv_permuted_idx
+        tl.store(inv_ptr + offs, pos, mask=m & (le >= 0))  # inv_permuted_idx
         if not TILES:
             # each route writes its block's expert: a segment of ceil(count / BS) blocks holds ranks 0 .. count - 1,
             # so every block of it is written (by all its routes, the same value); blocks past the segments keep -1
@@ -271,7 +271,7 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end
         if PDL:
             gdc_wait()
         _fill(sorted_ptr, total_len, numel, FILL)  # 1. sorted_token_ids = numel (the padding value)
-        ends = _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, ends_ptr, tile_end_ptr, sorted_ptr,
+        ends = _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, inv_ptr, ends_ptr, tile_end_ptr, sorted_ptr,
                                  ntpp_ptr, ntiles_ptr, numel, num_ids, E, cols, CHUNK, E_PAD, BS, HAS_MAP, TILES)
     # 5. the expert id of every block (and the tile list), as _align_scatter_kernel over all blocks
     ecol = cols < E
@@ -417,8 +417,9 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
         tile_ends = torch.empty((e_pad,), dtype=torch.int32, device=dev) if tiles else ends
         blk = max(16, min(128, next_pow2(num_blocks), 8192 // e_pad))
         one_chunk = max(16, min(chunk, next_pow2(numel)))
+        inv = torch.empty((numel,), dtype=torch.int32, device=dev)
         _align_one_kernel[(1,)](topk_ids.reshape(-1), expert_map if expert_map is not None else topk_ids, local, rank,
-                                ends, tile_ends, sorted_ids, expert_ids, tile_list if tiles else expert_ids, ntpp,
+                                inv, ends, tile_ends, sorted_ids, expert_ids, tile_list if tiles else expert_ids, ntpp,
                                 ntiles if tiles else ntpp, numel, num_ids, total_len, num_blocks, num_slots,
                                 CHUNK=one_chunk, E_PAD=e_pad, BS=block_size, BLK=blk,
                                 FILL=1024 if not INTERPRET else 256, HAS_MAP=expert_map is not None, TILES=tiles,
@@ -428,7 +429,7 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
                                 num_warps=4 if numel <= one_chunk and e_pad >= 512 else 8,
                                 num_stages=1,  # no loop pipelining across the phases' barrier
                                 **({"launch_pdl": True} if pdl else {}))
-        return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles, rank)
+        return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles, inv)
     sub = chunk  # the one-hot step; a chunk is several of them when there would be more than TARGET_CHUNKS chunks
     chunk = sub * next_pow2(cdiv(cdiv(numel, sub), TARGET_CHUNKS))
     num_chunks = cdiv(numel, chunk)
@@ -447,11 +448,12 @@ def align_routes(topk_ids: torch.Tensor, block_size: int, num_slots: int, expert
                              num_warps=8)  # one CTA scans [CB, E_PAD] tiles: at 4 warps E = 128 spilled 192 bytes
     blocks_per_prog = cdiv(num_blocks, num_chunks)
     blk = max(16, min(128, next_pow2(blocks_per_prog), 8192 // e_pad))
-    _align_scatter_kernel[(num_chunks,)](local, rank, offs, ends, sorted_ids, expert_ids, tile_ends,
+    inv = torch.empty((numel,), dtype=torch.int32, device=dev)
+    _align_scatter_kernel[(num_chunks,)](local, rank, inv, offs, ends, sorted_ids, expert_ids, tile_ends,
                                          tile_list if tiles else expert_ids, numel, num_blocks,
                                          num_slots, blocks_per_prog, CHUNK=chunk, E_PAD=e_pad, BS=block_size,
                                          BLK=blk, TILES=tiles)
-    return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles, rank)
+    return RouteLayout(sorted_ids, expert_ids, ntpp, local, tile_list, ntiles, inv)
 
 
 def _check_ids_and_map(fn, topk_ids, expert_map, num_slots, num_ids_no_map, drop_out_of_range_ids):
