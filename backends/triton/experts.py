@@ -647,6 +647,10 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     scales1 = GemmScales(a_mode=plan.a1_mode, b_mode=plan.b_mode, int8=int8, group_n=group_n, group_k=group)
     epi1 = GemmEpilogue(fuse=fuse, act=act, alpha=alpha, beta=beta, limit=limit, has_limit=has_limit, **epi_quant)
     c2_view = c2.view(torch.uint8) if quant and not int8 and not quant_on_load else c2
+    # ROUTE_TILES under STEP_PDL: GEMM1 follows the input quantizer directly (no layout kernel between them), so it
+    # is launched with programmatic dependent launch: it reads the router's ids and the map (finished before the
+    # quantizer started) beside the quantizer, and waits for it before reading the codes or writing anything
+    g1_pdl = bool(layout.route_tiles) and STEP_PDL and stages == "all"
     # ---- GEMM1's A: gathered by route inside the GEMM, or (PERMUTE_A) copied into sorted order first so that GEMM1
     # reads contiguous row tiles (TMA with USE_TMA)
     a1, a1s, gather = a1q, a1q_scale, True
@@ -662,14 +666,14 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     elif quant_on_load:
         launch_gemm(GemmOperands(a1, w1, c2, cs=slots, a_scale=a1s, w_scale=qc.w1_scale, bias=w1_bias),
                      GemmShape(n_out=I, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
-                     replace(epi1, out_quant=OUT_AMAX_SLOTS), g1, pdl_trigger=pdl)
+                     replace(epi1, out_quant=OUT_AMAX_SLOTS), g1, pdl_trigger=pdl, pdl_wait=g1_pdl)
         if taps is not None:
             taps["activation"] = _unsort_rows(c2, layout, numel, M, topk)
     elif fuse and (out_quant or not quant):
         launch_gemm(GemmOperands(a1, w1, c2_view, cs=c2s if out_quant else None, a_scale=a1s, w_scale=qc.w1_scale,
                                   bias=w1_bias),
                      GemmShape(n_out=I, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
-                     replace(epi1, out_quant=out_quant), g1, pdl_trigger=pdl)
+                     replace(epi1, out_quant=out_quant), g1, pdl_trigger=pdl, pdl_wait=g1_pdl)
         if taps is not None and not quant:
             taps["activation"] = _unsort_rows(c2, layout, numel, M, topk)
     else:
@@ -686,7 +690,8 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
         launch_gemm(GemmOperands(a1, w1, c1, cs=stat.view(1, 2) if amax_in_gemm1 else None, a_scale=a1s,
                                  w_scale=qc.w1_scale, bias=w1_bias),
                      GemmShape(n_out=I if fuse else NW1, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
-                     replace(epi1, out_quant=OUT_AMAX) if amax_in_gemm1 else epi1, g1, pdl_trigger=pdl)
+                     replace(epi1, out_quant=OUT_AMAX) if amax_in_gemm1 else epi1, g1, pdl_trigger=pdl,
+                     pdl_wait=g1_pdl)
         if taps is not None:  # copied now: GEMM2's output C3 reuses this buffer
             taps["activation" if fuse else "gemm1"] = _unsort_rows(c1, layout, numel, M, topk)
         aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,

@@ -574,13 +574,14 @@ def fused_moe_kernel(
         else:
             e = gid
         e = tl.where(ok, e, -1)
+        if PDL_WAIT:
+            # a skipped program waits too (GEMM2: if every route is dropped here, expert parallelism at M = 1, no
+            # program would, GEMM2 could finish before GEMM1, and the top-k sum, which waits for GEMM2 only, would
+            # read local ids GEMM1 has not written yet); and GEMM1 (launched so after the input quantizer under
+            # STEP_PDL) writes nothing before its wait
+            gdc_wait()
         if C_SORTED:  # GEMM1: the route's local expert, for the requantization and the top-k sum after it
             tl.store(local_ptr + pid_m, e, mask=(pid_n == 0) & (pid_k == 0))
-        if PDL_WAIT:
-            # (GEMM2) a skipped program waits too: if every route is dropped here (expert parallelism at M = 1), no
-            # program would, GEMM2 could finish before GEMM1, and the top-k sum, which waits for GEMM2 only, would
-            # read local ids GEMM1 has not written yet
-            gdc_wait()
         if e < 0:
             _zero_slots(cs_ptr, pid_m, pid_n, pid_k, N, stride_csm, stride_csg, BLOCK_N, N_TILES, OUT_QUANT)
             return
