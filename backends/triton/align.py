@@ -42,6 +42,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from .host import INTERPRET, cdiv, check_device, next_pow2, round_up
+from .jit import route_local_experts
 
 __all__ = ["moe_align_block_size", "count_expert_num_tokens", "align_routes", "max_num_tokens_padded", "max_num_tiles",
            "RouteLayout"]
@@ -69,25 +70,11 @@ def _align_count_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, counts_ptr, nume
 
 
 @triton.jit
-def _route_local_experts(ids_ptr, emap_ptr, offs, numel, num_ids, HAS_MAP: tl.constexpr):
-    """Routes ``offs`` (``< numel``): ``(mask, local expert)``, the local expert -1 for an id outside
-    ``[0, num_ids)`` (a -1 sentinel included) or one the expert map drops."""
-    m = offs < numel
-    ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-    valid = m & (ids >= 0) & (ids < num_ids)
-    if HAS_MAP:
-        le = tl.load(emap_ptr + tl.where(valid, ids, 0), mask=valid, other=-1).to(tl.int32)
-    else:
-        le = ids
-    return m, tl.where(valid, le, -1)
-
-
-@triton.jit
 def _count_step(ids_ptr, emap_ptr, local_ptr, rank_ptr, offs, numel, num_ids, cols, carry, HAS_MAP: tl.constexpr,
                 FIRST: tl.constexpr):
     """Routes ``offs``: their local experts and ranks (after ``carry`` routes per expert counted before them; none
     with ``FIRST``) are stored; returns ``carry`` plus their counts."""
-    m, le = _route_local_experts(ids_ptr, emap_ptr, offs, numel, num_ids, HAS_MAP)
+    m, le = route_local_experts(ids_ptr, emap_ptr, offs, numel, num_ids, HAS_MAP)
     oh = (le[:, None] == cols[None, :]).to(tl.int32)
     cnt = tl.sum(oh, axis=0)  # (first: the one-hot tile's sum before its scan, or E 8's [1024, 16] tile spills)
     if FIRST:
@@ -181,7 +168,7 @@ def _align_one_chunks(ids_ptr, emap_ptr, local_ptr, rank_ptr, inv_ptr, ends_ptr,
     carry = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, numel, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
-        m, le = _route_local_experts(ids_ptr, emap_ptr, offs, numel, num_ids, HAS_MAP)
+        m, le = route_local_experts(ids_ptr, emap_ptr, offs, numel, num_ids, HAS_MAP)
         oh = (le[:, None] == cols[None, :]).to(tl.int32)
         rank = tl.sum((tl.cumsum(oh, axis=0) - 1 + carry[None, :]) * oh, axis=1)
         carry += tl.sum(oh, axis=0)
@@ -238,7 +225,7 @@ def _align_one_kernel(ids_ptr, emap_ptr, local_ptr, rank_ptr, inv_ptr, ends_ptr,
         # local, rank and the ends between them: each such round trip is a global-memory latency on a one-program
         # critical path); one barrier orders the fill before the scatter
         offs = tl.arange(0, CHUNK)
-        m, le = _route_local_experts(ids_ptr, emap_ptr, offs, numel, num_ids, HAS_MAP)
+        m, le = route_local_experts(ids_ptr, emap_ptr, offs, numel, num_ids, HAS_MAP)
         oh = (le[:, None] == cols[None, :]).to(tl.int32)
         rank = tl.sum((tl.cumsum(oh, axis=0) - 1) * oh, axis=1)
         carry = tl.sum(oh, axis=0)

@@ -29,11 +29,11 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
+from .jit import ACT_SILU  # the one activation the GATED epilogue implements
 
 #: TMA tile load: ``tma.async_load`` from Triton 3.7 on (3.9 removed the old name), ``async_copy_global_to_shared``
 #: in the image's 3.6; the same operation
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-from .jit import ACT_SILU  # the one activation the GATED epilogue implements
 
 __all__ = ["fp8_block_moe_gemm_kernel", "supported", "launch"]
 
@@ -233,10 +233,8 @@ def _load_k_tile(k, base, ok, a_desc, b_desc, a_smem, b_smem, ready, row0, b_row
     tma_load(a_desc, [row0, k * BLOCK_K], ready.index(st), a_smem.index(st), pred=ok)
     if GATED:
         b_st = b_smem.index(st)
-        tma_load(b_desc, [b_row0, k * BLOCK_K], ready.index(st), b_st.slice(0, BLOCK_N),
-                                        pred=ok)
-        tma_load(b_desc, [b_row0 + UP_OFF, k * BLOCK_K], ready.index(st),
-                                        b_st.slice(BLOCK_N, BLOCK_N), pred=ok)
+        tma_load(b_desc, [b_row0, k * BLOCK_K], ready.index(st), b_st.slice(0, BLOCK_N), pred=ok)
+        tma_load(b_desc, [b_row0 + UP_OFF, k * BLOCK_K], ready.index(st), b_st.slice(BLOCK_N, BLOCK_N), pred=ok)
     else:
         tma_load(b_desc, [b_row0, k * BLOCK_K], ready.index(st), b_smem.index(st), pred=ok)
 

@@ -190,16 +190,14 @@ def _producer(a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_p
                 mbarrier.expect(bar, a_desc.block_type.nbytes + B_BYTES, pred=full)
                 mbarrier.expect(bar, a_desc_h.block_type.nbytes + B_BYTES, pred=not full)
                 tma_load(a_desc, [row0, k * BLOCK_K], bar, a_smem.index(s), pred=full)
-                tma_load(a_desc_h, [row0, k * BLOCK_K], bar,
-                                                a_smem.index(s).slice(0, BLOCK_M // 2), pred=not full)
+                tma_load(a_desc_h, [row0, k * BLOCK_K], bar, a_smem.index(s).slice(0, BLOCK_M // 2), pred=not full)
             else:
                 mbarrier.expect(bar, a_desc.block_type.nbytes + B_BYTES)
                 tma_load(a_desc, [row0, k * BLOCK_K], bar, a_smem.index(s))
             if GATED:
                 b_st = b_smem.index(s)
                 tma_load(b_desc, [b_row0, k * BLOCK_K], bar, b_st.slice(0, BLOCK_N))
-                tma_load(b_desc, [b_row0 + UP_OFF, k * BLOCK_K], bar,
-                                                b_st.slice(BLOCK_N, BLOCK_N))
+                tma_load(b_desc, [b_row0 + UP_OFF, k * BLOCK_K], bar, b_st.slice(BLOCK_N, BLOCK_N))
             else:
                 tma_load(b_desc, [b_row0, k * BLOCK_K], bar, b_smem.index(s))
             j += 1

@@ -268,3 +268,18 @@ def apply_act(g, u, ACT: tl.constexpr, alpha, beta, limit, HAS_LIMIT: tl.constex
         r = tl.maximum(g, 0.0)
         y = r * r
     return y
+
+
+@triton.jit
+def route_local_experts(ids_ptr, emap_ptr, offs, numel, num_ids, HAS_MAP: tl.constexpr):
+    """Routes ``offs`` (``< numel``) of the flat ``topk_ids``: ``(mask, local expert)``, the local expert -1 for an id
+    outside ``[0, num_ids)`` (a -1 sentinel included) or one the expert map (``HAS_MAP``) drops. The route layout's
+    kernels (align.py) and ``fused_moe_kernel``'s ``ROUTE_TILES`` read routes through it."""
+    m = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+    valid = m & (ids >= 0) & (ids < num_ids)
+    if HAS_MAP:
+        le = tl.load(emap_ptr + tl.where(valid, ids, 0), mask=valid, other=-1).to(tl.int32)
+    else:
+        le = ids
+    return m, tl.where(valid, le, -1)

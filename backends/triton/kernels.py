@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .jit import apply_act, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn, to_act
+from .jit import apply_act, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn, route_local_experts, to_act
 
 __all__ = ["fused_moe_kernel", "act_quant_kernel", "moe_sum_kernel", "permute_rows_kernel",
            "QMODE_NONE", "QMODE_FP8_GROUP", "QMODE_FP8_TOKEN", "QMODE_INT8_TOKEN", "QMODE_FP8_STATIC",
@@ -567,13 +567,11 @@ def fused_moe_kernel(
         e = tl.load(expert_ids_ptr + block)
         half = 1 - tile % 2  # the list's entries are first_block * 2 + full: 1 = a BLOCK_M / 2-row tail tile
     elif ROUTE_TILES:
-        gid = tl.load(sorted_token_ids_ptr + pid_m).to(tl.int32)  # pid_m < M * topk: the grid's row tiles
-        ok = (gid >= 0) & (gid < num_ids)
-        if ROUTE_TILES == 2:
-            e = tl.load(expert_ids_ptr + tl.where(ok, gid, 0), mask=ok, other=-1).to(tl.int32)
-        else:
-            e = gid
-        e = tl.where(ok, e, -1)
+        # pid_m < M * topk (the grid's row tiles): route pid_m's local expert (sorted_token_ids: topk_ids, expert_ids:
+        # the map)
+        _, le = route_local_experts(sorted_token_ids_ptr, expert_ids_ptr, pid_m + tl.arange(0, 1), num_valid_tokens,
+                                    num_ids, ROUTE_TILES == 2)
+        e = tl.max(le, axis=0)
         if PDL_WAIT:
             # a skipped program waits too (GEMM2: if every route is dropped here, expert parallelism at M = 1, no
             # program would, GEMM2 could finish before GEMM1, and the top-k sum, which waits for GEMM2 only, would
@@ -686,18 +684,15 @@ def act_quant_kernel(
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    if ROUTES == 2:
-        # ROUTE_TILES: route r's row is r * BS; its local expert was written by GEMM1 (read after a PDL wait)
-        if PDL:
+    if ROUTES:
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        if ROUTES == 2 and PDL:  # ROUTE_TILES: the local ids are GEMM1's output (else the layout's, written before)
             gdc_wait()
-        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         held = (r < num_valid) & (tl.load(local_ptr + r, mask=r < num_valid, other=-1) >= 0)
-        rows = r * BS
-    elif ROUTES:
-        # the layout's own outputs, complete before GEMM1 started: read before a PDL wait
-        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        held = (r < num_valid) & (tl.load(local_ptr + r, mask=r < num_valid, other=-1) >= 0)
-        rows = tl.load(inv_ptr + r, mask=held, other=0)
+        if ROUTES == 2:  # ROUTE_TILES: route r's row is r * BS
+            rows = r * BS
+        else:
+            rows = tl.load(inv_ptr + r, mask=held, other=0)
     else:
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row64 = rows.to(tl.int64)

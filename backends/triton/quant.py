@@ -175,9 +175,12 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     the routes instead of the rows and write only the held routes' rows (``ROUTES``; ``QUANT_ROUTES`` turns it off).
     """
     sorted_ = sorted_ids is not None
-    routes = QUANT_ROUTES and sorted_ and inv_permuted_idx is not None and 2 * num_valid <= rows
-    # route_tiles (no layout: RouteLayout.route_tiles): route r's row is r * block_m, its expert in local_ids
-    routes = 2 if route_tiles else int(routes)
+    # ROUTES 1: over the routes at their layout rows; 2 (route_tiles, no layout: RouteLayout.route_tiles): route r's
+    # row is r * block_m
+    if route_tiles:
+        routes = 2
+    else:
+        routes = int(QUANT_ROUTES and sorted_ and inv_permuted_idx is not None and 2 * num_valid <= rows)
     row_mode = qmode in (QMODE_FP8_TOKEN, QMODE_INT8_TOKEN)
     if qmode == QMODE_FP8_GROUP:
         bc = group
@@ -190,10 +193,8 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     budget = 2048 if INTERPRET else 4096
     br = max(1, min(budget // bc, 64))
     br = 1 << (br.bit_length() - 1)
-    if row_mode and (num_valid if routes else rows) <= 128:
-        br = 1  # decode: one row per program, the row's reduction spread over the program's warps
-    if routes and num_valid <= 128:
-        br = 1  # a few routes: as many programs as routes
+    if (row_mode and rows <= 128) or (routes and num_valid <= 128):
+        br = 1  # decode: one row (route) per program, a row's reduction spread over the program's warps
     if sorted_:
         br = min(br, block_m)
     per_chunk = qmode in (QMODE_NONE, QMODE_FP8_GROUP, QMODE_FP8_STATIC, QMODE_INT8_STATIC, QMODE_FP8_TENSOR_QUANT,
