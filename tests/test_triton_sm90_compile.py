@@ -304,14 +304,14 @@ ROUTE_TILES_M1 = r"""
 import json
 import backends.triton.experts as tx
 from tools.triton.sm90 import compile_tables
-tx.ROUTE_TILES_MAX = 16  # MOE_TRITON_ROUTE_TILES=16: every M = 1 step (M * topk <= E) runs without a route layout
+tx.ROUTE_TILES_MAX = 16  # the default, whatever the environment says: every M = 1 step (M * topk <= E) runs without a route layout
 for r in compile_tables("NVIDIA_H200", Ms=[1], progress=lambda *_: None):
     print(json.dumps(r), flush=True)
 """
 
 
 def test_decode_without_a_route_layout_compiles():
-    """``ROUTE_TILES`` (off by default; the A / B switch ``MOE_TRITON_ROUTE_TILES``): every M = 1 entry of the H200
+    """``ROUTE_TILES`` (on by default; ``MOE_TRITON_ROUTE_TILES=0`` turns it off): every M = 1 entry of the H200
     tables compiles for sm_90 with it on, without spills, and its step launches no route-layout kernel."""
     rows = _compile_script(ROUTE_TILES_M1)
     errors = [r for r in rows if "error" in r]

@@ -231,8 +231,9 @@ def requantizes_in_epilogue(g1: dict, plan: QuantPlan, I: int) -> bool:
 
 #: decode without a route layout (``RouteLayout.route_tiles``): up to this many routes (and no more than the local
 #: experts), each route its own row tile read from ``topk_ids`` by the GEMMs, so the step has no layout kernel.
-#: Off (0) until measured on a GPU; ``MOE_TRITON_ROUTE_TILES=16`` turns it on for an A / B
-ROUTE_TILES_MAX = int(os.environ.get("MOE_TRITON_ROUTE_TILES", "0"))
+#: On (16): on an H200 it takes 2.4-4 us off every M = 1 step (docs/notes/gpu-sessions.md, fourteenth session, call
+#: 1); ``MOE_TRITON_ROUTE_TILES=0`` turns it off for an A / B
+ROUTE_TILES_MAX = int(os.environ.get("MOE_TRITON_ROUTE_TILES", "16"))
 
 
 def route_tiles_apply(cfg: dict, numel: int, E: int, stages: str, taps) -> bool:
