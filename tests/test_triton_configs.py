@@ -423,13 +423,13 @@ def test_quant_warps_is_validated():
 
 
 def test_amax_epilogue_is_validated():
-    """AMAX_EPILOGUE (where a dynamic per-tensor requantization's amax is found, a GEMM1 entry key): 0, 1 or 2;
+    """AMAX_EPILOGUE (where a dynamic per-tensor requantization's amax is found, a GEMM1 entry key): 0, 1, 2 or 3;
     anything else, or the key in a gemm2 entry, is refused with what to write."""
     g = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128)
-    for v in (0, 1, 2):
+    for v in (0, 1, 2, 3):
         assert C.sanitize_config({"gemm1": dict(g, AMAX_EPILOGUE=v), "gemm2": dict(g)})["gemm1"]["AMAX_EPILOGUE"] == v
-    with pytest.raises(ValueError, match="AMAX_EPILOGUE=3 must be 0"):
-        C.sanitize_config({"gemm1": dict(g, AMAX_EPILOGUE=3), "gemm2": dict(g)})
+    with pytest.raises(ValueError, match="AMAX_EPILOGUE=4 must be 0"):
+        C.sanitize_config({"gemm1": dict(g, AMAX_EPILOGUE=4), "gemm2": dict(g)})
     with pytest.raises(ValueError, match="gemm1 key"):
         C.sanitize_config({"gemm1": dict(g), "gemm2": dict(g, AMAX_EPILOGUE=2)})
 

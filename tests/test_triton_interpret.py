@@ -1018,10 +1018,11 @@ def _():
 @check("experts_fp8_tensor_amax_in_gemm1")
 def _():
     """The dynamic per-tensor requantization's amax found in GEMM1's epilogue (``AMAX_EPILOGUE`` 1: ``OUT_AMAX``;
-    2: ``OUT_AMAX_SLOTS`` with GEMM2 quantizing its A tiles on load) gives the same bits as act_quant_kernel's own
-    pass: routed rows only (a bias makes the padding rows' activations
+    2: ``OUT_AMAX_SLOTS`` with GEMM2 quantizing its A tiles on load; 3: ``OUT_AMAX_SLOTS`` reduced by the
+    requantization kernel's one pass) gives the same bits as act_quant_kernel's own pass: routed rows only (a bias makes the padding rows' activations
     nonzero, and larger than the routed ones), over several N tiles and row tiles, with an expert map; then one
     routed NaN poisons the call on both paths."""
+    from backends.triton import kernels as K_
     xe, w1e, w2e, we, ide, eme, Ege = make(11, 2, 128, 64, 2, torch.bfloat16, ep=2)
     # routed rows: x >= 0, w1 < 0, so x . w1 ~ -20 and the activation of (x . w1 + 30) ~ 10 x 10; padding rows
     # (A masked to zero) get the activation of the bias alone, silu(30) x 30 ~ 900: counted, they would set the scale
@@ -1047,18 +1048,23 @@ def _():
             cfg["gemm2"].update(SWAP_AB=1)
         return cfg
 
-    runs = {(1, ""): cfg_of(1), (2, ""): cfg_of(2), **{(2, v): cfg_of(2, v) for v in ("n_tiles", "half_tail",
-                                                                                       "split_k", "swap")}}
+    runs = {(1, ""): cfg_of(1), **{(f, v): cfg_of(f, v) for f in (2, 3) for v in ("", "n_tiles", "half_tail",
+                                                                                     "split_k", "swap")}}
     # fresh workspaces full of 0x7F bytes (fp32 3.4e38): a slot no tile wrote would set a huge scale; every
-    # launch's epilogue and A mode recorded, so that AMAX_EPILOGUE 2 is seen to take the slots path
-    real_region, real_launch, seen = tx._bytes_region, tx.launch_gemm, []
+    # launch's epilogue and A mode recorded, and each requantization pass's mode and whether it read slots, so that
+    # AMAX_EPILOGUE 2 / 3 are seen to take their slots paths
+    real_region, real_launch, real_quant, seen = tx._bytes_region, tx.launch_gemm, tx._launch_act_quant, []
     tx._bytes_region = lambda ws, nbytes, device: real_region(ws, nbytes, device).fill_(0x7F)
 
     def launch(ops, shape, scales, epi, cfg, **kw):
         seen.append((int(epi.out_quant), int(scales.a_mode)))
         return real_launch(ops, shape, scales, epi, cfg, **kw)
 
-    tx.launch_gemm = launch
+    def quant(**kw):
+        seen.append(("act_quant", kw["qmode"], kw.get("slots") is not None))
+        return real_quant(**kw)
+
+    tx.launch_gemm, tx._launch_act_quant = launch, quant
     try:
         base = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc,
                        config=cfg_of(0)) for xx in (xe, xn)]
@@ -1068,8 +1074,11 @@ def _():
             out = [tri_fe(xx, q1, q2, we, ide, global_num_experts=Ege, expert_map=eme, quant_config=qc, config=cfg)
                    for xx in (xe, xn)]
             name = f"AMAX_EPILOGUE {flag} {variant}".strip()
-            want = [(OUT_AMAX_SLOTS, ScaleMode.TENSOR), (0, ScaleMode.TENSOR_SLOTS)] * 2 if flag == 2 else \
-                [(OUT_AMAX, ScaleMode.TENSOR), (0, ScaleMode.ROW)] * 2
+            want = {1: [(OUT_AMAX, ScaleMode.TENSOR), ("act_quant", K_.QMODE_FP8_TENSOR_QUANT, False),
+                        (0, ScaleMode.ROW)],
+                    2: [(OUT_AMAX_SLOTS, ScaleMode.TENSOR), (0, ScaleMode.TENSOR_SLOTS)],
+                    3: [(OUT_AMAX_SLOTS, ScaleMode.TENSOR), ("act_quant", K_.QMODE_FP8_TENSOR_QUANT, True),
+                        (0, ScaleMode.ROW)]}[flag] * 2
             if seen != want:
                 bad.append(f"{name}: launches (out_quant, A_SCALE) {seen}, expected {want}")
             if not torch.equal(out[0], base[0]):
@@ -1077,7 +1086,7 @@ def _():
             if not torch.equal(out[1].isnan(), base[1].isnan()) or not out[1].isnan().any():
                 bad.append(f"{name}: a routed NaN does not poison the call as the act_quant pass does")
     finally:
-        tx._bytes_region, tx.launch_gemm = real_region, real_launch
+        tx._bytes_region, tx.launch_gemm, tx._launch_act_quant = real_region, real_launch, real_quant
     return bad or None
 
 

@@ -58,7 +58,9 @@ a slot of its own (``host.OUT_AMAX_SLOTS``: plain stores, no zeros written befor
 one multiply and one conversion per element, the codes of ``act_quant_kernel``'s pass bit for bit). H200, Mixtral TP2
 fp8_tensor: a gain at M = 8 (GEMMs 167.7 -> 160.4 us with GEMM2's PDL), a tie at M = 1, a loss at M = 64 (196.7 ->
 222.0: the 32-row A tiles quantized once per N tile); the per-token form (one IEEE division per element) was 1.4-1.8x
-slower at every Qwen3-30B decode entry and is not kept (docs/notes/triton.md).
+slower at every Qwen3-30B decode entry and is not kept (docs/notes/triton.md). ``AMAX_EPILOGUE`` 3 keeps the slots
+and the requantization kernel: each of its programs reduces GEMM1's slots and quantizes its rows in one pass (no
+atomics, no amax pass, GEMM2 reading FP8 codes as with 0 / 1; GEMM2's ``PDL`` applies).
 The entry whose ``M`` is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch;
 otherwise (or without a table) :func:`default_config` chooses by tokens per expert.
 """
@@ -202,9 +204,10 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
     out["gemm1"].setdefault("AMAX_EPILOGUE", 0)
     if "AMAX_EPILOGUE" in out["gemm2"]:
         raise ValueError("AMAX_EPILOGUE is a gemm1 key (GEMM1's epilogue finds the requantization's amax)")
-    if out["gemm1"]["AMAX_EPILOGUE"] not in (0, 1, 2):
+    if out["gemm1"]["AMAX_EPILOGUE"] not in (0, 1, 2, 3):
         raise ValueError(f"AMAX_EPILOGUE={out['gemm1']['AMAX_EPILOGUE']!r} must be 0 (act_quant's amax pass), 1 "
-                         "(GEMM1's epilogue, atomics) or 2 (slots, GEMM2 quantizes on load)")
+                         "(GEMM1's epilogue, atomics), 2 (slots, GEMM2 quantizes on load) or 3 (slots, reduced by "
+                         "the requantization kernel)")
     if out["gemm1"]["HALF_TAIL"] and out["gemm1"]["BLOCK_SIZE_M"] < 32:
         raise ValueError(f"HALF_TAIL needs BLOCK_SIZE_M >= 32 (tail tiles of BLOCK_SIZE_M / 2 >= 16 rows), got "
                          f"{out['gemm1']['BLOCK_SIZE_M']}")

@@ -616,10 +616,14 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     on_fused_kernel = not any(g.get(k, 0) for g in (g1, g2) for k in GLUON_KEYS)
     # AMAX_EPILOGUE 2: the dynamic per-tensor requantization without a kernel between the GEMMs (GEMM1's tiles
     # store their amax in slots, GEMM2 quantizes its A tiles as it loads them)
-    quant_on_load = plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and g1.get("AMAX_EPILOGUE", 0) == 2 and bool(fuse) \
-        and on_fused_kernel
+    amax_epi = g1.get("AMAX_EPILOGUE", 0) if plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and bool(fuse) \
+        and not any(g1.get(k, 0) for k in GLUON_KEYS) else 0
+    quant_on_load = amax_epi == 2 and on_fused_kernel
+    # AMAX_EPILOGUE 3: GEMM1's tiles store their amax in slots, and the requantization kernel reduces them (one
+    # pass, no atomics)
+    slots_pass = amax_epi == 3
     pdl = bool(g2.get("PDL", 0)) and not INTERPRET and stages in ("all", "gemms") and (
-        plan.a2_qmode != QMODE_FP8_TENSOR_AMAX or quant_on_load) and on_fused_kernel
+        plan.a2_qmode != QMODE_FP8_TENSOR_AMAX or quant_on_load or slots_pass) and on_fused_kernel
     if plan.a2_qmode == QMODE_FP8_GROUP and I % group:
         raise ValueError(f"block-FP8 requantization needs I % {group} == 0, got I = {I}")
 
@@ -629,13 +633,15 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     c2_bytes = rows * I * (elt if quant_on_load or not quant else 1)
     s_off = round_up(c2_bytes, 16)
     tiles_m, tiles_n = amax_slots(g1, GemmShape(n_out=I, a_gather=True, c_sorted=True, **gemm_rows)) \
-        if quant_on_load else (0, 0)
+        if quant_on_load or slots_pass else (0, 0)
     n_slots = 2 * tiles_m * tiles_n
     s_cols = G2 if plan.a2_qmode == QMODE_FP8_GROUP else 1
-    buf13 = _bytes_region(ws13, s_off + max(rows * s_cols, n_slots) * 4, dev)
+    # the slots: in C2's scales' place (quant_on_load: GEMM2 reads them), or after them (slots_pass)
+    slot_off = s_off if quant_on_load else round_up(s_off + rows * s_cols * 4, 16)
+    buf13 = _bytes_region(ws13, max(s_off + rows * s_cols * 4, slot_off + n_slots * 4), dev)
     c2 = _view(buf13, 0, (rows, I), act_dtype if quant_on_load or not quant else a2q_dtype)
     c2s = _view(buf13, s_off, (rows, s_cols), torch.float32) if quant else None
-    slots = _view(buf13, s_off, (2, n_slots // 2), torch.float32).t() if quant_on_load else None
+    slots = _view(buf13, slot_off, (2, n_slots // 2), torch.float32).t() if n_slots else None
     # ---- ws2: C1 (unfused GEMM1 output) or the pre-quant C2, then C3 (GEMM2 output by route)
     c1_cols = 0 if fuse and (out_quant or not quant or quant_on_load) else (I if fuse else NW1)
     buf2 = _bytes_region(ws2, max(rows * c1_cols, numel * K) * elt, dev)
@@ -680,19 +686,22 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     else:
         c1 = _view(buf2, 0, (rows, c1_cols), act_dtype)
         qm = plan.a2_qmode if quant else QMODE_NONE
-        stat = amax_in_gemm1 = None
-        if qm == QMODE_FP8_TENSOR_AMAX:
+        stat = None
+        amax_in_gemm1 = amax_epi == 1 or (amax_epi == 2 and not quant_on_load)  # 2 with GEMM2 on Gluon: 1
+        if qm == QMODE_FP8_TENSOR_AMAX and not slots_pass:
             # one scale over all routed rows of the call (reference: vLLM quantizes intermediate_cache2 at once):
-            # [amax, non-finite flag], found by act_quant_kernel's first pass, or (AMAX_EPILOGUE) by GEMM1's epilogue
-            # when it applies the activation on fused_moe_kernel (OUT_AMAX)
+            # [amax, non-finite flag], found by act_quant_kernel's first pass, or (AMAX_EPILOGUE 1) by GEMM1's
+            # epilogue when it applies the activation on fused_moe_kernel (OUT_AMAX); AMAX_EPILOGUE 3: in GEMM1's slots
             stat = torch.zeros(2, dtype=torch.float32, device=dev)
-            amax_in_gemm1 = bool(g1.get("AMAX_EPILOGUE", 0)) and bool(fuse) and not any(g1.get(k, 0)
-                                                                                        for k in GLUON_KEYS)
-        launch_gemm(GemmOperands(a1, w1, c1, cs=stat.view(1, 2) if amax_in_gemm1 else None, a_scale=a1s,
-                                 w_scale=qc.w1_scale, bias=w1_bias),
+        if slots_pass:
+            cs1, epi1_out = slots, replace(epi1, out_quant=OUT_AMAX_SLOTS)
+        elif amax_in_gemm1:
+            cs1, epi1_out = stat.view(1, 2), replace(epi1, out_quant=OUT_AMAX)
+        else:
+            cs1, epi1_out = None, epi1
+        launch_gemm(GemmOperands(a1, w1, c1, cs=cs1, a_scale=a1s, w_scale=qc.w1_scale, bias=w1_bias),
                      GemmShape(n_out=I if fuse else NW1, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
-                     replace(epi1, out_quant=OUT_AMAX) if amax_in_gemm1 else epi1, g1, pdl_trigger=pdl,
-                     pdl_wait=g1_pdl)
+                     epi1_out, g1, pdl_trigger=pdl, pdl_wait=g1_pdl)
         if taps is not None:  # copied now: GEMM2's output C3 reuses this buffer
             taps["activation" if fuse else "gemm1"] = _unsort_rows(c1, layout, numel, M, topk)
         aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,
@@ -704,7 +713,9 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             aq.update(act=0, split=0, up_off=0)
         else:
             aq.update(act=act, split=split)
-        if qm == QMODE_FP8_TENSOR_AMAX:
+        if qm == QMODE_FP8_TENSOR_AMAX and slots_pass:
+            _launch_act_quant(x=c1, y=c2_view, ys=c2s, slots=slots, qmode=QMODE_FP8_TENSOR_QUANT, pdl=pdl, **aq)
+        elif qm == QMODE_FP8_TENSOR_AMAX:
             if not amax_in_gemm1:
                 _launch_act_quant(x=c1, y=c2_view, stat=stat, qmode=QMODE_FP8_TENSOR_AMAX, **aq)
             _launch_act_quant(x=c1, y=c2_view, ys=c2s, stat=stat, qmode=QMODE_FP8_TENSOR_QUANT, **aq)
@@ -915,12 +926,17 @@ class TritonExperts(FusedMoEExpertsModular):
         elt = self._act_elt()
         need13 = round_up(rows * I, 16) + rows * cdiv(I, self.plan.group_k) * 4
         g1 = cfg["gemm1"]
-        if self.plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and g1.get("AMAX_EPILOGUE", 0) == 2:
-            # GEMM2's input in the act dtype and GEMM1's amax slots (run_experts' quant_on_load): row tiles at most
-            # rows / (BLOCK_M / 2) (HALF_TAIL's tail tiles), N tiles in whole N_TILES groups
+        amax_epi = g1.get("AMAX_EPILOGUE", 0) if self.plan.a2_qmode == QMODE_FP8_TENSOR_AMAX else 0
+        if amax_epi in (2, 3):
+            # GEMM1's amax slots (run_experts' quant_on_load: with GEMM2's input in the act dtype, in its scales'
+            # place; slots_pass: after the codes' scales): row tiles at most rows / (BLOCK_M / 2) (HALF_TAIL's tail
+            # tiles), N tiles in whole N_TILES groups
             bm, nt = g1["BLOCK_SIZE_M"], g1.get("N_TILES", 1)
             tiles = cdiv(rows, bm // 2 if g1.get("HALF_TAIL", 0) else bm) * cdiv(cdiv(I, g1["BLOCK_SIZE_N"]), nt) * nt
-            need13 = max(need13, round_up(rows * I * elt, 16) + max(rows, 2 * tiles) * 4)
+            if amax_epi == 2:
+                need13 = max(need13, round_up(rows * I * elt, 16) + max(rows, 2 * tiles) * 4)
+            else:
+                need13 = round_up(round_up(rows * I, 16) + rows * 4, 16) + 2 * tiles * 4
         cols13 = max(I, cdiv(need13, rows * elt))
         return (rows, cols13), (rows, max(N, K, I)), (M, K)
 

@@ -396,10 +396,10 @@ def _moe_tile(
 
 
 @triton.jit
-def _slots_tensor_scale(slots_ptr, num_slots, stride_slot, stride_flag, BLOCK: tl.constexpr):
-    """The dynamic per-tensor FP8 scale from GEMM1's amax slots (``OUT_QUANT`` 3: ``[amax, non-finite flag]`` per
-    tile): ``(s, 1 / s)`` with ``s = amax / 448`` (``1 / s`` = 0 when ``s`` = 0; ``s`` NaN when a value was NaN /
-    inf), as ``act_quant_kernel``'s QMODE 7 finds them from its ``stat``."""
+def _slots_amax(slots_ptr, num_slots, stride_slot, stride_flag, BLOCK: tl.constexpr):
+    """GEMM1's amax slots (``OUT_QUANT`` 3: ``[amax, non-finite flag]`` per tile) reduced: ``(amax, flag)``, the
+    largest finite |value| of the routed rows and whether any was NaN / inf (the values ``act_quant_kernel``'s
+    QMODE 6 pass folds into its ``stat``)."""
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     bad = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(0, num_slots, BLOCK):
@@ -407,10 +407,18 @@ def _slots_tensor_scale(slots_ptr, num_slots, stride_slot, stride_flag, BLOCK: t
         m = offs < num_slots
         amax = tl.maximum(amax, tl.load(slots_ptr + offs * stride_slot, mask=m, other=0.0))
         bad = tl.maximum(bad, tl.load(slots_ptr + offs * stride_slot + stride_flag, mask=m, other=0.0))
-    amax_all = tl.max(amax, axis=0)
+    return tl.max(amax, axis=0), tl.max(bad, axis=0)
+
+
+@triton.jit
+def _slots_tensor_scale(slots_ptr, num_slots, stride_slot, stride_flag, BLOCK: tl.constexpr):
+    """The dynamic per-tensor FP8 scale from GEMM1's amax slots (see :func:`_slots_amax`): ``(s, 1 / s)`` with
+    ``s = amax / 448`` (``1 / s`` = 0 when ``s`` = 0; ``s`` NaN when a value was NaN / inf), as
+    ``act_quant_kernel``'s QMODE 7 finds them from its ``stat``."""
+    amax_all, bad = _slots_amax(slots_ptr, num_slots, stride_slot, stride_flag, BLOCK)
     s = tl.math.div_rn(amax_all, 448.0)
     inv = tl.where(s == 0, 0.0, tl.math.div_rn(1.0, s))
-    s = tl.where(tl.max(bad, axis=0) > 0, float("nan"), s)
+    s = tl.where(bad > 0, float("nan"), s)
     return s, inv
 
 
@@ -664,7 +672,7 @@ def act_quant_kernel(
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, QMODE: tl.constexpr, ACT_DT: tl.constexpr,
     USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr,
     EMU: tl.constexpr, PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = False, TRIGGER: tl.constexpr = False,
-    ROUTES: tl.constexpr = False,
+    ROUTES: tl.constexpr = False, SLOTS: tl.constexpr = False, num_slots=0,
 ):
     """Activation (``ACT``; ``ACT_NONE`` = copy) of ``NC`` output columns per row, rounded to ``ACT_DT``, then stored
     as ``ACT_DT`` or quantized (``QMODE``). Rows are ``[0, R)`` or, with ``SORTED``, the sorted positions below
@@ -678,7 +686,10 @@ def act_quant_kernel(
     ``ROUTES`` (with ``SORTED``; decode, where most rows of the layout are padding): the program's rows are routes
     ``[0, num_valid)``, each processed at its row ``inv_ptr[r]`` of the layout when held here (``local_ptr[r] >=
     0``); padding rows are not written (GEMM2 computes them and stores none of them: rows of an MMA are
-    independent)."""
+    independent).
+    ``SLOTS`` (QMODE 7): the per-tensor amax and flag are GEMM1's ``num_slots`` amax slots at ``stat_ptr`` (``OUT_QUANT``
+    3; slot ``i``'s amax at ``i``, its flag at ``NUM_E + i``), reduced by every program, instead of the QMODE 6
+    pass's ``stat``: the requantization in one pass."""
     if PDL or TRIGGER:
         gdc_launch_dependents()
     pid_r = tl.program_id(0)
@@ -739,9 +750,14 @@ def act_quant_kernel(
             s = tl.load(a2s_ptr + tl.arange(0, 1)).to(tl.float32)
             tl.store(y_rows + cols[None, :], int8_code(tl.math.div_rn(y, tl.broadcast_to(s[None, :], y.shape)), EMU),
                      mask=mask)
-        else:  # QMODE == 7: dynamic per-tensor scale from pass 1
-            amax = tl.load(stat_ptr + ex, mask=rmask, other=0.0)
-            bad = tl.load(stat_ptr + NUM_E + ex, mask=rmask, other=0.0) > 0
+        else:  # QMODE == 7: dynamic per-tensor scale from pass 1 (or from GEMM1's slots)
+            if SLOTS:
+                amax_all, bad_all = _slots_amax(stat_ptr, num_slots, 1, NUM_E, 2 if EMU else 1024)
+                amax = tl.where(rmask, amax_all, 0.0)
+                bad = tl.where(rmask, bad_all, 0.0) > 0
+            else:
+                amax = tl.load(stat_ptr + ex, mask=rmask, other=0.0)
+                bad = tl.load(stat_ptr + NUM_E + ex, mask=rmask, other=0.0) > 0
             s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
             inv = tl.where(s == 0, 0.0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s))
             codes = fp8e4m3_code(mul_rn(y, tl.broadcast_to(inv[:, None], y.shape), EMU), EMU)

@@ -158,7 +158,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
                       rows, nc, num_valid, up_off=0, num_e=1, block_m=16, act, split, qmode, act_dtype,
                       alpha=1.0, beta=0.0, limit=0.0, has_limit=False, rp=None, use_ue8m0=False, group=128,
                       pdl=False, num_warps=None, trigger=False, local_ids=None, inv_permuted_idx=None,
-                      route_tiles=False):
+                      route_tiles=False, slots=None):
     """Launch ``act_quant_kernel`` over ``rows`` rows (sorted layout when ``sorted_ids`` is given); ``pdl``: with
     programmatic dependent launch (see ``kernels.act_quant_kernel``); ``trigger``: let the next kernel start early
     (an input quantizer's last launch, ``host.STEP_PDL``); ``num_warps`` per program (the table's
@@ -173,7 +173,18 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     ``local_ids`` / ``inv_permuted_idx`` (``RouteLayout``'s, with ``sorted_ids``): where at least half of the
     layout's rows are padding (decode: E * (block_m - 1) padding rows against M * topk routes), the programs take
     the routes instead of the rows and write only the held routes' rows (``ROUTES``; ``QUANT_ROUTES`` turns it off).
+
+    ``slots`` (``QMODE_FP8_TENSOR_QUANT`` only, instead of ``stat``): GEMM1's amax slots, ``(n, 2)`` fp32 with strides
+    ``(1, n)`` (``experts.amax_slots``; ``[amax..., flags...]``), reduced by every program (``SLOTS``): no QMODE 6
+    pass before this one.
     """
+    if slots is not None:
+        n = slots.shape[0]
+        if qmode != QMODE_FP8_TENSOR_QUANT or slots.dim() != 2 or slots.shape[1] != 2 or slots.stride() != (1, n) \
+                or slots.dtype != torch.float32:
+            raise ValueError(f"slots: (n, 2) fp32 with strides (1, n), for QMODE_FP8_TENSOR_QUANT only; got "
+                             f"{tuple(slots.shape)} {slots.dtype} strides {slots.stride()}, qmode {qmode}")
+        stat, num_e = slots, n
     sorted_ = sorted_ids is not None
     # ROUTES 1: over the routes at their layout rows; 2 (route_tiles, no layout: RouteLayout.route_tiles): route r's
     # row is r * block_m
@@ -217,7 +228,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         BLOCK_R=br, BLOCK_C=bc, BS=block_m, SORTED=sorted_, ACT=act, HAS_LIMIT=has_limit, SPLIT=split,
         QMODE=qmode, ACT_DT=_tl_dtype(act_dtype), USE_UE8M0=use_ue8m0, UE8M0_EXACT=rp["UE8M0_EXACT"],
         SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl, ONE_PASS=one_pass, TRIGGER=trigger,
-        ROUTES=routes,
+        ROUTES=routes, SLOTS=slots is not None, num_slots=slots.shape[0] if slots is not None else 0,
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
 

@@ -451,8 +451,9 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
     - ``quant_warps`` (quantized schemes whose GEMM1 does not requantize in its epilogue): the requantization kernel
       at 4 / 8 / 16 warps per program (``QUANT_WARPS``);
     - ``amax`` (dynamic per-tensor FP8 requantization, both GEMMs on ``fused_moe_kernel``): ``AMAX_EPILOGUE`` at
-      its other values (0: the requantization's amax in its own pass; 1: in GEMM1's epilogue by atomics; 2: in slots, GEMM2 quantizing its A tiles on load, also with GEMM2's ``PDL``
-      flipped; bitwise equal);
+      its other values (0: the requantization's amax in its own pass; 1: in GEMM1's epilogue by atomics; 2: in
+      slots, GEMM2 quantizing its A tiles on load; 3: in slots, reduced by the requantization's one pass; 2 and 3
+      also with GEMM2's ``PDL`` flipped; bitwise equal);
 
     and keep the fastest (best of ``repeats`` round-robin timings) whose output is bitwise equal to the gathering
     one (the input path changes no arithmetic) or, where it differs (another MMA shape, accumulation schedule or
@@ -525,15 +526,16 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
                          if g2.get("QUANT_WARPS", 4) != w]
         if ("amax" in families and plan.a2_qmode == QMODE_FP8_TENSOR_AMAX
                 and not any(g.get(k, 0) for g in (entry["gemm1"], g2) for k in GLUON_KEYS)):
-            # the per-tensor amax found by its own pass (0), GEMM1's epilogue (1), or GEMM1's slots with GEMM2
-            # quantizing on load (2; then GEMM2 may take PDL). The same codes, so bitwise equal
+            # the per-tensor amax found by its own pass (0), GEMM1's epilogue (1), GEMM1's slots with GEMM2
+            # quantizing on load (2) or GEMM1's slots reduced by the requantization's one pass (3); after 2 and 3
+            # GEMM2 may take PDL. The same codes, so bitwise equal
             cur = entry["gemm1"].get("AMAX_EPILOGUE", 0)
-            for v in (0, 1, 2):
-                if v != cur:  # (GEMM2's PDL works only after the slots path: a dead key is dropped elsewhere)
+            for v in (0, 1, 2, 3):
+                if v != cur:  # (GEMM2's PDL works only after the slots paths: a dead key is dropped elsewhere)
                     variants.append((f"amax{v}", dict(entry["gemm1"], AMAX_EPILOGUE=v),
-                                     g2 if v == 2 else {k: x for k, x in g2.items() if k != "PDL"}))
-                if v == 2:
-                    variants.append(("amax2-pdl", dict(entry["gemm1"], AMAX_EPILOGUE=2),
+                                     g2 if v in (2, 3) else {k: x for k, x in g2.items() if k != "PDL"}))
+                if v in (2, 3):
+                    variants.append((f"amax{v}-pdl", dict(entry["gemm1"], AMAX_EPILOGUE=v),
                                      dict(g2, PDL=1 - g2.get("PDL", 0))))
         if "swap" in families and plan.kind == "fp8":
             variants += _swap_variants(entry["gemm1"], g2)
