@@ -34,3 +34,27 @@ def test_fp8_accum_imports_on_cpu():
     assert fp8_accum.with_variant(dec, tile) == dec
     if not torch.cuda.is_available():
         assert fp8_accum.main(["--no-timing", "--json", "/dev/null"]) == 2
+
+
+def test_table_ab_writes_each_variant_over_the_committed_tables(tmp_path):
+    """``tools.triton.table_ab``: a variant's directory holds every committed table; its entries update the named
+    M's keys (``merge``, the default; a ``None`` value drops a key) or replace the entry (``merge: false``), and
+    the other M and tables are the committed ones, byte for byte."""
+    import json
+
+    from tools.triton.table_ab import CONFIGS, write_tables
+
+    name = "E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.json"
+    committed = json.loads((CONFIGS / name).read_text())
+    merged = write_tables(tmp_path, "m", {"table": name, "entries": {
+        "1": {"gemm1": {"BLOCK_SIZE_N": 64, "AMAX_EPILOGUE": None}, "gemm2": {"SWAP_AB": 1}}}})
+    t = json.loads((merged / name).read_text())
+    assert t["1"]["gemm1"] == {**{k: v for k, v in committed["1"]["gemm1"].items() if k != "AMAX_EPILOGUE"},
+                               "BLOCK_SIZE_N": 64}
+    assert t["1"]["gemm2"] == {**committed["1"]["gemm2"], "SWAP_AB": 1}
+    assert {m: t[m] for m in t if m != "1"} == {m: committed[m] for m in committed if m != "1"}
+    entry = {"gemm1": {"BLOCK_SIZE_M": 64}, "gemm2": {"BLOCK_SIZE_M": 64}}
+    replaced = write_tables(tmp_path, "r", {"table": name, "merge": False, "entries": {"8": entry}})
+    assert json.loads((replaced / name).read_text())["8"] == entry
+    others = {f.name for f in CONFIGS.glob("*.json")} - {name}
+    assert others and all((merged / f).read_bytes() == (CONFIGS / f).read_bytes() for f in others)

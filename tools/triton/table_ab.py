@@ -1,0 +1,98 @@
+"""A / B of tuned-table entries through the benchmark itself: ``python -m tools.triton.table_ab SPEC.json``.
+
+The tuner (``tools.triton.tune``) times its candidates with its own harness and explores only its candidate lists;
+this tool takes hand-written entries (a vLLM default config, a tile the sweep never draws) and judges them where
+the issue's figures come from: ``python -m benchmarks --backend triton --peer none --no-gate`` on one shape, each
+variant's tables in a directory of its own (``MOE_TRITON_CONFIG_DIR``), the variants run in turn ``--rounds``
+times (interleaved, so clock drift falls on all of them), the output checked against the reference by the
+benchmark (a variant whose check fails is reported, not timed).
+
+SPEC (JSON): ``{"name": {"shape": "qwen3_30b-fp8_channel_token", "table": "E=...json", "ms": [1, 8],
+"entries": {"8": {"gemm1": {...}, "gemm2": {...}}}, "merge": true}}``; ``merge`` (default true) updates the
+committed entry's keys, false replaces the entry. A variant named ``base`` per shape is added (the committed
+tables). Output: a line per (shape, M, variant) with the median ``gemms`` and ``step`` over the rounds, and
+``OUT/table_ab.json``; each variant's tables stay in ``OUT/table_ab/<variant>/`` to be committed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parents[2] / "backends" / "triton" / "configs"
+
+
+def write_tables(out: Path, name: str, var: dict) -> Path:
+    """The committed tables with ``var``'s entries applied, in ``out/name``."""
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    for f in CONFIGS.glob("*.json"):
+        shutil.copy(f, d / f.name)
+    if var.get("entries"):
+        path = d / var["table"]
+        table = json.loads(path.read_text())
+        for m, entry in var["entries"].items():
+            if var.get("merge", True) and m in table:
+                for g in ("gemm1", "gemm2"):
+                    table[m][g] = {k: v for k, v in {**table[m][g], **entry.get(g, {})}.items() if v is not None}
+            else:
+                table[m] = entry
+        path.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), indent=1))
+    return d
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec", help="JSON file of variants (see above)")
+    ap.add_argument("--rounds", type=int, default=2, help="times each variant runs, interleaved (default 2)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"), help="where tables and results go")
+    args = ap.parse_args(argv)
+    spec = json.loads(Path(args.spec).read_text())
+    out = Path(args.out) / "table_ab"
+    variants = {}
+    for shape in dict.fromkeys(v["shape"] for v in spec.values()):
+        ms = sorted({m for v in spec.values() if v["shape"] == shape for m in v["ms"]})
+        variants[f"base:{shape}"] = {"shape": shape, "ms": ms}
+    variants.update(spec)
+    dirs = {name: write_tables(out, name.replace(":", "_"), var) for name, var in variants.items()}
+    times: dict = {}
+    for r in range(args.rounds):
+        for name, var in variants.items():
+            js = out / f"{name.replace(':', '_')}-{r}.json"
+            cmd = [sys.executable, "-m", "benchmarks", "--backend", "triton", "--peer", "none", "--no-gate",
+                   "--shapes", var["shape"], "--ms", ",".join(map(str, var["ms"])), "--json", str(js)]
+            env = dict(os.environ, MOE_TRITON_CONFIG_DIR=str(dirs[name]))
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if p.returncode or not js.exists():
+                print(f"[round {r}] {name}: rc {p.returncode}\n{p.stdout[-1500:]}{p.stderr[-1500:]}", flush=True)
+                continue
+            res = json.loads(js.read_text())
+            got = []
+            for row in res["experts"]:
+                t = row["times_s"]
+                g, s = t.get("gemms", float("nan")) * 1e6, t.get("step", float("nan")) * 1e6
+                times.setdefault((var["shape"], row["M"], name), []).append((g, s))
+                got.append(f"M={row['M']} {g:.2f} / {s:.2f}")
+            for f in res.get("failures", []):
+                print(f"[round {r}] {name}: check failed: {f}", flush=True)
+            # as each run ends (a cut call keeps what it printed): gemms / step, us
+            print(f"[round {r}] {name}: {'; '.join(got)}", flush=True)
+    summary = []
+    for (shape, m, name), ts in sorted(times.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        g = statistics.median(x[0] for x in ts)
+        s = statistics.median(x[1] for x in ts)
+        summary.append(dict(shape=shape, M=m, variant=name, gemms_us=g, step_us=s, rounds=[list(x) for x in ts]))
+        print(f"{shape:34s} M={m:<5d} {name:28s} gemms {g:8.2f} us  step {s:8.2f} us  "
+              f"({', '.join(f'{x[0]:.2f}' for x in ts)})", flush=True)
+    (Path(args.out) / "table_ab.json").write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
