@@ -10,7 +10,9 @@ The step is the benchmark's (``benchmarks.harness``: the same weights, rotating 
 standard-format experts class of the backend that claims the shape, timed by ``benchmarks.timing`` in a CUDA
 graph; then ``torch.profiler`` records 3 graph replays and each kernel's device time per call is listed in
 launch order with the mean gap before it (its start minus the previous kernel's end: launch gaps, graph nodes that
-are not kernels, waits), then the sum and the idle time (graph time - sum).
+are not kernels, waits) or, where a kernel launched with programmatic dependent launch starts before the previous one
+ends, the overlap (its device time then includes its wait), then the sum, the overlap and the idle time (graph time -
+(sum - overlap)).
 ``--expected-m`` (deep_gemm) times the step once per ``expected_m`` hint of the masked GEMMs (M < 128) instead of
 ``backends.deep_gemm.experts.expected_m_for``.
 ``--gemms`` breaks down the backend's GEMM-stage variants instead (``benchmarks/variants/<name>.py``: what
@@ -81,7 +83,9 @@ def breakdown(call, n: int, dev, replays: int = 3) -> dict:
         kernels = [(name[:90], us, gap) for name, us, gap in timing.kernel_timeline(runner, replays)]
     finally:
         runner.close()
-    return dict(graph_us=m.seconds * 1e6, kernels=kernels, sum_us=sum(t for _, t, _ in kernels))
+    # a negative gap is an overlap with the kernel before (programmatic dependent launch): counted once in busy time
+    overlap = -sum(min(gap, 0.0) for _, _, gap in kernels)
+    return dict(graph_us=m.seconds * 1e6, kernels=kernels, sum_us=sum(t for _, t, _ in kernels), overlap_us=overlap)
 
 
 def main(argv=None) -> int:
@@ -155,10 +159,13 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001
                     print(f"{sid} M={M} {name}: {type(exc).__name__}: {exc}", flush=True)
                     continue
-                print(f"\n{sid} M={M} {name}: graph {b['graph_us']:.1f} us per step, kernels {b['sum_us']:.1f} us, "
-                      f"idle {b['graph_us'] - b['sum_us']:.1f} us", flush=True)
+                ov = b["overlap_us"]
+                print(f"\n{sid} M={M} {name}: graph {b['graph_us']:.1f} us per step, kernels {b['sum_us']:.1f} us"
+                      + (f" ({ov:.1f} us of it overlapping the kernel before: PDL)" if ov > 0.05 else "")
+                      + f", idle {b['graph_us'] - b['sum_us'] + ov:.1f} us", flush=True)
                 for kname, us, gap in b["kernels"]:
-                    print(f"  {us:8.1f} us  (gap before {gap:6.1f})  {kname}", flush=True)
+                    where = f"gap before {gap:6.1f}" if gap >= 0 else f"overlap    {-gap:6.1f}"
+                    print(f"  {us:8.1f} us  ({where})  {kname}", flush=True)
     return 0
 
 

@@ -176,3 +176,24 @@ def test_breakdown_peer_needs_the_gemm_stage(capsys):
             breakdown.main(argv)
         assert exc.value.code == 2
         assert says in capsys.readouterr().err, argv
+
+
+def test_breakdown_counts_a_pdl_overlap_once(monkeypatch):
+    """``benchmarks.breakdown``: a kernel launched with programmatic dependent launch starts before the previous one
+    ends (a negative gap in ``timing.kernel_timeline``); the overlap is reported as such and the step's busy time
+    counts it once (earlier breakdowns printed negative gaps and a negative idle time)."""
+    from types import SimpleNamespace
+
+    from benchmarks import breakdown, timing
+
+    class Runner:
+        def close(self):
+            pass
+
+    timeline = [("0:gemm1", 46.3, 0.3), ("1:act_quant", 19.5, -17.6), ("2:gemm2", 39.3, -14.9)]
+    monkeypatch.setattr(timing, "measure", lambda call, n, dev, keep_runner=False: (SimpleNamespace(seconds=72.8e-6),
+                                                                                   Runner()))
+    monkeypatch.setattr(timing, "kernel_timeline", lambda runner, replays=3: timeline)
+    b = breakdown.breakdown(lambda i: None, 1, None)
+    assert b["sum_us"] == pytest.approx(105.1) and b["overlap_us"] == pytest.approx(32.5)
+    assert b["graph_us"] - (b["sum_us"] - b["overlap_us"]) == pytest.approx(0.2)
