@@ -123,7 +123,7 @@ def test_tuner_candidate_lists_are_complete():
 
     for M, E, topk in ((1, 128, 8), (8, 128, 8), (4096, 128, 8), (1024, 32, 8)):
         for fp8_block in (False, True):
-            for key, (g1s, g2s) in candidates(M, E, topk, fp8_block, fp8_block).items():
+            for key, (g1s, g2s) in candidates(M, E, topk, fp8_block, fp8_block, swap=fp8_block).items():
                 for lst in (g1s, g2s):
                     keys = [json.dumps(c, sort_keys=True) for c in lst]
                     assert len(keys) == len(set(keys)), (M, key)
@@ -133,6 +133,10 @@ def test_tuner_candidate_lists_are_complete():
                 if key == "128h":
                     assert all(c["HALF_TAIL"] == 1 and c["BLOCK_SIZE_M"] == 128 for c in g1s)
     assert "128h" in candidates(4096, 128, 8, False, False)
+    # FP8 decode lists hold SWAP_AB tiles (GEMM1 with gate and up as one tile); unquantized / INT8 lists none
+    g1s, g2s = candidates(8, 128, 8, False, True, swap=True)[16]
+    assert any(c.get("SWAP_AB") and c.get("JOINT_GATE_UP") for c in g1s) and any(c.get("SWAP_AB") for c in g2s)
+    assert not any(c.get("SWAP_AB") for lst in candidates(8, 128, 8, False, True)[16] for c in lst)
 
 
 def _gluon_args(gemm, g, sh):
@@ -302,7 +306,7 @@ def _fp8_nonblock_configs():
         for M in (1, 8, 64, 256, 1024, 4096, 16384):
             cfg = C.sanitize_config(C.default_config(M, sh.E, sh.I, sh.K, sh.topk, "fp8_w8a8"))
             out += [(f"default {sh.name} M={M} {g}", cfg[g]) for g in ("gemm1", "gemm2")]
-            for key, (g1s, g2s) in tune.candidates(M, sh.E, sh.topk, False, True).items():
+            for key, (g1s, g2s) in tune.candidates(M, sh.E, sh.topk, False, True, swap=True).items():
                 out += [(f"tune {sh.name} M={M} {key}", C.sanitize_config({"gemm1": g, "gemm2": g})["gemm1"])
                         for g in g1s + g2s]
     return out
