@@ -320,3 +320,35 @@ def test_decode_without_a_route_layout_compiles():
     bad = [r for r in rows if r["stack"] > 0 or r["kernel"].startswith("_align")]
     assert not bad, f"spilling kernels, or a layout kernel in a step without a layout: {bad}"
     assert any(r["kernel"] == "fused_moe_kernel" for r in rows)
+
+
+WS_AMAX_SLOTS = r"""
+import json, os, shutil, tempfile
+d = tempfile.mkdtemp()
+src = os.path.join("backends", "triton", "configs")
+for f in os.listdir(src):
+    shutil.copy(os.path.join(src, f), d)
+name = "E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.json"
+t = json.load(open(os.path.join(d, name)))
+t["1024"]["gemm1"]["AMAX_EPILOGUE"] = 3  # the prefill entry: GEMM1 on gluon_ws (COOPERATIVE)
+json.dump(t, open(os.path.join(d, name), "w"))
+os.environ["MOE_TRITON_CONFIG_DIR"] = d  # read when backends.triton.configs is imported
+from tools.triton.sm90 import compile_tables
+for r in compile_tables("NVIDIA_H200", shapes=["mixtral_tp2_fp8_tensor"], Ms=[1024], progress=lambda *_: None):
+    print(json.dumps(r), flush=True)
+"""
+
+
+def test_warp_specialized_gemm1_writes_amax_slots():
+    """``AMAX_EPILOGUE`` 3 with GEMM1 on ``gluon_ws`` (Mixtral TP2 fp8_tensor's prefill entry; no committed table
+    uses it yet): its consumers write the amax slots, so the step compiles for sm_90 under strict kernels (gluon_ws
+    covers the GEMM, no fallback), without spills, and one requantization kernel (the slots pass) runs between the
+    two GEMMs instead of the amax pass and the quant pass."""
+    rows = _compile_script(WS_AMAX_SLOTS)
+    errors = [r for r in rows if "error" in r]
+    assert not errors, errors
+    kernels = [r["kernel"] for r in rows]
+    ws = [i for i, k in enumerate(kernels) if k == "ws_moe_gemm_kernel"]
+    assert len(ws) == 2, kernels
+    assert kernels[ws[0] + 1:ws[1]] == ["act_quant_kernel"], kernels
+    assert all(rows[i]["stack"] == 0 for i in ws), [rows[i] for i in ws]

@@ -60,7 +60,11 @@ fp8_tensor: a gain at M = 8 (GEMMs 167.7 -> 160.4 us with GEMM2's PDL), a tie at
 222.0: the 32-row A tiles quantized once per N tile); the per-token form (one IEEE division per element) was 1.4-1.8x
 slower at every Qwen3-30B decode entry and is not kept (docs/notes/triton.md). ``AMAX_EPILOGUE`` 3 keeps the slots
 and the requantization kernel: each of its programs reduces GEMM1's slots and quantizes its rows in one pass (no
-atomics, no amax pass, GEMM2 reading FP8 codes as with 0 / 1; GEMM2's ``PDL`` applies).
+atomics, no amax pass, GEMM2 reading FP8 codes as with 0 / 1; GEMM2's ``PDL`` applies); the only value that also
+takes GEMM1 on ``gluon_ws`` (``PINGPONG`` / ``COOPERATIVE``: each consumer writes one slot at its end). H200 (fourteenth
+session): Mixtral TP2 fp8_tensor M 1 / 64 gain 1.6 / 5.8 us on ``fused_moe_kernel``; on ``gluon_ws`` (prefill) a first
+form that loaded the route ids in each tile's epilogue lost 27 us at M = 4096, the committed form (no load, padding
+rows are zeros there) is not measured yet.
 The entry whose ``M`` is nearest the batch is used (as vLLM does) when it is within a factor 8 of the batch;
 otherwise (or without a table) :func:`default_config` chooses by tokens per expert.
 """

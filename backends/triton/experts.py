@@ -400,6 +400,27 @@ def amax_slots(cfg: dict, shape: GemmShape) -> tuple[int, int]:
     return num_pid_m, cdiv(cdiv(shape.n_out, BN), n_tiles) * n_tiles
 
 
+def _gemm_gluon(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict):
+    """The Gluon kernel module (``gluon_sm90`` / ``gluon_ws``) that :func:`launch_gemm` runs this GEMM on, or None
+    for ``fused_moe_kernel`` (no Gluon key, the interpreter, a Triton without Gluon, or a GEMM the kernel does not
+    cover).
+
+    Raises:
+        ValueError: under :func:`strict_kernels`, a Gluon key whose kernel does not cover this GEMM."""
+    special = "gluon_sm90" if cfg.get("GLUON", 0) else (
+        "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None)
+    if special is None or INTERPRET:
+        return None
+    mod = _gluon_module(special)
+    why = f"{special} needs Gluon's Hopper API, which this Triton lacks" if mod is None else mod.supported(
+        ops, shape, scales, epi, cfg)
+    if why is None:
+        return mod
+    if FLAGS["strict"]:
+        raise ValueError(f"table entry {cfg} is not covered by {special}: {why}")
+    return None
+
+
 def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict, *,
                  pdl_trigger: bool = False, pdl_wait: bool = False):
     """Launch one grouped GEMM: ``fused_moe_kernel`` (see its docstring for the modes), or the Gluon kernel table
@@ -420,26 +441,21 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
     half_tail = shape.half_tail
     up_off = shape.n_out if fuse.halves else 0
     ws, sbe, sbn, sbk = _scale_strides(ops.w_scale, scales.b_mode, E, NW)
+    special = "gluon_sm90" if cfg.get("GLUON", 0) else (
+        "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None)
+    if special is not None and cfg.get("SPLIT_K", 1) > 1:
+        raise ValueError(f"table entry {cfg}: SPLIT_K is a fused_moe_kernel mode, not {special}'s")
+    mod = _gemm_gluon(ops, shape, scales, epi, cfg)
+    if mod is not None:
+        # a Gluon kernel (GLUON: block-FP8 with the scale promotion overlapped; PINGPONG / COOPERATIVE: warp
+        # specialized) where it covers this GEMM, else fused_moe_kernel below
+        mod.launch(replace(ops, w_scale=ws), shape, scales, epi, cfg, w_strides=(sbe, sbn, sbk))
+        return
     if epi.out_quant == OUT_AMAX_SLOTS:
         tiles_m, tiles_n = amax_slots(cfg, shape)
         if cs is None or tuple(cs.shape) != (tiles_m * tiles_n, 2):
             raise ValueError(f"OUT_AMAX_SLOTS needs cs of shape ({tiles_m * tiles_n}, 2), got "
                              f"{None if cs is None else tuple(cs.shape)}")
-    special = "gluon_sm90" if cfg.get("GLUON", 0) else (
-        "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None)
-    if special is not None and cfg.get("SPLIT_K", 1) > 1:
-        raise ValueError(f"table entry {cfg}: SPLIT_K is a fused_moe_kernel mode, not {special}'s")
-    if special is not None and not INTERPRET:
-        # a Gluon kernel (GLUON: block-FP8 with the scale promotion overlapped; PINGPONG / COOPERATIVE: warp
-        # specialized) where it covers this GEMM, else fused_moe_kernel below
-        mod = _gluon_module(special)
-        why = f"{special} needs Gluon's Hopper API, which this Triton lacks" if mod is None else mod.supported(
-            ops, shape, scales, epi, cfg)
-        if why is None:  # block FP8, or (gluon_ws) FP8 per-tensor / per-channel (scales in its epilogue)
-            mod.launch(replace(ops, w_scale=ws), shape, scales, epi, cfg, w_strides=(sbe, sbn, sbk))
-            return
-        if FLAGS["strict"]:
-            raise ValueError(f"table entry {cfg} is not covered by {special}: {why}")
     swap = bool(cfg.get("SWAP_AB", 0))
     split_k = cfg.get("SPLIT_K", 1)
     if split_k > 1 and (scales.int8 or fuse == Fusion.GATED):
@@ -616,8 +632,10 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     on_fused_kernel = not any(g.get(k, 0) for g in (g1, g2) for k in GLUON_KEYS)
     # AMAX_EPILOGUE 2: the dynamic per-tensor requantization without a kernel between the GEMMs (GEMM1's tiles
     # store their amax in slots, GEMM2 quantizes its A tiles as it loads them)
-    amax_epi = g1.get("AMAX_EPILOGUE", 0) if plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and bool(fuse) \
-        and not any(g1.get(k, 0) for k in GLUON_KEYS) else 0
+    # (AMAX_EPILOGUE 3 also with GEMM1 on gluon_ws, whose consumers write slots of their own)
+    amax_epi = g1.get("AMAX_EPILOGUE", 0) if plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and bool(fuse) else 0
+    if any(g1.get(k, 0) for k in GLUON_KEYS) and not (amax_epi == 3 and not g1.get("GLUON", 0)):
+        amax_epi = 0
     quant_on_load = amax_epi == 2 and on_fused_kernel
     # AMAX_EPILOGUE 3: GEMM1's tiles store their amax in slots, and the requantization kernel reduces them (one
     # pass, no atomics)
@@ -634,14 +652,15 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     s_off = round_up(c2_bytes, 16)
     tiles_m, tiles_n = amax_slots(g1, GemmShape(n_out=I, a_gather=True, c_sorted=True, **gemm_rows)) \
         if quant_on_load or slots_pass else (0, 0)
-    n_slots = 2 * tiles_m * tiles_n
+    # (GEMM1 on gluon_ws writes two slots per program, at most twice its tiles: the region holds that many)
+    n_slots = 2 * tiles_m * tiles_n * (2 if slots_pass and any(g1.get(k, 0) for k in GLUON_KEYS) else 1)
     s_cols = G2 if plan.a2_qmode == QMODE_FP8_GROUP else 1
     # the slots: in C2's scales' place (quant_on_load: GEMM2 reads them), or after them (slots_pass)
     slot_off = s_off if quant_on_load else round_up(s_off + rows * s_cols * 4, 16)
     buf13 = _bytes_region(ws13, max(s_off + rows * s_cols * 4, slot_off + n_slots * 4), dev)
     c2 = _view(buf13, 0, (rows, I), act_dtype if quant_on_load or not quant else a2q_dtype)
     c2s = _view(buf13, s_off, (rows, s_cols), torch.float32) if quant else None
-    slots = _view(buf13, slot_off, (2, n_slots // 2), torch.float32).t() if n_slots else None
+    slots = _view(buf13, slot_off, (2, tiles_m * tiles_n), torch.float32).t() if n_slots else None
     # ---- ws2: C1 (unfused GEMM1 output) or the pre-quant C2, then C3 (GEMM2 output by route)
     c1_cols = 0 if fuse and (out_quant or not quant or quant_on_load) else (I if fuse else NW1)
     buf2 = _bytes_region(ws2, max(rows * c1_cols, numel * K) * elt, dev)
@@ -693,15 +712,21 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             # [amax, non-finite flag], found by act_quant_kernel's first pass, or (AMAX_EPILOGUE 1) by GEMM1's
             # epilogue when it applies the activation on fused_moe_kernel (OUT_AMAX); AMAX_EPILOGUE 3: in GEMM1's slots
             stat = torch.zeros(2, dtype=torch.float32, device=dev)
+        ops1 = GemmOperands(a1, w1, c1, a_scale=a1s, w_scale=qc.w1_scale, bias=w1_bias)
+        shape1 = GemmShape(n_out=I if fuse else NW1, a_gather=gather, c_sorted=True, **gemm_rows)
         if slots_pass:
-            cs1, epi1_out = slots, replace(epi1, out_quant=OUT_AMAX_SLOTS)
+            epi1_out = replace(epi1, out_quant=OUT_AMAX_SLOTS)
+            if _gemm_gluon(ops1, shape1, scales1, epi1_out, g1) is not None:
+                # GEMM1 on gluon_ws: two slots per program (its consumers), fewer than fused_moe_kernel's per tile
+                # (the region holds the larger count)
+                n_ws = _gluon_module("gluon_ws").amax_slot_count(shape1, g1, dev)
+                slots = _view(buf13, slot_off, (2, n_ws), torch.float32).t()
+            cs1 = slots
         elif amax_in_gemm1:
             cs1, epi1_out = stat.view(1, 2), replace(epi1, out_quant=OUT_AMAX)
         else:
             cs1, epi1_out = None, epi1
-        launch_gemm(GemmOperands(a1, w1, c1, cs=cs1, a_scale=a1s, w_scale=qc.w1_scale, bias=w1_bias),
-                     GemmShape(n_out=I if fuse else NW1, a_gather=gather, c_sorted=True, **gemm_rows), scales1,
-                     epi1_out, g1, pdl_trigger=pdl, pdl_wait=g1_pdl)
+        launch_gemm(replace(ops1, cs=cs1), shape1, scales1, epi1_out, g1, pdl_trigger=pdl, pdl_wait=g1_pdl)
         if taps is not None:  # copied now: GEMM2's output C3 reuses this buffer
             taps["activation" if fuse else "gemm1"] = _unsort_rows(c1, layout, numel, M, topk)
         aq = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, ntpp=ntpp, rows=rows, nc=I, num_valid=numel,
@@ -935,8 +960,8 @@ class TritonExperts(FusedMoEExpertsModular):
             tiles = cdiv(rows, bm // 2 if g1.get("HALF_TAIL", 0) else bm) * cdiv(cdiv(I, g1["BLOCK_SIZE_N"]), nt) * nt
             if amax_epi == 2:
                 need13 = max(need13, round_up(rows * I * elt, 16) + max(rows, 2 * tiles) * 4)
-            else:
-                need13 = round_up(round_up(rows * I, 16) + rows * 4, 16) + 2 * tiles * 4
+            else:  # (twice the slots: GEMM1 on gluon_ws writes two per program, up to twice its tiles)
+                need13 = round_up(round_up(rows * I, 16) + rows * 4, 16) + 4 * tiles * 4
         cols13 = max(I, cdiv(need13, rows * elt))
         return (rows, cols13), (rows, max(N, K, I)), (M, K)
 

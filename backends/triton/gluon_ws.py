@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
+from .host import OUT_AMAX_SLOTS, Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
 from .jit import ACT_SILU
 from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids, tma_load
 
@@ -67,7 +67,7 @@ def ws_moe_gemm_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     HALF_TAIL: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr,
     COOP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, A_EPI: gl.constexpr = 0,
-    B_EPI: gl.constexpr = 0,
+    B_EPI: gl.constexpr = 0, amax_ptr=None, AMAX: gl.constexpr = False,
 ):
     """``C[rows, n] = epilogue(sum_k A[rows, k] W[e, n, k] (x scales))`` over the route layout's tiles (one expert
     each).
@@ -85,7 +85,13 @@ def ws_moe_gemm_kernel(
     ``UP_OFF + n`` of an N tile as one MMA of ``2 * BLOCK_N`` columns, SiLU-and-mul in the epilogue (C has ``N`` = I
     columns). Tiles (row tile, N tile) are in ``fused_moe_kernel``'s program order (``GROUP_M`` row tiles share the N
     sweep); program ``p`` of ``P`` takes tiles ``p, p + P, ...`` (row tiles of non-local experts and past the layout's
-    end skipped); ``COOP`` picks the schedule (module docstring)."""
+    end skipped); ``COOP`` picks the schedule (module docstring). ``AMAX`` (GEMM1 before a dynamic per-tensor
+    requantization, ``host.OUT_AMAX_SLOTS``): each consumer folds the largest |value| it stores (after the
+    epilogue's rounding; NaN / inf as inf) over all its tiles and writes it once, at its end, to slot ``2 p + c`` of
+    ``amax_ptr`` (``[amax...][flags...]`` over the ``2 P`` slots: the largest finite |value|, or 0 and the flag 1.0
+    when one was NaN / inf; every slot written, no zeros before the launch); ``act_quant_kernel``'s ``SLOTS`` pass
+    reduces them. Padding rows count too: GEMM1 runs here only on ``PERMUTE_A``'s rows, whose padding rows are
+    zeros, without bias and with SiLU-and-mul, so they store zeros."""
     BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN_MMA, BLOCK_K], b_desc.layout)
@@ -103,11 +109,11 @@ def ws_moe_gemm_kernel(
         (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
-                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 0, A_EPI, B_EPI)),
+                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 0, A_EPI, B_EPI, amax_ptr, AMAX)),
         (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
-                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 1, A_EPI, B_EPI)),
+                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 1, A_EPI, B_EPI, amax_ptr, AMAX)),
         (_producer, (a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
                      N, K, NW, UP_OFF, a_smem, b_smem, ready, empty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HALF_TAIL,
                      GATED, STAGES)),
@@ -214,14 +220,16 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
               stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr,
               C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, COOP: gl.constexpr,
-              STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr):
+              STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, amax_ptr,
+              AMAX: gl.constexpr):
     """Consumer ``C`` (0 or 1). Ping-pong: the program's tiles ``i`` with ``i % 2 == C``, the mainloop of tile ``i``
     after the other consumer's of tile ``i - 1`` (its ``(i - 1) // 2``-th arrival on ``order[1 - C]``).
-    Cooperative: rows ``[C BLOCK_M / 2, (C + 1) BLOCK_M / 2)`` of every tile."""
+    Cooperative: rows ``[C BLOCK_M / 2, (C + 1) BLOCK_M / 2)`` of every tile. ``AMAX``: its amax slot at the end."""
     num_pid_m, num_pid_n, num_tiles, nk, nprog, tile = _schedule(
         expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         HALF_TAIL)
     i = 0
+    amax = gl.to_tensor(0.0)  # AMAX: the consumer's running largest |value| (inf: a NaN / inf was stored)
     while tile < num_tiles:
         row0, n0, e, full = _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
                                      GROUP_M, HALF_TAIL)
@@ -230,26 +238,33 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
             if HALF_TAIL and C == 1 and not full:  # a tail's rows are consumer 0's half: only release the stages
                 _release(base, nk, ready, empty, STAGES)
             else:
-                _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
-                      sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
-                      stride_ask, stride_bse, stride_bsn, stride_bsk, C * (BLOCK_M // 2), BLOCK_M // 2, BLOCK_M,
-                      BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C, A_EPI, B_EPI)
+                t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                               sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
+                               stride_ask, stride_bse, stride_bsn, stride_bsk, C * (BLOCK_M // 2), BLOCK_M // 2,
+                               BLOCK_M, BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C, A_EPI, B_EPI, AMAX)
+                amax = gl.maximum(amax, t_amax)
         elif i % 2 == C:
             if i > 0:
                 mbarrier.wait(order.index(1 - C), ((i - 1) // 2) & 1)
             if HALF_TAIL and not full:  # a tail: BLOCK_M / 2 rows (the first half of each A stage)
-                _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
-                      sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
-                      stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M // 2, BLOCK_M, BLOCK_N, C_SORTED,
-                      GATED, SCALED, True, STAGES, C, A_EPI, B_EPI)
+                t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                               sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
+                               stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M // 2, BLOCK_M, BLOCK_N,
+                               C_SORTED, GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX)
             else:
-                _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
-                      sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
-                      stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M, BLOCK_M, BLOCK_N, C_SORTED, GATED,
-                      SCALED, True, STAGES, C, A_EPI, B_EPI)
+                t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                               sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
+                               stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M, BLOCK_M, BLOCK_N, C_SORTED,
+                               GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX)
+            amax = gl.maximum(amax, t_amax)
         tile = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
                      BLOCK_N, GROUP_M, HALF_TAIL)
         i += 1
+    if AMAX:  # slot 2 p + C of the 2 P: the largest finite |value| at [slot] (0 if flagged), the flag at [2 P + slot]
+        slot = 2 * gl.program_id(0) + C
+        bad = amax == float("inf")
+        gl.store(amax_ptr + slot, gl.where(bad, 0.0, amax))
+        gl.store(amax_ptr + 2 * nprog + slot, gl.where(bad, 1.0, 0.0))
 
 
 @gluon.jit
@@ -268,8 +283,9 @@ def _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_s
           n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
           ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, ORDERED: gl.constexpr,
-          STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr):
-    """This consumer's ``ROWS x BLOCK_N`` output rows ``[row0 + ROW_OFF, + ROWS)`` of a tile: mainloop, epilogue."""
+          STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, AMAX: gl.constexpr):
+    """This consumer's ``ROWS x BLOCK_N`` output rows ``[row0 + ROW_OFF, + ROWS)`` of a tile: mainloop, epilogue;
+    returns the largest |value| stored with ``AMAX`` (see :func:`_epilogue`), else 0."""
     if SCALED or A_EPI > 0:
         BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
         rows_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(BN_MMA, 32))
@@ -285,8 +301,8 @@ def _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_s
     else:
         acc = _mainloop(base, nk, a_smem, b_smem, ready, empty, order, ROW_OFF, ROWS, BLOCK_M, BLOCK_N, GATED, ORDERED,
                         STAGES, C)
-    _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0 + ROW_OFF, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N,
-              C_SORTED, GATED)
+    return _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0 + ROW_OFF, n0, N, num_valid_tokens, stride_cm, ROWS,
+                     BLOCK_N, C_SORTED, GATED, AMAX)
 
 
 @gluon.constexpr_function
@@ -437,8 +453,10 @@ def _dequantize(acc, a_scale_ptr, b_scale_ptr, row0, n0, e, UP_OFF, stride_asm, 
 
 @gluon.jit
 def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS: gl.constexpr,
-              BLOCK_N: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr):
-    """One rounding (GATED: h, then SiLU-and-mul in fp32 and its rounding) and 16-byte row-contiguous stores."""
+              BLOCK_N: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr, AMAX: gl.constexpr = False):
+    """One rounding (GATED: h, then SiLU-and-mul in fp32 and its rounding) and 16-byte row-contiguous stores.
+    Returns, with ``AMAX``, the largest |value| stored (NaN / inf counted as inf: one reduction, no load of the
+    route ids in the epilogue; see the kernel's docstring for why padding rows may count), else 0."""
     out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BLOCK_N,
                                                 BLOCK_N // 8], warps_per_cta=[4, 1], order=[1, 0])
     h = acc.to(c_ptr.dtype.element_ty)
@@ -449,6 +467,12 @@ def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, s
     else:
         out = gl.convert_layout(h, out_layout)
     _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N, C_SORTED)
+    t_amax = gl.to_tensor(0.0)
+    if AMAX:
+        y = out.to(gl.float32)
+        ay = gl.abs(y)
+        t_amax = gl.max(gl.max(gl.where((y != y) | (ay == float("inf")), float("inf"), ay), axis=1), axis=0)
+    return t_amax
 
 
 # ---- host ----------------------------------------------------------------------------------------------------------
@@ -491,7 +515,8 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
         (not shape.a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
         (fuse == Fusion.NONE or (gated and epi.act == ACT_SILU and not epi.has_limit),
          "plain epilogue, or gate / up halves with SiLU (no clamp) only"),
-        (bias is None and not epi.out_quant, "no bias, no fused requantization"),
+        (bias is None and (not epi.out_quant or epi.out_quant == OUT_AMAX_SLOTS and shape.c_sorted),
+         "no bias, no fused requantization (only GEMM1's amax slots, OUT_AMAX_SLOTS)"),
         (not half_tail or BM == 128, "HALF_TAIL needs BLOCK_M = 128 (64-row tail MMAs)"),
         (BM in (64, 128) and rows >= 64 and bn_mma <= 256 and BN >= 32 and BK in (32, 64, 128),
          "BLOCK_M in (64, 128) (a consumer's rows >= 64), MMA columns <= 256, BLOCK_K in (32, 64, 128)"),
@@ -528,9 +553,13 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
     a_desc_h = TensorDescriptor.from_tensor(a, [BM // 2, BK], a_layout) if half_tail else a_desc
     b_desc = TensorDescriptor.from_tensor(w.view(E * NW, K), [BN, BK],
                                           gl.NVMMASharedLayout.get_default_for([BN, BK], dt))
-    # an upper bound of the tiles (the kernel reads the layout's count): programs beyond it would find no work
-    row_tiles = layout.tiles.numel() if half_tail else triton.cdiv(shape.rows, BM)
-    grid = (min(row_tiles * triton.cdiv(n_out, BN), _num_sms(a.device)), )
+    grid = (_grid(shape, cfg, a.device), )
+    amax = epi.out_quant == OUT_AMAX_SLOTS
+    if amax and (ops.cs is None or tuple(ops.cs.shape) != (2 * grid[0], 2) or ops.cs.stride() != (1, 2 * grid[0])
+                 or ops.cs.dtype != torch.float32):
+        raise ValueError(f"OUT_AMAX_SLOTS on gluon_ws needs cs of shape ({2 * grid[0]}, 2) fp32 with strides (1, "
+                         f"{2 * grid[0]}) (amax_slot_count), got "
+                         f"{None if ops.cs is None else (tuple(ops.cs.shape), ops.cs.dtype, ops.cs.stride())}")
     sa = (a_scale.stride(0), a_scale.stride(1)) if scaled else (
         (a_scale.stride(0), 0) if a_mode == ScaleMode.ROW else (0, 0))
     sw = tuple(w_strides) if scaled or epi_scales else (0, 0, 0)
@@ -543,10 +572,22 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), HALF_TAIL=half_tail,
         C_SORTED=shape.c_sorted, GATED=epi.fuse.halves, SCALED=scaled, COOP=bool(cfg.get("COOPERATIVE", 0)),
         STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS, A_EPI=int(a_mode) if epi_scales else 0,
-        B_EPI=int(b_mode) if epi_scales else 0,
+        B_EPI=int(b_mode) if epi_scales else 0, amax_ptr=ops.cs if amax else c, AMAX=amax,
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
         maxnreg=LAUNCH_MAXNREG,
     )
+
+
+def _grid(shape: GemmShape, cfg: dict, device) -> int:
+    """Programs of a launch: one per SM, no more than an upper bound of the tiles (the kernel reads the layout's
+    count; programs beyond it would find no work)."""
+    row_tiles = shape.layout.tiles.numel() if shape.half_tail else triton.cdiv(shape.rows, cfg["BLOCK_SIZE_M"])
+    return min(row_tiles * triton.cdiv(shape.n_out, cfg["BLOCK_SIZE_N"]), _num_sms(device))
+
+
+def amax_slot_count(shape: GemmShape, cfg: dict, device) -> int:
+    """The amax slots a GEMM1 launch with ``OUT_AMAX_SLOTS`` writes: two per program (one per consumer)."""
+    return 2 * _grid(shape, cfg, device)
 
 
 def _num_sms(device) -> int:

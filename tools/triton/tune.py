@@ -532,17 +532,18 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             # entry's): the same arithmetic, so bitwise equal
             variants += [(f"quant_warps{w}", entry["gemm1"], dict(g2, QUANT_WARPS=w)) for w in (4, 8, 16)
                          if g2.get("QUANT_WARPS", 4) != w]
-        if ("amax" in families and plan.a2_qmode == QMODE_FP8_TENSOR_AMAX
-                and not any(g.get(k, 0) for g in (entry["gemm1"], g2) for k in GLUON_KEYS)):
+        on_gluon = any(g.get(k, 0) for g in (entry["gemm1"], g2) for k in GLUON_KEYS)
+        if "amax" in families and plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and not entry["gemm1"].get("GLUON", 0):
             # the per-tensor amax found by its own pass (0), GEMM1's epilogue (1), GEMM1's slots with GEMM2
             # quantizing on load (2) or GEMM1's slots reduced by the requantization's one pass (3); after 2 and 3
-            # GEMM2 may take PDL. The same codes, so bitwise equal
+            # GEMM2 may take PDL. The same codes, so bitwise equal. With a warp-specialized GEMM (prefill) only 0
+            # and 3 (gluon_ws's consumers write slots of their own; 1 / 2 and PDL are fused_moe_kernel's)
             cur = entry["gemm1"].get("AMAX_EPILOGUE", 0)
-            for v in (0, 1, 2, 3):
+            for v in ((0, 3) if on_gluon else (0, 1, 2, 3)):
                 if v != cur:  # (GEMM2's PDL works only after the slots paths: a dead key is dropped elsewhere)
                     variants.append((f"amax{v}", dict(entry["gemm1"], AMAX_EPILOGUE=v),
                                      g2 if v in (2, 3) else {k: x for k, x in g2.items() if k != "PDL"}))
-                if v in (2, 3):
+                if v in (2, 3) and not on_gluon:
                     variants.append((f"amax{v}-pdl", dict(entry["gemm1"], AMAX_EPILOGUE=v),
                                      dict(g2, PDL=1 - g2.get("PDL", 0))))
         if "swap" in families and plan.kind == "fp8":
