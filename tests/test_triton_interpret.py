@@ -966,7 +966,8 @@ def _():
 def _():
     """Decode without a route layout (``ROUTE_TILES``: each route its own row tile, read from ``topk_ids``) gives the
     bits of the layout path (one route per expert there too, each at its block's first row), for bf16, block FP8
-    (SWAP_AB, split-K), per-channel x per-token FP8, dynamic per-tensor FP8 (both requantization passes) and INT8;
+    (SWAP_AB, split-K), per-channel x per-token FP8, dynamic per-tensor FP8 (both requantization passes, and the one
+    pass over GEMM1's amax slots) and INT8;
     with an expert map that drops routes and a -1 id; and the bound against the reference holds."""
     bad = []
     saved = tx.ROUTE_TILES_MAX
@@ -978,11 +979,18 @@ def _():
     cb = CFG()
     cb["gemm1"].update(SWAP_AB=1, SPLIT_K=2, JOINT_GATE_UP=1)
     cb["gemm2"]["SWAP_AB"] = 1
+    # the per-tensor requantization in one pass over GEMM1's amax slots (AMAX_EPILOGUE 3), as the H200 table's
+    # Mixtral fp8_tensor M = 1 entry runs it (SWAP_AB tiles, gate and up as one); it equals AMAX_EPILOGUE 0 on the
+    # layout path (experts_fp8_tensor_amax_in_gemm1), and here the route tiles equal the layout path
+    ca = CFG()
+    ca["gemm1"].update(AMAX_EPILOGUE=3, SWAP_AB=1, JOINT_GATE_UP=1)
+    ca["gemm2"]["SWAP_AB"] = 1
     schemes = [("bf16", w1, w2, None, CFG()),
                ("fp8_block", q1, q2, qcb, cb),
                ("fp8_channel_token", c1, c2, fp8_w8a8_moe_quant_config(cs1, cs2, per_act_token_quant=True,
                                                                       per_out_ch_quant=True), CFG()),
                ("fp8_tensor", t1, t2, fp8_w8a8_moe_quant_config(ts1, ts2), CFG()),
+               ("fp8_tensor AMAX_EPILOGUE 3", t1, t2, fp8_w8a8_moe_quant_config(ts1, ts2), ca),
                ("int8", i1, i2, int8_w8a8_moe_quant_config(is1, is2), CFG())]
     xs = x[:2].contiguous()
     for name, a, b, qc, cfg in schemes:
