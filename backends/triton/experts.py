@@ -400,6 +400,14 @@ def amax_slots(cfg: dict, shape: GemmShape) -> tuple[int, int]:
     return num_pid_m, cdiv(cdiv(shape.n_out, BN), n_tiles) * n_tiles
 
 
+def _gluon_key(cfg: dict) -> str | None:
+    """The Gluon kernel module one GEMM's table entry names: ``gluon_sm90`` (``GLUON``), ``gluon_ws`` (``PINGPONG`` /
+    ``COOPERATIVE``), or None (``fused_moe_kernel``)."""
+    if cfg.get("GLUON", 0):
+        return "gluon_sm90"
+    return "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None
+
+
 def _gemm_gluon(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict):
     """The Gluon kernel module (``gluon_sm90`` / ``gluon_ws``) that :func:`launch_gemm` runs this GEMM on, or None
     for ``fused_moe_kernel`` (no Gluon key, the interpreter, a Triton without Gluon, or a GEMM the kernel does not
@@ -407,8 +415,7 @@ def _gemm_gluon(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
 
     Raises:
         ValueError: under :func:`strict_kernels`, a Gluon key whose kernel does not cover this GEMM."""
-    special = "gluon_sm90" if cfg.get("GLUON", 0) else (
-        "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None)
+    special = _gluon_key(cfg)
     if special is None or INTERPRET:
         return None
     mod = _gluon_module(special)
@@ -441,8 +448,7 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
     half_tail = shape.half_tail
     up_off = shape.n_out if fuse.halves else 0
     ws, sbe, sbn, sbk = _scale_strides(ops.w_scale, scales.b_mode, E, NW)
-    special = "gluon_sm90" if cfg.get("GLUON", 0) else (
-        "gluon_ws" if cfg.get("PINGPONG", 0) or cfg.get("COOPERATIVE", 0) else None)
+    special = _gluon_key(cfg)
     if special is not None and cfg.get("SPLIT_K", 1) > 1:
         raise ValueError(f"table entry {cfg}: SPLIT_K is a fused_moe_kernel mode, not {special}'s")
     mod = _gemm_gluon(ops, shape, scales, epi, cfg)
@@ -634,7 +640,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     # store their amax in slots, GEMM2 quantizes its A tiles as it loads them)
     # (AMAX_EPILOGUE 3 also with GEMM1 on gluon_ws, whose consumers write slots of their own)
     amax_epi = g1.get("AMAX_EPILOGUE", 0) if plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and bool(fuse) else 0
-    if any(g1.get(k, 0) for k in GLUON_KEYS) and not (amax_epi == 3 and not g1.get("GLUON", 0)):
+    if _gluon_key(g1) not in (None, "gluon_ws" if amax_epi == 3 else None):
         amax_epi = 0
     quant_on_load = amax_epi == 2 and on_fused_kernel
     # AMAX_EPILOGUE 3: GEMM1's tiles store their amax in slots, and the requantization kernel reduces them (one
@@ -653,7 +659,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     tiles_m, tiles_n = amax_slots(g1, GemmShape(n_out=I, a_gather=True, c_sorted=True, **gemm_rows)) \
         if quant_on_load or slots_pass else (0, 0)
     # (GEMM1 on gluon_ws writes two slots per program, at most twice its tiles: the region holds that many)
-    n_slots = 2 * tiles_m * tiles_n * (2 if slots_pass and any(g1.get(k, 0) for k in GLUON_KEYS) else 1)
+    n_slots = 2 * tiles_m * tiles_n * (2 if slots_pass and _gluon_key(g1) == "gluon_ws" else 1)
     s_cols = G2 if plan.a2_qmode == QMODE_FP8_GROUP else 1
     # the slots: in C2's scales' place (quant_on_load: GEMM2 reads them), or after them (slots_pass)
     slot_off = s_off if quant_on_load else round_up(s_off + rows * s_cols * 4, 16)
@@ -716,11 +722,11 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
         shape1 = GemmShape(n_out=I if fuse else NW1, a_gather=gather, c_sorted=True, **gemm_rows)
         if slots_pass:
             epi1_out = replace(epi1, out_quant=OUT_AMAX_SLOTS)
-            if _gemm_gluon(ops1, shape1, scales1, epi1_out, g1) is not None:
-                # GEMM1 on gluon_ws: two slots per program (its consumers), fewer than fused_moe_kernel's per tile
-                # (the region holds the larger count)
-                n_ws = _gluon_module("gluon_ws").amax_slot_count(shape1, g1, dev)
-                slots = _view(buf13, slot_off, (2, n_ws), torch.float32).t()
+            ws_mod = _gemm_gluon(ops1, shape1, scales1, epi1_out, g1)  # gluon_ws here, or fused_moe_kernel (None)
+            if ws_mod is not None:
+                # two slots per program (its consumers), not fused_moe_kernel's one per tile (the region holds the
+                # larger count)
+                slots = _view(buf13, slot_off, (2, ws_mod.amax_slot_count(shape1, g1, dev)), torch.float32).t()
             cs1 = slots
         elif amax_in_gemm1:
             cs1, epi1_out = stat.view(1, 2), replace(epi1, out_quant=OUT_AMAX)
