@@ -1018,6 +1018,27 @@ def _():
     try:
         if not tx.route_tiles_apply(CFG(), 2, 4, "all", None) or tx.route_tiles_apply(CFG(), 5, 4, "all", None):
             bad.append("route_tiles_apply: on for 2 routes of 4 experts, off for 5")
+        # step_layout (what the benchmark's gemms variant and the tuners pass run_experts): the route tiles where
+        # the step takes them, the sorted layout elsewhere; a step given it computes the step's own bits
+        E = w1.shape[0]
+        ids1 = torch.tensor([[0, 3]], dtype=torch.int32)
+        ids5 = torch.tensor([[0, 3], [1, 2], [3, 0]], dtype=torch.int32)
+        cfg = tx._configs.sanitize_config(CFG())
+        if tx.step_layout(ids1, cfg, E).route_tiles != 1 or tx.step_layout(ids5, cfg, E).route_tiles != 0:
+            bad.append("step_layout: route tiles for 2 routes, the sorted layout for 6 routes of 4 experts")
+        perm = tx._configs.sanitize_config(CFG())
+        perm["gemm1"]["PERMUTE_A"] = 1
+        if tx.step_layout(ids1, perm, E).route_tiles:
+            bad.append("step_layout: route tiles with PERMUTE_A (the step runs the sorted layout there)")
+        from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG
+        wts = torch.rand(1, 2, generator=G)
+        want = tri_fe(xs[:1], w1, w2, wts, ids1, activation=A.SILU, config=cfg)
+        plan = tx.plan_quant(FUSED_MOE_UNQUANTIZED_CONFIG)
+        got = tx.run_experts(out=torch.empty_like(want), a1q=xs[:1], a1q_scale=None, w1=w1, w2=w2,
+                             topk_weights=wts, topk_ids=ids1, activation=A.SILU, expert_map=None, num_ids=E,
+                             qc=FUSED_MOE_UNQUANTIZED_CONFIG, plan=plan, cfg=cfg, layout=tx.step_layout(ids1, cfg, E))
+        if not torch.equal(got, want):
+            bad.append("run_experts on step_layout's route tiles differs from the step")
     finally:
         tx.ROUTE_TILES_MAX = saved
     return bad or None

@@ -92,7 +92,7 @@ from .quant import launch_act_quant as _launch_act_quant
 from .quant import quantize_activation
 
 __all__ = ["TritonExperts", "fused_experts", "run_experts", "plan_quant", "QuantPlan", "quantize_activation",
-           "layout_rows", "layout_block", "route_layout", "promotion_tiles"]
+           "layout_rows", "layout_block", "route_layout", "step_layout", "promotion_tiles"]
 
 _FP8 = torch.float8_e4m3fn
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -243,6 +243,28 @@ def route_tiles_apply(cfg: dict, numel: int, E: int, stages: str, taps) -> bool:
     g1, g2 = cfg["gemm1"], cfg["gemm2"]
     return (0 < numel <= min(ROUTE_TILES_MAX, E) and stages == "all" and taps is None
             and not any(g.get(k, 0) for g in (g1, g2) for k in GLUON_KEYS + ("PERMUTE_A", "HALF_TAIL")))
+
+
+def route_tiles_layout(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_ids: int) -> RouteLayout:
+    """The layout of a call without one (``RouteLayout.route_tiles``): no kernel, views of ``topk_ids`` (int32 /
+    int64, contiguous) and of ``expert_map`` (int32 or None), and the route -> local expert buffer GEMM1 fills."""
+    flat = topk_ids.reshape(-1)
+    return RouteLayout(flat, expert_map if expert_map is not None else flat, flat,
+                       torch.empty(flat.numel(), dtype=torch.int32, device=flat.device),
+                       route_tiles=2 if expert_map is not None else 1, num_ids=num_ids)
+
+
+def step_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map: torch.Tensor | None = None,
+                num_ids: int | None = None) -> RouteLayout:
+    """The layout the whole step (``run_experts(stages="all")``) runs this call on: :func:`route_tiles_layout` where
+    :func:`route_tiles_apply` (decode), else :func:`route_layout`. What the benchmark's ``gemms`` variant and the
+    tuners pass to ``run_experts``, so that they time the kernels the step launches (the layout itself made
+    outside the timed call, as vLLM's ``moe_align_block_size`` is for its timed GEMMs). Same arguments as
+    :func:`route_layout`."""
+    num_ids = num_experts if num_ids is None else num_ids
+    if route_tiles_apply(cfg, topk_ids.numel(), num_experts, "all", None):
+        return route_tiles_layout(topk_ids, expert_map, num_ids)
+    return route_layout(topk_ids, cfg, num_experts, expert_map, num_ids)
 
 
 def route_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map: torch.Tensor | None = None,
@@ -569,7 +591,8 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
                 layout: RouteLayout | None = None, stages: str = "all", taps: dict | None = None) -> torch.Tensor:
     """The experts step on already-quantized input: writes ``out (M, K)`` (activation dtype) and returns it.
 
-    ``layout``: a precomputed :func:`route_layout` for this ``topk_ids`` and ``cfg`` (benchmarks);
+    ``layout``: a precomputed :func:`step_layout` (or :func:`route_layout`) for this ``topk_ids`` and ``cfg``
+    (benchmarks, tuners);
     ``stages``: ``"all"``; ``"gemms"`` = GEMM1 (+ activation / requantization) and GEMM2 only; ``"gemm1"`` /
     ``"gemm2"`` = one of them (the tuner; with explicit workspaces so GEMM2 reads what GEMM1 left).
     ``taps``: a dict that receives the intermediates this launch path materializes, as ``(M, topk, cols)`` tensors
@@ -605,10 +628,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             else expert_map
         if route_tiles_apply(cfg, numel, E, stages, taps):
             # decode: no layout kernel; each route its own row tile (RouteLayout.route_tiles)
-            flat = ids.reshape(-1)
-            layout = RouteLayout(flat, emap if emap is not None else flat, flat,
-                                 torch.empty(numel, dtype=torch.int32, device=dev),
-                                 route_tiles=2 if emap is not None else 1, num_ids=num_ids)
+            layout = route_tiles_layout(ids, emap, num_ids)
         else:
             layout = route_layout(ids, cfg, E, emap, num_ids, pdl=STEP_PDL and stages == "all")
     sorted_ids, expert_ids, ntpp, local = layout[:4]

@@ -1,7 +1,8 @@
 """The triton backend's extra variants for ``python -m benchmarks --backend triton`` (``benchmarks/cli.py``).
 
 ``gemms``: the GEMM stage alone (GEMM1 with its fused activation / requantization or the separate kernel, GEMM2;
-``run_experts(stages="gemms")``) on the step's layout and pre-quantized input: what vLLM's H200 figures time.
+``run_experts(stages="gemms")``) on the step's layout (``experts.step_layout``: at decode no layout, each route its
+own row tile, as the step runs) and pre-quantized input: what vLLM's H200 figures time.
 ``tuned``: whether the GPU has a tuned table for the shape (``configs/``), else the defaults.
 """
 
@@ -29,14 +30,14 @@ def _plan(inp):
 
 def variants(shape, M: int, inp, device):
     from backends.triton import configs as C
-    from backends.triton.experts import route_layout, run_experts
+    from backends.triton.experts import run_experts, step_layout
 
     copies, sets = inp.weights.copies, inp.sets
     nw = len(copies)
     plan = _plan(inp)
     cfg = C.get_config(M, shape.E, shape.I, shape.K, shape.topk, plan.cfg_dtype, plan.block_shape)
     a1s = [quantize_a1(h, plan, copies[i % nw][2]) for i, (h, _, _) in enumerate(sets)]
-    lays = [route_layout(ids, cfg, shape.E) for _, _, ids in sets]
+    lays = [step_layout(ids, cfg, shape.E) for _, _, ids in sets]
     outs = [torch.empty(M, shape.K, device=device, dtype=shape.dtype) for _ in sets]
 
     def gemms(i):

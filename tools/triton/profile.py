@@ -34,7 +34,7 @@ def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
     ``{"graph_us", "kernels": [(position:name, us)], "sum_us"}``."""
     from backends.triton import configs as C
     from tools.triton.common import draw_inputs, make_weights, time_us
-    from backends.triton.experts import plan_quant, route_layout, run_experts
+    from backends.triton.experts import plan_quant, run_experts, step_layout
 
     sh = _shape(name)
     dev = torch.device("cuda")
@@ -42,7 +42,7 @@ def breakdown(name: str, M: int, R: int = 10, replays: int = 5) -> dict:
     plan = plan_quant(qc)
     cfg = C.get_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype, plan.block_shape)
     _, routes, a1s = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=1000 * M)  # the bench's inputs
-    lays = [route_layout(ids, cfg, sh.E) for _, ids in routes]
+    lays = [step_layout(ids, cfg, sh.E) for _, ids in routes]
     out = torch.empty(M, sh.K, device=dev, dtype=dt)
 
     def call(i):

@@ -182,10 +182,10 @@ def _time_entry(sh, M, entry, dev, w1, w2, qc, act, plan, routes, a1s, outs, rep
     own layout), us: what a tuned candidate's ``gemm1`` + ``gemm2`` times are compared with (``--keep-entry``)."""
     from backends.triton import configs as C
     from tools.triton.common import time_us
-    from backends.triton.experts import route_layout, run_experts
+    from backends.triton.experts import run_experts, step_layout
 
     cfg = C.sanitize_config(entry, block_shape=plan.block_shape)
-    lays = [route_layout(ids, cfg, sh.E) for _, ids in routes]
+    lays = [step_layout(ids, cfg, sh.E) for _, ids in routes]
     R = len(routes)
 
     def call(i):
@@ -202,7 +202,8 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
     (so a re-tune never replaces a variant-tuned entry, e.g. one on the Gluon kernels, by a slower sweep winner)."""
     from backends.triton import configs as C
     from tools.triton.common import make_weights, time_us
-    from backends.triton.experts import layout_block, layout_rows, plan_quant, route_layout, run_experts
+    from backends.triton.experts import (layout_block, layout_rows, plan_quant, route_layout, route_tiles_apply,
+                                         route_tiles_layout, run_experts)
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
     plan = plan_quant(qc)
@@ -233,13 +234,18 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
             ws13 = torch.empty(rows * sh.I * 4 + rows * (sh.I // 128 + 1) * 4 + 1024, dtype=torch.uint8, device=dev)
             ws2 = torch.empty(max(rows * 2 * sh.I, M * sh.topk * sh.K) * 4 + 1024, dtype=torch.uint8, device=dev)
 
+            # at decode the step runs most candidates without a layout (experts.step_layout): timed so too
+            tiles = [route_tiles_layout(ids, None, sh.E) for _, ids in routes]
+
             def timed(cfg, stage):
+                on_tiles = route_tiles_apply(cfg, M * sh.topk, sh.E, "all", None)
+
                 def call(i):
                     r = i % R
                     run_experts(out=outs, a1q=a1s[r][0], a1q_scale=a1s[r][1], w1=w1, w2=w2,
                                 topk_weights=routes[r][0], topk_ids=routes[r][1], activation=act, expert_map=None,
-                                num_ids=sh.E, qc=qc, plan=plan, cfg=cfg, ws13=ws13, ws2=ws2, layout=lays[r],
-                                stages=stage)
+                                num_ids=sh.E, qc=qc, plan=plan, cfg=cfg, ws13=ws13, ws2=ws2,
+                                layout=tiles[r] if on_tiles else lays[r], stages=stage)
                 return time_us(call, 8 if M <= 64 else 4, dev, reps_s)
 
             default = C.sanitize_config(C.default_config(M, sh.E, sh.I, sh.K, sh.topk, plan.cfg_dtype,
@@ -274,7 +280,7 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
             log(f"{sh.name} M={M} BM={key}: gemm1 {t1:.2f} us {g1b} | gemm2 {t2:.2f} us {g2b}")
             if best is None or t1 + t2 < best[0]:
                 best = (t1 + t2, {"gemm1": g1b, "gemm2": g2b})
-            del ws13, ws2, lays
+            del ws13, ws2, lays, tiles
             torch.cuda.empty_cache()
         if best is not None and t_entry is not None and t_entry <= best[0]:
             log(f"BEST {sh.name} M={M}: the entry kept ({t_entry:.2f} us; best candidate {best[0]:.2f} us)")
@@ -477,7 +483,7 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
 def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
     from backends.triton import configs as C
     from tools.triton.common import draw_inputs, make_weights, time_us
-    from backends.triton.experts import GLUON_KEYS, plan_quant, requantizes_in_epilogue, route_layout, run_experts
+    from backends.triton.experts import GLUON_KEYS, plan_quant, requantizes_in_epilogue, run_experts, step_layout
     from backends.triton.kernels import QMODE_FP8_TENSOR_AMAX
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
@@ -554,7 +560,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
         for name, v1, v2 in variants:
             cand = {"gemm1": v1, "gemm2": v2}
             cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
-            lays = [route_layout(ids, cfg, sh.E) for _, ids in routes]
+            lays = [step_layout(ids, cfg, sh.E) for _, ids in routes]
 
             def call(i, cfg=cfg, lays=lays, stages="gemms"):
                 r = i % R
