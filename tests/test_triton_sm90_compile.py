@@ -340,8 +340,8 @@ for r in compile_tables("NVIDIA_H200", shapes=["mixtral_tp2_fp8_tensor"], Ms=[10
 
 
 def test_warp_specialized_gemm1_writes_amax_slots():
-    """``AMAX_EPILOGUE`` 3 with GEMM1 on ``gluon_ws`` (Mixtral TP2 fp8_tensor's prefill entry; no committed table
-    uses it yet): its consumers write the amax slots, so the step compiles for sm_90 under strict kernels (gluon_ws
+    """``AMAX_EPILOGUE`` 3 with GEMM1 on ``gluon_ws`` (Mixtral TP2 fp8_tensor's prefill entry, committed in the
+    fifteenth session): its consumers write the amax slots, so the step compiles for sm_90 under strict kernels (gluon_ws
     covers the GEMM, no fallback), without spills, and one requantization kernel (the slots pass) runs between the
     two GEMMs instead of the amax pass and the quant pass."""
     rows = _compile_script(WS_AMAX_SLOTS)
@@ -352,3 +352,51 @@ def test_warp_specialized_gemm1_writes_amax_slots():
     assert len(ws) == 2, kernels
     assert kernels[ws[0] + 1:ws[1]] == ["act_quant_kernel"], kernels
     assert all(rows[i]["stack"] == 0 for i in ws), [rows[i] for i in ws]
+
+
+WS_AMAX_FORMS = r"""
+import json, torch
+from tools.triton.sm90 import compile_only
+from backends.triton.experts import fused_experts, strict_kernels
+from reference.config import fp8_w8a8_moe_quant_config
+
+E, K, I, topk, M = 8, 1024, 512, 2, 700
+w1 = torch.empty(E, 2 * I, K, dtype=torch.float8_e4m3fn)
+w2 = torch.empty(E, K, I, dtype=torch.float8_e4m3fn)
+qc = fp8_w8a8_moe_quant_config(torch.ones(E), torch.ones(E))  # dynamic per-tensor activations
+x = torch.empty(M, K, dtype=torch.bfloat16)
+g = torch.Generator().manual_seed(0)
+ids = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(M)]).to(torch.int32)
+w = torch.rand(M, topk)
+g2 = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=4, USE_TMA=1,
+          COOPERATIVE=1)
+for sched, bm, bn in (("PINGPONG", 64, 64), ("PINGPONG", 128, 32), ("COOPERATIVE", 128, 64)):
+    for half_tail in ((0, 1) if bm == 128 else (0,)):
+        g1 = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=4,
+                  USE_TMA=1, PERMUTE_A=1, FUSE_QUANT=0, HALF_TAIL=half_tail, AMAX_EPILOGUE=3, **{sched: 1})
+        form = f"{sched.lower()}-bm{bm}" + ("+half_tail" if half_tail else "")
+        with compile_only("NVIDIA_H200") as log, strict_kernels():
+            try:
+                g2b = dict(g2, BLOCK_SIZE_M=bm) if bm == 128 else dict(g2, BLOCK_SIZE_M=64, COOPERATIVE=0, PINGPONG=1)
+                fused_experts(x, w1, w2, w, ids, quant_config=qc, config={"gemm1": g1, "gemm2": g2b})
+            except Exception as exc:
+                print(json.dumps({"form": form, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"}), flush=True)
+                continue
+        for k in log:
+            if k.name == "ws_moe_gemm_kernel":
+                print(json.dumps({"form": form, "stack": k.resources()["stack"]}), flush=True)
+"""
+
+
+def test_every_warp_specialized_amax_form_compiles():
+    """``AMAX_EPILOGUE`` 3 on ``gluon_ws`` in every schedule the tuner can draw (ping-pong 64- and 128-row tiles, the
+    latter with ``HALF_TAIL``'s 64-row tails, whose per-row maxima are folded into the running ones as one value;
+    cooperative with and without tails) compiles for sm_90 under strict kernels, without spills (a ping-pong tail's
+    maxima once had another shape than the full tile's in the same branch, which did not compile)."""
+    rows = _compile_script(WS_AMAX_FORMS)
+    errors = [r for r in rows if "error" in r]
+    assert not errors, errors
+    forms = {r["form"] for r in rows}
+    assert forms == {"pingpong-bm64", "pingpong-bm128", "pingpong-bm128+half_tail", "cooperative-bm128",
+                     "cooperative-bm128+half_tail"}, forms
+    assert all(r["stack"] == 0 for r in rows), rows

@@ -256,12 +256,14 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
             if i > 0:
                 mbarrier.wait(order.index(1 - C), ((i - 1) // 2) & 1)
             if HALF_TAIL and not full:  # a tail: BLOCK_M / 2 rows (the first half of each A stage)
-                t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                # (its own name: a value assigned in both arms of this runtime branch must have one type, and the
+                # tail's per-row maxima are half as many)
+                h_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                                stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M // 2, BLOCK_M, BLOCK_N,
                                C_SORTED, GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX)
                 if AMAX:  # half the running rows: folded as one value (a reduction across warps, tails only)
-                    amax = gl.maximum(amax, gl.max(t_amax, axis=0))
+                    amax = gl.maximum(amax, gl.max(h_amax, axis=0))
             else:
                 t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
