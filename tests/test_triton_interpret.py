@@ -1039,6 +1039,21 @@ def _():
                              qc=FUSED_MOE_UNQUANTIZED_CONFIG, plan=plan, cfg=cfg, layout=tx.step_layout(ids1, cfg, E))
         if not torch.equal(got, want):
             bad.append("run_experts on step_layout's route tiles differs from the step")
+        # the tuner's split stages (GEMM1, then GEMM2 alone reading what GEMM1 left in the workspaces): GEMM2's
+        # per-route output on the route tiles equals the sorted layout's
+        c3 = {}
+        for name, lay in (("tiles", tx.step_layout(ids1, cfg, E)), ("sorted", tx.route_layout(ids1, cfg, E))):
+            ws13, ws2 = torch.zeros(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
+            kw = dict(out=torch.empty_like(want), a1q=xs[:1], a1q_scale=None, w1=w1, w2=w2, topk_weights=wts,
+                      topk_ids=ids1, activation=A.SILU, expert_map=None, num_ids=E, qc=FUSED_MOE_UNQUANTIZED_CONFIG,
+                      plan=plan, cfg=cfg, ws13=ws13, ws2=ws2, layout=lay)
+            tx.run_experts(stages="gemm1", **kw)
+            tx.run_experts(stages="gemm2", **kw)
+            n = 2 * w2.shape[1] * want.element_size()  # C3: 2 routes x K at the start of ws2
+            c3[name] = ws2[:n].clone()
+        if not torch.equal(c3["tiles"], c3["sorted"]) or not c3["tiles"].any():
+            bad.append("GEMM2 alone after GEMM1 (split stages) differs between step_layout's route tiles and the "
+                       "sorted layout")
     finally:
         tx.ROUTE_TILES_MAX = saved
     return bad or None

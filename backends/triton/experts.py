@@ -260,11 +260,23 @@ def step_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map:
     :func:`route_tiles_apply` (decode), else :func:`route_layout`. What the benchmark's ``gemms`` variant and the
     tuners pass to ``run_experts``, so that they time the kernels the step launches (the layout itself made
     outside the timed call, as vLLM's ``moe_align_block_size`` is for its timed GEMMs). Same arguments as
-    :func:`route_layout`."""
+    :func:`route_layout` (ids of another integer dtype or not contiguous, and a map not int32, are converted as
+    ``run_experts`` converts them).
+
+    Raises:
+        ValueError: an ``expert_map`` without ``num_ids`` (its length: the global id space).
+    """
+    if expert_map is not None and num_ids is None:
+        raise ValueError("step_layout: pass num_ids (len(expert_map), the global id space) with an expert_map; "
+                         "without it, global ids >= the local expert count would be dropped")
     num_ids = num_experts if num_ids is None else num_ids
-    if route_tiles_apply(cfg, topk_ids.numel(), num_experts, "all", None):
-        return route_tiles_layout(topk_ids, expert_map, num_ids)
-    return route_layout(topk_ids, cfg, num_experts, expert_map, num_ids)
+    ids = topk_ids if topk_ids.is_contiguous() and topk_ids.dtype in (torch.int32, torch.int64) \
+        else topk_ids.contiguous().to(torch.int32)
+    emap = expert_map.to(torch.int32).contiguous() if expert_map is not None and expert_map.dtype != torch.int32 \
+        else expert_map
+    if route_tiles_apply(cfg, ids.numel(), num_experts, "all", None):
+        return route_tiles_layout(ids, emap, num_ids)
+    return route_layout(ids, cfg, num_experts, emap, num_ids)
 
 
 def route_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map: torch.Tensor | None = None,
