@@ -138,22 +138,25 @@ def _ws_case(nan_expert: int | None, local: int | None):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="gluon_ws is sm_90 only (strict kernels raise elsewhere)")
-@pytest.mark.parametrize("nan_expert, local", [(None, None), (2, None), (None, 5)],
-                         ids=["plain", "nan-expert", "expert-map"])
-def test_warp_specialized_amax_slots_equal_the_amax_pass(nan_expert, local):
+@pytest.mark.parametrize("sched, nan_expert, local", [("COOPERATIVE", None, None), ("COOPERATIVE", 2, None),
+                                                     ("COOPERATIVE", None, 5), ("PINGPONG", None, None)],
+                         ids=["plain", "nan-expert", "expert-map", "pingpong"])
+def test_warp_specialized_amax_slots_equal_the_amax_pass(sched, nan_expert, local):
     """``AMAX_EPILOGUE`` 3 on ``gluon_ws`` (each consumer's largest |value| of GEMM1's stored output in a slot of its
     own, reduced by the requantization's one pass) against 0 (the requantization's own amax pass over the whole
     intermediate): the same per-tensor scale, so the outputs are bitwise equal; with a NaN in one expert's GEMM1
     output (the slots must flag it: the scale, and so every output, is then NaN, where slots that missed it would
     leave the other experts' routes finite) and with an expert map (routes of non-local experts never stored, their
-    tiles skipped). The interpreter cannot run Gluon: this is the slots' only numeric check."""
+    tiles skipped); cooperative (the committed form) and ping-pong (64-row tiles, one consumer a tile). The
+    interpreter cannot run Gluon: this is the slots' only numeric check."""
     from backends.triton.experts import fused_experts, strict_kernels
 
     args, qc, emap = _ws_case(nan_expert, local)
-    g1 = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=5,
-              USE_TMA=1, PERMUTE_A=1, FUSE_QUANT=0, COOPERATIVE=1)
-    g2 = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=5,
-              USE_TMA=1, COOPERATIVE=1)
+    bm = 128 if sched == "COOPERATIVE" else 64
+    g1 = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=5,
+              USE_TMA=1, PERMUTE_A=1, FUSE_QUANT=0, **{sched: 1})
+    g2 = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=5,
+              USE_TMA=1, **{sched: 1})
     outs = {}
     with strict_kernels():  # gluon_ws must cover both GEMMs: a fallback to fused_moe_kernel raises
         for amax in (0, 3):
