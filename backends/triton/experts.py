@@ -254,6 +254,15 @@ def route_tiles_layout(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, 
                        route_tiles=2 if expert_map is not None else 1, num_ids=num_ids)
 
 
+def _ids_and_map(topk_ids: torch.Tensor, expert_map: torch.Tensor | None):
+    """``topk_ids`` as the layout kernels read them (contiguous int32 / int64) and ``expert_map`` as int32."""
+    ids = topk_ids if topk_ids.is_contiguous() and topk_ids.dtype in (torch.int32, torch.int64) \
+        else topk_ids.contiguous().to(torch.int32)
+    emap = expert_map.to(torch.int32).contiguous() if expert_map is not None and expert_map.dtype != torch.int32 \
+        else expert_map
+    return ids, emap
+
+
 def step_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map: torch.Tensor | None = None,
                 num_ids: int | None = None) -> RouteLayout:
     """The layout the whole step (``run_experts(stages="all")``) runs this call on: :func:`route_tiles_layout` where
@@ -270,10 +279,7 @@ def step_layout(topk_ids: torch.Tensor, cfg: dict, num_experts: int, expert_map:
         raise ValueError("step_layout: pass num_ids (len(expert_map), the global id space) with an expert_map; "
                          "without it, global ids >= the local expert count would be dropped")
     num_ids = num_experts if num_ids is None else num_ids
-    ids = topk_ids if topk_ids.is_contiguous() and topk_ids.dtype in (torch.int32, torch.int64) \
-        else topk_ids.contiguous().to(torch.int32)
-    emap = expert_map.to(torch.int32).contiguous() if expert_map is not None and expert_map.dtype != torch.int32 \
-        else expert_map
+    ids, emap = _ids_and_map(topk_ids, expert_map)
     if route_tiles_apply(cfg, ids.numel(), num_experts, "all", None):
         return route_tiles_layout(ids, emap, num_ids)
     return route_layout(ids, cfg, num_experts, emap, num_ids)
@@ -634,10 +640,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     BM = layout_block(cfg)  # the layout's block: BLOCK_SIZE_M, or half of it with HALF_TAIL
     rows = layout_rows(numel, E, BM)
     if layout is None:
-        ids = topk_ids if topk_ids.is_contiguous() and topk_ids.dtype in (torch.int32, torch.int64) \
-            else topk_ids.contiguous().to(torch.int32)
-        emap = expert_map.to(torch.int32).contiguous() if expert_map is not None and expert_map.dtype != torch.int32 \
-            else expert_map
+        ids, emap = _ids_and_map(topk_ids, expert_map)
         if route_tiles_apply(cfg, numel, E, stages, taps):
             # decode: no layout kernel; each route its own row tile (RouteLayout.route_tiles)
             layout = route_tiles_layout(ids, emap, num_ids)
