@@ -53,8 +53,42 @@ def test_table_ab_writes_each_variant_over_the_committed_tables(tmp_path):
                                "BLOCK_SIZE_N": 64}
     assert t["1"]["gemm2"] == {**committed["1"]["gemm2"], "SWAP_AB": 1}
     assert {m: t[m] for m in t if m != "1"} == {m: committed[m] for m in committed if m != "1"}
-    entry = {"gemm1": {"BLOCK_SIZE_M": 64}, "gemm2": {"BLOCK_SIZE_M": 64}}
+    tile = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128}
+    entry = {"gemm1": dict(tile), "gemm2": dict(tile)}
     replaced = write_tables(tmp_path, "r", {"table": name, "merge": False, "entries": {"8": entry}})
     assert json.loads((replaced / name).read_text())["8"] == entry
     others = {f.name for f in CONFIGS.glob("*.json")} - {name}
     assert others and all((merged / f).read_bytes() == (CONFIGS / f).read_bytes() for f in others)
+
+
+def test_table_ab_refuses_an_entry_the_backend_would_replace_by_its_default(tmp_path):
+    """An entry ``configs.sanitize_config`` rejects (GEMM1 and GEMM2 on different ``BLOCK_SIZE_M``, a SPLIT_K out of
+    range) would be replaced by the default config when the backend loads the table, and the A / B would time the
+    default under the variant's name: ``write_tables`` raises, naming the variant and the M."""
+    import pytest
+
+    from tools.triton.table_ab import write_tables
+
+    name = "E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.json"
+    for bad in ({"gemm1": {"BLOCK_SIZE_M": 64}}, {"gemm2": {"SPLIT_K": 99}}):
+        with pytest.raises(ValueError, match=r"variant 'v', M=64 of .*default config"):
+            write_tables(tmp_path, "v", {"table": name, "entries": {"64": bad}})
+    block = "E=128,N=768,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
+    with pytest.raises(ValueError, match="M=8"):  # BLOCK_SIZE_K past the 128 scale group
+        write_tables(tmp_path, "b", {"table": block, "entries": {"8": {"gemm1": {"BLOCK_SIZE_K": 256}}}})
+    write_tables(tmp_path, "ok", {"table": block, "entries": {"8": {"gemm1": {"BLOCK_SIZE_K": 64}}}})
+
+
+def test_table_ab_runs_only_the_variants_of_this_gpu():
+    """``for_device``: a spec may name the H100's and the H200's tables; on one GPU the other's variants are set
+    aside (they would time the committed tables under their names); variants without a table stay."""
+    from tools.triton.table_ab import for_device
+
+    spec = {"a": {"table": "E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.json"},
+            "b": {"table": "E=8,N=7168,device_name=NVIDIA_H100_80GB_HBM3.json"},
+            "c": {"shape": "x"}}
+    kept, other = for_device(spec, "NVIDIA_H200")
+    assert set(kept) == {"a", "c"} and other == ["b"]
+    kept, other = for_device(spec, "NVIDIA_H100_80GB_HBM3")
+    assert set(kept) == {"b", "c"} and other == ["a"]
+    assert for_device(spec, "NVIDIA_H20")[1] == ["a", "b"]  # a name that is a prefix of another is not it

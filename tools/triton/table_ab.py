@@ -12,6 +12,8 @@ SPEC (JSON): ``{"name": {"shape": "qwen3_30b-fp8_channel_token", "table": "E=...
 committed entry's keys, false replaces the entry. A variant named ``base`` per shape is added (the committed
 tables). Output: a line per (shape, M, variant) with the median ``gemms`` and ``step`` over the rounds, and
 ``OUT/table_ab.json``; each variant's tables stay in ``OUT/table_ab/<variant>/`` to be committed by hand.
+Variants whose table is another GPU's are skipped (one spec may hold the H100's and the H200's); an entry the
+backend's config check rejects stops the run before anything is timed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -29,7 +32,14 @@ CONFIGS = Path(__file__).resolve().parents[2] / "backends" / "triton" / "configs
 
 
 def write_tables(out: Path, name: str, var: dict) -> Path:
-    """The committed tables with ``var``'s entries applied, in ``out/name``."""
+    """The committed tables with ``var``'s entries applied, in ``out/name``.
+
+    Raises:
+        ValueError: a resulting entry that ``configs.sanitize_config`` rejects (the backend would silently run its
+            default config for that M instead, and the A / B would time the default under the variant's name).
+    """
+    from backends.triton.configs import sanitize_config
+
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     for f in CONFIGS.glob("*.json"):
@@ -37,14 +47,34 @@ def write_tables(out: Path, name: str, var: dict) -> Path:
     if var.get("entries"):
         path = d / var["table"]
         table = json.loads(path.read_text())
+        block = re.search(r"block_shape=\[(\d+),(\d+)\]", var["table"])
         for m, entry in var["entries"].items():
             if var.get("merge", True) and m in table:
                 for g in ("gemm1", "gemm2"):
                     table[m][g] = {k: v for k, v in {**table[m][g], **entry.get(g, {})}.items() if v is not None}
             else:
                 table[m] = entry
+            try:
+                sanitize_config(table[m], block_shape=[int(block[1]), int(block[2])] if block else None)
+            except (KeyError, ValueError) as exc:
+                raise ValueError(f"variant {name!r}, M={m} of {var['table']}: the entry {table[m]} is not a valid "
+                                 f"config ({type(exc).__name__}: {exc}); the backend would run its default "
+                                 "config instead") from exc
         path.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), indent=1))
     return d
+
+
+def for_device(spec: dict, device: str) -> tuple[dict, list[str]]:
+    """``(the variants that change a table of ``device``, the names of the others)``: a variant whose table is another
+    GPU's would time the committed tables under its name (``configs.device_name()`` picks the table)."""
+    kept, other = {}, []
+    for name, var in spec.items():
+        table = var.get("table")
+        if table and f"device_name={device}," not in table and not table.endswith(f"device_name={device}.json"):
+            other.append(name)
+        else:
+            kept[name] = var
+    return kept, other
 
 
 def main(argv=None) -> int:
@@ -54,6 +84,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "results"), help="where tables and results go")
     args = ap.parse_args(argv)
     spec = json.loads(Path(args.spec).read_text())
+    from backends.triton.configs import device_name
+
+    spec, other = for_device(spec, device_name())
+    if other:
+        print(f"skipped (their tables are another GPU's than {device_name()}): {', '.join(other)}", flush=True)
+    if not spec:
+        print("no variant changes this GPU's tables", flush=True)
+        return 2
     out = Path(args.out) / "table_ab"
     variants = {}
     for shape in dict.fromkeys(v["shape"] for v in spec.values()):
