@@ -86,9 +86,10 @@ def main(argv=None) -> int:
     spec = json.loads(Path(args.spec).read_text())
     from backends.triton.configs import device_name
 
-    spec, other = for_device(spec, device_name())
+    dev = device_name()
+    spec, other = for_device(spec, dev)
     if other:
-        print(f"skipped (their tables are another GPU's than {device_name()}): {', '.join(other)}", flush=True)
+        print(f"skipped (their tables are another GPU's than {dev}): {', '.join(other)}", flush=True)
     if not spec:
         print("no variant changes this GPU's tables", flush=True)
         return 2
