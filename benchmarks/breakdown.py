@@ -18,7 +18,9 @@ ends, the overlap (its device time then includes its wait), then the sum, the ov
 ``--gemms`` breaks down the backend's GEMM-stage variants instead (``benchmarks/variants/<name>.py``: what
 ``python -m benchmarks`` times against vLLM), and ``--peer vllm`` vLLM's live GEMM1 + GEMM2 launches beside them, on the
 same inputs (``benchmarks.peer_vllm``; its activation and requantization are precomputed, as in the bench): which of
-the two GEMMs, or the kernel between them, makes the difference of a row.
+the two GEMMs, or the kernel between them, makes the difference of a row; with vLLM's compiled activation and
+requantization ops (``benchmarks.vllm_ops``, built on the GPU machine) also its whole GEMM stage (``vllm <version>
+chain``), so those kernels are listed too.
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ def _gemm_stages(backend: str, shape_id: str, M: int, vllm=None):
             out.append((name, call, n, dev))
         except NotImplementedError as exc:  # a scheme vLLM's kernel does not run: the backend's rows still print
             print(f"{shape_id} M={M} {vllm.title}: not run: {exc}", flush=True)
+            return out
+        if vllm.ops is not None:  # its whole GEMM stage, its compiled activation and requantization between
+            try:
+                name, call = peer_vllm.chain_variant(vllm, shape, M, inp, dev)
+                out.append((name, call, n, dev))
+            except NotImplementedError as exc:
+                print(f"{shape_id} M={M} {vllm.title} chain: not run: {exc}", flush=True)
     if not out:
         print(f"{shape_id} M={M}: no GEMM-stage variant of {backend} covers this shape", flush=True)
     return out
@@ -128,6 +137,10 @@ def main(argv=None) -> int:
         except peer_vllm.PeerUnavailable as exc:
             print(f"breakdown: --peer vllm: {exc}")
             return 2
+        peer_vllm.attach_ops(vllm, log=print)
+        if vllm.ops is None:
+            print(f"breakdown: vLLM's compiled activation / requantization ops not available (GEMM launches only): "
+                  f"{vllm.ops_error}")
 
     shape_ids = [s for s in args.shapes.split(",") if s] or list(suites.suite(args.backend).experts)
     ms = [int(t) for t in args.ms.split(",") if t]

@@ -165,6 +165,10 @@ def main(argv=None) -> int:
             log(f"benchmarks: --peer vllm: cannot load vLLM's kernel from {live}: {exc}")
             return NOT_HERE
         log(f"peer: vLLM {vllm.version} fused_moe_kernel from {vllm.fused_moe_path} (kernel file {vllm.kernel_path})")
+        peer_vllm.attach_ops(vllm, log=log)
+        log(f"peer: vLLM's compiled activation / requantization ops: "
+            + (f"loaded (column `{vllm.title} chain`)" if vllm.ops is not None else
+               f"not available, no `{vllm.title} chain` column: {vllm.ops_error}"))
     doc = run_suite(backend, suite, experts, ms, gates, gate_ms, check=not args.no_check,
                     peer_mode="vllm" if vllm is not None else "none" if args.peer != "stored" else "stored",
                     vllm=vllm, prepare=args.prepare)
@@ -220,7 +224,9 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
         doc["peer"] = {"name": "vllm_live", "title": f"vLLM {vllm.version} (live)", "device": info.get("name"),
                        "source": f"{vllm.fused_moe_path} (fused_moe_kernel, tuned configs of its configs/; per row: "
                                  "extra.vllm_config)", "measures": "gemms", "unit": "us", "live": True,
-                       "column": vllm.title, "version": vllm.version, "root": str(vllm.root)}
+                       "column": vllm.title, "version": vllm.version, "root": str(vllm.root),
+                       "chain_column": f"{vllm.title} chain" if vllm.ops is not None else None,
+                       "chain_error": vllm.ops_error}
 
     def fail(what: str, exc: BaseException) -> None:
         msg = f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
@@ -297,8 +303,11 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                         row["prepare_ops"][name] = used
                 except Exception as exc:  # noqa: BLE001
                     fail(f"{shape.id} M={M} {name}", exc)
-            if vllm is not None:  # the peer's column and check last
+            if vllm is not None:  # the peer's columns and check last
                 row["times_s"][vllm.title] = row["times_s"].pop(vllm.title, None)
+                if vllm.ops is not None:
+                    row["times_s"][f"{vllm.title} chain"] = row["times_s"].pop(f"{vllm.title} chain", None)
+                    row["peer_chain_s"] = row["times_s"][f"{vllm.title} chain"]
                 if vllm.title in row["checks"]:
                     row["checks"][vllm.title] = row["checks"].pop(vllm.title)
                 row["peer_s"] = row["times_s"][vllm.title]
@@ -363,8 +372,9 @@ def _beside(name: str, shape, M: int, inp, row: dict, fail, prepare: str = "back
 
 
 def _vllm_peer(vllm, shape, M, inp, device, row, doc, check: bool) -> list:
-    """``[(column, call, graph key, None)]`` for vLLM's live GEMM1 + GEMM2, after its check (a failing or unsupported
-    peer is reported, not timed: ``[]``)."""
+    """``[(column, call, graph key, None)]`` for vLLM's live GEMM1 + GEMM2 and, with its compiled ops attached, its
+    whole GEMM stage (``peer_vllm.chain_variant``), after its check (a failing or unsupported peer is reported, not
+    timed: ``[]``; a shape the chain does not cover gets a note)."""
     from benchmarks import peer_vllm
 
     name = vllm.title
@@ -395,7 +405,16 @@ def _vllm_peer(vllm, shape, M, inp, device, row, doc, check: bool) -> list:
             doc["notes"].append(f"check {shape.id} M={M} {name}: {c.text} (not timed)")
             log(f"  {shape.id} M={M} {name}: {c.text} (not timed)")
             return []
-    return [(name, call, f"vllm{vllm.version}.gemms", None)]
+    out = [(name, call, f"vllm{vllm.version}.gemms", None)]
+    if vllm.ops is not None:
+        try:
+            chain_name, stage = peer_vllm.chain_variant(vllm, shape, M, inp, device)
+            out.append((chain_name, stage, f"vllm{vllm.version}.chain", None))
+        except NotImplementedError as exc:
+            note = f"{name} chain: {shape.id} not run: {exc}"
+            if note not in doc["notes"]:
+                doc["notes"].append(note)
+    return out
 
 
 def _check(shape, M, cls, inp, out):

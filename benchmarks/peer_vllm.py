@@ -20,8 +20,16 @@ outside the timed call (by the reference: ``reference.modular.moe_kernel_quantiz
 ``reference.activation``). ``check`` runs the whole chain on set 0 against ``benchmarks.check.reference_output``
 with the error model's bound, as every timed experts class is checked.
 
+``chain_variant`` (the column ``vllm <version> chain``) times vLLM's whole GEMM stage as ``fused_experts_impl`` runs
+it: GEMM1, vLLM's compiled activation (``silu_and_mul`` / ``swigluoai_and_mul``) into its workspace, vLLM's compiled
+requantization of GEMM2's input (``scaled_fp8_quant``'s ops / ``per_token_group_fp8_quant``), GEMM2: the
+like-for-like peer of a backend's ``gemms``, which fuses or runs these itself. The ops are compiled from vLLM's own
+csrc files by ``benchmarks.vllm_ops`` (``attach_ops``; nvcc and a CUDA torch needed, else the column is absent and
+the reason printed); the checked chain is then the timed one.
+
     python -m benchmarks.peer_vllm slice /tmp/vcache/vllm-0.33.0.tar.gz shared/vllm-0.33.0   # 1.3 MiB tree
     python -m benchmarks.peer_vllm info [SOURCE]                                            # version, files
+    python -m benchmarks.peer_vllm build-ops [SOURCE]      # (GPU machine) compile vLLM's activation / quant ops
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 __all__ = ["ENV_SRC", "PeerUnavailable", "VllmTriton", "find_source", "load", "slice_tree", "version_of",
-           "cache_dir", "config_dtype_str", "gemms_variant", "check"]
+           "cache_dir", "config_dtype_str", "gemms_variant", "chain_variant", "attach_ops", "check"]
 
 ENV_SRC = "MOE_VLLM_SRC"
 REL = "vllm/model_executor/layers/fused_moe"
@@ -131,17 +139,25 @@ def _wanted(rel: str) -> bool:
     """Is ``rel`` (a path inside the sdist's top directory) part of the slice?"""
     if rel == "PKG-INFO":
         return True
+    if rel in _csrc():  # vLLM's activation / quantization kernels (benchmarks.vllm_ops builds them)
+        return True
     d, _, name = rel.rpartition("/")
     if d == REL:
         return name in FILES
     return d == REL + "/configs" and name.endswith(".json")
 
 
+def _csrc() -> tuple[str, ...]:
+    from benchmarks.vllm_ops import CSRC
+
+    return CSRC
+
+
 def _extract(sdist: Path) -> Path:
     m = re.match(r"vllm-(.+?)\.(tar\.gz|tgz)$", sdist.name)
     dest = cache_dir() / (f"vllm-{m.group(1)}" if m else sdist.name.split(".tar")[0])
-    if _is_root(dest) and (dest / "PKG-INFO").is_file():
-        return dest
+    if _is_root(dest) and (dest / "PKG-INFO").is_file() and (dest / "csrc").is_dir():  # (extracted before the
+        return dest                                                                     # csrc files were kept: again)
     tmp = dest.with_name(dest.name + f".part{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     n = 0
@@ -168,12 +184,14 @@ def _extract(sdist: Path) -> Path:
 
 
 def slice_tree(source: str | os.PathLike, dest: str | os.PathLike) -> tuple[Path, int]:
-    """Write the minimal tree (PKG-INFO, fused_moe.py, utils.py, config.py, configs/*.json) of ``source`` to
-    ``dest``; returns (dest, bytes written)."""
+    """Write the minimal tree (PKG-INFO, fused_moe.py, utils.py, config.py, configs/*.json and, where the source
+    has them, the csrc files ``benchmarks.vllm_ops`` builds) of ``source`` to ``dest``; returns (dest, bytes
+    written)."""
     root = find_source(source)
     dest = Path(dest)
     total = 0
-    files = [root / "PKG-INFO"] + [root / REL / f for f in FILES] + sorted((root / REL / "configs").glob("*.json"))
+    files = ([root / "PKG-INFO"] + [root / REL / f for f in FILES] + sorted((root / REL / "configs").glob("*.json"))
+             + [root / f for f in _csrc()])
     for f in files:
         if not f.is_file():
             continue
@@ -250,6 +268,8 @@ class VllmTriton:
     launcher_name: str
     ns: dict = field(repr=False)
     device_name: str | None = None  # overrides the CUDA device name (tests, no GPU)
+    ops: object = None  # vLLM's compiled activation / quantization ops (attach_ops); None: GEMM launches only
+    ops_error: str | None = None  # why ``ops`` is None after attach_ops
 
     @property
     def title(self) -> str:
@@ -514,6 +534,20 @@ def _plan(shape, qc) -> dict:
     return flags
 
 
+def attach_ops(vt: VllmTriton, log=None) -> VllmTriton:
+    """Give ``vt`` vLLM's compiled activation and FP8 quantization ops (``benchmarks.vllm_ops``: built from its
+    csrc, or ``$MOE_VLLM_OPS``), so that ``chain_variant`` times vLLM's whole GEMM stage; where they cannot be built
+    or loaded, ``vt.ops`` stays None and ``vt.ops_error`` says why (the GEMM-launch column is unaffected)."""
+    from benchmarks import vllm_ops
+
+    try:
+        vt.ops = vllm_ops.load(vt.root, log=log)
+        vt.ops_error = None
+    except vllm_ops.OpsUnavailable as exc:
+        vt.ops, vt.ops_error = None, str(exc)
+    return vt
+
+
 @dataclass
 class _Prepared:
     name: str
@@ -522,6 +556,8 @@ class _Prepared:
     call: object  # call(i): GEMM1 + GEMM2 launches on set i
     outputs: list  # per set: (cache3 (M, topk, K), topk_weights)
     chain: object  # chain(i) -> (M, K) output: GEMM1, activation, requant, GEMM2, top-k sum
+    stage: object = None  # stage(i): GEMM1, vLLM's compiled activation and requantization, GEMM2 (vt.ops)
+    stage_error: str | None = None  # why ``stage`` is None
 
 
 def _prepare(vt: VllmTriton, shape, M: int, inp, device) -> _Prepared:
@@ -572,9 +608,9 @@ def _prepare(vt: VllmTriton, shape, M: int, inp, device) -> _Prepared:
 
     a2s: list = [None] * len(sets)
 
-    def gemm2(i):
+    def gemm2(i, a2=None):
         _, w2, qc = copies[i % nw]
-        a, s = a2s[i]
+        a, s = a2s[i] if a2 is None else a2
         vt.launch(A=a, B=w2, C=caches[i][1], A_scale=s, B_scale=qc.w2_scale, mul_routed_weight=True, top_k=1,
                   B_bias=qc.w2_bias, **base(i))
 
@@ -586,13 +622,45 @@ def _prepare(vt: VllmTriton, shape, M: int, inp, device) -> _Prepared:
         gemm1(i)
         gemm2(i)
 
+    stage, stage_error = None, vt.ops_error or "vLLM's compiled ops not attached (peer_vllm.attach_ops)"
+    if vt.ops is not None:
+        stage_error = _stage_unsupported(shape, qc0, flags)
+    if vt.ops is not None and stage_error is None:
+        from benchmarks import vllm_ops
+
+        # TritonExperts' workspace: intermediate_cache2 (M * topk, N / 2), reused across calls
+        c2s = [torch.empty(M * topk, N // 2, device=device, dtype=shape.dtype) for _ in sets]
+
+        def stage(i):  # vLLM's fused_experts_impl from GEMM1 to GEMM2 (fused_moe.py), its own ops between them
+            qc = copies[i % nw][2]
+            gemm1(i)
+            vllm_ops.activation(vt.ops, shape.activation, c2s[i], caches[i][0].view(-1, N), qc)
+            a2 = (vllm_ops.quantize(vt.ops, c2s[i], qc.a2_scale, per_act_token=flags["per_channel_quant"],
+                                    block_shape=flags["block_shape"]) if flags["use_fp8_w8a8"] else (c2s[i], None))
+            gemm2(i, a2)
+
     def chain(i):
-        gemm1(i)
-        a2s[i] = activation_requant(i)
-        gemm2(i)
+        if stage is not None:  # the checked chain is the one timed
+            stage(i)
+        else:
+            gemm1(i)
+            a2s[i] = activation_requant(i)
+            gemm2(i)
         return caches[i][1].float().sum(dim=1).to(shape.dtype)
 
-    return _Prepared(vt.title, cfg, cfg_src, call, caches, chain)
+    return _Prepared(vt.title, cfg, cfg_src, call, caches, chain, stage, None if stage is not None else stage_error)
+
+
+def _stage_unsupported(shape, qc, flags) -> str | None:
+    """Why vLLM's whole GEMM stage is not run with its compiled ops for this shape (None: it is)."""
+    from reference.activation import MoEActivation
+
+    if shape.activation not in (MoEActivation.SILU, MoEActivation.SWIGLUOAI) or (
+            shape.activation == MoEActivation.SILU and qc.gemm1_clamp_limit is not None):
+        return f"activation {shape.activation.value}: vLLM's compiled op for it is not bound (benchmarks.vllm_ops)"
+    if flags["use_int8_w8a8"]:
+        return "int8 W8A8: vLLM's int8 requantization ops are not bound (benchmarks.vllm_ops)"
+    return None
 
 
 _CACHE: dict = {}
@@ -613,9 +681,21 @@ def gemms_variant(vt: VllmTriton, shape, M: int, inp, device):
     return p.name, p.call, p.config_source
 
 
+def chain_variant(vt: VllmTriton, shape, M: int, inp, device):
+    """``(column name, stage(i))``: vLLM's whole GEMM stage on input set ``i`` as ``fused_experts_impl`` runs it
+    (GEMM1, its compiled activation into the workspace, its compiled requantization of GEMM2's input, GEMM2; no
+    top-k sum), the like-for-like peer of a backend's ``gemms`` (which fuses or runs these itself). Needs
+    ``attach_ops``; NotImplementedError (with the reason) where the ops are absent or do not cover the shape."""
+    p = _prepared(vt, shape, M, inp, device)
+    if p.stage is None:
+        raise NotImplementedError(p.stage_error)
+    return f"{p.name} chain", p.stage
+
+
 def check(vt: VllmTriton, shape, M: int, inp, device=None):
     """vLLM's whole chain on set 0 (GEMM1, activation, requantization, GEMM2 weighted by the router, top-k sum in
-    fp32, rounded) against the reference, with the error model's bound (vLLM's ``MUL_ROUTED_WEIGHT`` rounds
+    fp32, rounded; the activation and requantization by vLLM's compiled ops where ``attach_ops`` gave them, the
+    ones ``chain_variant`` times, else by the reference) against the reference, with the error model's bound (vLLM's ``MUL_ROUTED_WEIGHT`` rounds
     ``w * y``: the ``before_store`` router-weight rounding); a ``benchmarks.check.Check``. FP8 per-tensor /
     per-channel GEMMs accumulate in place in the wgmma accumulator (``acc=accumulator``, "to enable fp8_fast_accum"),
     so they are held to the error model's opt-in fast-accumulation bound (``Accumulation.fast``), not the default."""
@@ -654,7 +734,19 @@ def main(argv=None) -> int:
     s.add_argument("dest")
     i = sub.add_parser("info", help="where the source is, its version, the kernel file written")
     i.add_argument("source", nargs="?", default=None)
+    b = sub.add_parser("build-ops", help="compile vLLM's activation and FP8 quantization ops from the source's csrc "
+                                         "(benchmarks.vllm_ops; needs nvcc, a CUDA torch and a GPU); prints the path")
+    b.add_argument("source", nargs="?", default=None)
     args = ap.parse_args(argv)
+    if args.cmd == "build-ops":
+        from benchmarks import vllm_ops
+
+        try:
+            print(vllm_ops.build(find_source(args.source), log=print))
+            return 0
+        except (PeerUnavailable, vllm_ops.OpsUnavailable) as exc:
+            print(f"benchmarks.peer_vllm: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.cmd == "slice":
             dest, _ = slice_tree(args.source, args.dest)

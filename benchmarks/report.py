@@ -187,10 +187,16 @@ def render_suite(doc: dict) -> str:
              f"{fmt_rate(ceil.get('copy_bytes_per_s'), 'B/s')} copy, "
              + ", ".join(f"{k} {fmt_rate(v, 'FLOP/s')}" for k, v in mm.items()) + "."]
     live = bool(peer and peer.get("live"))
+    chain = peer.get("chain_column") if live else None
     if live:
         lines.append(f"{peer['title']} = {peer['source']}: timed live in this run on the same weights and routings "
                      f"({peer['measures']}: GEMM1 + GEMM2 launches), its output checked against the reference first; "
                      f"column `{peer.get('column', peer['title'])}`.")
+        lines.append(f"`{chain}` = vLLM's whole GEMM stage as fused_experts_impl runs it: GEMM1, its compiled "
+                     "activation and requantization ops (built from its csrc by benchmarks.vllm_ops), GEMM2; the "
+                     f"like-for-like peer of `{compare}`, column `speedup (chain)`." if chain else
+                     f"no `{peer.get('column', peer['title'])} chain` column (vLLM's whole GEMM stage with its compiled "
+                     f"ops): {peer.get('chain_error') or 'not attached'}.")
     elif peer:
         lines.append(f"{peer['title']} = {peer['source']} ({peer['measures']}): compare only on an {peer['device']}.")
     rows = doc.get("experts", [])
@@ -207,7 +213,7 @@ def render_suite(doc: dict) -> str:
         ratios += [(f"{c} / step", c, "step") for c in cols if c.endswith(" step") and "step" in cols]
         head = ["shape", "M"] + [f"{c} us" for c in cols]
         if peer:
-            head += ([] if live else [f"{peer['title']} us"]) + ["speedup"]
+            head += ([] if live else [f"{peer['title']} us"]) + ["speedup"] + (["speedup (chain)"] if chain else [])
         head += [r[0] for r in ratios] + ["floor us", "% of floor", "check"] + extra
         lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
@@ -219,6 +225,9 @@ def render_suite(doc: dict) -> str:
             if peer:
                 p = r.get("peer_s")
                 cells += ([] if live else [_us(p)]) + [f"{p / t_ref:.2f}x" if p and t_ref else "-"]
+                if chain:
+                    pc = r.get("peer_chain_s")
+                    cells.append(f"{pc / t_ref:.2f}x" if pc and t_ref else "-")
             cells += [f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "-" for _, a, b in ratios]
             floor = r.get("floor_s")
             cells += [_us(floor), f"{100 * floor / t_ref:.0f}%" if floor and t_ref else "-",
@@ -252,9 +261,14 @@ def render_suite(doc: dict) -> str:
         if pre:
             lines.append(f"prefill (M >= 1024) geometric-mean speedup of {ref} vs {peer['title']}: "
                          f"{_geomean(pre):.3f}x over {len(pre)} points")
+        pre_c = [r["peer_chain_s"] / r["times_s"][ref] for r in rows if chain and r.get("peer_chain_s")
+                 and r.get("times_s", {}).get(ref) and r["M"] >= 1024]
+        if pre_c:
+            lines.append(f"prefill (M >= 1024) geometric-mean speedup of {ref} vs {chain}: "
+                         f"{_geomean(pre_c):.3f}x over {len(pre_c)} points")
         if dec:
             lines.append(f"decode (M 8..64) % of floor of {ref}: min {min(dec):.0f}%, mean {sum(dec) / len(dec):.0f}%")
-        lines += _criteria(rows, ref, peer, ratios)
+        lines += _criteria(rows, ref, peer, ratios, chain)
     gates = doc.get("gate", [])
     if gates:
         cols = _variants(gates)
@@ -277,18 +291,19 @@ def render_suite(doc: dict) -> str:
 STEP_OVER_GEMMS_BAR = 1.3
 
 
-def _criteria(rows: list[dict], ref: str, peer, ratios: list) -> list[str]:
+def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None = None) -> list[str]:
     """Summary lines counted over every row of the table: rows at or above the peer (speedup >= 1.00x, the rows
-    below named), the M = 4096 rows' % of the floor, and ``step / gemms`` against ``STEP_OVER_GEMMS_BAR`` (the rows
-    above it named)."""
+    below named; again against the peer's whole chain where there is one), the M = 4096 rows' % of the floor, and
+    ``step / gemms`` against ``STEP_OVER_GEMMS_BAR`` (the rows above it named)."""
     out = []
-    sp = [(r, r["peer_s"] / r["times_s"][ref]) for r in rows if r.get("peer_s") and r.get("times_s", {}).get(ref)]
-    if peer and sp:
-        low = [f"{r['case']} M={r['M']} {x:.2f}x" for r, x in sp if x < 1.0]
-        no_peer = sum(1 for r in rows if r.get("times_s", {}).get(ref) and not r.get("peer_s"))
-        out.append(f"rows at or above 1.00x of {peer['title']}: {len(sp) - len(low)} of {len(sp)}"
-                   + (f" ({no_peer} rows without a peer time)" if no_peer else "")
-                   + (f"; below: {', '.join(low)}" if low else ""))
+    for key, title in (("peer_s", peer and peer["title"]), ("peer_chain_s", chain)):
+        sp = [(r, r[key] / r["times_s"][ref]) for r in rows if r.get(key) and r.get("times_s", {}).get(ref)]
+        if title and sp:
+            low = [f"{r['case']} M={r['M']} {x:.2f}x" for r, x in sp if x < 1.0]
+            no_peer = sum(1 for r in rows if r.get("times_s", {}).get(ref) and not r.get(key))
+            out.append(f"rows at or above 1.00x of {title}: {len(sp) - len(low)} of {len(sp)}"
+                       + (f" ({no_peer} rows without a peer time)" if no_peer else "")
+                       + (f"; below: {', '.join(low)}" if low else ""))
     big = [100 * r["floor_s"] / r["times_s"][ref] for r in rows if r["M"] == 4096 and r.get("floor_s")
            and r.get("times_s", {}).get(ref)]
     if big:

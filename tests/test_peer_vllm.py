@@ -257,6 +257,26 @@ from benchmarks.harness import draw_routing, make_weights
 from reference.activation import MoEActivation
 
 vt = P.load(sys.argv[1])
+
+
+class TorchOps:
+    """vLLM's silu_and_mul and per_token_group_fp8_quant in torch (their math, no CUDA)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def silu_and_mul(self, out, x):
+        self.calls.append("silu_and_mul")
+        d = x.shape[-1] // 2
+        out.copy_((torch.nn.functional.silu(x[..., :d].float()) * x[..., d:].float()).to(out.dtype))
+
+    def per_token_group_fp8_quant(self, x, xq, xs, group, eps, lo, hi, ue8m0, transposed, tma):
+        self.calls.append("per_token_group_fp8_quant")
+        xf = x.float().view(x.shape[0], -1, group)
+        s = xf.abs().amax(-1).clamp_min(eps) / hi
+        xs.copy_(s)
+        xq.copy_((xf / s[..., None]).clamp(lo, hi).view(x.shape).to(xq.dtype))
+
 DT = {"fp16": torch.float16, "fp32": torch.float32, "fp8_block128": torch.bfloat16}
 for scheme, E, topk, K, I, M in json.loads(sys.argv[2]):
     g = torch.Generator().manual_seed(7)
@@ -272,7 +292,18 @@ for scheme, E, topk, K, I, M in json.loads(sys.argv[2]):
     c = P.check(vt, shape, M, inp, torch.device("cpu"))
     name, call, src = P.gemms_variant(vt, shape, M, inp, torch.device("cpu"))
     call(1)
-    print(json.dumps({"case": shape.id, "ok": c.ok, "text": c.text, "config": src, "name": name}), flush=True)
+    # the whole-stage wiring (GEMM1, the ops between, GEMM2 on their output) with torch stand-ins for vLLM's
+    # compiled ops: the chain checked is then the stage timed
+    vt.ops, vt.ops_error = TorchOps(), None
+    P._CACHE.clear()
+    chain_name, stage = P.chain_variant(vt, shape, M, inp, torch.device("cpu"))
+    stage(1)
+    cc = P.check(vt, shape, M, inp, torch.device("cpu"))
+    vt.ops, calls = None, vt.ops.calls
+    P._CACHE.clear()
+    print(json.dumps({"case": shape.id, "ok": c.ok, "text": c.text, "config": src, "name": name,
+                      "chain": chain_name, "chain_ok": cc.ok, "chain_text": cc.text, "ops": sorted(set(calls))}),
+          flush=True)
 '''
 
 # (scheme, E, topk, K, I, M): the aligned path (M * topk * 4 > E) and vLLM's naive per-route blocks (<= E), the
@@ -293,9 +324,11 @@ def test_real_kernel_under_the_interpreter_matches_the_reference():
                        env=env, capture_output=True, text=True, timeout=600)
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == len(INTERPRET_CASES), f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    bad = [row for row in rows if not row["ok"]]
+    bad = [row for row in rows if not (row["ok"] and row["chain_ok"])]
     assert not bad, bad
     assert all(row["config"] == "default" and row["name"].startswith("vllm ") for row in rows)
+    assert all(row["chain"] == row["name"] + " chain" for row in rows)
+    assert {tuple(row["ops"]) for row in rows} == {("silu_and_mul",), ("per_token_group_fp8_quant", "silu_and_mul")}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -340,3 +373,28 @@ def test_render_suite_with_the_live_peer():
     assert "| vllm 0.33.0 us | speedup |" in text and "| 1.20x |" in text
     assert "E=128,N=768,device_name=NVIDIA_H200.json[1024]" in text
     assert "geometric-mean speedup of gemms vs vLLM 0.33.0 (live): 1.200x" in text
+    assert "speedup (chain)" not in text and "no `vllm 0.33.0 chain` column" in text
+
+
+def test_render_suite_with_the_peers_whole_chain():
+    """With vLLM's compiled ops the table has the chain's column and its speedup; the summary counts every row
+    against both peers (the GEMM launches as filed, the whole stage beside)."""
+    def row(M, gemms, peer, chain):
+        return {"case": "mixtral_tp2-fp8_tensor", "E": 8, "topk": 2, "K": 4096, "I": 7168, "M": M,
+                "times_s": {"gemms": gemms * 1e-6, "vllm 0.33.0": peer * 1e-6, "vllm 0.33.0 chain": chain * 1e-6},
+                "methods": {}, "peer_s": peer * 1e-6, "peer_chain_s": chain * 1e-6, "floor_s": 1e-4, "checks": {},
+                "extra": {}}
+
+    doc = {"backend": "triton", "device": {"name": "NVIDIA H200"}, "ceilings": {}, "compare": "gemms",
+           "peer": {"name": "vllm_live", "title": "vLLM 0.33.0 (live)", "source": "/x/fused_moe.py", "device": "H200",
+                    "measures": "gemms", "unit": "us", "live": True, "column": "vllm 0.33.0",
+                    "chain_column": "vllm 0.33.0 chain"},
+           "experts": [row(64, 200, 190, 210), row(1024, 500, 430, 520), row(4096, 1500, 1320, 1450)],
+           "failures": [], "notes": []}
+    text = report.render_suite(doc)
+    assert "| gemms us | vllm 0.33.0 us | vllm 0.33.0 chain us | speedup | speedup (chain) |" in text
+    assert "| 0.95x | 1.05x |" in text and "| 0.86x | 1.04x |" in text and "| 0.88x | 0.97x |" in text
+    assert "rows at or above 1.00x of vLLM 0.33.0 (live): 0 of 3" in text
+    assert ("rows at or above 1.00x of vllm 0.33.0 chain: 2 of 3; below: mixtral_tp2-fp8_tensor M=4096 0.97x"
+            in text)
+    assert "geometric-mean speedup of gemms vs vllm 0.33.0 chain: 1.003x over 2 points" in text
