@@ -695,11 +695,16 @@ def chain_variant(vt: VllmTriton, shape, M: int, inp, device):
 def check(vt: VllmTriton, shape, M: int, inp, device=None):
     """vLLM's whole chain on set 0 (GEMM1, activation, requantization, GEMM2 weighted by the router, top-k sum in
     fp32, rounded; the activation and requantization by vLLM's compiled ops where ``attach_ops`` gave them, the
-    ones ``chain_variant`` times, else by the reference) against the reference, with the error model's bound (vLLM's ``MUL_ROUTED_WEIGHT`` rounds
-    ``w * y``: the ``before_store`` router-weight rounding); a ``benchmarks.check.Check``. FP8 per-tensor /
+    ones ``chain_variant`` times, else by the reference) against the reference, with the error model's bound
+    (vLLM's ``MUL_ROUTED_WEIGHT`` rounds ``w * y``: the ``before_store`` router-weight rounding); a
+    ``benchmarks.check.Check``. vLLM's compiled ``silu_and_mul`` rounds ``silu(g)`` to the act dtype before the
+    multiply (csrc/activation_kernels.cu: ``silu_kernel`` returns ``scalar_t``), the ``torch_native_activation``
+    numerics profile's ``R(R(silu(g)) * u)``, not the default profile's single rounding: with the compiled ops a
+    SiLU chain is judged against that profile's reference (``reference.profiles``). FP8 per-tensor /
     per-channel GEMMs accumulate in place in the wgmma accumulator (``acc=accumulator``, "to enable fp8_fast_accum"),
     so they are held to the error model's opt-in fast-accumulation bound (``Accumulation.fast``), not the default."""
     from benchmarks.check import experts_bound, reference_output, verdict
+    from reference.activation import MoEActivation
     from reference.error_model import Accumulation
 
     device = device if device is not None else inp.sets[0][0].device
@@ -707,8 +712,9 @@ def check(vt: VllmTriton, shape, M: int, inp, device=None):
     out = p.chain(0)
     w1, w2, qc = inp.weights.copies[0]
     h, tw, ids = inp.sets[0]
+    profile = "torch_native_activation" if p.stage is not None and shape.activation == MoEActivation.SILU else None
     ref, heavy = reference_output(h, w1, w2, tw, ids, qc, heavy=True, activation=shape.activation,
-                                  global_num_experts=shape.E)
+                                  global_num_experts=shape.E, profile=profile)
     cls = SimpleNamespace(support=SimpleNamespace(router_weight_rounding="before_store"))
     flags = _plan(shape, qc)
     fast = Accumulation.fast(14) if flags["use_fp8_w8a8"] and flags["block_shape"] is None else None

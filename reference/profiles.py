@@ -22,7 +22,8 @@ point (``NumericsProfile`` field) ``vllm`` (default)                         the
 ===============================  =========================================  =========================================
 ``activation``                    ``"fused"``: fp32 math on the rounded      ``"per_op"``: every torch op of the
                                   GEMM1 output, ``R`` once: ``R(silu(g)*u)``  formula rounds: ``R(R(silu(g)) * u)``
-                                  (csrc ``silu_and_mul``)                     (``SiluAndMul.forward_native``, HF)
+                                  (fused epilogues; csrc                      (``SiluAndMul.forward_native``, HF,
+                                  ``swigluoai_and_mul``)                      and csrc ``silu_and_mul`` (below))
 ``gemm_bias``                     ``"fused"``: ``R(acc + b)``                ``"after_store"``: ``R(R(acc) + b)``
 ``router_weight``                 ``"fp32"``: ``R(y)`` weighted in fp32 in   ``"after_store"``: each term
                                   the top-k sum                              ``R(w * R(y))`` in the act dtype
@@ -34,6 +35,15 @@ point (``NumericsProfile`` field) ``vllm`` (default)                         the
                                                                              FP8 GEMMs accumulate in a never-promoted
                                                                              14-bit partial (below)
 ===============================  =========================================  =========================================
+
+vLLM's compiled ``silu_and_mul`` / ``gelu_and_mul`` / ``gelu_tanh_and_mul`` (csrc/activation_kernels.cu of
+0.33.0: ``silu_kernel`` returns ``scalar_t``, so ``act(g)`` is rounded to the act dtype before ``* up``) compute the
+``per_op`` form for SiLU and GELU, not the single rounding: measured on an H200 with vLLM 0.33.0's own op compiled
+from its csrc (``benchmarks.vllm_ops``), its whole chain missed the default profile's bound by 1.2-2.5x (the extra
+rounding of ``silu(g)`` moves about a quarter of the bf16 products by one step, and at an FP8 requantization flips
+codes) and is judged against ``torch_native_activation`` (docs/notes/gpu-sessions.md, sixteenth session). Its
+``swigluoai_and_mul`` computes the glu in fp32 and rounds once (the ``fused`` form; ``per_op``'s SwiGLU-OAI is
+transformers' several roundings).
 
 ``"inplace"`` FP8 accumulation (vLLM's Triton ``fused_moe_kernel`` for FP8 per-tensor / per-channel x per-token
 scales: ``accumulator = tl.dot(a, b, acc=accumulator)`` on the codes, scales applied once after the K loop;
@@ -127,7 +137,16 @@ class NumericsProfile:
         """The ``reference.error_model.Accumulation`` a kernel of this profile is allowed on ``quant_config``, or
         None for the error model's default.
 
-        Under ``"inplace"`` FP8 accumulation the reference itself accumulates in the 14-bit partial, and a kernel of
+        Under vLLM's compiled ``silu_and_mul`` / ``gelu_and_mul`` / ``gelu_tanh_and_mul`` (csrc/activation_kernels.cu, 0.17 and
+0.33.0: ``silu_kernel`` returns ``scalar_t``, so ``act(g)`` is rounded to the act dtype before ``* up``) compute the
+``per_op`` form for SiLU and GELU, not the single rounding: measured on an H200 with vLLM 0.33.0's own op compiled
+from its csrc (``benchmarks.vllm_ops``), its whole chain missed the default profile's bound by 1.2-2.5x (the extra
+rounding of ``silu(g)`` moves about a quarter of the bf16 products by one step, and at an FP8 requantization flips
+codes) and is judged against ``torch_native_activation`` (docs/notes/gpu-sessions.md, sixteenth session). Its
+``swigluoai_and_mul`` computes the glu in fp32 and rounds once (the ``fused`` form; ``per_op``'s SwiGLU-OAI is
+transformers' several roundings).
+
+``"inplace"`` FP8 accumulation the reference itself accumulates in the 14-bit partial, and a kernel of
         the profile does too, in its own order: two independent in-place accumulations differ by sqrt(2) times one's
         error, i.e. by one in-place accumulator of ``fp8_mma_bits - 1/2`` bits (the error is proportional to the
         partial's unit). Schemes the point does not touch keep the default.
@@ -143,18 +162,21 @@ class NumericsProfile:
 
 DEFAULT_PROFILE = NumericsProfile(
     "vllm",
-    summary="vLLM's CUDA / Triton path: fp32 math between the four rounding points of reference/experts.py",
-    upstream="vLLM csrc/activation_kernels.cu (silu_and_mul), fused_moe/fused_moe.py (fused_experts_impl), "
+    summary="vLLM's CUDA / Triton path: fp32 math between the four rounding points of reference/experts.py (the "
+            "activation rounded once, as vLLM's fused epilogues do; its compiled silu_and_mul rounds silu(g) first: "
+            "torch_native_activation)",
+    upstream="vLLM fused_moe/fused_moe.py (fused_experts_impl), csrc/activation_kernels.cu (swigluoai_and_mul), "
              "TopKWeightAndReduceContiguous / moe_sum (fp32 sum)")
 
 PROFILES: dict[str, NumericsProfile] = {p.name: p for p in (
     DEFAULT_PROFILE,
     NumericsProfile(
         "torch_native_activation", activation="per_op",
-        summary="the activation computed in the output dtype: R(R(act(g)) * u) (two roundings where vLLM's CUDA op "
-                "rounds once)",
-        upstream="vLLM model_executor/layers/activation.py SiluAndMul.forward_native (and the other "
-                 "forward_native); transformers ACT2FN[...](gate) * up"),
+        summary="the activation computed in the output dtype: R(R(act(g)) * u) (two roundings where a fused "
+                "epilogue rounds once); vLLM's compiled silu_and_mul / gelu_and_mul round this way too",
+        upstream="vLLM csrc/activation_kernels.cu (silu_and_mul, gelu_and_mul: act_and_mul_kernel), "
+                 "model_executor/layers/activation.py SiluAndMul.forward_native (and the other forward_native); "
+                 "transformers ACT2FN[...](gate) * up"),
     NumericsProfile(
         "transformers_eager", activation="per_op", gemm_bias="after_store", router_weight="after_store",
         topk_sum="act_dtype_expert_order",
