@@ -299,7 +299,9 @@ def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None 
     for key, title in (("peer_s", peer and peer["title"]), ("peer_chain_s", chain)):
         sp = [(r, r[key] / r["times_s"][ref]) for r in rows if r.get(key) and r.get("times_s", {}).get(ref)]
         if title and sp:
-            low = [f"{r['case']} M={r['M']} {x:.2f}x" for r, x in sp if x < 1.0]
+            # three decimals where two would print a row below 1 as "1.00x"
+            low = [f"{r['case']} M={r['M']} {x:.3f}x" if x >= 0.995 else f"{r['case']} M={r['M']} {x:.2f}x"
+                   for r, x in sp if x < 1.0]
             no_peer = sum(1 for r in rows if r.get("times_s", {}).get(ref) and not r.get(key))
             out.append(f"rows at or above 1.00x of {title}: {len(sp) - len(low)} of {len(sp)}"
                        + (f" ({no_peer} rows without a peer time)" if no_peer else "")

@@ -389,12 +389,14 @@ def test_render_suite_with_the_peers_whole_chain():
            "peer": {"name": "vllm_live", "title": "vLLM 0.33.0 (live)", "source": "/x/fused_moe.py", "device": "H200",
                     "measures": "gemms", "unit": "us", "live": True, "column": "vllm 0.33.0",
                     "chain_column": "vllm 0.33.0 chain"},
-           "experts": [row(64, 200, 190, 210), row(1024, 500, 430, 520), row(4096, 1500, 1320, 1450)],
+           "experts": [row(64, 200, 190, 210), row(1024, 500, 430, 520), row(4096, 1500, 1320, 1450),
+                       row(8, 100, 99.9, 110)],
            "failures": [], "notes": []}
     text = report.render_suite(doc)
     assert "| gemms us | vllm 0.33.0 us | vllm 0.33.0 chain us | speedup | speedup (chain) |" in text
     assert "| 0.95x | 1.05x |" in text and "| 0.86x | 1.04x |" in text and "| 0.88x | 0.97x |" in text
-    assert "rows at or above 1.00x of vLLM 0.33.0 (live): 0 of 3" in text
-    assert ("rows at or above 1.00x of vllm 0.33.0 chain: 2 of 3; below: mixtral_tp2-fp8_tensor M=4096 0.97x"
+    assert "rows at or above 1.00x of vLLM 0.33.0 (live): 0 of 4" in text
+    assert "M=8 0.999x" in text  # not "1.00x" among the rows below
+    assert ("rows at or above 1.00x of vllm 0.33.0 chain: 3 of 4; below: mixtral_tp2-fp8_tensor M=4096 0.97x"
             in text)
     assert "geometric-mean speedup of gemms vs vllm 0.33.0 chain: 1.003x over 2 points" in text
