@@ -16,7 +16,7 @@ headers and libraries are the ones the ops link against, through the stable ABI 
 (``TORCH_TARGET_VERSION`` 2.11, as vLLM 0.33's CMakeLists.txt sets it). Flags mirror vLLM's CMake build for these
 files (C++20, ``--expt-relaxed-constexpr --expt-extended-lambda``, ``-DENABLE_FP8 -DUSE_CUDA``) for the GPU's own
 architecture. The library is cached under ``peer_vllm.cache_dir()`` by a hash of the sources, flags, torch and nvcc
-versions; about 20 s on 16 cores. ``$MOE_VLLM_OPS`` names a prebuilt library instead.
+versions; 37 s on the H200 machine's 16 cores. ``$MOE_VLLM_OPS`` names a prebuilt library instead.
 
     python -m benchmarks.peer_vllm build-ops [SOURCE]      # build (or find) the library; prints its path
 """
@@ -136,8 +136,8 @@ def _cuda_lib(nvcc: str) -> str:
 
 def build(root: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, jobs: int | None = None,
           log=None) -> Path:
-    """Compile vLLM's ``SOURCES`` under ``root/csrc`` and this module's ``BINDINGS`` into one shared library;
-    returns its path (an existing build of the same inputs is reused).
+    """Compile vLLM's ``SOURCES`` under ``root/csrc`` and their registration (``bindings``) into one shared library
+    for this GPU's architecture; returns its path (an existing build of the same inputs is reused).
 
     Raises:
         OpsUnavailable: the csrc files are missing (a slice made before they were kept: slice again), no nvcc, no
@@ -167,7 +167,8 @@ def build(root: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, 
     work = out_dir / (so.stem + ".build")
     work.mkdir(parents=True, exist_ok=True)
     (work / "bindings.cpp").write_text(binding)
-    inc = [f"-I{root / 'csrc'}"] + [f"-I{p}" for p in includes] + [f"-I{Path(nvcc).resolve().parent.parent / 'include'}"]
+    cuda_include = Path(nvcc).resolve().parent.parent / "include"
+    inc = [f"-I{root / 'csrc'}"] + [f"-I{p}" for p in includes] + [f"-I{cuda_include}"]
     cxx = os.environ.get("CXX") or shutil.which("c++") or "g++"
     cmds = [[nvcc, *NVCC_FLAGS, arch, *DEFINES, *inc, "-c", str(root / "csrc" / s), "-o",
              str(work / (Path(s).stem + ".o"))] for s in SOURCES]

@@ -5,7 +5,10 @@ Mirrors ``vllm/model_executor/layers/fused_moe/activation.py`` and the kernels i
 members: under the 0.17 semantics (``reference.semantics``) applying them raises ``SemanticsError``.
 
 Numerics: every activation reads its input in the input dtype, computes in fp32 and rounds the result once to
-the input dtype, as vLLM's CUDA activation kernels (``silu_and_mul`` etc.) do.
+the input dtype, as vLLM's fused epilogues and its ``swigluoai_and_mul`` kernel do. Its ``silu_and_mul`` (with or
+without a clamp), ``gelu_and_mul`` and ``gelu_tanh_and_mul`` (csrc ``act_and_mul_kernel``: the ``ACT_FN`` returns
+``scalar_t``) round ``act(g)`` to the input dtype before the multiply: ``reference.profiles``' ``per_op``
+activation (profile ``torch_native_activation``), measured with ``silu_and_mul`` compiled from vLLM 0.33.0's csrc.
 
 Gated layout: for gated activations the input is ``(..., 2d)`` and the output ``(..., d)``. The gate ``g`` is the
 first half and the up projection ``u`` the second half (vLLM's packed ``w13`` = [w1; w3]), except SWIGLUOAI, whose

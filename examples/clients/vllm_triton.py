@@ -29,7 +29,9 @@ vLLM 0.33 (``TritonExperts.apply``)      here
                                          weights; GEMM2 with ``MUL_ROUTED_WEIGHT`` unless the weight was
                                          applied on the input)
 ``self.activation`` (``_C`` CUDA ops)    ``reference.activation.apply_moe_activation`` (the ``vllm`` profile's
-                                         fused rounding: fp32 math, one rounding, as csrc ``silu_and_mul``)
+                                         fused rounding: fp32 math, one rounding; csrc ``silu_and_mul`` itself
+                                         rounds silu(g) first, the ``torch_native_activation`` form:
+                                         ``benchmarks.vllm_ops`` builds it on a GPU machine)
 ``ops.silu_and_mul_per_block_quant``     (SiLU + FP8 128-blocks, a fused CUDA op) the reference activation,
                                          then the reference's 1x128 group quantizer: the unfused path vLLM
                                          takes with a clamp limit
