@@ -308,8 +308,9 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 if vllm.ops is not None:
                     row["times_s"][f"{vllm.title} chain"] = row["times_s"].pop(f"{vllm.title} chain", None)
                     row["peer_chain_s"] = row["times_s"][f"{vllm.title} chain"]
-                if vllm.title in row["checks"]:
-                    row["checks"][vllm.title] = row["checks"].pop(vllm.title)
+                for k in (vllm.title, f"{vllm.title} chain"):
+                    if k in row["checks"]:
+                        row["checks"][k] = row["checks"].pop(k)
                 row["peer_s"] = row["times_s"][vllm.title]
             doc["experts"].append(row)
             log(f"[{time.time() - t0:6.1f}s] {shape.id} M={M}: "
@@ -406,14 +407,27 @@ def _vllm_peer(vllm, shape, M, inp, device, row, doc, check: bool) -> list:
             log(f"  {shape.id} M={M} {name}: {c.text} (not timed)")
             return []
     out = [(name, call, f"vllm{vllm.version}.gemms", None)]
-    if vllm.ops is not None:
+    if vllm.ops is not None:  # the whole stage with vLLM's compiled ops: its own check, its own column
         try:
             chain_name, stage = peer_vllm.chain_variant(vllm, shape, M, inp, device)
-            out.append((chain_name, stage, f"vllm{vllm.version}.chain", None))
         except NotImplementedError as exc:
             note = f"{name} chain: {shape.id} not run: {exc}"
             if note not in doc["notes"]:
                 doc["notes"].append(note)
+            return out
+        if check:
+            try:
+                c = peer_vllm.check(vllm, shape, M, inp, device, stage=True)
+            except Exception as exc:  # noqa: BLE001 - the chain fails alone; the GEMM-launch column stays
+                doc["failures"].append(f"check {shape.id} M={M} {chain_name}: {type(exc).__name__}: {exc}"[:300])
+                traceback.print_exc()
+                return out
+            row["checks"][chain_name] = f"{chain_name}: {c.text}"
+            if not c.ok:
+                doc["notes"].append(f"check {shape.id} M={M} {chain_name}: {c.text} (not timed)")
+                log(f"  {shape.id} M={M} {chain_name}: {c.text} (not timed)")
+                return out
+        out.append((chain_name, stage, f"vllm{vllm.version}.chain", None))
     return out
 
 

@@ -25,9 +25,9 @@ it: GEMM1, vLLM's compiled activation (``silu_and_mul`` / ``swigluoai_and_mul``)
 requantization of GEMM2's input (``scaled_fp8_quant``'s ops / ``per_token_group_fp8_quant``), GEMM2: the
 like-for-like peer of a backend's ``gemms``, which fuses or runs these itself. The ops are compiled from vLLM's own
 csrc files by ``benchmarks.vllm_ops`` (``attach_ops``; nvcc and a CUDA torch needed, else the column is absent and
-the reason printed); the checked chain is then the timed one.
+the reason printed), and checked on its own before it is timed (``check(..., stage=True)``).
 
-    python -m benchmarks.peer_vllm slice /tmp/vcache/vllm-0.33.0.tar.gz shared/vllm-0.33.0   # 1.3 MiB tree
+    python -m benchmarks.peer_vllm slice /tmp/vcache/vllm-0.33.0.tar.gz shared/vllm-0.33.0   # 1.5 MiB tree
     python -m benchmarks.peer_vllm info [SOURCE]                                            # version, files
     python -m benchmarks.peer_vllm build-ops [SOURCE]      # (GPU machine) compile vLLM's activation / quant ops
 """
@@ -68,7 +68,7 @@ def howto(version: str = "0.33.0") -> str:
     return (f"get vLLM's source: `python tests/parity/fetch_sdist.py {version} DIR` then pass `--vllm-src "
             f"DIR/vllm-{version}` (or DIR/vllm-{version}.tar.gz, or set ${ENV_SRC}); or `pip install vllm` (located, "
             "never imported). For an offline GPU machine: `python -m benchmarks.peer_vllm slice SDIST_OR_TREE "
-            f"shared/vllm-{version}` here (about 1.3 MiB), then `--vllm-src shared/vllm-{version}` there")
+            f"shared/vllm-{version}` here (about 1.5 MiB), then `--vllm-src shared/vllm-{version}` there")
 
 
 def cache_dir() -> Path:
@@ -555,7 +555,8 @@ class _Prepared:
     config_source: str
     call: object  # call(i): GEMM1 + GEMM2 launches on set i
     outputs: list  # per set: (cache3 (M, topk, K), topk_weights)
-    chain: object  # chain(i) -> (M, K) output: GEMM1, activation, requant, GEMM2, top-k sum
+    chain: object  # chain(i, compiled=False) -> (M, K): GEMM1, activation, requant, GEMM2, top-k sum (compiled:
+    #                with vLLM's ops, the stage; else the reference's activation and requantization)
     stage: object = None  # stage(i): GEMM1, vLLM's compiled activation and requantization, GEMM2 (vt.ops)
     stage_error: str | None = None  # why ``stage`` is None
 
@@ -639,8 +640,8 @@ def _prepare(vt: VllmTriton, shape, M: int, inp, device) -> _Prepared:
                                     block_shape=flags["block_shape"]) if flags["use_fp8_w8a8"] else (c2s[i], None))
             gemm2(i, a2)
 
-    def chain(i):
-        if stage is not None:  # the checked chain is the one timed
+    def chain(i, compiled: bool = False):
+        if compiled:  # the stage chain_variant times
             stage(i)
         else:
             gemm1(i)
@@ -667,7 +668,7 @@ _CACHE: dict = {}
 
 
 def _prepared(vt, shape, M, inp, device) -> _Prepared:
-    key = (id(vt), shape.id, M, id(inp))
+    key = (id(vt), id(vt.ops), shape.id, M, id(inp))
     if key not in _CACHE:
         _CACHE.clear()  # one (shape, M) at a time
         _CACHE[key] = _prepare(vt, shape, M, inp, device)
@@ -692,27 +693,31 @@ def chain_variant(vt: VllmTriton, shape, M: int, inp, device):
     return f"{p.name} chain", p.stage
 
 
-def check(vt: VllmTriton, shape, M: int, inp, device=None):
+def check(vt: VllmTriton, shape, M: int, inp, device=None, *, stage: bool = False):
     """vLLM's whole chain on set 0 (GEMM1, activation, requantization, GEMM2 weighted by the router, top-k sum in
-    fp32, rounded; the activation and requantization by vLLM's compiled ops where ``attach_ops`` gave them, the
-    ones ``chain_variant`` times, else by the reference) against the reference, with the error model's bound
-    (vLLM's ``MUL_ROUTED_WEIGHT`` rounds ``w * y``: the ``before_store`` router-weight rounding); a
-    ``benchmarks.check.Check``. vLLM's compiled ``silu_and_mul`` rounds ``silu(g)`` to the act dtype before the
-    multiply (csrc/activation_kernels.cu: ``silu_kernel`` returns ``scalar_t``), the ``torch_native_activation``
-    numerics profile's ``R(R(silu(g)) * u)``, not the default profile's single rounding: with the compiled ops a
-    SiLU chain is judged against that profile's reference (``reference.profiles``). FP8 per-tensor /
-    per-channel GEMMs accumulate in place in the wgmma accumulator (``acc=accumulator``, "to enable fp8_fast_accum"),
-    so they are held to the error model's opt-in fast-accumulation bound (``Accumulation.fast``), not the default."""
+    fp32, rounded) against the reference, with the error model's bound (vLLM's ``MUL_ROUTED_WEIGHT`` rounds ``w * y``:
+    the ``before_store`` router-weight rounding); a ``benchmarks.check.Check``.
+
+    ``stage`` False: the activation and requantization by the reference (what the GEMM-launch column's precomputed
+    GEMM2 input is). ``stage`` True: by vLLM's compiled ops, the stage ``chain_variant`` times (NotImplementedError
+    where there is none); vLLM's compiled ``silu_and_mul`` rounds ``silu(g)`` to the act dtype before the multiply
+    (csrc/activation_kernels.cu: ``silu_kernel`` returns ``scalar_t``), the ``torch_native_activation`` numerics
+    profile's ``R(R(silu(g)) * u)``, not the default profile's single rounding, so a SiLU stage is judged against
+    that profile's reference (``reference.profiles``). FP8 per-tensor / per-channel GEMMs accumulate in place in the
+    wgmma accumulator (``acc=accumulator``, "to enable fp8_fast_accum"), so they are held to the error model's opt-in
+    fast-accumulation bound (``Accumulation.fast``), not the default."""
     from benchmarks.check import experts_bound, reference_output, verdict
     from reference.activation import MoEActivation
     from reference.error_model import Accumulation
 
     device = device if device is not None else inp.sets[0][0].device
     p = _prepared(vt, shape, M, inp, device)
-    out = p.chain(0)
+    if stage and p.stage is None:
+        raise NotImplementedError(p.stage_error)
+    out = p.chain(0, compiled=stage)
     w1, w2, qc = inp.weights.copies[0]
     h, tw, ids = inp.sets[0]
-    profile = "torch_native_activation" if p.stage is not None and shape.activation == MoEActivation.SILU else None
+    profile = "torch_native_activation" if stage and shape.activation == MoEActivation.SILU else None
     ref, heavy = reference_output(h, w1, w2, tw, ids, qc, heavy=True, activation=shape.activation,
                                   global_num_experts=shape.E, profile=profile)
     cls = SimpleNamespace(support=SimpleNamespace(router_weight_rounding="before_store"))

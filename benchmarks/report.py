@@ -196,7 +196,7 @@ def render_suite(doc: dict) -> str:
                      "activation and requantization ops (built from its csrc by benchmarks.vllm_ops), GEMM2; the "
                      f"like-for-like peer of `{compare}`, column `speedup (chain)`." if chain else
                      f"no `{peer.get('column', peer['title'])} chain` column (vLLM's whole GEMM stage with its "
-                     f"compiled ops): {peer.get('chain_error') or 'not attached'}.")
+                     f"compiled ops): {(peer.get('chain_error') or 'not attached').splitlines()[0]}.")
     elif peer:
         lines.append(f"{peer['title']} = {peer['source']} ({peer['measures']}): compare only on an {peer['device']}.")
     rows = doc.get("experts", [])

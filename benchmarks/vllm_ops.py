@@ -13,8 +13,9 @@ vLLM's own ``csrc/torch_bindings.cpp`` (``bindings``).
 
 The build (``build``) needs nvcc (``$CUDA_HOME/bin/nvcc`` or on ``PATH``), a C++ compiler and a CUDA torch: its
 headers and libraries are the ones the ops link against, through the stable ABI vLLM targets
-(``TORCH_TARGET_VERSION`` 2.11, as vLLM 0.33's CMakeLists.txt sets it). Flags mirror vLLM's CMake build for these
-files (C++20, ``--expt-relaxed-constexpr --expt-extended-lambda``, ``-DENABLE_FP8 -DUSE_CUDA``) for the GPU's own
+(``TORCH_TARGET_VERSION`` 2.11, as vLLM 0.33's CMakeLists.txt sets it). Flags: vLLM's for these files (C++20,
+torch's ``COMMON_NVCC_FLAGS`` less the half-conversion switches CUDA 12 drops, ``-DENABLE_FP8 -DUSE_CUDA``), plus
+``--expt-extended-lambda``, which their ``__device__`` lambdas need to compile here; for the GPU's own
 architecture. The library is cached under ``peer_vllm.cache_dir()`` by a hash of the sources, flags, torch and nvcc
 versions; 37 s on the H200 machine's 16 cores. ``$MOE_VLLM_OPS`` names a prebuilt library instead.
 
@@ -134,6 +135,15 @@ def _cuda_lib(nvcc: str) -> str:
     return str(home / "lib64")
 
 
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """``cmd``'s completed process; OpsUnavailable where it cannot start (a compiler missing or not executable)."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as exc:
+        raise OpsUnavailable(f"cannot run {cmd[0]}: {exc} (set CXX / CUDA_HOME, or name a prebuilt library in "
+                             f"${ENV_OPS})") from None
+
+
 def build(root: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, jobs: int | None = None,
           log=None) -> Path:
     """Compile vLLM's ``SOURCES`` under ``root/csrc`` and their registration (``bindings``) into one shared library
@@ -153,7 +163,7 @@ def build(root: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, 
     nvcc = _nvcc()
     includes, torch_lib, torch_version = _torch_paths()
     arch = _arch()
-    nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    nvcc_version = _run([nvcc, "--version"]).stdout
     h = hashlib.sha256()
     binding = bindings(root)
     for part in (binding, " ".join(DEFINES + NVCC_FLAGS + CXX_FLAGS), arch, torch_version, nvcc_version):
@@ -164,7 +174,7 @@ def build(root: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, 
     so = out_dir / f"vllm{version_of(root)}-ops-{h.hexdigest()[:16]}.so"
     if so.is_file():
         return so
-    work = out_dir / (so.stem + ".build")
+    work = out_dir / f"{so.stem}.build{os.getpid()}"  # a concurrent build of the same inputs has its own
     work.mkdir(parents=True, exist_ok=True)
     (work / "bindings.cpp").write_text(binding)
     cuda_include = Path(nvcc).resolve().parent.parent / "include"
@@ -177,7 +187,7 @@ def build(root: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, 
         log(f"vllm_ops: compiling {len(cmds)} files of {root / 'csrc'} ({arch.split(',')[-1]}) into {so}")
 
     def run(cmd):
-        return cmd, subprocess.run(cmd, capture_output=True, text=True)
+        return cmd, _run(cmd)
 
     with ThreadPoolExecutor(max_workers=jobs or min(len(cmds), os.cpu_count() or 1)) as pool:
         for cmd, r in pool.map(run, cmds):
@@ -187,7 +197,7 @@ def build(root: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, 
     objs = [str(work / (Path(s).stem + ".o")) for s in SOURCES] + [str(work / "bindings.o")]
     link = [cxx, "-shared", "-o", str(work / so.name), *objs, f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch_cuda",
             "-ltorch", f"-L{_cuda_lib(nvcc)}", "-lcudart"]
-    r = subprocess.run(link, capture_output=True, text=True)
+    r = _run(link)
     if r.returncode != 0:
         raise OpsUnavailable(f"linking vLLM's ops: exit {r.returncode}\n{r.stderr.strip()[-2000:]}")
     os.replace(work / so.name, so)
@@ -216,9 +226,14 @@ def load(root: str | os.PathLike | None, *, log=None):
     if key not in _LOADED:
         try:
             torch.ops.load_library(key)
-        except OSError as exc:
-            raise OpsUnavailable(f"loading {so}: {exc}") from exc
-        _LOADED[key] = getattr(torch.ops, NAMESPACE)
+        except (OSError, RuntimeError) as exc:  # not a library for this torch, or the namespace registered twice
+            raise OpsUnavailable(f"loading {so}: {type(exc).__name__}: {str(exc).strip()[:300]}") from None
+        ns = getattr(torch.ops, NAMESPACE)
+        missing = [op for op in OPS if not hasattr(ns, op)]
+        if missing:
+            raise OpsUnavailable(f"{so} does not register {', '.join(missing)} under torch.ops.{NAMESPACE} (not a "
+                                 "library benchmarks.vllm_ops built)")
+        _LOADED[key] = ns
     return _LOADED[key]
 
 
@@ -229,17 +244,15 @@ def load(root: str | os.PathLike | None, *, log=None):
 
 def activation(ops, act, out, x, qc) -> None:
     """``apply_moe_activation(act, out, x)`` (vllm/model_executor/layers/fused_moe/activation.py) for the gated
-    activations the suite's models use: SILU -> ``silu_and_mul``; SWIGLUOAI -> ``swigluoai_and_mul`` (alpha 1.702,
-    limit 7, vLLM's defaults; other ``qc`` values are passed). ``out``: (T, N/2), ``x``: (T, N). NotImplementedError
-    for another activation."""
+    activations the suite's models use: SILU -> ``silu_and_mul``; SWIGLUOAI -> ``swigluoai_and_mul(out, x)`` with
+    its schema's defaults (alpha 1.702, limit 7), as vLLM calls it (it reads neither from the config). ``out``:
+    (T, N/2), ``x``: (T, N). NotImplementedError for another activation (or SiLU with a clamp limit)."""
     from reference.activation import MoEActivation
 
     if act == MoEActivation.SILU and qc.gemm1_clamp_limit is None:
         ops.silu_and_mul(out, x)
     elif act == MoEActivation.SWIGLUOAI:
-        alpha = 1.702 if qc.gemm1_alpha is None else float(qc.gemm1_alpha)
-        limit = 7.0 if qc.gemm1_clamp_limit is None else float(qc.gemm1_clamp_limit)
-        ops.swigluoai_and_mul(out, x, alpha, limit)
+        ops.swigluoai_and_mul(out, x)
     else:
         raise NotImplementedError(f"vLLM's compiled activation for {act} is not bound here (silu, swigluoai are)")
 
@@ -248,7 +261,8 @@ def quantize(ops, x, scale, *, per_act_token: bool, block_shape):
     """``moe_kernel_quantize_input`` -> ``_fp8_quantize`` (vllm/model_executor/layers/fused_moe/utils.py) for FP8:
     ``ops.scaled_fp8_quant`` (vllm/_custom_ops.py: dynamic per-tensor, dynamic per-token, static) or, with
     ``block_shape``, ``per_token_group_quant_fp8`` (quantization/utils/fp8_utils.py; row-major scales, eps 1e-10,
-    E4M3's range, no UE8M0). ``x``: (T, D) contiguous; returns ``(x_q, scale)`` allocated as vLLM allocates them."""
+    E4M3's range, fp32 scales: vLLM's setup without DeepGEMM, whose ``is_deep_gemm_e8m0_used()`` would round the
+    scales to powers of two). ``x``: (T, D) contiguous; returns ``(x_q, scale)`` allocated as vLLM allocates them."""
     import torch
 
     fp8 = torch.float8_e4m3fn

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-session step: vLLM 0.33's own Triton fused_moe_kernel (examples/clients/vllm_triton.py, loaded from
 # vLLM's source by benchmarks.peer_vllm) through the conformance suite on one GPU. Run from the repository root with
-# the vLLM slice carried (python -m benchmarks.peer_vllm slice SDIST_OR_TREE .vllm-src/vllm-0.33.0, 1.3 MiB) and,
+# the vLLM slice carried (python -m benchmarks.peer_vllm slice SDIST_OR_TREE .vllm-src/vllm-0.33.0, 1.5 MiB) and,
 # for pytest-xdist, .whl/ (tools/gpu/fetch_gpu_wheels.sh; without it the run is serial):
 #   bash tools/gpu/clients.sh OUT [VLLM_SRC]            (VLLM_SRC default: $MOE_VLLM_SRC or .vllm-src/vllm-0.33.0)
 # Steps, all inside DEADLINE seconds (default 250) from the start, each under its own limit:

@@ -2,7 +2,7 @@
 # One device call for issue 44's FP8 per-tensor / per-channel rows: tune their tables, then the bench and the
 # accumulation probe on those tables, all inside DEADLINE seconds (default 540). Run from the repository root with
 # .whl/ (tools/gpu/fetch_gpu_wheels.sh) and the vLLM slice (python -m benchmarks.peer_vllm slice SDIST_OR_TREE
-# .vllm-src/vllm-0.33.0, 1.3 MiB) carried:
+# .vllm-src/vllm-0.33.0, 1.5 MiB) carried:
 #   bash tools/gpu/fp8_tune.sh [OUT] [VLLM_SRC]     (OUT default $OUT; VLLM_SRC: $MOE_VLLM_SRC or .vllm-src/vllm-0.33.0)
 # The tuner writes into a copy of the committed tables (OUT/configs, MOE_TRITON_CONFIG_DIR for every later step;
 # TABLES=DIR copies a previous call's tables over them first); the tables that changed are copied to OUT/ under
