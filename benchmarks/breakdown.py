@@ -76,7 +76,7 @@ def _gemm_stages(backend: str, shape_id: str, M: int, vllm=None):
                 name, call = peer_vllm.chain_variant(vllm, shape, M, inp, dev)
                 out.append((name, call, n, dev))
             except NotImplementedError as exc:
-                print(f"{shape_id} M={M} {vllm.title} chain: not run: {exc}", flush=True)
+                print(f"{shape_id} M={M} {vllm.chain_title}: not run: {exc}", flush=True)
     if not out:
         print(f"{shape_id} M={M}: no GEMM-stage variant of {backend} covers this shape", flush=True)
     return out

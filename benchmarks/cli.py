@@ -167,8 +167,8 @@ def main(argv=None) -> int:
         log(f"peer: vLLM {vllm.version} fused_moe_kernel from {vllm.fused_moe_path} (kernel file {vllm.kernel_path})")
         peer_vllm.attach_ops(vllm, log=log)
         log(f"peer: vLLM's compiled activation / requantization ops: "
-            + (f"loaded (column `{vllm.title} chain`)" if vllm.ops is not None else
-               f"not available, no `{vllm.title} chain` column: {vllm.ops_error}"))
+            + (f"loaded (column `{vllm.chain_title}`)" if vllm.ops is not None else
+               f"not available, no `{vllm.chain_title}` column: {vllm.ops_error}"))
     doc = run_suite(backend, suite, experts, ms, gates, gate_ms, check=not args.no_check,
                     peer_mode="vllm" if vllm is not None else "none" if args.peer != "stored" else "stored",
                     vllm=vllm, prepare=args.prepare)
@@ -225,7 +225,7 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                        "source": f"{vllm.fused_moe_path} (fused_moe_kernel, tuned configs of its configs/; per row: "
                                  "extra.vllm_config)", "measures": "gemms", "unit": "us", "live": True,
                        "column": vllm.title, "version": vllm.version, "root": str(vllm.root),
-                       "chain_column": f"{vllm.title} chain" if vllm.ops is not None else None,
+                       "chain_column": vllm.chain_title if vllm.ops is not None else None,
                        "chain_error": vllm.ops_error}
 
     def fail(what: str, exc: BaseException) -> None:
@@ -306,9 +306,9 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
             if vllm is not None:  # the peer's columns and check last
                 row["times_s"][vllm.title] = row["times_s"].pop(vllm.title, None)
                 if vllm.ops is not None:
-                    row["times_s"][f"{vllm.title} chain"] = row["times_s"].pop(f"{vllm.title} chain", None)
-                    row["peer_chain_s"] = row["times_s"][f"{vllm.title} chain"]
-                for k in (vllm.title, f"{vllm.title} chain"):
+                    row["times_s"][vllm.chain_title] = row["times_s"].pop(vllm.chain_title, None)
+                    row["peer_chain_s"] = row["times_s"][vllm.chain_title]
+                for k in (vllm.title, vllm.chain_title):
                     if k in row["checks"]:
                         row["checks"][k] = row["checks"].pop(k)
                 row["peer_s"] = row["times_s"][vllm.title]
@@ -394,40 +394,37 @@ def _vllm_peer(vllm, shape, M, inp, device, row, doc, check: bool) -> list:
         traceback.print_exc()
         return []
     row["extra"]["vllm_config"] = source
-    if check:
+
+    def checked(column: str, stage: bool) -> bool:
+        """The peer's check of one column (recorded in the row); False: not to be timed (a check that raised is a
+        failure of the run, a peer outside its bound only a note: the peer's defect, not the backend's)."""
+        if not check:
+            return True
         try:
-            c = peer_vllm.check(vllm, shape, M, inp, device)
-        except Exception as exc:  # noqa: BLE001
-            doc["failures"].append(f"check {shape.id} M={M} {name}: {type(exc).__name__}: {exc}"[:300])
+            c = peer_vllm.check(vllm, shape, M, inp, device, stage=stage)
+        except Exception as exc:  # noqa: BLE001 - the peer fails alone
+            doc["failures"].append(f"check {shape.id} M={M} {column}: {type(exc).__name__}: {exc}"[:300])
             traceback.print_exc()
-            return []
-        row["checks"][name] = f"{name}: {c.text}"
-        if not c.ok:  # the peer's defect, not the backend's: reported, not timed, the run's status unchanged
-            doc["notes"].append(f"check {shape.id} M={M} {name}: {c.text} (not timed)")
-            log(f"  {shape.id} M={M} {name}: {c.text} (not timed)")
-            return []
+            return False
+        row["checks"][column] = f"{column}: {c.text}"
+        if not c.ok:
+            doc["notes"].append(f"check {shape.id} M={M} {column}: {c.text} (not timed)")
+            log(f"  {shape.id} M={M} {column}: {c.text} (not timed)")
+        return c.ok
+
+    if not checked(name, stage=False):
+        return []
     out = [(name, call, f"vllm{vllm.version}.gemms", None)]
     if vllm.ops is not None:  # the whole stage with vLLM's compiled ops: its own check, its own column
         try:
             chain_name, stage = peer_vllm.chain_variant(vllm, shape, M, inp, device)
         except NotImplementedError as exc:
-            note = f"{name} chain: {shape.id} not run: {exc}"
+            note = f"{vllm.chain_title}: {shape.id} not run: {exc}"
             if note not in doc["notes"]:
                 doc["notes"].append(note)
             return out
-        if check:
-            try:
-                c = peer_vllm.check(vllm, shape, M, inp, device, stage=True)
-            except Exception as exc:  # noqa: BLE001 - the chain fails alone; the GEMM-launch column stays
-                doc["failures"].append(f"check {shape.id} M={M} {chain_name}: {type(exc).__name__}: {exc}"[:300])
-                traceback.print_exc()
-                return out
-            row["checks"][chain_name] = f"{chain_name}: {c.text}"
-            if not c.ok:
-                doc["notes"].append(f"check {shape.id} M={M} {chain_name}: {c.text} (not timed)")
-                log(f"  {shape.id} M={M} {chain_name}: {c.text} (not timed)")
-                return out
-        out.append((chain_name, stage, f"vllm{vllm.version}.chain", None))
+        if checked(chain_name, stage=True):  # a failing chain leaves the GEMM-launch column timed
+            out.append((chain_name, stage, f"vllm{vllm.version}.chain", None))
     return out
 
 

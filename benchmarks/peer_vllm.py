@@ -276,6 +276,11 @@ class VllmTriton:
         return f"vllm {self.version}"
 
     @property
+    def chain_title(self) -> str:
+        """The column of its whole GEMM stage (``chain_variant``)."""
+        return f"{self.title} chain"
+
+    @property
     def kernel(self):
         return self.kernel_module.fused_moe_kernel
 
@@ -690,7 +695,7 @@ def chain_variant(vt: VllmTriton, shape, M: int, inp, device):
     p = _prepared(vt, shape, M, inp, device)
     if p.stage is None:
         raise NotImplementedError(p.stage_error)
-    return f"{p.name} chain", p.stage
+    return vt.chain_title, p.stage
 
 
 def check(vt: VllmTriton, shape, M: int, inp, device=None, *, stage: bool = False):

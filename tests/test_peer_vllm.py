@@ -415,3 +415,39 @@ def test_render_suite_with_the_peers_whole_chain():
     assert ("rows at or above 1.00x of vllm 0.33.0 chain: 3 of 4; below: mixtral_tp2-fp8_tensor M=4096 0.97x"
             in text)
     assert "geometric-mean speedup of gemms vs vllm 0.33.0 chain: 1.003x over 2 points" in text
+
+
+def test_each_peer_column_is_checked_on_its_own(monkeypatch):
+    """The GEMM-launch column (as filed) and the whole-stage column have separate checks: a chain outside its bound
+    is noted and left untimed while the GEMM-launch column is still timed; a GEMM-launch check that fails drops both
+    (nothing of that peer is timed); a shape the chain does not cover gets a note."""
+    from types import SimpleNamespace as NS
+
+    vt = NS(title="vllm 9.9.9", version="9.9.9", ops=object(), chain_title="vllm 9.9.9 chain")
+    verdicts = {False: NS(ok=True, text="ok 0.50"), True: NS(ok=False, text="FAIL rms_norm 2e-2 > 1e-2")}
+    monkeypatch.setattr(peer_vllm, "gemms_variant", lambda *a: ("vllm 9.9.9", "launches", "cfg.json[8]"))
+    monkeypatch.setattr(peer_vllm, "chain_variant", lambda *a: ("vllm 9.9.9 chain", "stage"))
+    monkeypatch.setattr(peer_vllm, "check", lambda *a, stage: verdicts[stage])
+
+    def run():
+        row, doc = {"extra": {}, "checks": {}}, {"notes": [], "failures": []}
+        return cli._vllm_peer(vt, NS(id="s"), 8, None, None, row, doc, True), row, doc
+
+    timed, row, doc = run()
+    assert [t[0] for t in timed] == ["vllm 9.9.9"] and row["extra"]["vllm_config"] == "cfg.json[8]"
+    assert row["checks"] == {"vllm 9.9.9": "vllm 9.9.9: ok 0.50",
+                             "vllm 9.9.9 chain": "vllm 9.9.9 chain: FAIL rms_norm 2e-2 > 1e-2"}
+    assert doc["notes"] == ["check s M=8 vllm 9.9.9 chain: FAIL rms_norm 2e-2 > 1e-2 (not timed)"]
+    assert not doc["failures"]
+    verdicts[True] = NS(ok=True, text="ok 0.40")
+    assert [t[0] for t in run()[0]] == ["vllm 9.9.9", "vllm 9.9.9 chain"]
+
+    def uncovered(*a):
+        raise NotImplementedError("int8 W8A8: not bound")
+
+    monkeypatch.setattr(peer_vllm, "chain_variant", uncovered)
+    timed, _, doc = run()
+    assert [t[0] for t in timed] == ["vllm 9.9.9"] and doc["notes"] == ["vllm 9.9.9 chain: s not run: int8 W8A8: "
+                                                                         "not bound"]
+    verdicts[False] = NS(ok=False, text="FAIL max_norm")
+    assert run()[0] == []
