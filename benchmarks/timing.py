@@ -48,6 +48,7 @@ __all__ = [
     "time_samples",
     "Measurement",
     "measure",
+    "ClockSampler",
 ]
 
 _MEASURED = [0.0]
@@ -402,6 +403,90 @@ def median_time(fn: Callable[[], object], device: torch.device | str, *, reps: i
 # --------------------------------------------------------------------------------------------------------------
 # Device and ceilings
 # --------------------------------------------------------------------------------------------------------------
+
+
+class ClockSampler:
+    """The GPU's SM clock (MHz), board power (W) and active clock-event reasons, sampled by ``nvidia-smi`` every
+    ``period_ms`` while the ``with`` block runs: whether two timings of one kernel saw the same clocks (a long
+    sustained FP8 replay can run at a lower clock than a short profiled one: power capping).
+
+    ``with ClockSampler(device) as c: ...``; then ``c.summary()`` (``""`` where nothing could be sampled: no
+    ``nvidia-smi``, a CPU device, or a block shorter than one period) and ``c.samples``
+    (``[(sm_mhz, watts, reasons bitmask)]``). Never raises: clocks are context for a timing, not a check.
+    """
+
+    _FIELDS = ("clocks.sm,power.draw,clocks_event_reasons.active", "clocks.sm,power.draw,clocks_throttle_reasons.active")
+
+    def __init__(self, device: torch.device | str | None = None, period_ms: int = 20):
+        self.device = torch.device(device) if device is not None else torch.device("cuda")
+        self.period_ms = int(period_ms)
+        self.samples: list[tuple[float, float, int]] = []
+        self.error: str | None = None
+        self._proc = None
+
+    def _target(self) -> str:
+        """nvidia-smi's id of the device: its UUID (CUDA's ordinals differ from nvidia-smi's under
+        ``CUDA_VISIBLE_DEVICES``), else the ordinal."""
+        idx = self.device.index or 0
+        try:
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
+        except Exception:  # noqa: BLE001 - no CUDA runtime: the ordinal
+            uuid = ""
+        return uuid if uuid.startswith("GPU-") else (f"GPU-{uuid}" if uuid else str(idx))
+
+    def __enter__(self) -> "ClockSampler":
+        import shutil
+        import subprocess
+
+        if self.device.type != "cuda" or shutil.which("nvidia-smi") is None:
+            self.error = "no nvidia-smi" if self.device.type == "cuda" else "not a GPU"
+            return self
+        target = self._target()
+        for fields in self._FIELDS:  # the reasons field was renamed in newer drivers
+            try:
+                ok = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i",
+                                     target], capture_output=True, text=True, timeout=20)
+            except (OSError, subprocess.SubprocessError) as exc:
+                self.error = f"{type(exc).__name__}: {exc}"[:200]
+                return self
+            if ok.returncode == 0:
+                self._proc = subprocess.Popen(
+                    ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", target,
+                     f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                return self
+            self.error = (ok.stderr or ok.stdout).strip()[:200]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        import subprocess
+
+        self._proc.terminate()
+        try:
+            out, _ = self._proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        for line in out.splitlines():
+            try:
+                mhz, watts, reasons = (t.strip() for t in line.split(","))
+                self.samples.append((float(mhz), float(watts), int(reasons, 16)))
+            except ValueError:
+                continue
+
+    def summary(self) -> str:
+        """``"SM 1755 MHz (1650-1980), 690 W, reasons 0x4"`` over the samples (the bitwise or of their reasons)."""
+        if not self.samples:
+            return ""
+        mhz = [s[0] for s in self.samples]
+        watts = [s[1] for s in self.samples]
+        reasons = 0
+        for s in self.samples:
+            reasons |= s[2]
+        return (f"SM {sum(mhz) / len(mhz):.0f} MHz ({min(mhz):.0f}-{max(mhz):.0f}), "
+                f"{sum(watts) / len(watts):.0f} W, reasons {reasons:#x} ({len(mhz)} samples)")
 
 
 def device_info() -> dict:

@@ -163,6 +163,34 @@ def test_kernel_breakdown_needs_a_cuda_graph():
         runner.close()
 
 
+def test_clock_sampler_reads_nvidia_smi_and_never_raises(tmp_path, monkeypatch):
+    # A stand-in nvidia-smi: the one-shot probe of the newer field name fails (an older driver), the older name
+    # answers; the sampling run prints three samples and waits to be terminated. The summary is their mean / range
+    # and the or of their reasons; without nvidia-smi, or on the CPU, nothing is sampled and nothing raises.
+    from benchmarks import timing
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in *clocks_event_reasons*) echo 'Field is not a valid field' >&2; exit 2;; esac\n"
+                    "case \"$*\" in *-lms=*) printf '1980, 650.5, 0x0000000000000000\\n1700, 699.0, 0x4\\n"
+                    "1800, 690.1, 0x0000000000000001\\n'; exec sleep 30;; *) echo '1980, 80, 0x0';; esac\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with timing.ClockSampler(torch.device("cuda", 0)) as c:
+        import time
+
+        time.sleep(0.5)
+    assert c.samples == [(1980.0, 650.5, 0), (1700.0, 699.0, 4), (1800.0, 690.1, 1)]
+    assert c.summary().startswith("SM 1827 MHz (1700-1980), 680 W, reasons 0x5")
+    with timing.ClockSampler(torch.device("cpu")) as c:
+        pass
+    assert c.summary() == "" and c.error == "not a GPU"
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    with timing.ClockSampler(torch.device("cuda", 0)) as c:
+        pass
+    assert c.summary() == "" and c.error == "no nvidia-smi"
+
+
 def test_breakdown_peer_needs_the_gemm_stage(capsys):
     # vLLM's live launches are GEMM1 + GEMM2 only: they are broken down beside the backend's GEMM stage (--gemms),
     # never beside its whole step, and asking for that is a usage error that says what to add
