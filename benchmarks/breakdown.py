@@ -89,8 +89,7 @@ def breakdown(call, n: int, dev, replays: int = 3) -> dict:
     (i < n)."""
     from benchmarks import timing
 
-    with timing.ClockSampler(dev) as sustained:
-        m, runner = timing.measure(call, n, dev, keep_runner=True)
+    m, runner = timing.measure(call, n, dev, keep_runner=True, clocks=True)
     try:
         burst_us = None
         graph = getattr(runner, "graph", None)
@@ -103,7 +102,7 @@ def breakdown(call, n: int, dev, replays: int = 3) -> dict:
     # a negative gap is an overlap with the kernel before (programmatic dependent launch): counted once in busy time
     overlap = -sum(min(gap, 0.0) for _, _, gap in kernels)
     return dict(graph_us=m.seconds * 1e6, kernels=kernels, sum_us=sum(t for _, t, _ in kernels), overlap_us=overlap,
-                burst_us=burst_us, clocks=sustained.summary())
+                burst_us=burst_us, clocks=timing.clock_summary(m.clocks))
 
 
 def main(argv=None) -> int:

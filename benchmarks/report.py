@@ -269,6 +269,7 @@ def render_suite(doc: dict) -> str:
         if dec:
             lines.append(f"decode (M 8..64) % of floor of {ref}: min {min(dec):.0f}%, mean {sum(dec) / len(dec):.0f}%")
         lines += _criteria(rows, ref, peer, ratios, chain)
+        lines += _clock_lines(rows, ref, [c for c in (peer and peer.get("column", peer["title"]), chain) if c])
     gates = doc.get("gate", [])
     if gates:
         cols = _variants(gates)
@@ -317,6 +318,37 @@ def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None 
             over = [f"{r['case']} M={r['M']} {x:.2f}" for r, x in rs if x > STEP_OVER_GEMMS_BAR]
             out.append(f"step / gemms: max {max(x for _, x in rs):.2f}; {len(rs) - len(over)} of {len(rs)} rows "
                        f"<= {STEP_OVER_GEMMS_BAR}" + (f"; above: {', '.join(over)}" if over else ""))
+    return out
+
+
+#: nvidia-smi's clock-event reason bit of the software power cap (``timing.ClockSampler``)
+POWER_CAP = 0x4
+#: mean SM clocks of two compared timings further apart than this are named (their ratio is partly one of power)
+CLOCKS_APART = 0.03
+
+
+def _clock_lines(rows: list[dict], ref: str, peers: list[str]) -> list[str]:
+    """What the GPU's clocks did during the timed rounds (``row["clocks"]``, sampled by ``timing.ClockSampler``):
+    how many timings ran under the software power cap, the lowest mean SM clock, and the rows whose ``ref`` and peer
+    timings ran at mean clocks more than ``CLOCKS_APART`` apart. Nothing where no clocks were sampled (CPU, or no
+    ``nvidia-smi``)."""
+    timings = [(r, name, c) for r in rows for name, c in r.get("clocks", {}).items()]
+    if not timings:
+        return []
+    capped = sum(1 for _, _, c in timings if c["reasons"] & POWER_CAP)
+    r, name, c = min(timings, key=lambda t: t[2]["mean_mhz"])
+    out = [f"SM clock during the timed rounds (nvidia-smi, {len(timings)} timings): the software power cap was active "
+           f"during {capped} of them; lowest mean {c['mean_mhz']:.0f} MHz ({r['case']} M={r['M']} {name})"]
+    apart = []
+    for r in rows:
+        cl = r.get("clocks", {})
+        for p in peers:
+            if ref in cl and p in cl and abs(cl[ref]["mean_mhz"] / cl[p]["mean_mhz"] - 1) > CLOCKS_APART:
+                apart.append(f"{r['case']} M={r['M']} {ref} {cl[ref]['mean_mhz']:.0f} / {p} {cl[p]['mean_mhz']:.0f} MHz")
+    if apart:
+        out.append(f"rows whose `{ref}` and peer timings ran at mean SM clocks more than {100 * CLOCKS_APART:.0f}% apart "
+                   f"(under the power cap a ratio measures energy per step as much as schedule): {len(apart)}; "
+                   + ", ".join(apart))
     return out
 
 

@@ -28,6 +28,7 @@ fraction longer (a CPU busy-wait, or ``torch.cuda._sleep`` inside the measured t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -49,6 +50,7 @@ __all__ = [
     "Measurement",
     "measure",
     "ClockSampler",
+    "clock_summary",
 ]
 
 _MEASURED = [0.0]
@@ -268,6 +270,7 @@ class Measurement:
     calls_per_round: int
     rounds: int
     graph_error: str | None = None
+    clocks: dict | None = None  # ClockSampler.stats() over the timed rounds (measure(..., clocks=True))
 
     @property
     def us(self) -> float:
@@ -276,22 +279,26 @@ class Measurement:
 
 def measure(call: Callable[[int], object], n_sets: int, device: torch.device | str,
             settings: Settings | None = None, *, graph_key: str | None = None, allow_graph: bool = True,
-            keep_runner: bool = False):
+            keep_runner: bool = False, clocks: bool = False):
     """Time ``call(i)`` (``i`` in ``range(n_sets)``) outside pytest: :class:`Runner`'s protocol (warm-up, a CUDA graph
     of >= ``n_sets`` calls or events around eager calls, rounds for the budget), the median of the rounds. Returns a
-    :class:`Measurement`; with ``keep_runner`` also the open :class:`Runner` (its ``graph`` for a profiler)."""
+    :class:`Measurement`; with ``keep_runner`` also the open :class:`Runner` (its ``graph`` for a profiler);
+    ``clocks``: the GPU's clocks sampled over the timed rounds (not the warm-up or the capture), ``Measurement.clocks``."""
     device = torch.device(device)
     settings = settings or Settings.from_env(device.type == "cuda")
     r = Runner(call, n_sets, device, settings, allow_graph=allow_graph, graph_key=graph_key)
     r.prepare()
     r.round()  # one unmeasured round (pytest-benchmark's warmup_rounds=1)
     times = []
-    for _ in range(r.rounds):
-        t0 = measured_clock()
-        r.round()
-        times.append(measured_clock() - t0)
+    sampler = ClockSampler(device) if clocks else None
+    with sampler or contextlib.nullcontext():
+        for _ in range(r.rounds):
+            t0 = measured_clock()
+            r.round()
+            times.append(measured_clock() - t0)
     times.sort()
-    m = Measurement(times[len(times) // 2], r.method, r.calls_per_round, r.rounds, r.graph_error)
+    m = Measurement(times[len(times) // 2], r.method, r.calls_per_round, r.rounds, r.graph_error,
+                    sampler.stats() if sampler else None)
     if keep_runner:
         return m, r
     r.close()
@@ -416,6 +423,7 @@ class ClockSampler:
     """
 
     _FIELDS = ("clocks.sm,power.draw,clocks_event_reasons.active", "clocks.sm,power.draw,clocks_throttle_reasons.active")
+    _fields_for: dict[str, str] = {}  # the query this device's driver answered (probed once per process)
 
     def __init__(self, device: torch.device | str | None = None, period_ms: int = 20):
         self.device = torch.device(device) if device is not None else torch.device("cuda")
@@ -443,20 +451,29 @@ class ClockSampler:
             self.error = "no nvidia-smi" if self.device.type == "cuda" else "not a GPU"
             return self
         target = self._target()
-        for fields in self._FIELDS:  # the reasons field was renamed in newer drivers
-            try:
-                ok = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i",
-                                     target], capture_output=True, text=True, timeout=20)
-            except (OSError, subprocess.SubprocessError) as exc:
-                self.error = f"{type(exc).__name__}: {exc}"[:200]
-                return self
-            if ok.returncode == 0:
+        try:
+            fields = ClockSampler._fields_for.get(target) or self._probe(target)
+            if fields:
                 self._proc = subprocess.Popen(
                     ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", target,
                      f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                return self
-            self.error = (ok.stderr or ok.stdout).strip()[:200]
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.error = f"{type(exc).__name__}: {exc}"[:200]
         return self
+
+    def _probe(self, target: str) -> str | None:
+        """The first query of ``_FIELDS`` the driver answers (the reasons field was renamed in newer drivers),
+        remembered per device; None (and ``error``) when none is."""
+        import subprocess
+
+        for fields in self._FIELDS:
+            ok = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", target],
+                                capture_output=True, text=True, timeout=20)
+            if ok.returncode == 0:
+                ClockSampler._fields_for[target] = fields
+                return fields
+            self.error = (ok.stderr or ok.stdout).strip()[:200]
+        return None
 
     def __exit__(self, *exc) -> None:
         if self._proc is None:
@@ -476,17 +493,29 @@ class ClockSampler:
             except ValueError:
                 continue
 
-    def summary(self) -> str:
-        """``"SM 1755 MHz (1650-1980), 690 W, reasons 0x4"`` over the samples (the bitwise or of their reasons)."""
+    def stats(self) -> dict | None:
+        """``{"mean_mhz", "min_mhz", "max_mhz", "watts", "reasons", "samples"}`` over the samples (``reasons``: the
+        bitwise or of theirs; nvidia-smi's clock-event bits, 0x4 the software power cap), or None without samples."""
         if not self.samples:
-            return ""
+            return None
         mhz = [s[0] for s in self.samples]
-        watts = [s[1] for s in self.samples]
         reasons = 0
         for s in self.samples:
             reasons |= s[2]
-        return (f"SM {sum(mhz) / len(mhz):.0f} MHz ({min(mhz):.0f}-{max(mhz):.0f}), "
-                f"{sum(watts) / len(watts):.0f} W, reasons {reasons:#x} ({len(mhz)} samples)")
+        return dict(mean_mhz=sum(mhz) / len(mhz), min_mhz=min(mhz), max_mhz=max(mhz),
+                    watts=sum(s[1] for s in self.samples) / len(mhz), reasons=reasons, samples=len(mhz))
+
+    def summary(self) -> str:
+        """:func:`clock_summary` of :meth:`stats`."""
+        return clock_summary(self.stats())
+
+
+def clock_summary(st: dict | None) -> str:
+    """``"SM 1755 MHz (1650-1980), 690 W, reasons 0x4 (31 samples)"`` of :meth:`ClockSampler.stats`, or ``""``."""
+    if st is None:
+        return ""
+    return (f"SM {st['mean_mhz']:.0f} MHz ({st['min_mhz']:.0f}-{st['max_mhz']:.0f}), {st['watts']:.0f} W, "
+            f"reasons {st['reasons']:#x} ({st['samples']} samples)")
 
 
 def device_info() -> dict:

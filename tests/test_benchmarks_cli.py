@@ -189,6 +189,27 @@ def test_table_reads_issue_44_criteria_per_row():
     assert "| qwen3_30b-bf16 (8,2,4096,7168) | 64 | 300.00 (e) |" in "\n".join(lines)
 
 
+def test_table_says_what_the_clocks_did():
+    """The clocks sampled during each timing (``timing.ClockSampler``): how many ran under the software power cap
+    (reason bit 0x4), the lowest mean clock and where, and the rows whose compared column and peer ran at clocks more
+    than 3% apart; a document without clocks (CPU) prints no such line."""
+    doc = _doc_issue44()
+    assert not any(ln.startswith("SM clock") for ln in report.render_suite(doc).splitlines())
+
+    def clk(mhz, reasons):
+        return dict(mean_mhz=mhz, min_mhz=mhz - 50, max_mhz=1980.0, watts=500.0, reasons=reasons, samples=30)
+
+    rows = doc["experts"]
+    rows[0]["clocks"] = {"gemms": clk(1980.0, 0), "vLLM 0.33.0": clk(1975.0, 0x1)}  # 0.3% apart: not named
+    rows[2]["clocks"] = {"gemms": clk(1554.0, 0x4), "vLLM 0.33.0": clk(1840.0, 0x4), "step": clk(1600.0, 0x4)}
+    lines = report.render_suite(doc).splitlines()
+    assert ("SM clock during the timed rounds (nvidia-smi, 5 timings): the software power cap was active during 3 of "
+            "them; lowest mean 1554 MHz (mixtral_tp2-fp8_tensor M=4096 gemms)") in lines
+    assert ("rows whose `gemms` and peer timings ran at mean SM clocks more than 3% apart (under the power cap a "
+            "ratio measures energy per step as much as schedule): 1; mixtral_tp2-fp8_tensor M=4096 gemms 1554 / "
+            "vLLM 0.33.0 1840 MHz") in lines
+
+
 @pytest.mark.skipif(not NO_GPU, reason="the CPU run of the torch backend")
 def test_torch_backend_step_uses_its_own_quantizers(capsys, tmp_path):
     """``--prepare backend`` (the default): the FP8 step quantizes its input with the backend's own ops (recorded per

@@ -219,8 +219,8 @@ def test_breakdown_counts_a_pdl_overlap_once(monkeypatch):
             pass
 
     timeline = [("0:gemm1", 46.3, 0.3), ("1:act_quant", 19.5, -17.6), ("2:gemm2", 39.3, -14.9)]
-    monkeypatch.setattr(timing, "measure", lambda call, n, dev, keep_runner=False: (SimpleNamespace(seconds=72.8e-6),
-                                                                                   Runner()))
+    monkeypatch.setattr(timing, "measure", lambda call, n, dev, keep_runner=False, clocks=False: (
+        SimpleNamespace(seconds=72.8e-6, clocks=None), Runner()))
     monkeypatch.setattr(timing, "kernel_timeline", lambda runner, replays=3: timeline)
     b = breakdown.breakdown(lambda i: None, 1, None)
     assert b["sum_us"] == pytest.approx(105.1) and b["overlap_us"] == pytest.approx(32.5)
