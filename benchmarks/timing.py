@@ -413,89 +413,88 @@ def median_time(fn: Callable[[], object], device: torch.device | str, *, reps: i
 
 
 class ClockSampler:
-    """The GPU's SM clock (MHz), board power (W) and active clock-event reasons, sampled by ``nvidia-smi`` every
-    ``period_ms`` while the ``with`` block runs: whether two timings of one kernel saw the same clocks (a long
-    sustained FP8 replay can run at a lower clock than a short profiled one: power capping).
+    """The GPU's SM clock (MHz), board power (W) and active clock-event reasons, sampled through NVML
+    (``nvidia-ml-py``'s ``pynvml``, the library ``torch.cuda.clock_rate`` uses) every ``period_ms`` by a background
+    thread while the ``with`` block runs: whether two timings saw the same clocks (a sustained FP8 or bf16 prefill
+    replay runs under the software power cap at a lower clock than a short rested one).
 
-    ``with ClockSampler(device) as c: ...``; then ``c.summary()`` (``""`` where nothing could be sampled: no
-    ``nvidia-smi``, a CPU device, or a block shorter than one period) and ``c.samples``
-    (``[(sm_mhz, watts, reasons bitmask)]``). Never raises: clocks are context for a timing, not a check.
+    ``with ClockSampler(device) as c: ...``; then :meth:`stats` / :meth:`summary` (None / ``""`` where nothing was
+    sampled: a CPU device, no ``pynvml``, no NVML driver; ``error`` says which) and ``samples`` (``[(sm_mhz, watts,
+    reasons bitmask)]``). Never raises: clocks are context for a timing, not a check.
     """
 
-    _FIELDS = ("clocks.sm,power.draw,clocks_event_reasons.active", "clocks.sm,power.draw,clocks_throttle_reasons.active")
-    _fields_for: dict[str, str] = {}  # the query this device's driver answered (probed once per process)
+    _handles: dict = {}  # device ordinal -> NVML handle (NVML initialised once per process)
 
-    def __init__(self, device: torch.device | str | None = None, period_ms: int = 20):
+    def __init__(self, device: torch.device | str | None = None, period_ms: float = 10.0):
         self.device = torch.device(device) if device is not None else torch.device("cuda")
-        self.period_ms = int(period_ms)
+        self.period_s = float(period_ms) / 1e3
         self.samples: list[tuple[float, float, int]] = []
         self.error: str | None = None
-        self._proc = None
+        self._stop = None
+        self._thread = None
 
-    def _target(self) -> str:
-        """nvidia-smi's id of the device: its UUID (CUDA's ordinals differ from nvidia-smi's under
-        ``CUDA_VISIBLE_DEVICES``), else the ordinal."""
-        idx = self.device.index or 0
-        try:
-            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
-        except Exception:  # noqa: BLE001 - no CUDA runtime: the ordinal
-            uuid = ""
-        return uuid if uuid.startswith("GPU-") else (f"GPU-{uuid}" if uuid else str(idx))
+    def _handle(self):
+        """The NVML handle of the device: by its UUID (CUDA's ordinals differ from NVML's under
+        ``CUDA_VISIBLE_DEVICES``), else by the ordinal."""
+        import pynvml
+
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        if idx not in ClockSampler._handles:
+            pynvml.nvmlInit()
+            try:
+                uuid = str(torch.cuda.get_device_properties(idx).uuid)
+                h = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            except Exception:  # noqa: BLE001 - no uuid on this torch, or NVML does not know it: the ordinal
+                h = pynvml.nvmlDeviceGetHandleByIndex(idx)
+            ClockSampler._handles[idx] = h
+        return ClockSampler._handles[idx]
 
     def __enter__(self) -> "ClockSampler":
-        import shutil
-        import subprocess
+        import threading
 
-        if self.device.type != "cuda" or shutil.which("nvidia-smi") is None:
-            self.error = "no nvidia-smi" if self.device.type == "cuda" else "not a GPU"
+        if self.device.type != "cuda":
+            self.error = "not a GPU"
             return self
-        target = self._target()
         try:
-            fields = ClockSampler._fields_for.get(target) or self._probe(target)
-            if fields:
-                self._proc = subprocess.Popen(
-                    ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", target,
-                     f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except (OSError, subprocess.SubprocessError) as exc:
+            import pynvml
+
+            h = self._handle()
+            # the reasons' getter was renamed (clocks "throttle" -> "event" reasons) in newer NVML bindings
+            reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+
+            def sample():
+                return (float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+                        pynvml.nvmlDeviceGetPowerUsage(h) / 1e3, int(reasons(h)))
+
+            sample()  # fails here, not in the thread, when NVML cannot answer
+        except Exception as exc:  # noqa: BLE001 - no pynvml, no driver, an old GPU: no clocks
             self.error = f"{type(exc).__name__}: {exc}"[:200]
+            return self
+        self._stop = threading.Event()
+
+        def run():
+            while True:
+                try:
+                    self.samples.append(sample())
+                except Exception as exc:  # noqa: BLE001
+                    self.error = f"{type(exc).__name__}: {exc}"[:200]
+                    return
+                if self._stop.wait(self.period_s):
+                    return
+
+        self._thread = threading.Thread(target=run, name="ClockSampler", daemon=True)
+        self._thread.start()
         return self
 
-    def _probe(self, target: str) -> str | None:
-        """The first query of ``_FIELDS`` the driver answers (the reasons field was renamed in newer drivers),
-        remembered per device; None (and ``error``) when none is."""
-        import subprocess
-
-        for fields in self._FIELDS:
-            ok = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", target],
-                                capture_output=True, text=True, timeout=20)
-            if ok.returncode == 0:
-                ClockSampler._fields_for[target] = fields
-                return fields
-            self.error = (ok.stderr or ok.stdout).strip()[:200]
-        return None
-
     def __exit__(self, *exc) -> None:
-        if self._proc is None:
-            return
-        import subprocess
-
-        self._proc.terminate()
-        try:
-            out, _ = self._proc.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            out, _ = self._proc.communicate()
-        for line in out.splitlines():
-            try:
-                mhz, watts, reasons = (t.strip() for t in line.split(","))
-                self.samples.append((float(mhz), float(watts), int(reasons, 16)))
-            except ValueError:
-                continue
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
 
     def stats(self) -> dict | None:
         """``{"mean_mhz", "min_mhz", "max_mhz", "watts", "reasons", "samples"}`` over the samples (``reasons``: the
-        bitwise or of theirs; nvidia-smi's clock-event bits, 0x4 the software power cap), or None without samples."""
+        bitwise or of theirs; NVML's clock-event bits, 0x4 the software power cap), or None without samples."""
         if not self.samples:
             return None
         mhz = [s[0] for s in self.samples]

@@ -163,32 +163,56 @@ def test_kernel_breakdown_needs_a_cuda_graph():
         runner.close()
 
 
-def test_clock_sampler_reads_nvidia_smi_and_never_raises(tmp_path, monkeypatch):
-    # A stand-in nvidia-smi: the one-shot probe of the newer field name fails (an older driver), the older name
-    # answers; the sampling run prints three samples and waits to be terminated. The summary is their mean / range
-    # and the or of their reasons; without nvidia-smi, or on the CPU, nothing is sampled and nothing raises.
+def test_clock_sampler_reads_nvml_and_never_raises(monkeypatch):
+    # A stand-in pynvml (NVML's Python binding): the sampler's thread reads clock, power (mW) and the clock-event
+    # reasons until the block ends; the summary is their mean / range and the or of their reasons. Without pynvml,
+    # with NVML failing, or on the CPU, nothing is sampled, `error` says why and nothing raises.
+    import sys
+    import time
+    import types
+
     from benchmarks import timing
 
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\n"
-                    "case \"$*\" in *clocks_event_reasons*) echo 'Field is not a valid field' >&2; exit 2;; esac\n"
-                    "case \"$*\" in *-lms=*) printf '1980, 650.5, 0x0000000000000000\\n1700, 699.0, 0x4\\n"
-                    "1800, 690.1, 0x0000000000000001\\n'; exec sleep 30;; *) echo '1980, 80, 0x0';; esac\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    with timing.ClockSampler(torch.device("cuda", 0)) as c:
-        import time
+    readings = iter([(1980, 650500, 0x0), (1700, 699000, 0x4), (1800, 690100, 0x1)])  # MHz, mW, reasons
+    calls = {"clock": 0}
+    fake = types.SimpleNamespace(NVML_CLOCK_SM=1, nvmlInit=lambda: None, nvmlDeviceGetHandleByUUID=lambda u: "h",
+                                 nvmlDeviceGetHandleByIndex=lambda i: "h")
+    state = {"r": None}  # one reading: the clock call draws it, power and reasons read the same one
 
-        time.sleep(0.5)
-    assert c.samples == [(1980.0, 650.5, 0), (1700.0, 699.0, 4), (1800.0, 690.1, 1)]
-    assert c.summary().startswith("SM 1827 MHz (1700-1980), 680 W, reasons 0x5")
+    def clock(h, kind):
+        assert kind == 1
+        state["r"] = next(readings, (1800, 690100, 0x1))
+        calls["clock"] += 1
+        return state["r"][0]
+
+    fake.nvmlDeviceGetClockInfo = clock
+    fake.nvmlDeviceGetPowerUsage = lambda h: state["r"][1]
+    fake.nvmlDeviceGetCurrentClocksEventReasons = lambda h: state["r"][2]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(timing.ClockSampler, "_handles", {0: "h"})
+    with timing.ClockSampler(torch.device("cuda", 0), period_ms=1) as c:
+        while calls["clock"] < 6:
+            time.sleep(0.001)
+    # the probe reading (1980 MHz) is not a sample; the rest are
+    assert c.samples[:3] == [(1700.0, 699.0, 4), (1800.0, 690.1, 1), (1800.0, 690.1, 1)]
+    st = c.stats()
+    assert st["min_mhz"] == 1700.0 and st["max_mhz"] == 1800.0 and st["reasons"] == 0x5
+    assert c.summary().startswith("SM 17") and "reasons 0x5" in c.summary()
+    n = len(c.samples)
+    time.sleep(0.01)
+    assert len(c.samples) == n  # the thread stopped with the block
+
+    fake.nvmlDeviceGetClockInfo = lambda h, kind: (_ for _ in ()).throw(RuntimeError("NVML_ERROR_NOT_SUPPORTED"))
+    with timing.ClockSampler(torch.device("cuda", 0)) as c:
+        pass
+    assert c.summary() == "" and "NVML_ERROR_NOT_SUPPORTED" in c.error
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    with timing.ClockSampler(torch.device("cuda", 0)) as c:
+        pass
+    assert c.stats() is None and "pynvml" in c.error
     with timing.ClockSampler(torch.device("cpu")) as c:
         pass
     assert c.summary() == "" and c.error == "not a GPU"
-    monkeypatch.setenv("PATH", str(tmp_path / "none"))
-    with timing.ClockSampler(torch.device("cuda", 0)) as c:
-        pass
-    assert c.summary() == "" and c.error == "no nvidia-smi"
 
 
 def test_breakdown_peer_needs_the_gemm_stage(capsys):
