@@ -40,6 +40,7 @@ raised, 2 if the backend cannot run here (the reason is printed: no CUDA GPU, mi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -83,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prepare", choices=("backend", "reference"), default="backend",
                     help="the step's activation quantizers in prepare: the backend's own ops (default: what a "
                          "serving user runs) or the reference's torch ops (the same for every backend)")
+    ap.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+                    help="stop starting new (shape, M) rows after this many seconds (default: the suite's budget_s)")
     ap.add_argument("--json", default=None, help="write the results here (default: $OUT/benchmark-<backend>.json "
                                                  "when $OUT is set)")
     args = ap.parse_args(argv)
@@ -119,6 +122,8 @@ def main(argv=None) -> int:
     from benchmarks import suites
 
     suite = suites.suite(args.backend)
+    if args.budget_s is not None:
+        suite = dataclasses.replace(suite, budget_s=args.budget_s)
     try:
         experts, ms, gates, gate_ms = _plan(args, suite)
     except KeyError as exc:
@@ -237,7 +242,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
     for shape in experts:
         for M in ms:
             if time.time() - t0 > suite.budget_s:
-                doc["notes"].append(f"time budget ({suite.budget_s:.0f} s) reached: {shape.id} M={M} not timed")
+                doc["notes"].append(f"time budget ({suite.budget_s:.0f} s; --budget-s) reached: {shape.id} M={M} "
+                                    "not timed")
                 continue
             row = {"case": shape.id, "label": shape.label, "M": M, "scheme": shape.scheme, "E": shape.E,
                    "topk": shape.topk, "K": shape.K, "I": shape.I, "times_s": {}, "methods": {}, "checks": {},

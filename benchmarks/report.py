@@ -337,7 +337,7 @@ def _clock_lines(rows: list[dict], ref: str, peers: list[str]) -> list[str]:
         return []
     capped = sum(1 for _, _, c in timings if c["reasons"] & POWER_CAP)
     r, name, c = min(timings, key=lambda t: t[2]["mean_mhz"])
-    out = [f"SM clock during the timed rounds (nvidia-smi, {len(timings)} timings): the software power cap was active "
+    out = [f"SM clock during the timed rounds (NVML, {len(timings)} timings): the software power cap was active "
            f"during {capped} of them; lowest mean {c['mean_mhz']:.0f} MHz ({r['case']} M={r['M']} {name})"]
     apart = []
     for r in rows:

@@ -203,7 +203,7 @@ def test_table_says_what_the_clocks_did():
     rows[0]["clocks"] = {"gemms": clk(1980.0, 0), "vLLM 0.33.0": clk(1975.0, 0x1)}  # 0.3% apart: not named
     rows[2]["clocks"] = {"gemms": clk(1554.0, 0x4), "vLLM 0.33.0": clk(1840.0, 0x4), "step": clk(1600.0, 0x4)}
     lines = report.render_suite(doc).splitlines()
-    assert ("SM clock during the timed rounds (nvidia-smi, 5 timings): the software power cap was active during 3 of "
+    assert ("SM clock during the timed rounds (NVML, 5 timings): the software power cap was active during 3 of "
             "them; lowest mean 1554 MHz (mixtral_tp2-fp8_tensor M=4096 gemms)") in lines
     assert ("rows whose `gemms` and peer timings ran at mean SM clocks more than 3% apart (under the power cap a "
             "ratio measures energy per step as much as schedule): 1; mixtral_tp2-fp8_tensor M=4096 gemms 1554 / "
@@ -234,6 +234,22 @@ def test_torch_backend_step_uses_its_own_quantizers(capsys, tmp_path):
     assert rc == 0, capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["prepare"] == "reference" and doc["experts"][0]["prepare_ops"]["step"] == "reference"
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the CPU run of the torch backend")
+def test_budget_flag_overrides_the_suites(capsys, tmp_path):
+    """``--budget-s`` replaces the suite's ``budget_s``: after it no new row starts, and each row left out is named
+    with the flag that raises it (a fresh GPU machine's cold Triton cache took the triton suite past 450 s)."""
+    import json
+
+    out = tmp_path / "r.json"
+    rc = cli.main(["--backend", "torch", "--shapes", "qwen3_30b-bf16-cpu_small", "--ms", "1,2", "--budget-s", "0",
+                   "--no-gate", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["experts"] == []
+    assert doc["notes"] == [f"time budget (0 s; --budget-s) reached: qwen3_30b-bf16-cpu_small M={m} not timed"
+                            for m in (1, 2)]
 
 
 @pytest.mark.skipif(not NO_GPU, reason="the CPU run of the torch backend")
