@@ -201,7 +201,7 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
     live on every row) or ``none``; ``prepare``: the step's quantizers (``benchmarks.harness._prepare_for``)."""
     import torch
 
-    from benchmarks import harness, report, suites, timing, variants
+    from benchmarks import harness, report, roofline, suites, timing, variants
     from benchmarks.harness import ExpertsParam
 
     t0 = time.time()
@@ -216,7 +216,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
     l2 = info.get("l2_bytes", 50 * 2**20)
     mm = ceilings["matmul_flops_per_s"]
     log(f"[{time.time() - t0:6.1f}s] ceilings: copy {report.fmt_rate(ceilings['copy_bytes_per_s'], 'B/s')}, "
-        + ", ".join(f"{k} {report.fmt_rate(v, 'FLOP/s')}" for k, v in mm.items()))
+        + ", ".join(f"{k} {report.fmt_rate(v, 'FLOP/s')}" for k, v in mm.items())
+        + report.sustained_text(ceilings))
     settings = timing.Settings.from_env(device.type == "cuda")
     hook = variants.for_backend(backend.name)
     peer = suites.peer(suite.peer) if suite.peer and peer_mode == "stored" else None
@@ -256,6 +257,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 fail(f"inputs {shape.id} M={M}", exc)
                 continue
             floor_s, bound = inp.work.floor(ceilings)
+            if roofline.sustained(ceilings) is not None:
+                row["floor_sustained_s"] = inp.work.floor(roofline.sustained(ceilings))[0]
             row.update(floor_s=floor_s, bound=bound, flops=inp.work.flops, bytes=inp.work.bytes,
                        touched=inp.touched, peer_s=peer.seconds(shape.id, M, inp.work.flops) if peer else None)
             classes = [c for c in backend.experts if harness.standard_modular(c)]

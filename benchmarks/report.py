@@ -176,6 +176,28 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs))
 
 
+#: NVML's clock-event reason bit of the software power cap (``timing.ClockSampler``)
+POWER_CAP = 0x4
+#: mean SM clocks of two compared timings further apart than this are named (their ratio is partly one of power)
+CLOCKS_APART = 0.03
+
+
+def sustained_text(ceilings: dict) -> str:
+    """``"; sustained as the rows are timed: bf16 650 TFLOP/s at 1500 MHz (power cap), ..."`` of
+    ``timing.measure_ceilings``' sustained GEMM rates, or ``""`` without them."""
+    rates = ceilings.get("sustained_matmul_flops_per_s") or {}
+    if not rates:
+        return ""
+    clocks = ceilings.get("sustained_clocks", {})
+
+    def one(k, v):
+        c = clocks.get(k)
+        at = (f" at {c['mean_mhz']:.0f} MHz" + (" (power cap)" if c["reasons"] & POWER_CAP else "")) if c else ""
+        return f"{k} {fmt_rate(v, 'FLOP/s')}{at}"
+
+    return "; sustained as the rows are timed: " + ", ".join(one(k, v) for k, v in rates.items())
+
+
 def render_suite(doc: dict) -> str:
     """The table of ``python -m benchmarks --backend NAME`` (``benchmarks.cli``): per experts shape and M, each timed
     variant's time per call, the peer's figure and the speedup over it (of the variant the peer measures), the
@@ -185,7 +207,7 @@ def render_suite(doc: dict) -> str:
     peer, compare = doc.get("peer"), doc.get("compare")
     lines = [f"# {doc.get('backend')} backend on {dev.get('name', '?')}: ceilings "
              f"{fmt_rate(ceil.get('copy_bytes_per_s'), 'B/s')} copy, "
-             + ", ".join(f"{k} {fmt_rate(v, 'FLOP/s')}" for k, v in mm.items()) + "."]
+             + ", ".join(f"{k} {fmt_rate(v, 'FLOP/s')}" for k, v in mm.items()) + sustained_text(ceil) + "."]
     live = bool(peer and peer.get("live"))
     chain = peer.get("chain_column") if live else None
     if live:
@@ -310,7 +332,10 @@ def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None 
     big = [100 * r["floor_s"] / r["times_s"][ref] for r in rows if r["M"] == 4096 and r.get("floor_s")
            and r.get("times_s", {}).get(ref)]
     if big:
-        out.append(f"M = 4096 % of floor of {ref}: min {min(big):.0f}% over {len(big)} rows")
+        sus = [100 * r["floor_sustained_s"] / r["times_s"][ref] for r in rows if r["M"] == 4096
+               and r.get("floor_sustained_s") and r.get("times_s", {}).get(ref)]
+        out.append(f"M = 4096 % of floor of {ref}: min {min(big):.0f}% over {len(big)} rows"
+                   + (f" (on the sustained GEMM ceilings: min {min(sus):.0f}%)" if len(sus) == len(big) else ""))
     if ("step / gemms", "step", "gemms") in ratios:
         rs = [(r, r["times_s"]["step"] / r["times_s"]["gemms"]) for r in rows
               if r.get("times_s", {}).get("step") and r.get("times_s", {}).get("gemms")]
@@ -319,12 +344,6 @@ def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None 
             out.append(f"step / gemms: max {max(x for _, x in rs):.2f}; {len(rs) - len(over)} of {len(rs)} rows "
                        f"<= {STEP_OVER_GEMMS_BAR}" + (f"; above: {', '.join(over)}" if over else ""))
     return out
-
-
-#: nvidia-smi's clock-event reason bit of the software power cap (``timing.ClockSampler``)
-POWER_CAP = 0x4
-#: mean SM clocks of two compared timings further apart than this are named (their ratio is partly one of power)
-CLOCKS_APART = 0.03
 
 
 def _clock_lines(rows: list[dict], ref: str, peers: list[str]) -> list[str]:

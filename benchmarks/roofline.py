@@ -36,6 +36,16 @@ def floor_seconds(flops: float, nbytes: float, ceilings: dict, compute_dtype: st
     return (t_mem, "memory") if t_mem >= t_cmp else (t_cmp, "compute")
 
 
+def sustained(ceilings: dict) -> dict | None:
+    """``ceilings`` with the matmul rates sustained as the rows are timed (``timing.measure_ceilings``'
+    ``sustained_matmul_flops_per_s``: under a power cap, below the burst rates) in place of the burst ones, for the
+    dtypes that have one; None when none was measured (CPU)."""
+    rates = ceilings.get("sustained_matmul_flops_per_s")
+    if not rates:
+        return None
+    return {**ceilings, "matmul_flops_per_s": {**ceilings["matmul_flops_per_s"], **rates}}
+
+
 def experts_flops(M: int, topk: int, K: int, N1: int, I: int) -> float:  # noqa: E741
     return 2.0 * M * topk * (K * N1 + I * K)
 

@@ -539,12 +539,38 @@ def device_info() -> dict:
     return info
 
 
+def _sustained_matmul(device: torch.device, g: torch.Generator, fp8: bool) -> dict:
+    """The bf16 (and fp8) 8192^3 GEMM rates timed as the rows are (``measure``: a CUDA graph, rounds for the
+    ``MOE_BENCH_SECONDS`` budget, median) with the clocks of those rounds: ``sustained_matmul_flops_per_s`` and
+    ``sustained_clocks``. Under an H200's software power cap these run at a lower clock than the ceilings' short
+    bursts (``measure_ceilings``), as the prefill rows do; the floor stays on the burst ceilings and the report prints
+    the fraction of this one beside it."""
+    S = 8192
+    a = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
+    calls = {"bf16": lambda i: torch.mm(a, b)}
+    if fp8:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device, dtype=torch.float32)
+        calls["fp8"] = lambda i: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    rates, clocks = {}, {}
+    for k, call in calls.items():
+        m = measure(call, 1, device, clocks=True)
+        rates[k] = 2.0 * S**3 / m.seconds
+        if m.clocks is not None:
+            clocks[k] = m.clocks
+    del a, b, calls
+    torch.cuda.empty_cache()
+    return {"sustained_matmul_flops_per_s": rates, "sustained_clocks": clocks}
+
+
 def measure_ceilings(device: torch.device | str) -> dict:
     """Copy bandwidth and matmul throughputs of this device, measured now (once per run).
 
     GPU: device-to-device copy of 1 GiB (bytes read + written), 8192^3 bf16 ``torch.mm`` and fp8 ``torch._scaled_mm``
     (random data), 4096^3 fp32 ``torch.mm`` without TF32 (the fp32 router gate's ceiling); medians of CUDA-event
-    timings after warm-up. CPU: 128 MiB copy, 1024^3 fp32 matmul (the CPU paths upcast bf16/fp8 to fp32, so every
+    timings after warm-up (short bursts: rested clocks); and the bf16 / fp8 GEMMs sustained as the rows are timed
+    (``_sustained_matmul``). CPU: 128 MiB copy, 1024^3 fp32 matmul (the CPU paths upcast bf16/fp8 to fp32, so every
     dtype's ceiling is the fp32 one).
     """
     device = torch.device(device)
@@ -587,6 +613,7 @@ def measure_ceilings(device: torch.device | str) -> dict:
         del a32, b32
         torch.cuda.empty_cache()
         out["matmul_method"] = "8192^3 bf16 mm, 8192^3 fp8 _scaled_mm, 4096^3 fp32 mm (no TF32), random data"
+        out.update(_sustained_matmul(device, g, "fp8" in flops and "fp8_note" not in out))
     else:
         n = 2**25  # fp32 elements: 128 MiB
         src = torch.randn(n, generator=g)

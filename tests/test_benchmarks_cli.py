@@ -236,6 +236,35 @@ def test_torch_backend_step_uses_its_own_quantizers(capsys, tmp_path):
     assert doc["prepare"] == "reference" and doc["experts"][0]["prepare_ops"]["step"] == "reference"
 
 
+def test_sustained_ceilings_beside_the_floor():
+    """The GEMM ceilings sustained as the rows are timed (under a power cap below the burst ones the floor uses) are
+    printed in the header with their clock, and the M = 4096 line gives the fraction of the floor on them beside the
+    filed one; the floor itself stays on the burst ceilings (``roofline.sustained`` only substitutes the rates)."""
+    from benchmarks import roofline
+
+    ceil = {"copy_bytes_per_s": 4.2e12, "matmul_flops_per_s": {"bf16": 7.9e14, "fp8": 1.44e15, "fp32": 5e13}}
+    assert roofline.sustained(ceil) is None
+    ceil["sustained_matmul_flops_per_s"] = {"bf16": 6.5e14, "fp8": 1.2e15}
+    ceil["sustained_clocks"] = {"fp8": dict(mean_mhz=1610.0, min_mhz=1500.0, max_mhz=1980.0, watts=690.0,
+                                            reasons=0x4, samples=40)}
+    s = roofline.sustained(ceil)
+    assert s["matmul_flops_per_s"] == {"bf16": 6.5e14, "fp8": 1.2e15, "fp32": 5e13}
+    assert ceil["matmul_flops_per_s"]["fp8"] == 1.44e15  # not modified
+    flops = 2.4e12  # a compute-bound row: 1.667 ms at the burst ceiling, 2.0 ms sustained
+    assert roofline.floor_seconds(flops, 1e9, ceil, "fp8")[0] == pytest.approx(flops / 1.44e15)
+    assert roofline.floor_seconds(flops, 1e9, s, "fp8")[0] == pytest.approx(2e-3)
+
+    doc = _doc_issue44()
+    doc["ceilings"] = ceil
+    lines = report.render_suite(doc).splitlines()
+    assert lines[0].endswith("fp32 50 TFLOP/s; sustained as the rows are timed: bf16 650 TFLOP/s, fp8 1.2e+03 "
+                             "TFLOP/s at 1610 MHz (power cap).")
+    assert "M = 4096 % of floor of gemms: min 72% over 1 rows" in lines  # no sustained floor on the row
+    doc["experts"][2]["floor_sustained_s"] = 2160e-6
+    lines = report.render_suite(doc).splitlines()
+    assert "M = 4096 % of floor of gemms: min 72% over 1 rows (on the sustained GEMM ceilings: min 86%)" in lines
+
+
 @pytest.mark.skipif(not NO_GPU, reason="the CPU run of the torch backend")
 def test_budget_flag_overrides_the_suites(capsys, tmp_path):
     """``--budget-s`` replaces the suite's ``budget_s``: after it no new row starts, and each row left out is named

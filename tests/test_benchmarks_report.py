@@ -215,6 +215,27 @@ def test_clock_sampler_reads_nvml_and_never_raises(monkeypatch):
     assert c.summary() == "" and c.error == "not a GPU"
 
 
+def test_sustained_matmul_times_each_gemm_as_the_rows_are(monkeypatch):
+    # The plumbing of measure_ceilings' sustained rates (the GEMMs themselves run on a GPU only): each dtype's GEMM
+    # goes through timing.measure with its clocks, the rate is 2 S^3 / the measured seconds, the clocks are kept.
+    from benchmarks import timing
+
+    seen = []
+
+    def fake_measure(call, n_sets, device, settings=None, *, clocks=False, **kw):
+        seen.append((n_sets, clocks))
+        return timing.Measurement(2e-3 if len(seen) == 1 else 1e-3, "cuda-graph", 1, 10, None,
+                                  {"mean_mhz": 1600.0, "reasons": 4} if clocks else None)
+
+    monkeypatch.setattr(timing, "measure", fake_measure)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    out = timing._sustained_matmul(torch.device("cpu"), torch.Generator().manual_seed(0), fp8=True)
+    assert seen == [(1, True), (1, True)]
+    assert out["sustained_matmul_flops_per_s"] == {"bf16": pytest.approx(2 * 8192**3 / 2e-3),
+                                                   "fp8": pytest.approx(2 * 8192**3 / 1e-3)}
+    assert out["sustained_clocks"]["fp8"]["mean_mhz"] == 1600.0
+
+
 def test_breakdown_peer_needs_the_gemm_stage(capsys):
     # vLLM's live launches are GEMM1 + GEMM2 only: they are broken down beside the backend's GEMM stage (--gemms),
     # never beside its whole step, and asking for that is a usage error that says what to add
