@@ -12,8 +12,8 @@ graph; then ``torch.profiler`` records 3 graph replays and each kernel's device 
 launch order with the mean gap before it (its start minus the previous kernel's end: launch gaps, graph nodes that
 are not kernels, waits) or, where a kernel launched with programmatic dependent launch starts before the previous one
 ends, the overlap (its device time then includes its wait), then the sum, the overlap and the idle time (graph time -
-(sum - overlap)), and the same graph's time over 3 replays after a second of rest beside the SM clock and power of
-the timed rounds (``timing.ClockSampler``): an "idle" that the rested replays do not show is clocks, not gaps.
+(sum - overlap)), and the same rounds' time after a second of rest, each with its SM clock, power and power-cap
+share (``timing.ClockSampler``): an "idle" that the rested rounds do not show is clocks, not gaps.
 ``--expected-m`` (deep_gemm) times the step once per ``expected_m`` hint of the masked GEMMs (M < 128) instead of
 ``backends.deep_gemm.experts.expected_m_for``.
 ``--gemms`` breaks down the backend's GEMM-stage variants instead (``benchmarks/variants/<name>.py``: what
@@ -91,18 +91,24 @@ def breakdown(call, n: int, dev, replays: int = 3) -> dict:
 
     m, runner = timing.measure(call, n, dev, keep_runner=True, clocks=True)
     try:
-        burst_us = None
-        graph = getattr(runner, "graph", None)
-        if graph is not None:  # the same graph after a rest: a profiled replay starts from rested clocks
+        burst_us, rested = None, ""
+        if getattr(runner, "graph", None) is not None:
+            # the same rounds after a rest (the profiled replays below start from rested clocks too), their clocks
             time.sleep(1.0)
-            burst_us = timing.median_time(graph.replay, dev, reps=replays, warmup=0) * 1e6 / runner.calls_per_round
+            per_call = []
+            with timing.ClockSampler(dev, period_ms=1) as sampler:
+                for _ in range(replays):
+                    t0 = timing.measured_clock()
+                    runner.round()
+                    per_call.append(timing.measured_clock() - t0)
+            burst_us, rested = sorted(per_call)[len(per_call) // 2] * 1e6, sampler.summary()
         kernels = [(name[:90], us, gap) for name, us, gap in timing.kernel_timeline(runner, replays)]
     finally:
         runner.close()
     # a negative gap is an overlap with the kernel before (programmatic dependent launch): counted once in busy time
     overlap = -sum(min(gap, 0.0) for _, _, gap in kernels)
     return dict(graph_us=m.seconds * 1e6, kernels=kernels, sum_us=sum(t for _, t, _ in kernels), overlap_us=overlap,
-                burst_us=burst_us, clocks=timing.clock_summary(m.clocks))
+                burst_us=burst_us, clocks=timing.clock_summary(m.clocks), rested_clocks=rested)
 
 
 def main(argv=None) -> int:
@@ -185,8 +191,9 @@ def main(argv=None) -> int:
                       + (f" ({ov:.1f} us of it overlapping the kernel before: PDL)" if ov > 0.05 else "")
                       + f", idle {b['graph_us'] - b['sum_us'] + ov:.1f} us", flush=True)
                 if b["burst_us"] is not None:
-                    print(f"  the graph after 1 s of rest: {b['burst_us']:.1f} us per step (the timed rounds: "
-                          f"{b['clocks'] or 'clocks not sampled'})", flush=True)
+                    print(f"  the rounds after 1 s of rest: {b['burst_us']:.1f} us per step "
+                          f"({b['rested_clocks'] or 'clocks not sampled'}); the timed rounds: "
+                          f"{b['clocks'] or 'clocks not sampled'}", flush=True)
                 for kname, us, gap in b["kernels"]:
                     where = f"gap before {gap:6.1f}" if gap >= 0 else f"overlap    {-gap:6.1f}"
                     print(f"  {us:8.1f} us  ({where})  {kname}", flush=True)

@@ -301,10 +301,13 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                             log(f"  {shape.id} M={M} {name}: {c.text} (not timed)")
                             continue
                     m = timing.measure(call, len(inp.sets), device, settings,
-                                       graph_key=f"{backend.name}.{key}.{shape.scheme}", clocks=True)
+                                       graph_key=f"{backend.name}.{key}.{shape.scheme}", clocks=settings.clocks)
                     row["times_s"][name], row["methods"][name] = m.seconds, m.method
                     if m.clocks is not None:
                         row.setdefault("clocks", {})[name] = m.clocks
+                    elif m.clocks_error and device.type == "cuda" and not doc.get("clocks_error"):
+                        doc["clocks_error"] = m.clocks_error
+                        doc["notes"].append(f"clocks not sampled: {m.clocks_error} (pip install nvidia-ml-py)")
                     if device.type == "cuda" and m.method != "cuda-graph":
                         row["graph_errors"][name] = m.graph_error or f"timed by {m.method}"
                         log(f"  {shape.id} M={M} {name}: not captured in a CUDA graph, timed eagerly "

@@ -176,8 +176,6 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs))
 
 
-#: NVML's clock-event reason bit of the software power cap (``timing.ClockSampler``)
-POWER_CAP = 0x4
 #: mean SM clocks of two compared timings further apart than this are named (their ratio is partly one of power)
 CLOCKS_APART = 0.03
 
@@ -192,7 +190,8 @@ def sustained_text(ceilings: dict) -> str:
 
     def one(k, v):
         c = clocks.get(k)
-        at = (f" at {c['mean_mhz']:.0f} MHz" + (" (power cap)" if c["reasons"] & POWER_CAP else "")) if c else ""
+        at = (f" at {c['mean_mhz']:.0f} MHz" + (f" (power cap in {100 * c.get('capped', 0):.0f}% of its samples)"
+                                                 if c.get("capped") else "")) if c else ""
         return f"{k} {fmt_rate(v, 'FLOP/s')}{at}"
 
     return "; sustained as the rows are timed: " + ", ".join(one(k, v) for k, v in rates.items())
@@ -348,16 +347,21 @@ def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None 
 
 def _clock_lines(rows: list[dict], ref: str, peers: list[str]) -> list[str]:
     """What the GPU's clocks did during the timed rounds (``row["clocks"]``, sampled by ``timing.ClockSampler``):
-    how many timings ran under the software power cap, the lowest mean SM clock, and the rows whose ``ref`` and peer
-    timings ran at mean clocks more than ``CLOCKS_APART`` apart. Nothing where no clocks were sampled (CPU, or no
-    ``nvidia-smi``)."""
+    how many timings ran under the software power cap for most of their samples, the lowest mean SM clock, any other
+    clock-event reason met (thermal, hardware slowdown, power brake), and the rows whose ``ref`` and peer timings ran
+    at mean clocks more than ``CLOCKS_APART`` apart. Nothing where no clocks were sampled (CPU, or no NVML)."""
+    from benchmarks.timing import CLOCK_EVENTS, POWER_CAP
+
     timings = [(r, name, c) for r in rows for name, c in r.get("clocks", {}).items()]
     if not timings:
         return []
-    capped = sum(1 for _, _, c in timings if c["reasons"] & POWER_CAP)
+    capped = sum(1 for _, _, c in timings if c.get("capped", 0.0) >= 0.5)
     r, name, c = min(timings, key=lambda t: t[2]["mean_mhz"])
-    out = [f"SM clock during the timed rounds (NVML, {len(timings)} timings): the software power cap was active "
-           f"during {capped} of them; lowest mean {c['mean_mhz']:.0f} MHz ({r['case']} M={r['M']} {name})"]
+    other = {n: sum(1 for _, _, c in timings if c["reasons"] & bit) for bit, n in CLOCK_EVENTS.items()
+             if bit != POWER_CAP}
+    out = [f"SM clock during the timed rounds (NVML, {len(timings)} timings): the software power cap held during "
+           f"most of the samples of {capped} of them; lowest mean {c['mean_mhz']:.0f} MHz ({r['case']} M={r['M']} "
+           f"{name})" + "".join(f"; {n} during {k}" for n, k in other.items() if k)]
     apart = []
     for r in rows:
         cl = r.get("clocks", {})

@@ -51,6 +51,8 @@ __all__ = [
     "measure",
     "ClockSampler",
     "clock_summary",
+    "CLOCK_EVENTS",
+    "POWER_CAP",
 ]
 
 _MEASURED = [0.0]
@@ -79,12 +81,14 @@ class Settings:
     target_round_s: float = 1e-3  # graph / events rounds hold >= this much work
     max_calls_per_round: int = 256
     graphs: bool = True
+    clocks: bool = True  # sample the GPU's clocks over the timed rounds (ClockSampler); MOE_BENCH_CLOCKS=0: off
 
     @staticmethod
     def from_env(on_gpu: bool) -> "Settings":
         budget = float(os.environ.get("MOE_BENCH_SECONDS", "0.5" if on_gpu else "0.15"))
         graphs = os.environ.get("MOE_BENCH_GRAPHS", "1").lower() not in ("0", "false", "no")
-        return Settings(budget_s=budget, graphs=graphs)
+        clocks = os.environ.get("MOE_BENCH_CLOCKS", "1").lower() not in ("0", "false", "no")
+        return Settings(budget_s=budget, graphs=graphs, clocks=clocks)
 
 
 def rotation_sets(bytes_per_call: float, l2_bytes: int, *, min_sets: int = 2, max_sets: int = 16) -> int:
@@ -271,6 +275,7 @@ class Measurement:
     rounds: int
     graph_error: str | None = None
     clocks: dict | None = None  # ClockSampler.stats() over the timed rounds (measure(..., clocks=True))
+    clocks_error: str | None = None  # why there are none (ClockSampler.error)
 
     @property
     def us(self) -> float:
@@ -298,7 +303,7 @@ def measure(call: Callable[[int], object], n_sets: int, device: torch.device | s
             times.append(measured_clock() - t0)
     times.sort()
     m = Measurement(times[len(times) // 2], r.method, r.calls_per_round, r.rounds, r.graph_error,
-                    sampler.stats() if sampler else None)
+                    sampler.stats() if sampler else None, sampler.error if sampler else None)
     if keep_runner:
         return m, r
     r.close()
@@ -412,30 +417,43 @@ def median_time(fn: Callable[[], object], device: torch.device | str, *, reps: i
 # --------------------------------------------------------------------------------------------------------------
 
 
+#: NVML's clock-event reason bits (``nvmlClocksEventReason*``) a timing can meet; 0x1 (idle) and 0x2 / 0x10 / 0x100
+#: (application clocks, sync boost, display) are left out
+CLOCK_EVENTS = {0x4: "sw power cap", 0x8: "hw slowdown", 0x20: "sw thermal", 0x40: "hw thermal",
+                0x80: "hw power brake"}
+POWER_CAP = 0x4
+
+
 class ClockSampler:
-    """The GPU's SM clock (MHz), board power (W) and active clock-event reasons, sampled through NVML
-    (``nvidia-ml-py``'s ``pynvml``, the library ``torch.cuda.clock_rate`` uses) every ``period_ms`` by a background
-    thread while the ``with`` block runs: whether two timings saw the same clocks (a sustained FP8 or bf16 prefill
-    replay runs under the software power cap at a lower clock than a short rested one).
+    """The GPU's SM clock (MHz) and active clock-event reasons, sampled through NVML (``nvidia-ml-py``'s
+    ``pynvml``, the library ``torch.cuda.clock_rate`` uses) every ``period_ms`` by a background thread while the
+    ``with`` block runs, and its mean board power over the block (the energy counter read at both ends; NVML's power
+    reading is a one-second average on Ampere and newer): whether two timings saw the same clocks (a sustained FP8
+    or bf16 prefill replay runs under the software power cap at a lower clock than a short rested one).
 
     ``with ClockSampler(device) as c: ...``; then :meth:`stats` / :meth:`summary` (None / ``""`` where nothing was
-    sampled: a CPU device, no ``pynvml``, no NVML driver; ``error`` says which) and ``samples`` (``[(sm_mhz, watts,
-    reasons bitmask)]``). Never raises: clocks are context for a timing, not a check.
+    sampled: a CPU device, no ``pynvml``, no NVML driver; ``error`` says which) and ``samples`` (``[(sm_mhz,
+    reasons bitmask)]``). Never raises: clocks are context for a timing, not a check. The thread holds the GIL for
+    a few microseconds a sample (NVML's calls go through ctypes, which releases it); ``MOE_BENCH_CLOCKS=0`` turns the
+    benchmark's sampling off for an A / B of that.
     """
 
-    _handles: dict = {}  # device ordinal -> NVML handle (NVML initialised once per process)
+    _handles: dict = {}  # device ordinal -> (NVML handle, how it was found)
 
-    def __init__(self, device: torch.device | str | None = None, period_ms: float = 10.0):
+    def __init__(self, device: torch.device | str | None = None, period_ms: float = 20.0):
         self.device = torch.device(device) if device is not None else torch.device("cuda")
         self.period_s = float(period_ms) / 1e3
-        self.samples: list[tuple[float, float, int]] = []
+        self.samples: list[tuple[float, int]] = []
         self.error: str | None = None
+        self.watts: float | None = None
+        self.found_by: str | None = None
         self._stop = None
         self._thread = None
+        self._energy = None
 
     def _handle(self):
         """The NVML handle of the device: by its UUID (CUDA's ordinals differ from NVML's under
-        ``CUDA_VISIBLE_DEVICES``), else by the ordinal."""
+        ``CUDA_VISIBLE_DEVICES``), else by torch's own mapping to NVML's index (``found_by`` says which)."""
         import pynvml
 
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -443,11 +461,24 @@ class ClockSampler:
             pynvml.nvmlInit()
             try:
                 uuid = str(torch.cuda.get_device_properties(idx).uuid)
-                h = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-            except Exception:  # noqa: BLE001 - no uuid on this torch, or NVML does not know it: the ordinal
-                h = pynvml.nvmlDeviceGetHandleByIndex(idx)
-            ClockSampler._handles[idx] = h
+                found = (pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"), "uuid")
+            except Exception:  # noqa: BLE001 - no uuid on this torch, or NVML does not know it
+                nvml_idx = getattr(torch.cuda, "_get_nvml_device_index", lambda i: i)(idx)
+                found = (pynvml.nvmlDeviceGetHandleByIndex(nvml_idx), f"index {nvml_idx}")
+            ClockSampler._handles[idx] = found
         return ClockSampler._handles[idx]
+
+    @staticmethod
+    def _reasons_getter(pynvml, h):
+        """The clock-event reasons' getter this driver has (renamed from "throttle" reasons in newer drivers)."""
+        get = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        if get is not None:
+            try:
+                get(h)
+                return get
+            except pynvml.NVMLError_FunctionNotFound:  # an older driver under a newer binding
+                pass
+        return pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
 
     def __enter__(self) -> "ClockSampler":
         import threading
@@ -458,19 +489,20 @@ class ClockSampler:
         try:
             import pynvml
 
-            h = self._handle()
-            # the reasons' getter was renamed (clocks "throttle" -> "event" reasons) in newer NVML bindings
-            reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-                pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+            h, self.found_by = self._handle()
+            reasons = self._reasons_getter(pynvml, h)
 
             def sample():
-                return (float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
-                        pynvml.nvmlDeviceGetPowerUsage(h) / 1e3, int(reasons(h)))
+                return float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)), int(reasons(h))
 
             sample()  # fails here, not in the thread, when NVML cannot answer
         except Exception as exc:  # noqa: BLE001 - no pynvml, no driver, an old GPU: no clocks
             self.error = f"{type(exc).__name__}: {exc}"[:200]
             return self
+        try:  # mJ since the driver loaded (Volta and newer)
+            self._energy = (pynvml.nvmlDeviceGetTotalEnergyConsumption(h), time.perf_counter(), h)
+        except Exception:  # noqa: BLE001 - no energy counter: no power figure
+            self._energy = None
         self._stop = threading.Event()
 
         def run():
@@ -490,19 +522,31 @@ class ClockSampler:
     def __exit__(self, *exc) -> None:
         if self._thread is not None:
             self._stop.set()
-            self._thread.join()
+            self._thread.join(timeout=5.0)  # a hung NVML call must not hang the benchmark
+        if self._energy is not None:
+            try:
+                import pynvml
+
+                e0, t0, h = self._energy
+                dt = time.perf_counter() - t0
+                self.watts = (pynvml.nvmlDeviceGetTotalEnergyConsumption(h) - e0) / 1e3 / dt if dt > 0 else None
+            except Exception:  # noqa: BLE001
+                self.watts = None
 
     def stats(self) -> dict | None:
-        """``{"mean_mhz", "min_mhz", "max_mhz", "watts", "reasons", "samples"}`` over the samples (``reasons``: the
-        bitwise or of theirs; NVML's clock-event bits, 0x4 the software power cap), or None without samples."""
+        """``{"mean_mhz", "min_mhz", "max_mhz", "watts", "reasons", "capped", "samples"}`` over the samples
+        (``reasons``: the bitwise or of theirs, NVML's clock-event bits; ``capped``: the fraction of samples with the
+        software power cap, 0x4; ``watts``: the mean board power over the block, None without an energy counter),
+        or None without samples."""
         if not self.samples:
             return None
-        mhz = [s[0] for s in self.samples]
+        mhz = [m for m, _ in self.samples]
         reasons = 0
-        for s in self.samples:
-            reasons |= s[2]
-        return dict(mean_mhz=sum(mhz) / len(mhz), min_mhz=min(mhz), max_mhz=max(mhz),
-                    watts=sum(s[1] for s in self.samples) / len(mhz), reasons=reasons, samples=len(mhz))
+        for _, r in self.samples:
+            reasons |= r
+        capped = sum(1 for _, r in self.samples if r & POWER_CAP) / len(mhz)
+        return dict(mean_mhz=sum(mhz) / len(mhz), min_mhz=min(mhz), max_mhz=max(mhz), watts=self.watts,
+                    reasons=reasons, capped=capped, samples=len(mhz))
 
     def summary(self) -> str:
         """:func:`clock_summary` of :meth:`stats`."""
@@ -510,11 +554,15 @@ class ClockSampler:
 
 
 def clock_summary(st: dict | None) -> str:
-    """``"SM 1755 MHz (1650-1980), 690 W, reasons 0x4 (31 samples)"`` of :meth:`ClockSampler.stats`, or ``""``."""
+    """``"SM 1755 MHz (1650-1980), 690 W, power cap in 80% of 31 samples"`` of :meth:`ClockSampler.stats` (the
+    other clock-event reasons named where met), or ``""``."""
     if st is None:
         return ""
-    return (f"SM {st['mean_mhz']:.0f} MHz ({st['min_mhz']:.0f}-{st['max_mhz']:.0f}), {st['watts']:.0f} W, "
-            f"reasons {st['reasons']:#x} ({st['samples']} samples)")
+    other = [name for bit, name in CLOCK_EVENTS.items() if bit != POWER_CAP and st["reasons"] & bit]
+    return (f"SM {st['mean_mhz']:.0f} MHz ({st['min_mhz']:.0f}-{st['max_mhz']:.0f})"
+            + (f", {st['watts']:.0f} W" if st.get("watts") is not None else "")
+            + f", power cap in {100 * st.get('capped', 0.0):.0f}% of {st['samples']} samples"
+            + (f"; also {', '.join(other)}" if other else ""))
 
 
 def device_info() -> dict:
@@ -539,29 +587,34 @@ def device_info() -> dict:
     return info
 
 
-def _sustained_matmul(device: torch.device, g: torch.Generator, fp8: bool) -> dict:
-    """The bf16 (and fp8) 8192^3 GEMM rates timed as the rows are (``measure``: a CUDA graph, rounds for the
-    ``MOE_BENCH_SECONDS`` budget, median) with the clocks of those rounds: ``sustained_matmul_flops_per_s`` and
+def _sustained_matmul(device: torch.device, g: torch.Generator, fp8: bool, S: int = 8192) -> dict:
+    """The bf16 (and fp8) ``S``^3 GEMM rates timed with the rows' protocol (``measure``: a CUDA graph, rounds for the
+    ``MOE_BENCH_SECONDS`` budget, median) and the clocks of those rounds: ``sustained_matmul_flops_per_s`` and
     ``sustained_clocks``. Under an H200's software power cap these run at a lower clock than the ceilings' short
-    bursts (``measure_ceilings``), as the prefill rows do; the floor stays on the burst ceilings and the report prints
-    the fraction of this one beside it."""
-    S = 8192
-    a = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
-    b = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
-    calls = {"bf16": lambda i: torch.mm(a, b)}
-    if fp8:
-        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device=device, dtype=torch.float32)
-        calls["fp8"] = lambda i: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    rates, clocks = {}, {}
-    for k, call in calls.items():
-        m = measure(call, 1, device, clocks=True)
-        rates[k] = 2.0 * S**3 / m.seconds
-        if m.clocks is not None:
-            clocks[k] = m.clocks
-    del a, b, calls
-    torch.cuda.empty_cache()
-    return {"sustained_matmul_flops_per_s": rates, "sustained_clocks": clocks}
+    bursts (``measure_ceilings``), as the prefill rows do (a dense GEMM's power is not a grouped MoE GEMM's: the
+    report prints the clock beside the rate); the floor stays on the burst ceilings and the report prints the
+    fraction of this one beside it. A failure is a note (``sustained_error``), never the ceilings' end."""
+    try:
+        a = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
+        b = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
+        calls = {"bf16": lambda i: torch.mm(a, b)}
+        if fp8:
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+            one = torch.ones((), device=device, dtype=torch.float32)
+            calls["fp8"] = lambda i: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        rates, clocks = {}, {}
+        for k, call in calls.items():
+            m = measure(call, 1, device, clocks=True)
+            rates[k] = 2.0 * S**3 / m.seconds
+            if m.clocks is not None:
+                clocks[k] = m.clocks
+        return {"sustained_matmul_flops_per_s": rates, "sustained_clocks": clocks}
+    except Exception as exc:  # noqa: BLE001 - context for the floor, not a ceiling
+        return {"sustained_error": f"{type(exc).__name__}: {exc}"[:200]}
+    finally:
+        a = b = a8 = b8 = calls = None  # noqa: F841 - freed before the cache is emptied
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def measure_ceilings(device: torch.device | str) -> dict:

@@ -163,44 +163,64 @@ def test_kernel_breakdown_needs_a_cuda_graph():
         runner.close()
 
 
+def _fake_nvml(readings, energy_mj):
+    """A stand-in for pynvml: each clock read draws the next ``(MHz, reasons)`` of ``readings`` (the last repeats);
+    the energy counter reads the values of ``energy_mj`` in turn; handles by UUID and by index differ."""
+    import types
+
+    state = {"r": readings[-1], "n": 0}
+    it = iter(readings)
+    energy = iter(energy_mj)
+
+    def clock(h, kind):
+        assert kind == 1 and h in ("by-uuid", "by-index")
+        state["r"] = next(it, readings[-1])
+        state["n"] += 1
+        return state["r"][0]
+
+    class NVMLError_FunctionNotFound(Exception):
+        pass
+
+    return state, types.SimpleNamespace(
+        NVML_CLOCK_SM=1, nvmlInit=lambda: None, NVMLError_FunctionNotFound=NVMLError_FunctionNotFound,
+        nvmlDeviceGetHandleByUUID=lambda u: "by-uuid", nvmlDeviceGetHandleByIndex=lambda i: "by-index",
+        nvmlDeviceGetClockInfo=clock, nvmlDeviceGetCurrentClocksEventReasons=lambda h: state["r"][1],
+        nvmlDeviceGetTotalEnergyConsumption=lambda h: next(energy))
+
+
+def _wait_for(cond, seconds=10.0):
+    import time
+
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, "the sampler thread stopped sampling"
+        time.sleep(0.001)
+
+
 def test_clock_sampler_reads_nvml_and_never_raises(monkeypatch):
-    # A stand-in pynvml (NVML's Python binding): the sampler's thread reads clock, power (mW) and the clock-event
-    # reasons until the block ends; the summary is their mean / range and the or of their reasons. Without pynvml,
-    # with NVML failing, or on the CPU, nothing is sampled, `error` says why and nothing raises.
+    # The sampler's thread reads the SM clock and the clock-event reasons until the block ends (the probe reading
+    # before the thread starts is not a sample); the power is the energy counter's difference over the block; the
+    # summary gives the mean / range, the power-cap share and any other reason met. Without pynvml, with NVML
+    # failing, or on the CPU, nothing is sampled, `error` says why and nothing raises.
     import sys
     import time
-    import types
 
     from benchmarks import timing
 
-    readings = iter([(1980, 650500, 0x0), (1700, 699000, 0x4), (1800, 690100, 0x1)])  # MHz, mW, reasons
-    calls = {"clock": 0}
-    fake = types.SimpleNamespace(NVML_CLOCK_SM=1, nvmlInit=lambda: None, nvmlDeviceGetHandleByUUID=lambda u: "h",
-                                 nvmlDeviceGetHandleByIndex=lambda i: "h")
-    state = {"r": None}  # one reading: the clock call draws it, power and reasons read the same one
-
-    def clock(h, kind):
-        assert kind == 1
-        state["r"] = next(readings, (1800, 690100, 0x1))
-        calls["clock"] += 1
-        return state["r"][0]
-
-    fake.nvmlDeviceGetClockInfo = clock
-    fake.nvmlDeviceGetPowerUsage = lambda h: state["r"][1]
-    fake.nvmlDeviceGetCurrentClocksEventReasons = lambda h: state["r"][2]
+    state, fake = _fake_nvml([(1980, 0x0), (1700, 0x4), (1800, 0x4 | 0x20), (1800, 0x1)], [1_000_000, 1_000_700])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(timing.ClockSampler, "_handles", {0: "h"})
+    monkeypatch.setattr(timing.ClockSampler, "_handles", {0: ("by-uuid", "uuid")})
     with timing.ClockSampler(torch.device("cuda", 0), period_ms=1) as c:
-        while calls["clock"] < 6:
-            time.sleep(0.001)
-    # the probe reading (1980 MHz) is not a sample; the rest are
-    assert c.samples[:3] == [(1700.0, 699.0, 4), (1800.0, 690.1, 1), (1800.0, 690.1, 1)]
-    st = c.stats()
-    assert st["min_mhz"] == 1700.0 and st["max_mhz"] == 1800.0 and st["reasons"] == 0x5
-    assert c.summary().startswith("SM 17") and "reasons 0x5" in c.summary()
+        _wait_for(lambda: state["n"] >= 6)
+    assert c.samples[:3] == [(1700.0, 0x4), (1800.0, 0x24), (1800.0, 0x1)]
     n = len(c.samples)
     time.sleep(0.01)
     assert len(c.samples) == n  # the thread stopped with the block
+    st = c.stats()
+    assert (st["min_mhz"], st["max_mhz"], st["reasons"], st["capped"]) == (1700.0, 1800.0, 0x25, 2 / n)
+    assert 0 < st["watts"] < 700 / 0.005  # 0.7 J over the block (at least 5 ms long)
+    assert c.summary().startswith("SM 1") and f"power cap in {100 * 2 / n:.0f}% of {n} samples" in c.summary()
+    assert c.summary().endswith("; also sw thermal")
 
     fake.nvmlDeviceGetClockInfo = lambda h, kind: (_ for _ in ()).throw(RuntimeError("NVML_ERROR_NOT_SUPPORTED"))
     with timing.ClockSampler(torch.device("cuda", 0)) as c:
@@ -213,6 +233,41 @@ def test_clock_sampler_reads_nvml_and_never_raises(monkeypatch):
     with timing.ClockSampler(torch.device("cpu")) as c:
         pass
     assert c.summary() == "" and c.error == "not a GPU"
+
+
+def test_clock_sampler_finds_the_device_by_uuid_else_by_torchs_nvml_index(monkeypatch):
+    # CUDA's ordinal is not NVML's under CUDA_VISIBLE_DEVICES: the handle comes by the device's UUID, and where that
+    # fails by torch's own mapping to NVML's index; an older driver without the "event reasons" getter is read
+    # through the older "throttle reasons" one.
+    import sys
+    import types
+
+    from benchmarks import timing
+
+    state, fake = _fake_nvml([(1980, 0x0)], [0, 0])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(timing.ClockSampler, "_handles", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="1234-abcd"))
+    seen = []
+    fake.nvmlDeviceGetHandleByUUID = lambda u: seen.append(u) or "by-uuid"
+    assert timing.ClockSampler(torch.device("cuda", 3))._handle() == ("by-uuid", "uuid")
+    assert seen == ["GPU-1234-abcd"]
+
+    def no_uuid(u):
+        raise RuntimeError("NVML_ERROR_NOT_FOUND")
+
+    fake.nvmlDeviceGetHandleByUUID = no_uuid
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda i: i + 4, raising=False)
+    assert timing.ClockSampler(torch.device("cuda", 2))._handle() == ("by-index", "index 6")
+
+    def missing(h):
+        raise fake.NVMLError_FunctionNotFound()
+
+    fake.nvmlDeviceGetCurrentClocksEventReasons = missing
+    fake.nvmlDeviceGetCurrentClocksThrottleReasons = lambda h: 0x4
+    with timing.ClockSampler(torch.device("cuda", 2), period_ms=1) as c:
+        _wait_for(lambda: len(c.samples) >= 1)
+    assert c.samples[0] == (1980.0, 0x4) and c.found_by == "index 6"
 
 
 def test_sustained_matmul_times_each_gemm_as_the_rows_are(monkeypatch):
@@ -228,12 +283,18 @@ def test_sustained_matmul_times_each_gemm_as_the_rows_are(monkeypatch):
                                   {"mean_mhz": 1600.0, "reasons": 4} if clocks else None)
 
     monkeypatch.setattr(timing, "measure", fake_measure)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    out = timing._sustained_matmul(torch.device("cpu"), torch.Generator().manual_seed(0), fp8=True)
+    out = timing._sustained_matmul(torch.device("cpu"), torch.Generator().manual_seed(0), fp8=True, S=64)
     assert seen == [(1, True), (1, True)]
-    assert out["sustained_matmul_flops_per_s"] == {"bf16": pytest.approx(2 * 8192**3 / 2e-3),
-                                                   "fp8": pytest.approx(2 * 8192**3 / 1e-3)}
+    assert out["sustained_matmul_flops_per_s"] == {"bf16": pytest.approx(2 * 64**3 / 2e-3),
+                                                   "fp8": pytest.approx(2 * 64**3 / 1e-3)}
     assert out["sustained_clocks"]["fp8"]["mean_mhz"] == 1600.0
+
+    def broken(*a, **k):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(timing, "measure", broken)  # a failure is a note, not the end of the ceilings
+    out = timing._sustained_matmul(torch.device("cpu"), torch.Generator().manual_seed(0), fp8=True, S=64)
+    assert out == {"sustained_error": "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"}
 
 
 def test_breakdown_peer_needs_the_gemm_stage(capsys):

@@ -10,6 +10,10 @@
 #                          shrunk failures go to results/regressions-<backend>.toml (copied back, merged by hand)
 #   bench-BACKEND          python -m benchmarks --backend BACKEND $BENCH_ARGS (timing: run it alone on the GPU;
 #                          e.g. BENCH_ARGS="--quick --peer vllm --vllm-src .vllm-src/vllm-0.33.0", the slice carried)
+#   warm-BACKEND           the same run as bench-BACKEND with a token measurement (MOE_BENCH_SECONDS=0.02, no
+#                          checks, no budget): compiles every kernel into the Triton cache and builds vLLM's ops under
+#                          /tmp (gpu_env.sh), so that a bench-BACKEND in the next call on the warm machine times all
+#                          rows within one call (a fresh machine spends about 140 s of the triton suite compiling)
 #   py-NAME                python tools/diag/NAME.py $PY_ARGS (a diagnosis script; started in the background, waited for at the end)
 #   triton-TOOL            python -m tools.triton.TOOL $TOOL_ARGS (in the foreground: timings run alone)
 #   cuda-TOOL              python -m tools.cuda.TOOL $TOOL_ARGS (e.g. cuda-glue_check)
@@ -50,6 +54,8 @@ for spec in "$@"; do
                    --backend "${step#breakdown-}" ${BREAKDOWN_ARGS:-} ;;
     tests-*) TAIL=15 bash tools/gpu/gpu_step.sh "$step" "$limit" python3 -m pytest "tests/test_${step#tests-}.py" -q \
                -p no:cacheprovider ;;
+    warm-*) TAIL=5 MOE_BENCH_SECONDS=0.02 bash tools/gpu/gpu_step.sh "$step" "$limit" python3 -m benchmarks \
+              --backend "${step#warm-}" ${BENCH_ARGS:-} --no-check --budget-s 100000 --json "$res/$step.json" ;;
     bench-*) TAIL=80 bash tools/gpu/gpu_step.sh "$step" "$limit" python3 -m benchmarks --backend "${step#bench-}" \
                ${BENCH_ARGS:-} --json "$res/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
