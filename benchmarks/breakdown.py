@@ -95,13 +95,9 @@ def breakdown(call, n: int, dev, replays: int = 3) -> dict:
         if getattr(runner, "graph", None) is not None:
             # the same rounds after a rest (the profiled replays below start from rested clocks too), their clocks
             time.sleep(1.0)
-            per_call = []
             with timing.ClockSampler(dev, period_ms=1) as sampler:
-                for _ in range(replays):
-                    t0 = timing.measured_clock()
-                    runner.round()
-                    per_call.append(timing.measured_clock() - t0)
-            burst_us, rested = sorted(per_call)[len(per_call) // 2] * 1e6, sampler.summary()
+                per_call = sorted(timing.timed_rounds(runner, replays))
+            burst_us, rested = per_call[len(per_call) // 2] * 1e6, sampler.summary()
         kernels = [(name[:90], us, gap) for name, us, gap in timing.kernel_timeline(runner, replays)]
     finally:
         runner.close()

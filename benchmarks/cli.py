@@ -171,7 +171,7 @@ def main(argv=None) -> int:
             return NOT_HERE
         log(f"peer: vLLM {vllm.version} fused_moe_kernel from {vllm.fused_moe_path} (kernel file {vllm.kernel_path})")
         peer_vllm.attach_ops(vllm, log=log)
-        log(f"peer: vLLM's compiled activation / requantization ops: "
+        log("peer: vLLM's compiled activation / requantization ops: "
             + (f"loaded (column `{vllm.chain_title}`)" if vllm.ops is not None else
                f"not available, no `{vllm.chain_title}` column: {vllm.ops_error}"))
     doc = run_suite(backend, suite, experts, ms, gates, gate_ms, check=not args.no_check,
@@ -218,6 +218,7 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
     log(f"[{time.time() - t0:6.1f}s] ceilings: copy {report.fmt_rate(ceilings['copy_bytes_per_s'], 'B/s')}, "
         + ", ".join(f"{k} {report.fmt_rate(v, 'FLOP/s')}" for k, v in mm.items())
         + report.sustained_text(ceilings))
+    sustained = roofline.sustained(ceilings)  # the GEMM ceilings as the rows are timed (GPU), None on the CPU
     settings = timing.Settings.from_env(device.type == "cuda")
     hook = variants.for_backend(backend.name)
     peer = suites.peer(suite.peer) if suite.peer and peer_mode == "stored" else None
@@ -257,8 +258,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 fail(f"inputs {shape.id} M={M}", exc)
                 continue
             floor_s, bound = inp.work.floor(ceilings)
-            if roofline.sustained(ceilings) is not None:
-                row["floor_sustained_s"] = inp.work.floor(roofline.sustained(ceilings))[0]
+            if sustained is not None:
+                row["floor_sustained_s"] = inp.work.floor(sustained)[0]
             row.update(floor_s=floor_s, bound=bound, flops=inp.work.flops, bytes=inp.work.bytes,
                        touched=inp.touched, peer_s=peer.seconds(shape.id, M, inp.work.flops) if peer else None)
             classes = [c for c in backend.experts if harness.standard_modular(c)]

@@ -181,8 +181,8 @@ CLOCKS_APART = 0.03
 
 
 def sustained_text(ceilings: dict) -> str:
-    """``"; sustained as the rows are timed: bf16 650 TFLOP/s at 1500 MHz (power cap), ..."`` of
-    ``timing.measure_ceilings``' sustained GEMM rates, or ``""`` without them."""
+    """``"; sustained as the rows are timed: bf16 650 TFLOP/s at 1500 MHz (power cap in 80% of its samples), ..."``
+    of ``timing.measure_ceilings``' sustained GEMM rates, or ``""`` without them."""
     rates = ceilings.get("sustained_matmul_flops_per_s") or {}
     if not rates:
         return ""
@@ -367,11 +367,12 @@ def _clock_lines(rows: list[dict], ref: str, peers: list[str]) -> list[str]:
         cl = r.get("clocks", {})
         for p in peers:
             if ref in cl and p in cl and abs(cl[ref]["mean_mhz"] / cl[p]["mean_mhz"] - 1) > CLOCKS_APART:
-                apart.append(f"{r['case']} M={r['M']} {ref} {cl[ref]['mean_mhz']:.0f} / {p} {cl[p]['mean_mhz']:.0f} MHz")
+                apart.append(f"{r['case']} M={r['M']} {ref} {cl[ref]['mean_mhz']:.0f} / {p} "
+                             f"{cl[p]['mean_mhz']:.0f} MHz")
     if apart:
-        out.append(f"rows whose `{ref}` and peer timings ran at mean SM clocks more than {100 * CLOCKS_APART:.0f}% apart "
-                   f"(under the power cap a ratio measures energy per step as much as schedule): {len(apart)}; "
-                   + ", ".join(apart))
+        out.append(f"rows whose `{ref}` and peer timings ran at mean SM clocks more than "
+                   f"{100 * CLOCKS_APART:.0f}% apart (under the power cap a ratio measures energy per step as much "
+                   f"as schedule): {len(apart)}; " + ", ".join(apart))
     return out
 
 

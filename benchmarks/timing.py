@@ -49,6 +49,7 @@ __all__ = [
     "time_samples",
     "Measurement",
     "measure",
+    "timed_rounds",
     "ClockSampler",
     "clock_summary",
     "CLOCK_EVENTS",
@@ -282,26 +283,32 @@ class Measurement:
         return self.seconds * 1e6
 
 
+def timed_rounds(runner: Runner, rounds: int) -> list[float]:
+    """Per-call seconds of ``rounds`` of a prepared :class:`Runner`'s rounds (``measured_clock`` around each)."""
+    times = []
+    for _ in range(rounds):
+        t0 = measured_clock()
+        runner.round()
+        times.append(measured_clock() - t0)
+    return times
+
+
 def measure(call: Callable[[int], object], n_sets: int, device: torch.device | str,
             settings: Settings | None = None, *, graph_key: str | None = None, allow_graph: bool = True,
             keep_runner: bool = False, clocks: bool = False):
     """Time ``call(i)`` (``i`` in ``range(n_sets)``) outside pytest: :class:`Runner`'s protocol (warm-up, a CUDA graph
     of >= ``n_sets`` calls or events around eager calls, rounds for the budget), the median of the rounds. Returns a
     :class:`Measurement`; with ``keep_runner`` also the open :class:`Runner` (its ``graph`` for a profiler);
-    ``clocks``: the GPU's clocks sampled over the timed rounds (not the warm-up or the capture), ``Measurement.clocks``."""
+    ``clocks``: the GPU's clocks sampled over the timed rounds (not the warm-up or the capture),
+    ``Measurement.clocks``."""
     device = torch.device(device)
     settings = settings or Settings.from_env(device.type == "cuda")
     r = Runner(call, n_sets, device, settings, allow_graph=allow_graph, graph_key=graph_key)
     r.prepare()
     r.round()  # one unmeasured round (pytest-benchmark's warmup_rounds=1)
-    times = []
     sampler = ClockSampler(device) if clocks else None
     with sampler or contextlib.nullcontext():
-        for _ in range(r.rounds):
-            t0 = measured_clock()
-            r.round()
-            times.append(measured_clock() - t0)
-    times.sort()
+        times = sorted(timed_rounds(r, r.rounds))
     m = Measurement(times[len(times) // 2], r.method, r.calls_per_round, r.rounds, r.graph_error,
                     sampler.stats() if sampler else None, sampler.error if sampler else None)
     if keep_runner:
@@ -587,34 +594,24 @@ def device_info() -> dict:
     return info
 
 
-def _sustained_matmul(device: torch.device, g: torch.Generator, fp8: bool, S: int = 8192) -> dict:
-    """The bf16 (and fp8) ``S``^3 GEMM rates timed with the rows' protocol (``measure``: a CUDA graph, rounds for the
-    ``MOE_BENCH_SECONDS`` budget, median) and the clocks of those rounds: ``sustained_matmul_flops_per_s`` and
-    ``sustained_clocks``. Under an H200's software power cap these run at a lower clock than the ceilings' short
-    bursts (``measure_ceilings``), as the prefill rows do (a dense GEMM's power is not a grouped MoE GEMM's: the
-    report prints the clock beside the rate); the floor stays on the burst ceilings and the report prints the
-    fraction of this one beside it. A failure is a note (``sustained_error``), never the ceilings' end."""
+def _sustained_matmul(device: torch.device, calls: dict, flops_per_call: float) -> dict:
+    """The rates of ``calls`` (``{dtype: call(i)}``: ``measure_ceilings``' GEMMs of ``flops_per_call`` each) timed
+    with the rows' protocol (``measure``: a CUDA graph, rounds for the ``MOE_BENCH_SECONDS`` budget, median) and
+    the clocks of those rounds: ``sustained_matmul_flops_per_s`` and ``sustained_clocks``. Under an H200's software
+    power cap these run at a lower clock than the ceilings' short bursts, as the prefill rows do (a dense GEMM's power
+    is not a grouped MoE GEMM's: the report prints the clock beside the rate); the floor stays on the burst ceilings
+    and the report prints the fraction of this one beside it. A failure is a note (``sustained_error``), never the
+    ceilings' end."""
     try:
-        a = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
-        b = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
-        calls = {"bf16": lambda i: torch.mm(a, b)}
-        if fp8:
-            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-            one = torch.ones((), device=device, dtype=torch.float32)
-            calls["fp8"] = lambda i: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         rates, clocks = {}, {}
         for k, call in calls.items():
             m = measure(call, 1, device, clocks=True)
-            rates[k] = 2.0 * S**3 / m.seconds
+            rates[k] = flops_per_call / m.seconds
             if m.clocks is not None:
                 clocks[k] = m.clocks
         return {"sustained_matmul_flops_per_s": rates, "sustained_clocks": clocks}
     except Exception as exc:  # noqa: BLE001 - context for the floor, not a ceiling
         return {"sustained_error": f"{type(exc).__name__}: {exc}"[:200]}
-    finally:
-        a = b = a8 = b8 = calls = None  # noqa: F841 - freed before the cache is emptied
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def measure_ceilings(device: torch.device | str) -> dict:
@@ -641,19 +638,22 @@ def measure_ceilings(device: torch.device | str) -> dict:
         S = 8192
         a = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
         b = torch.randn(S, S, device=device, dtype=torch.bfloat16, generator=g)
-        flops = {"bf16": 2.0 * S**3 / median_time(lambda: torch.mm(a, b), device, reps=10, warmup=3)}
+        gemms = {"bf16": lambda i=0: torch.mm(a, b)}
+        flops = {"bf16": 2.0 * S**3 / median_time(gemms["bf16"], device, reps=10, warmup=3)}
         try:
             a8 = a.to(torch.float8_e4m3fn)
             b8 = b.to(torch.float8_e4m3fn).t()  # column-major second operand
             one = torch.ones((), device=device, dtype=torch.float32)
-            t8 = median_time(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                             device, reps=10, warmup=3)
-            flops["fp8"] = 2.0 * S**3 / t8
-            del a8, b8
+            fp8 = lambda i=0: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+            flops["fp8"] = 2.0 * S**3 / median_time(fp8, device, reps=10, warmup=3)
+            gemms["fp8"] = fp8
         except Exception as exc:  # no fp8 matmul here (pre-SM89): fp8 schemes use the bf16 ceiling
             flops["fp8"] = flops["bf16"]
             out["fp8_note"] = f"no fp8 matmul ({type(exc).__name__}); bf16 ceiling used"
-        del a, b
+        # the same GEMMs again as the rows are timed (the bursts above run at rested clocks)
+        out.update(_sustained_matmul(device, gemms, 2.0 * S**3))
+        del a, b, gemms
+        a8 = b8 = fp8 = None  # noqa: F841 - freed before the cache is emptied below
         S32 = 4096
         a32 = torch.randn(S32, S32, device=device, generator=g)
         b32 = torch.randn(S32, S32, device=device, generator=g)
@@ -666,7 +666,6 @@ def measure_ceilings(device: torch.device | str) -> dict:
         del a32, b32
         torch.cuda.empty_cache()
         out["matmul_method"] = "8192^3 bf16 mm, 8192^3 fp8 _scaled_mm, 4096^3 fp32 mm (no TF32), random data"
-        out.update(_sustained_matmul(device, g, "fp8" in flops and "fp8_note" not in out))
     else:
         n = 2**25  # fp32 elements: 128 MiB
         src = torch.randn(n, generator=g)

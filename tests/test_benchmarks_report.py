@@ -272,19 +272,22 @@ def test_clock_sampler_finds_the_device_by_uuid_else_by_torchs_nvml_index(monkey
 
 def test_sustained_matmul_times_each_gemm_as_the_rows_are(monkeypatch):
     # The plumbing of measure_ceilings' sustained rates (the GEMMs themselves run on a GPU only): each dtype's GEMM
-    # goes through timing.measure with its clocks, the rate is 2 S^3 / the measured seconds, the clocks are kept.
+    # (the ceilings' own callables) goes through timing.measure with its clocks, the rate is its FLOPs / the measured
+    # seconds, the clocks are kept.
     from benchmarks import timing
 
     seen = []
+    a = torch.randn(64, 64)
+    gemms = {"bf16": lambda i=0: a @ a, "fp8": lambda i=0: a @ a.t()}
 
     def fake_measure(call, n_sets, device, settings=None, *, clocks=False, **kw):
-        seen.append((n_sets, clocks))
+        seen.append((call, n_sets, clocks))
         return timing.Measurement(2e-3 if len(seen) == 1 else 1e-3, "cuda-graph", 1, 10, None,
                                   {"mean_mhz": 1600.0, "reasons": 4} if clocks else None)
 
     monkeypatch.setattr(timing, "measure", fake_measure)
-    out = timing._sustained_matmul(torch.device("cpu"), torch.Generator().manual_seed(0), fp8=True, S=64)
-    assert seen == [(1, True), (1, True)]
+    out = timing._sustained_matmul(torch.device("cpu"), gemms, 2.0 * 64**3)
+    assert seen == [(gemms["bf16"], 1, True), (gemms["fp8"], 1, True)]
     assert out["sustained_matmul_flops_per_s"] == {"bf16": pytest.approx(2 * 64**3 / 2e-3),
                                                    "fp8": pytest.approx(2 * 64**3 / 1e-3)}
     assert out["sustained_clocks"]["fp8"]["mean_mhz"] == 1600.0
@@ -293,7 +296,7 @@ def test_sustained_matmul_times_each_gemm_as_the_rows_are(monkeypatch):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
 
     monkeypatch.setattr(timing, "measure", broken)  # a failure is a note, not the end of the ceilings
-    out = timing._sustained_matmul(torch.device("cpu"), torch.Generator().manual_seed(0), fp8=True, S=64)
+    out = timing._sustained_matmul(torch.device("cpu"), gemms, 2.0 * 64**3)
     assert out == {"sustained_error": "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"}
 
 
