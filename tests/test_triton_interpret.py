@@ -42,7 +42,7 @@ CHECKS = [
     "experts_fp8_block", "experts_fp8_block_swap_ab", "experts_fp8_nonblock_swap_ab", "experts_fp8_block_unfused", "experts_fp8_block_ue8m0", "experts_fp8_tensor", "experts_fp8_tensor_amax_in_gemm1",
     "experts_fp8_channel_token", "experts_int8", "fp8_promotion_order", "experts_fp8_promotion",
     "experts_permute_a", "align_tiles", "align_one_launch", "experts_half_tail", "experts_n_tiles", "experts_split_k",
-    "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "act_quant_routes", "experts_route_tiles",
+    "experts_joint_gate_up", "act_quant_tensor_amax_sorted", "act_quant_routes", "act_quant_skip_pad", "experts_route_tiles",
     "experts_stages",
     "modular_kernel_chunked_ep", "modular_kernel_m0", "modular_kernel_quantized", "support_claims", "deterministic",
 ]
@@ -959,6 +959,59 @@ def _():
         pad[hrows] = False
         if not bool((y1[pad] == 7).all()):
             bad.append(f"qmode {qmode}: a padding row was written (the route pass was not taken)")
+    return bad or None
+
+
+@check("act_quant_skip_pad")
+def _():
+    """The per-token requantization over a prefill layout (``SKIP_PAD``: padding rows neither read nor written, tiles
+    spanning several of the layout's blocks) gives every routed row the reference's codes and scale
+    (``scaled_fp8_quant`` per token / ``int8_quant_per_token`` of the row), an FP8 NaN row poisoning only itself,
+    an expert map dropping routes, and rows past ``num_tokens_post_padded`` untouched; and the padding rows keep
+    what they held."""
+    from backends.triton import kernels as K_
+    from backends.triton.experts import layout_rows
+    bad = []
+    M, topk, E, bs = 40, 4, 16, 16
+    ids = torch.stack([torch.randperm(E, generator=G)[:topk] for _ in range(M)]).to(torch.int32)
+    emap = determine_expert_map(2, 1, E)[1].to(torch.int32)
+    nl, numel = E // 2, M * topk
+    rows = layout_rows(numel, nl, bs)
+    lay = T_align.align_routes(ids, bs, nl, emap, E, rows)
+    ntpp = int(lay.num_tokens_post_padded.item())
+    sid = lay.sorted_token_ids[:rows].long()
+    routed = (sid < numel) & (torch.arange(rows) < ntpp)
+    if not (rows > 128 and 2 * numel > rows and bool((~routed[:ntpp]).any())):
+        return f"the layout does not exercise the prefill path ({rows} rows, {numel} routes, ntpp {ntpp})"
+    for qmode, NC, dt, ref in ((K_.QMODE_FP8_TOKEN, 64, torch.uint8,
+                                lambda v: rq.scaled_fp8_quant(v, use_per_token_if_dynamic=True)),
+                               (K_.QMODE_FP8_TOKEN, 640, torch.uint8,
+                                lambda v: rq.scaled_fp8_quant(v, use_per_token_if_dynamic=True)),
+                               (K_.QMODE_INT8_TOKEN, 96, torch.int8, rq.int8_quant_per_token)):
+        x = torch.randn(rows, NC, generator=G).bfloat16()
+        if dt == torch.uint8:  # (the INT8 reference rejects non-finite input)
+            x[int(routed.nonzero()[3]), 5] = float("nan")
+        y = torch.full((rows, NC), 7, dtype=dt)
+        ys = torch.full((rows, 1), -5.0)
+        saved = T_quant.QUANT_SKIP_PAD
+        T_quant.QUANT_SKIP_PAD = True
+        try:
+            T_quant.launch_act_quant(x=x, y=y, ys=ys, sorted_ids=lay.sorted_token_ids, expert_ids=lay.expert_ids,
+                                     ntpp=lay.num_tokens_post_padded, rows=rows, nc=NC, num_valid=numel,
+                                     block_m=bs, act=0, split=0, qmode=qmode, act_dtype=torch.bfloat16,
+                                     local_ids=lay.local_ids, inv_permuted_idx=lay.inv_permuted_idx)
+        finally:
+            T_quant.QUANT_SKIP_PAD = saved
+        q, sc = ref(x[routed])
+        got = y[routed].view(torch.uint8)
+        if not torch.equal(got, q.view(torch.uint8)):
+            bad.append(f"qmode {qmode} NC {NC}: {int((got != q.view(torch.uint8)).sum())} codes differ from the "
+                       f"reference's")
+        if not torch.equal(torch.nan_to_num(ys[routed], nan=-1.0), torch.nan_to_num(sc.float().reshape(-1, 1),
+                                                                                   nan=-1.0)):
+            bad.append(f"qmode {qmode} NC {NC}: scales differ from the reference's")
+        if not bool((y[~routed] == 7).all()) or not bool((ys[~routed] == -5.0).all()):
+            bad.append(f"qmode {qmode} NC {NC}: a padding row (or a row past num_tokens_post_padded) was written")
     return bad or None
 
 

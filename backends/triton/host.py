@@ -48,6 +48,12 @@ STEP_PDL = os.environ.get("MOE_TRITON_STEP_PDL", "1") != "0" and not INTERPRET
 #: the padding rows unwritten (``quant.launch_act_quant``'s ``ROUTES``). ``MOE_TRITON_QUANT_ROUTES=0`` turns it off
 #: (an A / B on the GPU).
 QUANT_ROUTES = os.environ.get("MOE_TRITON_QUANT_ROUTES", "1") != "0"
+#: The per-token requantization between the GEMMs at prefill (row modes over the layout's rows, not ``ROUTES``):
+#: elements a program's tile holds (whole rows; the program count, and so the chain of dependent loads each pays,
+#: falls as it grows), and whether padding rows are skipped (``SKIP_PAD``: neither read nor written). The previous
+#: behaviour is ``MOE_TRITON_QUANT_ROW_TILE=4096 MOE_TRITON_QUANT_SKIP_PAD=0`` (an A / B on the GPU).
+QUANT_ROW_TILE = int(os.environ.get("MOE_TRITON_QUANT_ROW_TILE", "16384"))
+QUANT_SKIP_PAD = os.environ.get("MOE_TRITON_QUANT_SKIP_PAD", "1") != "0"
 
 _ACT_CODES = {
     MoEActivation.SILU: jit.ACT_SILU,

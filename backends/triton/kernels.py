@@ -672,7 +672,7 @@ def act_quant_kernel(
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, QMODE: tl.constexpr, ACT_DT: tl.constexpr,
     USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr,
     EMU: tl.constexpr, PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = False, TRIGGER: tl.constexpr = False,
-    ROUTES: tl.constexpr = False, SLOTS: tl.constexpr = False, num_slots=0,
+    ROUTES: tl.constexpr = False, SLOTS: tl.constexpr = False, num_slots=0, SKIP_PAD: tl.constexpr = False,
 ):
     """Activation (``ACT``; ``ACT_NONE`` = copy) of ``NC`` output columns per row, rounded to ``ACT_DT``, then stored
     as ``ACT_DT`` or quantized (``QMODE``). Rows are ``[0, R)`` or, with ``SORTED``, the sorted positions below
@@ -689,7 +689,10 @@ def act_quant_kernel(
     independent).
     ``SLOTS`` (QMODE 7): the per-tensor amax and flag are GEMM1's ``num_slots`` amax slots at ``stat_ptr`` (``OUT_QUANT``
     3; slot ``i``'s amax at ``i``, its flag at ``NUM_E + i``), reduced by every program, instead of the QMODE 6
-    pass's ``stat``: the requantization in one pass."""
+    pass's ``stat``: the requantization in one pass.
+    ``SKIP_PAD`` (row modes 2 / 3 with ``SORTED``, not ``ROUTES``; prefill): padding rows are neither read nor
+    written (GEMM2 computes them and stores none of them, as under ``ROUTES``); the layout's ids are loaded beside
+    ``num_tokens_post_padded``."""
     if PDL or TRIGGER:
         gdc_launch_dependents()
     pid_r = tl.program_id(0)
@@ -717,10 +720,14 @@ def act_quant_kernel(
             y = _act_load(x_ptr, row64, cols, (rows < R)[:, None] & (cols < NC)[None, :], stride_xm, UP_OFF, alpha,
                           beta, limit, SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
         if SORTED:
+            if SKIP_PAD:  # the layout's (written before GEMM1): issued beside ntpp's load
+                pad = tl.load(sorted_ids_ptr + rows, mask=rows < R, other=num_valid) >= num_valid
             ntpp = tl.load(ntpp_ptr)
             if pid_r * BLOCK_R >= ntpp:
                 return
             rmask = rows < ntpp
+            if SKIP_PAD:
+                rmask = rmask & ~pad
             if QMODE == 6:  # only the per-tensor amax asks which positions hold routes (one dependent load fewer)
                 route_ok = rmask & (tl.load(sorted_ids_ptr + rows, mask=rmask, other=num_valid) < num_valid)
         else:

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .host import INTERPRET, QUANT_ROUTES, STEP_PDL, cdiv, check_device, next_pow2, recipe_params
+from .host import (INTERPRET, QUANT_ROUTES, QUANT_ROW_TILE, QUANT_SKIP_PAD, STEP_PDL, cdiv, check_device, next_pow2,
+                   recipe_params)
 from .jit import fp8_quant_rows
 from .kernels import (
     QMODE_FP8_GROUP,
@@ -167,8 +168,9 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
 
     Tiles: element-wise modes take ``[BLOCK_R, min(next_pow2(nc), 1024)]`` chunks (grid axis 1); the per-token modes
     (2, 3) a whole row of up to 4096 columns in one pass (longer rows: two passes over 1024-column chunks), one row
-    per program at up to 128 rows (decode: as many programs as rows) and up to 4096 elements a tile above; the
-    per-tensor amax (6) one ``[BLOCK_R, 1024]`` chunk per program.
+    per program at up to 128 rows (decode: as many programs as rows) and up to ``host.QUANT_ROW_TILE`` (16384)
+    elements a tile above, where a layout's padding rows are neither read nor written (``SKIP_PAD``;
+    ``host.QUANT_SKIP_PAD``); the per-tensor amax (6) one ``[BLOCK_R, 1024]`` chunk per program.
 
     ``local_ids`` / ``inv_permuted_idx`` (``RouteLayout``'s, with ``sorted_ids``): where at least half of the
     layout's rows are padding (decode: E * (block_m - 1) padding rows against M * topk routes), the programs take
@@ -201,13 +203,17 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         bc = next_pow2(nc)
     else:
         bc = min(next_pow2(nc), 128 if INTERPRET else 1024)
-    budget = 2048 if INTERPRET else 4096
+    # per-token over the layout's rows (prefill): larger tiles (host.QUANT_ROW_TILE), padding rows skipped
+    row_prefill = row_mode and not routes and rows > 128
+    budget = 2048 if INTERPRET else (QUANT_ROW_TILE if row_prefill else 4096)
     br = max(1, min(budget // bc, 64))
     br = 1 << (br.bit_length() - 1)
     if (row_mode and rows <= 128) or (routes and num_valid <= 128):
         br = 1  # decode: one row (route) per program, a row's reduction spread over the program's warps
-    if sorted_:
+    if sorted_ and not row_prefill:
         br = min(br, block_m)
+    # (the ids are the layout's: every row of the tile in range)
+    skip_pad = bool(QUANT_SKIP_PAD and row_prefill and sorted_ and sorted_ids.numel() >= rows)
     per_chunk = qmode in (QMODE_NONE, QMODE_FP8_GROUP, QMODE_FP8_STATIC, QMODE_INT8_STATIC, QMODE_FP8_TENSOR_QUANT,
                           QMODE_FP8_TENSOR_AMAX)
     one_pass = qmode == QMODE_FP8_TENSOR_AMAX or (row_mode and nc <= bc)
@@ -229,7 +235,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         QMODE=qmode, ACT_DT=_tl_dtype(act_dtype), USE_UE8M0=use_ue8m0, UE8M0_EXACT=rp["UE8M0_EXACT"],
         SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl, ONE_PASS=one_pass, TRIGGER=trigger,
         ROUTES=routes, SLOTS=slots is not None, num_slots=slots.shape[0] if slots is not None else 0,
-        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+        SKIP_PAD=skip_pad, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
 
 
