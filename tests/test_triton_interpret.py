@@ -964,54 +964,65 @@ def _():
 
 @check("act_quant_skip_pad")
 def _():
-    """The per-token requantization over a prefill layout (``SKIP_PAD``: padding rows neither read nor written, tiles
-    spanning several of the layout's blocks) gives every routed row the reference's codes and scale
-    (``scaled_fp8_quant`` per token / ``int8_quant_per_token`` of the row), an FP8 NaN row poisoning only itself,
-    an expert map dropping routes, and rows past ``num_tokens_post_padded`` untouched; and the padding rows keep
-    what they held."""
+    """The per-token requantization over a prefill layout's rows wider than 256 columns (``ROW_CHUNKS``: each row
+    as chunks on a middle axis, with and without a tail tile; tiles spanning several of the layout's blocks), with
+    and without ``SKIP_PAD``, and
+    over the routes of a decode layout with more than 128 of them (``ROUTES``), gives every routed row the
+    reference's codes and scale (``scaled_fp8_quant`` per token / ``int8_quant_per_token`` of the row), an FP8 NaN
+    row poisoning only itself, with an expert map dropping routes; with ``SKIP_PAD`` or ``ROUTES`` the padding rows
+    (and rows past ``num_tokens_post_padded``) keep what they held."""
     from backends.triton import kernels as K_
     from backends.triton.experts import layout_rows
     bad = []
-    M, topk, E, bs = 40, 4, 16, 16
-    ids = torch.stack([torch.randperm(E, generator=G)[:topk] for _ in range(M)]).to(torch.int32)
-    emap = determine_expert_map(2, 1, E)[1].to(torch.int32)
-    nl, numel = E // 2, M * topk
-    rows = layout_rows(numel, nl, bs)
-    lay = T_align.align_routes(ids, bs, nl, emap, E, rows)
-    ntpp = int(lay.num_tokens_post_padded.item())
-    sid = lay.sorted_token_ids[:rows].long()
-    routed = (sid < numel) & (torch.arange(rows) < ntpp)
-    if not (rows > 128 and 2 * numel > rows and bool((~routed[:ntpp]).any())):
-        return f"the layout does not exercise the prefill path ({rows} rows, {numel} routes, ntpp {ntpp})"
-    for qmode, NC, dt, ref in ((K_.QMODE_FP8_TOKEN, 64, torch.uint8,
-                                lambda v: rq.scaled_fp8_quant(v, use_per_token_if_dynamic=True)),
-                               (K_.QMODE_FP8_TOKEN, 640, torch.uint8,
-                                lambda v: rq.scaled_fp8_quant(v, use_per_token_if_dynamic=True)),
-                               (K_.QMODE_INT8_TOKEN, 96, torch.int8, rq.int8_quant_per_token)):
-        x = torch.randn(rows, NC, generator=G).bfloat16()
-        if dt == torch.uint8:  # (the INT8 reference rejects non-finite input)
-            x[int(routed.nonzero()[3]), 5] = float("nan")
-        y = torch.full((rows, NC), 7, dtype=dt)
-        ys = torch.full((rows, 1), -5.0)
-        saved = T_quant.QUANT_SKIP_PAD
-        T_quant.QUANT_SKIP_PAD = True
-        try:
-            T_quant.launch_act_quant(x=x, y=y, ys=ys, sorted_ids=lay.sorted_token_ids, expert_ids=lay.expert_ids,
-                                     ntpp=lay.num_tokens_post_padded, rows=rows, nc=NC, num_valid=numel,
-                                     block_m=bs, act=0, split=0, qmode=qmode, act_dtype=torch.bfloat16,
-                                     local_ids=lay.local_ids, inv_permuted_idx=lay.inv_permuted_idx)
-        finally:
-            T_quant.QUANT_SKIP_PAD = saved
-        q, sc = ref(x[routed])
-        got = y[routed].view(torch.uint8)
-        if not torch.equal(got, q.view(torch.uint8)):
-            bad.append(f"qmode {qmode} NC {NC}: {int((got != q.view(torch.uint8)).sum())} codes differ from the "
-                       f"reference's")
-        if not torch.equal(torch.nan_to_num(ys[routed], nan=-1.0), torch.nan_to_num(sc.float().reshape(-1, 1),
-                                                                                   nan=-1.0)):
-            bad.append(f"qmode {qmode} NC {NC}: scales differ from the reference's")
-        if not bool((y[~routed] == 7).all()) or not bool((ys[~routed] == -5.0).all()):
-            bad.append(f"qmode {qmode} NC {NC}: a padding row (or a row past num_tokens_post_padded) was written")
+    fp8 = lambda v: rq.scaled_fp8_quant(v, use_per_token_if_dynamic=True)  # noqa: E731
+    # (M, topk, E): a prefill layout (rows mostly routes), and a decode one (mostly padding, 144 routes)
+    for M, topk, E, want_routes in ((40, 4, 16, False), (36, 4, 128, True)):
+        bs = 16
+        ids = torch.stack([torch.randperm(E, generator=G)[:topk] for _ in range(M)]).to(torch.int32)
+        emap = determine_expert_map(2, 1, E)[1].to(torch.int32)
+        nl, numel = E // 2, M * topk
+        rows = layout_rows(numel, nl, bs)
+        lay = T_align.align_routes(ids, bs, nl, emap, E, rows)
+        ntpp = int(lay.num_tokens_post_padded.item())
+        sid = lay.sorted_token_ids[:rows].long()
+        routed = (sid < numel) & (torch.arange(rows) < ntpp)
+        routes = 2 * numel <= rows
+        if routes != want_routes or numel <= 128 or not bool((~routed[:ntpp]).any()):
+            bad.append(f"the layout ({rows} rows, {numel} routes, ntpp {ntpp}) does not exercise the path meant")
+            continue
+        # (rows of 3 chunks: 2 + a tail of 1 (ROW_TAIL), or 4 with one masked)
+        for skip, tail, qmode, NC, dt, ref in (
+                (True, True, K_.QMODE_FP8_TOKEN, 640, torch.uint8, fp8),
+                (True, True, K_.QMODE_FP8_TOKEN, 300, torch.uint8, fp8),
+                (True, True, K_.QMODE_INT8_TOKEN, 520, torch.int8, rq.int8_quant_per_token),
+                (False, True, K_.QMODE_FP8_TOKEN, 768, torch.uint8, fp8),
+                (False, False, K_.QMODE_FP8_TOKEN, 768, torch.uint8, fp8),
+                (False, True, K_.QMODE_INT8_TOKEN, 300, torch.int8, rq.int8_quant_per_token)):
+            x = torch.randn(rows, NC, generator=G).bfloat16()
+            if dt == torch.uint8:  # (the INT8 reference rejects non-finite input)
+                x[int(routed.nonzero()[3]), 5] = float("nan")
+            y = torch.full((rows, NC), 7, dtype=dt)
+            ys = torch.full((rows, 1), -5.0)
+            saved = T_quant.QUANT_SKIP_PAD, T_quant.QUANT_ROW_CHUNKED, T_quant.QUANT_ROW_TAIL
+            T_quant.QUANT_SKIP_PAD, T_quant.QUANT_ROW_CHUNKED, T_quant.QUANT_ROW_TAIL = skip, True, tail
+            try:
+                T_quant.launch_act_quant(x=x, y=y, ys=ys, sorted_ids=lay.sorted_token_ids,
+                                         expert_ids=lay.expert_ids, ntpp=lay.num_tokens_post_padded, rows=rows,
+                                         nc=NC, num_valid=numel, block_m=bs, act=0, split=0, qmode=qmode,
+                                         act_dtype=torch.bfloat16, local_ids=lay.local_ids,
+                                         inv_permuted_idx=lay.inv_permuted_idx)
+            finally:
+                T_quant.QUANT_SKIP_PAD, T_quant.QUANT_ROW_CHUNKED, T_quant.QUANT_ROW_TAIL = saved
+            q, sc = ref(x[routed])
+            got = y[routed].view(torch.uint8)
+            tag = f"{'routes' if routes else 'rows'} qmode {qmode} NC {NC} skip_pad {skip} tail {tail}"
+            if not torch.equal(got, q.view(torch.uint8)):
+                bad.append(f"{tag}: {int((got != q.view(torch.uint8)).sum())} codes differ from the reference's")
+            if not torch.equal(torch.nan_to_num(ys[routed], nan=-1.0),
+                               torch.nan_to_num(sc.float().reshape(-1, 1), nan=-1.0)):
+                bad.append(f"{tag}: scales differ from the reference's")
+            if (skip or routes) and (not bool((y[~routed] == 7).all()) or not bool((ys[~routed] == -5.0).all())):
+                bad.append(f"{tag}: a padding row (or a row past num_tokens_post_padded) was written")
     return bad or None
 
 

@@ -48,12 +48,21 @@ STEP_PDL = os.environ.get("MOE_TRITON_STEP_PDL", "1") != "0" and not INTERPRET
 #: the padding rows unwritten (``quant.launch_act_quant``'s ``ROUTES``). ``MOE_TRITON_QUANT_ROUTES=0`` turns it off
 #: (an A / B on the GPU).
 QUANT_ROUTES = os.environ.get("MOE_TRITON_QUANT_ROUTES", "1") != "0"
-#: The per-token requantization between the GEMMs at prefill (row modes over the layout's rows, not ``ROUTES``):
-#: elements a program's tile holds (whole rows; the program count, and so the chain of dependent loads each pays,
-#: falls as it grows), and whether padding rows are skipped (``SKIP_PAD``: neither read nor written). The previous
-#: behaviour is ``MOE_TRITON_QUANT_ROW_TILE=4096 MOE_TRITON_QUANT_SKIP_PAD=0`` (an A / B on the GPU).
-QUANT_ROW_TILE = int(os.environ.get("MOE_TRITON_QUANT_ROW_TILE", "16384"))
-QUANT_SKIP_PAD = os.environ.get("MOE_TRITON_QUANT_SKIP_PAD", "1") != "0"
+#: The per-token requantization over the layout's rows (prefill) holds rows wider than 256 columns as
+#: ``[rows, chunks, 256]`` tiles of ``QUANT_ROW_TILE`` elements (at least one row), so that each row's reductions
+#: stay within one warp (``kernels.act_quant_kernel``'s ``ROW_CHUNKS``), and may skip the layout's padding rows
+#: (``SKIP_PAD``: off, the ids' load before the rows' costs more than the padding). H200, Qwen3-30B
+#: fp8_channel_token, the kernel at M = 1024 / 4096: 33.4 / 86.2 us with ``[rows, 1024]`` tiles of 4096 elements
+#: (a row over four warps, reduced through shared memory), 31.3 / 72.9 chunked; with SKIP_PAD 31.4 / 76.6; chunked
+#: tiles of 2048 / 8192 / 16384 elements 78.6 / 86.9 / 143.5 us at M = 4096 (docs/notes/gpu-sessions.md, eighteenth
+#: session). ``MOE_TRITON_QUANT_ROW_CHUNKED=0`` / ``MOE_TRITON_QUANT_ROW_TILE`` / ``MOE_TRITON_QUANT_SKIP_PAD=1`` for an
+#: A / B on the GPU.
+QUANT_ROW_CHUNKED = os.environ.get("MOE_TRITON_QUANT_ROW_CHUNKED", "1") != "0"
+QUANT_ROW_TILE = int(os.environ.get("MOE_TRITON_QUANT_ROW_TILE", "4096"))
+#: rows of ``2^a + 2^b`` chunks as two tiles (``ROW_TAIL``; 768 columns: 2 + 1 chunks) instead of one padded to a power
+#: of two (4 chunks, one masked); ``MOE_TRITON_QUANT_ROW_TAIL=0`` pads instead
+QUANT_ROW_TAIL = os.environ.get("MOE_TRITON_QUANT_ROW_TAIL", "1") != "0"
+QUANT_SKIP_PAD = os.environ.get("MOE_TRITON_QUANT_SKIP_PAD", "0") == "1"
 
 _ACT_CODES = {
     MoEActivation.SILU: jit.ACT_SILU,

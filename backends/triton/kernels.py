@@ -627,15 +627,24 @@ def fused_moe_kernel(
 def _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
               SPLIT: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
               EMU: tl.constexpr):
-    base = x_ptr + row64[:, None] * stride_xm
+    return _act_load_at(x_ptr + row64[:, None] * stride_xm, cols[None, :], mask, UP_OFF, alpha, beta, limit,
+                        SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+
+
+@triton.jit
+def _act_load_at(base, cols, mask, UP_OFF, alpha, beta, limit,
+                 SPLIT: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
+                 EMU: tl.constexpr):
+    """The activation (rounded to ``ACT_DT``, as fp32; 0 where masked) of the output columns ``cols`` at the row
+    pointers ``base`` (any broadcastable shapes), reading gate / up as ``SPLIT`` says."""
     if SPLIT == 1:
-        g = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(base + (UP_OFF + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(base + (UP_OFF + cols), mask=mask, other=0.0).to(tl.float32)
     elif SPLIT == 2:
-        g = tl.load(base + (2 * cols)[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(base + (2 * cols + 1)[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(base + 2 * cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(base + (2 * cols + 1), mask=mask, other=0.0).to(tl.float32)
     else:
-        g = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
         u = g
     y = to_act(apply_act(g, u, ACT, alpha, beta, limit, HAS_LIMIT), ACT_DT, EMU).to(tl.float32)
     return tl.where(mask, y, 0.0)
@@ -650,14 +659,38 @@ def _tile_amax(y):
 
 
 @triton.jit
-def _row_codes(y, s, mult, nbad, QMODE: tl.constexpr, EMU: tl.constexpr):
-    """The per-row codes of ``act_quant_kernel``'s row modes: FP8 ``sat(y / s)`` with a poisoned row's NaN codes
+def _tile_amax3(y):
+    """Per row of a ``[rows, chunks, cols]`` tile: (largest finite |y|, count of NaN / inf)."""
+    ay = tl.abs(y)
+    badv = (y != y) | (ay == float("inf"))
+    return tl.max(tl.max(tl.where(badv, 0.0, ay), axis=2), axis=1), tl.sum(tl.sum(badv.to(tl.int32), axis=2), axis=1)
+
+
+@triton.jit
+def _row_scale(amax, nbad, min_token_scale, QMODE: tl.constexpr):
+    """Per row of ``act_quant_kernel``'s row modes: ``(scale, multiplier)``. FP8 (``QMODE`` 2): ``max(amax / 448,
+    1 / (448 * 512))``, NaN for a row holding NaN / inf; INT8 (3): ``amax / 127`` and the kernel's ``127 / amax``."""
+    if QMODE == 2:
+        s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), min_token_scale)
+        s = tl.where(nbad > 0, float("nan"), s)
+        mult = s  # (INT8 only)
+    else:  # QMODE == 3
+        s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+        # the kernel's tmp_scale = 127 / absmax, one IEEE division (reference: rdiv(127.0, absmax))
+        mult = tl.where(amax == 0, 0.0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax))
+    return s, mult
+
+
+@triton.jit
+def _row_codes(y, s, mult, bad, QMODE: tl.constexpr, EMU: tl.constexpr):
+    """The per-row codes of ``act_quant_kernel``'s row modes (``s`` / ``mult`` / ``bad``: the row's scale,
+    multiplier and poisoned flag, broadcastable to ``y``): FP8 ``sat(y / s)`` with a poisoned row's NaN codes
     (``QMODE`` 2), or INT8 ``y * mult`` (3)."""
     if QMODE == 2:
-        codes = fp8e4m3_code(tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape)), EMU)
-        codes = tl.where((nbad > 0)[:, None], 0x7F, codes.to(tl.int32)).to(tl.uint8)
+        codes = fp8e4m3_code(tl.math.div_rn(y, tl.broadcast_to(s, y.shape)), EMU)
+        codes = tl.where(bad, 0x7F, codes.to(tl.int32)).to(tl.uint8)
     else:
-        codes = int8_code(mul_rn(y, tl.broadcast_to(mult[:, None], y.shape), EMU), EMU)
+        codes = int8_code(mul_rn(y, tl.broadcast_to(mult, y.shape), EMU), EMU)
     return codes
 
 
@@ -673,6 +706,7 @@ def act_quant_kernel(
     USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr,
     EMU: tl.constexpr, PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = False, TRIGGER: tl.constexpr = False,
     ROUTES: tl.constexpr = False, SLOTS: tl.constexpr = False, num_slots=0, SKIP_PAD: tl.constexpr = False,
+    ROW_CHUNKS: tl.constexpr = 1, ROW_TAIL: tl.constexpr = 0,
 ):
     """Activation (``ACT``; ``ACT_NONE`` = copy) of ``NC`` output columns per row, rounded to ``ACT_DT``, then stored
     as ``ACT_DT`` or quantized (``QMODE``). Rows are ``[0, R)`` or, with ``SORTED``, the sorted positions below
@@ -692,7 +726,14 @@ def act_quant_kernel(
     pass's ``stat``: the requantization in one pass.
     ``SKIP_PAD`` (row modes 2 / 3 with ``SORTED``, not ``ROUTES``; prefill): padding rows are neither read nor
     written (GEMM2 computes them and stores none of them, as under ``ROUTES``); the layout's ids are loaded beside
-    ``num_tokens_post_padded``."""
+    ``num_tokens_post_padded``.
+    ``ROW_CHUNKS`` > 1 (row modes 2 / 3, the whole row in one pass): the tile is ``[BLOCK_R, ROW_CHUNKS, BLOCK_C]``,
+    the row's ``ROW_CHUNKS`` chunks of ``BLOCK_C`` (= 32 lanes x 8) columns on a middle axis. Triton's coalescing
+    orders the axes by contiguity, ties by index, so the threads fill a chunk's columns and the warps then take the
+    rows: each row's reductions stay within its warp (shuffles). A tile of whole rows as ``[BLOCK_R, BLOCK_C]``
+    spreads a row over several warps and reduces through shared memory and barriers. ``ROW_TAIL`` (a power of two
+    or 0): that many more chunks after them, as a second tile (a row of 768 columns: 2 + 1 chunks instead of 4, of
+    which one would be masked)."""
     if PDL or TRIGGER:
         gdc_launch_dependents()
     pid_r = tl.program_id(0)
@@ -772,6 +813,26 @@ def act_quant_kernel(
             tl.store(y_rows + cols[None, :], codes, mask=mask)
             s = tl.where(bad, float("nan"), s)
             tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask & (pid_c == 0))
+    elif ROW_CHUNKS > 1:  # row modes 2 / 3, one pass over whole rows held as chunks on a leading axis
+        cols3 = tl.arange(0, ROW_CHUNKS)[None, :, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
+        mask3 = rmask[:, None, None] & (cols3 < NC)
+        x_rows = x_ptr + row64[:, None, None] * stride_xm
+        y = _act_load_at(x_rows, cols3, mask3, UP_OFF, alpha, beta, limit, SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+        amax, nbad = _tile_amax3(y)
+        if ROW_TAIL > 0:
+            cols_t = (ROW_CHUNKS + tl.arange(0, ROW_TAIL))[None, :, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
+            mask_t = rmask[:, None, None] & (cols_t < NC)
+            y_t = _act_load_at(x_rows, cols_t, mask_t, UP_OFF, alpha, beta, limit, SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+            amax_t, nbad_t = _tile_amax3(y_t)
+            amax = tl.maximum(amax, amax_t)
+            nbad += nbad_t
+        s, mult = _row_scale(amax, nbad, min_token_scale, QMODE)
+        s3, mult3, bad3 = s[:, None, None], mult[:, None, None], (nbad > 0)[:, None, None]
+        y_rows3 = y_ptr + row64[:, None, None] * stride_ym
+        tl.store(y_rows3 + cols3, _row_codes(y, s3, mult3, bad3, QMODE, EMU), mask=mask3)
+        if ROW_TAIL > 0:
+            tl.store(y_rows3 + cols_t, _row_codes(y_t, s3, mult3, bad3, QMODE, EMU), mask=mask_t)
+        tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask)
     else:
         # row modes. ONE_PASS: the program's tile is the whole row (or, for the per-tensor amax, its own column
         # chunk: grid axis 1), loaded once; otherwise pass 1 finds the row's amax over chunks, pass 2 reloads them
@@ -795,23 +856,18 @@ def act_quant_kernel(
             tl.atomic_max(stat_ptr + ex, amax, mask=route_ok)
             tl.atomic_max(stat_ptr + NUM_E + ex, (nbad > 0).to(tl.float32), mask=route_ok)
         else:
-            if QMODE == 2:
-                s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), min_token_scale)
-                s = tl.where(nbad > 0, float("nan"), s)
-                mult = s  # (INT8 only)
-            else:  # QMODE == 3
-                s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
-                # the kernel's tmp_scale = 127 / absmax, one IEEE division (reference: rdiv(127.0, absmax))
-                mult = tl.where(amax == 0, 0.0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax))
+            s, mult = _row_scale(amax, nbad, min_token_scale, QMODE)
             if ONE_PASS:
-                tl.store(y_rows + cols[None, :], _row_codes(y, s, mult, nbad, QMODE, EMU), mask=mask)
+                tl.store(y_rows + cols[None, :], _row_codes(y, s[:, None], mult[:, None], (nbad > 0)[:, None],
+                                                            QMODE, EMU), mask=mask)
             else:
                 for c0 in range(0, NC, BLOCK_C):
                     cols = c0 + tl.arange(0, BLOCK_C)
                     mask = rmask[:, None] & (cols < NC)[None, :]
                     y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
                                   SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
-                    tl.store(y_rows + cols[None, :], _row_codes(y, s, mult, nbad, QMODE, EMU), mask=mask)
+                    tl.store(y_rows + cols[None, :], _row_codes(y, s[:, None], mult[:, None], (nbad > 0)[:, None],
+                                                                QMODE, EMU), mask=mask)
             tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask)
 
 

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .host import (INTERPRET, QUANT_ROUTES, QUANT_ROW_TILE, QUANT_SKIP_PAD, STEP_PDL, cdiv, check_device, next_pow2,
-                   recipe_params)
+from .host import (INTERPRET, QUANT_ROUTES, QUANT_ROW_CHUNKED, QUANT_ROW_TAIL, QUANT_ROW_TILE, QUANT_SKIP_PAD,
+                   STEP_PDL, cdiv, check_device, next_pow2, recipe_params)
 from .jit import fp8_quant_rows
 from .kernels import (
     QMODE_FP8_GROUP,
@@ -168,9 +168,10 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
 
     Tiles: element-wise modes take ``[BLOCK_R, min(next_pow2(nc), 1024)]`` chunks (grid axis 1); the per-token modes
     (2, 3) a whole row of up to 4096 columns in one pass (longer rows: two passes over 1024-column chunks), one row
-    per program at up to 128 rows (decode: as many programs as rows) and up to ``host.QUANT_ROW_TILE`` (16384)
-    elements a tile above, where a layout's padding rows are neither read nor written (``SKIP_PAD``;
-    ``host.QUANT_SKIP_PAD``); the per-tensor amax (6) one ``[BLOCK_R, 1024]`` chunk per program.
+    per program at up to 128 rows (decode: as many programs as rows) and up to 4096 elements a tile above; over a
+    layout's rows (not ``ROUTES``) rows wider than 256 columns are held as ``[BLOCK_R, ROW_CHUNKS, 256]`` tiles of ``host.QUANT_ROW_TILE`` elements
+    (``host.QUANT_ROW_CHUNKED``; each row's reductions within one warp) and a layout's padding rows may be skipped
+    (``SKIP_PAD``, ``host.QUANT_SKIP_PAD``); the per-tensor amax (6) one ``[BLOCK_R, 1024]`` chunk per program.
 
     ``local_ids`` / ``inv_permuted_idx`` (``RouteLayout``'s, with ``sorted_ids``): where at least half of the
     layout's rows are padding (decode: E * (block_m - 1) padding rows against M * topk routes), the programs take
@@ -203,23 +204,35 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         bc = next_pow2(nc)
     else:
         bc = min(next_pow2(nc), 128 if INTERPRET else 1024)
-    # per-token over the layout's rows (prefill): larger tiles (host.QUANT_ROW_TILE), padding rows skipped
-    row_prefill = row_mode and not routes and rows > 128
-    budget = 2048 if INTERPRET else (QUANT_ROW_TILE if row_prefill else 4096)
+    budget = 2048 if INTERPRET else 4096
     br = max(1, min(budget // bc, 64))
     br = 1 << (br.bit_length() - 1)
     if (row_mode and rows <= 128) or (routes and num_valid <= 128):
         br = 1  # decode: one row (route) per program, a row's reduction spread over the program's warps
-    if sorted_ and not row_prefill:
+    if sorted_:
         br = min(br, block_m)
-    # (the ids are the layout's: every row of the tile in range)
-    skip_pad = bool(QUANT_SKIP_PAD and row_prefill and sorted_ and sorted_ids.numel() >= rows)
     per_chunk = qmode in (QMODE_NONE, QMODE_FP8_GROUP, QMODE_FP8_STATIC, QMODE_INT8_STATIC, QMODE_FP8_TENSOR_QUANT,
                           QMODE_FP8_TENSOR_AMAX)
     one_pass = qmode == QMODE_FP8_TENSOR_AMAX or (row_mode and nc <= bc)
-    grid = (cdiv(num_valid if routes else rows, br), cdiv(nc, bc) if per_chunk else 1)
     if num_warps is None:
         num_warps = max(4, min(16, br * bc // 256)) if row_mode else 4
+    # per-token over the layout's rows (prefill; not the routes: slower at Qwen3-30B M = 64 on an H200) of 257 to 1024
+    # columns: whole rows as chunks of a warp's 256 columns on a middle axis (ROW_CHUNKS), QUANT_ROW_TILE elements
+    # a program, a warp per row (wider rows, 2048 columns of the input quantizer at Qwen3-30B M = 1024: slower, the
+    # programs too few threads)
+    chunks, tail, skip_pad = 1, 0, False
+    if row_mode and one_pass and br > 1 and 256 < bc <= 1024 and not routes and QUANT_ROW_CHUNKED:
+        bc, n = 256, cdiv(nc, 256)
+        chunks = 1 << (n.bit_length() - 1)  # the largest power of two <= n, then the rest as a second tile
+        tail = n - chunks                     # when it is a power of two (768 columns: 2 + 1 chunks), else padded
+        if tail & (tail - 1) or not QUANT_ROW_TAIL:
+            chunks, tail = next_pow2(n), 0
+        br = max(1, QUANT_ROW_TILE // (next_pow2(n) * bc))  # (as if padded: the same rows a program with a tail)
+        br = 1 << (br.bit_length() - 1)
+        num_warps = min(num_warps, 4, br)
+        # the layout's padding rows neither read nor written (the ids are the layout's: every row in range)
+        skip_pad = bool(QUANT_SKIP_PAD and sorted_ and sorted_ids.numel() >= rows)
+    grid = (cdiv(num_valid if routes else rows, br), cdiv(nc, bc) if per_chunk else 1)
     dummy = y
     rp = rp or recipe_params("vllm")
     act_quant_kernel[grid](
@@ -235,7 +248,8 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         QMODE=qmode, ACT_DT=_tl_dtype(act_dtype), USE_UE8M0=use_ue8m0, UE8M0_EXACT=rp["UE8M0_EXACT"],
         SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl, ONE_PASS=one_pass, TRIGGER=trigger,
         ROUTES=routes, SLOTS=slots is not None, num_slots=slots.shape[0] if slots is not None else 0,
-        SKIP_PAD=skip_pad, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+        SKIP_PAD=skip_pad, ROW_CHUNKS=chunks, ROW_TAIL=tail,
+        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
 
 
