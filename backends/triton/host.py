@@ -57,7 +57,8 @@ QUANT_ROUTES = os.environ.get("MOE_TRITON_QUANT_ROUTES", "1") != "0"
 #: tiles of 2048 / 8192 / 16384 elements 78.6 / 86.9 / 143.5 us at M = 4096 (docs/notes/gpu-sessions.md, eighteenth
 #: session). ``MOE_TRITON_QUANT_ROW_CHUNKED=0`` / ``MOE_TRITON_QUANT_ROW_TILE`` / ``MOE_TRITON_QUANT_SKIP_PAD=1`` for an
 #: A / B on the GPU.
-QUANT_ROW_CHUNKED = os.environ.get("MOE_TRITON_QUANT_ROW_CHUNKED", "1") != "0"
+#: (``MOE_TRITON_QUANT_ROW_CHUNKED=2``: also at decode and over the routes, an experiment)
+QUANT_ROW_CHUNKED = int(os.environ.get("MOE_TRITON_QUANT_ROW_CHUNKED", "1"))
 QUANT_ROW_TILE = int(os.environ.get("MOE_TRITON_QUANT_ROW_TILE", "4096"))
 #: rows of ``2^a + 2^b`` chunks as two tiles (``ROW_TAIL``; 768 columns: 2 + 1 chunks) instead of one padded to a power
 #: of two (4 chunks, one masked); ``MOE_TRITON_QUANT_ROW_TAIL=0`` pads instead

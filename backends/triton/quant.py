@@ -221,14 +221,16 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     # a program, a warp per row (wider rows, 2048 columns of the input quantizer at Qwen3-30B M = 1024: slower, the
     # programs too few threads)
     chunks, tail, skip_pad = 1, 0, False
-    if row_mode and one_pass and br > 1 and 256 < bc <= 1024 and not routes and QUANT_ROW_CHUNKED:
+    if row_mode and one_pass and 256 < bc <= 1024 and (
+            (br > 1 and not routes and QUANT_ROW_CHUNKED) or QUANT_ROW_CHUNKED == 2):
         bc, n = 256, cdiv(nc, 256)
         chunks = 1 << (n.bit_length() - 1)  # the largest power of two <= n, then the rest as a second tile
         tail = n - chunks                     # when it is a power of two (768 columns: 2 + 1 chunks), else padded
         if tail & (tail - 1) or not QUANT_ROW_TAIL:
             chunks, tail = next_pow2(n), 0
-        br = max(1, QUANT_ROW_TILE // (next_pow2(n) * bc))  # (as if padded: the same rows a program with a tail)
-        br = 1 << (br.bit_length() - 1)
+        if br > 1:  # (decode keeps a row a program: as many programs as rows)
+            br = max(1, QUANT_ROW_TILE // (next_pow2(n) * bc))  # (as if padded: the same rows with a tail)
+            br = 1 << (br.bit_length() - 1)
         num_warps = min(num_warps, 4, br)
         # the layout's padding rows neither read nor written (the ids are the layout's: every row in range)
         skip_pad = bool(QUANT_SKIP_PAD and sorted_ and sorted_ids.numel() >= rows)
