@@ -170,3 +170,45 @@ def test_warp_specialized_amax_slots_equal_the_amax_pass(sched, nan_expert, loca
     assert a.isfinite().all() and b.isfinite().all(), "non-finite output from finite inputs"
     assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
         f"AMAX_EPILOGUE 3 on gluon_ws differs from 0 at {(a != b).sum().item()} elements")
+
+
+@pytest.mark.parametrize("chunked, tail", [(0, 1), (1, 0), (1, 1)], ids=["rows", "chunks-padded", "chunks-tail"])
+@pytest.mark.parametrize("qmode_name", ["QMODE_FP8_TOKEN", "QMODE_INT8_TOKEN"])
+def test_per_token_requantization_tiles_equal_the_reference(monkeypatch, chunked, tail, qmode_name):
+    """The per-token requantization over a prefill layout (768 columns, Qwen3-30B's intermediate size), in each tile
+    form the GPU may take (``[rows, 1024]`` with a row over several warps, ``ROW_CHUNKS`` padded to four chunks,
+    ``ROW_CHUNKS`` of two plus a ``ROW_TAIL`` of one), against the reference's per-token quantizers on the CPU:
+    every routed row's codes and scale bit for bit, a NaN row (FP8) poisoning only itself. The hardware reductions
+    and layouts differ from the interpreter's; this is their check."""
+    from backends.triton import kernels as K_, quant as T_quant
+    from backends.triton.align import align_routes
+    from backends.triton.experts import layout_rows
+    from reference import quant as rq
+
+    monkeypatch.setattr(T_quant, "QUANT_ROW_CHUNKED", chunked)
+    monkeypatch.setattr(T_quant, "QUANT_ROW_TAIL", bool(tail))
+    qmode = getattr(K_, qmode_name)
+    g = torch.Generator().manual_seed(11)
+    M, topk, E, bs, NC = 2048, 8, 128, 64, 768  # prefill: fewer padding rows than routes (no ROUTES)
+    ids = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(M)]).to(torch.int32).cuda()
+    numel = M * topk
+    rows = layout_rows(numel, E, bs)
+    lay = align_routes(ids, bs, E, None, E, rows)
+    x = (torch.randn(rows, NC, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
+    sid = lay.sorted_token_ids.cpu()[:rows].long()
+    routed = (sid < numel) & (torch.arange(rows) < int(lay.num_tokens_post_padded.item()))
+    if qmode == K_.QMODE_FP8_TOKEN:
+        x[int(routed.nonzero()[10]), 100] = float("nan")
+    int8 = qmode == K_.QMODE_INT8_TOKEN
+    y = torch.zeros(rows, NC, dtype=torch.int8 if int8 else torch.uint8, device="cuda")
+    ys = torch.zeros(rows, 1, dtype=torch.float32, device="cuda")
+    T_quant.launch_act_quant(x=x.cuda(), y=y, ys=ys, sorted_ids=lay.sorted_token_ids, expert_ids=lay.expert_ids,
+                             ntpp=lay.num_tokens_post_padded, rows=rows, nc=NC, num_valid=numel, block_m=bs, act=0,
+                             split=0, qmode=qmode, act_dtype=torch.bfloat16, local_ids=lay.local_ids,
+                             inv_permuted_idx=lay.inv_permuted_idx)
+    q, s = (rq.int8_quant_per_token if int8 else
+            (lambda v: rq.scaled_fp8_quant(v, use_per_token_if_dynamic=True)))(x[routed])
+    got = y.cpu()[routed].view(torch.uint8)
+    assert torch.equal(got, q.view(torch.uint8)), f"{int((got != q.view(torch.uint8)).sum())} codes differ"
+    assert torch.equal(torch.nan_to_num(ys.cpu()[routed], nan=-1.0), torch.nan_to_num(s.float().reshape(-1, 1),
+                                                                                       nan=-1.0)), "scales differ"
