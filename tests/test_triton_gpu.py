@@ -212,3 +212,53 @@ def test_per_token_requantization_tiles_equal_the_reference(monkeypatch, chunked
     assert torch.equal(got, q.view(torch.uint8)), f"{int((got != q.view(torch.uint8)).sum())} codes differ"
     assert torch.equal(torch.nan_to_num(ys.cpu()[routed], nan=-1.0), torch.nan_to_num(s.float().reshape(-1, 1),
                                                                                        nan=-1.0)), "scales differ"
+
+
+if importlib.util.find_spec("triton") is not None:  # (the kernel is defined at import: names resolve globally)
+    import triton
+    import triton.language as tl
+
+    from backends.triton.jit import div_rn_by_scale, fp8e4m3_code
+
+    @triton.jit
+    def _div_probe_kernel(xs_ptr, n, min_scale, stats_ptr, BLOCK: tl.constexpr):
+        """Program (i, j): amax = xs[i], the x of block j up to it; counts the FP8 codes of the FAST quotient that
+        differ from the IEEE quotient's (stats[0]) and the fp32 quotients that differ (stats[1]), and keeps the
+        largest of those quotients' bits (stats[2]; positive floats order as their bits)."""
+        i = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        if tl.program_id(1) * BLOCK > i:
+            return
+        amax = tl.load(xs_ptr + i)
+        s = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
+        r = tl.math.div_rn(1.0, s)
+        ok = offs <= i
+        x = tl.load(xs_ptr + offs, mask=ok, other=0.0)
+        sb = tl.full([BLOCK], 1.0, tl.float32) * s
+        rb = tl.full([BLOCK], 1.0, tl.float32) * r
+        want = tl.math.div_rn(x, sb)
+        got = div_rn_by_scale(x, sb, rb, False, True)
+        bad8 = ok & (fp8e4m3_code(got) != fp8e4m3_code(want))
+        bad32 = ok & (got != want)
+        tl.atomic_add(stats_ptr, tl.sum(bad8.to(tl.int32), axis=0))
+        tl.atomic_add(stats_ptr + 1, tl.sum(bad32.to(tl.int32), axis=0))
+        tl.atomic_max(stats_ptr + 2, tl.max(tl.where(bad32, tl.abs(want), 0.0).to(tl.int32, bitcast=True), axis=0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fast_division_codes_equal_the_division_on_every_pair(dtype):
+    """``jit.div_rn_by_scale``'s FAST form (``MOE_TRITON_FAST_DIV``) on the GPU's own FMA and multiply, over every
+    (x, amax) pair of the dtype with 0 < x <= amax (about 5.3e8): the FP8 codes equal the IEEE division's
+    (``div.rn.f32``), the fp32 quotients differ only below 2^-64 (tests/test_exact_division.py enumerates the same
+    pairs on the CPU with an exact FMA)."""
+    from backends.triton.quant import _MIN_TOKEN_SCALE
+
+    top = 0x7C00 if dtype == torch.float16 else 0x7F80
+    xs = torch.arange(1, top, dtype=torch.int32).to(torch.int16).view(dtype).float().cuda()
+    stats = torch.zeros(3, dtype=torch.int32, device="cuda")
+    block = 1024
+    _div_probe_kernel[(xs.numel(), -(-xs.numel() // block))](xs, xs.numel(), _MIN_TOKEN_SCALE, stats, BLOCK=block)
+    bad8, bad32, worst_bits = stats.tolist()
+    worst = torch.tensor([worst_bits], dtype=torch.int32).view(torch.float32).item()
+    assert bad8 == 0, f"{bad8} FP8 codes of the FAST quotient differ from the IEEE division's"
+    assert worst < 2.0 ** -64, f"{bad32} fp32 quotients differ, the largest {worst} (only those near underflow may)"

@@ -64,6 +64,11 @@ QUANT_ROW_TILE = int(os.environ.get("MOE_TRITON_QUANT_ROW_TILE", "4096"))
 #: of two (4 chunks, one masked); ``MOE_TRITON_QUANT_ROW_TAIL=0`` pads instead
 QUANT_ROW_TAIL = os.environ.get("MOE_TRITON_QUANT_ROW_TAIL", "1") != "0"
 QUANT_SKIP_PAD = os.environ.get("MOE_TRITON_QUANT_SKIP_PAD", "0") == "1"
+#: The dynamic per-token FP8 quantizer's division (bf16 / fp16 rows) in ``jit.div_rn_by_scale``'s FAST form: a
+#: multiply by the row's reciprocal and two FMAs instead of ``div.rn.f32``, the same codes for every input of that
+#: domain (tests/test_exact_division.py enumerates them). Off (``MOE_TRITON_FAST_DIV=1`` turns it on) until the GPU's
+#: own check over the same enumeration (tests/test_triton_gpu.py) and an A / B have run on an H200.
+QUANT_FAST_DIV = os.environ.get("MOE_TRITON_FAST_DIV", "0") == "1"
 
 _ACT_CODES = {
     MoEActivation.SILU: jit.ACT_SILU,

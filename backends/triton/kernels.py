@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .jit import apply_act, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn, route_local_experts, to_act
+from .jit import (apply_act, div_rn_by_scale, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn, route_local_experts,
+                  to_act)
 
 __all__ = ["fused_moe_kernel", "act_quant_kernel", "moe_sum_kernel", "permute_rows_kernel",
            "QMODE_NONE", "QMODE_FP8_GROUP", "QMODE_FP8_TOKEN", "QMODE_INT8_TOKEN", "QMODE_FP8_STATIC",
@@ -669,11 +670,12 @@ def _tile_amax3(y):
 @triton.jit
 def _row_scale(amax, nbad, min_token_scale, QMODE: tl.constexpr):
     """Per row of ``act_quant_kernel``'s row modes: ``(scale, multiplier)``. FP8 (``QMODE`` 2): ``max(amax / 448,
-    1 / (448 * 512))``, NaN for a row holding NaN / inf; INT8 (3): ``amax / 127`` and the kernel's ``127 / amax``."""
+    1 / (448 * 512))``, NaN for a row holding NaN / inf, and its reciprocal; INT8 (3): ``amax / 127`` and the
+    kernel's ``127 / amax``."""
     if QMODE == 2:
         s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), min_token_scale)
         s = tl.where(nbad > 0, float("nan"), s)
-        mult = s  # (INT8 only)
+        mult = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)  # the reciprocal (FAST_DIV's)
     else:  # QMODE == 3
         s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
         # the kernel's tmp_scale = 127 / absmax, one IEEE division (reference: rdiv(127.0, absmax))
@@ -682,12 +684,13 @@ def _row_scale(amax, nbad, min_token_scale, QMODE: tl.constexpr):
 
 
 @triton.jit
-def _row_codes(y, s, mult, bad, QMODE: tl.constexpr, EMU: tl.constexpr):
+def _row_codes(y, s, mult, bad, QMODE: tl.constexpr, EMU: tl.constexpr, FAST_DIV: tl.constexpr = False):
     """The per-row codes of ``act_quant_kernel``'s row modes (``s`` / ``mult`` / ``bad``: the row's scale,
-    multiplier and poisoned flag, broadcastable to ``y``): FP8 ``sat(y / s)`` with a poisoned row's NaN codes
-    (``QMODE`` 2), or INT8 ``y * mult`` (3)."""
+    multiplier (FP8: the reciprocal) and poisoned flag, broadcastable to ``y``): FP8 ``sat(y / s)`` with a poisoned
+    row's NaN codes (``QMODE`` 2; ``FAST_DIV``: ``jit.div_rn_by_scale``'s FAST form), or INT8 ``y * mult`` (3)."""
     if QMODE == 2:
-        codes = fp8e4m3_code(tl.math.div_rn(y, tl.broadcast_to(s, y.shape)), EMU)
+        codes = fp8e4m3_code(div_rn_by_scale(y, tl.broadcast_to(s, y.shape), tl.broadcast_to(mult, y.shape), EMU,
+                                             FAST_DIV), EMU)
         codes = tl.where(bad, 0x7F, codes.to(tl.int32)).to(tl.uint8)
     else:
         codes = int8_code(mul_rn(y, tl.broadcast_to(mult, y.shape), EMU), EMU)
@@ -706,7 +709,7 @@ def act_quant_kernel(
     USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr,
     EMU: tl.constexpr, PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = False, TRIGGER: tl.constexpr = False,
     ROUTES: tl.constexpr = False, SLOTS: tl.constexpr = False, num_slots=0, SKIP_PAD: tl.constexpr = False,
-    ROW_CHUNKS: tl.constexpr = 1, ROW_TAIL: tl.constexpr = 0,
+    ROW_CHUNKS: tl.constexpr = 1, ROW_TAIL: tl.constexpr = 0, FAST_DIV: tl.constexpr = False,
 ):
     """Activation (``ACT``; ``ACT_NONE`` = copy) of ``NC`` output columns per row, rounded to ``ACT_DT``, then stored
     as ``ACT_DT`` or quantized (``QMODE``). Rows are ``[0, R)`` or, with ``SORTED``, the sorted positions below
@@ -733,7 +736,8 @@ def act_quant_kernel(
     rows: each row's reductions stay within its warp (shuffles). A tile of whole rows as ``[BLOCK_R, BLOCK_C]``
     spreads a row over several warps and reduces through shared memory and barriers. ``ROW_TAIL`` (a power of two
     or 0): that many more chunks after them, as a second tile (a row of 768 columns: 2 + 1 chunks instead of 4, of
-    which one would be masked)."""
+    which one would be masked). ``FAST_DIV`` (QMODE 2, bf16 / fp16 rows): the codes' division in
+    ``jit.div_rn_by_scale``'s FAST form (the same codes)."""
     if PDL or TRIGGER:
         gdc_launch_dependents()
     pid_r = tl.program_id(0)
@@ -829,9 +833,9 @@ def act_quant_kernel(
         s, mult = _row_scale(amax, nbad, min_token_scale, QMODE)
         s3, mult3, bad3 = s[:, None, None], mult[:, None, None], (nbad > 0)[:, None, None]
         y_rows3 = y_ptr + row64[:, None, None] * stride_ym
-        tl.store(y_rows3 + cols3, _row_codes(y, s3, mult3, bad3, QMODE, EMU), mask=mask3)
+        tl.store(y_rows3 + cols3, _row_codes(y, s3, mult3, bad3, QMODE, EMU, FAST_DIV), mask=mask3)
         if ROW_TAIL > 0:
-            tl.store(y_rows3 + cols_t, _row_codes(y_t, s3, mult3, bad3, QMODE, EMU), mask=mask_t)
+            tl.store(y_rows3 + cols_t, _row_codes(y_t, s3, mult3, bad3, QMODE, EMU, FAST_DIV), mask=mask_t)
         tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask)
     else:
         # row modes. ONE_PASS: the program's tile is the whole row (or, for the per-tensor amax, its own column
@@ -859,7 +863,7 @@ def act_quant_kernel(
             s, mult = _row_scale(amax, nbad, min_token_scale, QMODE)
             if ONE_PASS:
                 tl.store(y_rows + cols[None, :], _row_codes(y, s[:, None], mult[:, None], (nbad > 0)[:, None],
-                                                            QMODE, EMU), mask=mask)
+                                                            QMODE, EMU, FAST_DIV), mask=mask)
             else:
                 for c0 in range(0, NC, BLOCK_C):
                     cols = c0 + tl.arange(0, BLOCK_C)
@@ -867,7 +871,7 @@ def act_quant_kernel(
                     y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
                                   SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
                     tl.store(y_rows + cols[None, :], _row_codes(y, s[:, None], mult[:, None], (nbad > 0)[:, None],
-                                                                QMODE, EMU), mask=mask)
+                                                                QMODE, EMU, FAST_DIV), mask=mask)
             tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask)
 
 

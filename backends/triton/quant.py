@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .host import (INTERPRET, QUANT_ROUTES, QUANT_ROW_CHUNKED, QUANT_ROW_TAIL, QUANT_ROW_TILE, QUANT_SKIP_PAD,
-                   STEP_PDL, cdiv, check_device, next_pow2, recipe_params)
+from .host import (INTERPRET, QUANT_FAST_DIV, QUANT_ROUTES, QUANT_ROW_CHUNKED, QUANT_ROW_TAIL, QUANT_ROW_TILE,
+                   QUANT_SKIP_PAD, STEP_PDL, cdiv, check_device, next_pow2, recipe_params)
 from .jit import fp8_quant_rows
 from .kernels import (
     QMODE_FP8_GROUP,
@@ -251,6 +251,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         SCALE_INV=rp["SCALE_INV"], RECIP_MUL=rp["RECIP_MUL"], EMU=INTERPRET, PDL=pdl, ONE_PASS=one_pass, TRIGGER=trigger,
         ROUTES=routes, SLOTS=slots is not None, num_slots=slots.shape[0] if slots is not None else 0,
         SKIP_PAD=skip_pad, ROW_CHUNKS=chunks, ROW_TAIL=tail,
+        FAST_DIV=QUANT_FAST_DIV and qmode == QMODE_FP8_TOKEN and act_dtype in (torch.bfloat16, torch.float16),
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
 
