@@ -817,16 +817,18 @@ def act_quant_kernel(
             tl.store(y_rows + cols[None, :], codes, mask=mask)
             s = tl.where(bad, float("nan"), s)
             tl.store(ys_ptr + row64 * stride_ysm, s, mask=rmask & (pid_c == 0))
-    elif ROW_CHUNKS > 1:  # row modes 2 / 3, one pass over whole rows held as chunks on a leading axis
-        cols3 = tl.arange(0, ROW_CHUNKS)[None, :, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
+    elif ROW_CHUNKS > 1:  # row modes 2 / 3, one pass over whole rows held as chunks on a middle axis
+        col = tl.arange(0, BLOCK_C)[None, None, :]
+        cols3 = tl.arange(0, ROW_CHUNKS)[None, :, None] * BLOCK_C + col
         mask3 = rmask[:, None, None] & (cols3 < NC)
         x_rows = x_ptr + row64[:, None, None] * stride_xm
         y = _act_load_at(x_rows, cols3, mask3, UP_OFF, alpha, beta, limit, SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
         amax, nbad = _tile_amax3(y)
         if ROW_TAIL > 0:
-            cols_t = (ROW_CHUNKS + tl.arange(0, ROW_TAIL))[None, :, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
+            cols_t = (ROW_CHUNKS + tl.arange(0, ROW_TAIL))[None, :, None] * BLOCK_C + col
             mask_t = rmask[:, None, None] & (cols_t < NC)
-            y_t = _act_load_at(x_rows, cols_t, mask_t, UP_OFF, alpha, beta, limit, SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
+            y_t = _act_load_at(x_rows, cols_t, mask_t, UP_OFF, alpha, beta, limit, SPLIT, ACT, HAS_LIMIT, ACT_DT,
+                               EMU)
             amax_t, nbad_t = _tile_amax3(y_t)
             amax = tl.maximum(amax, amax_t)
             nbad += nbad_t

@@ -169,9 +169,10 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     Tiles: element-wise modes take ``[BLOCK_R, min(next_pow2(nc), 1024)]`` chunks (grid axis 1); the per-token modes
     (2, 3) a whole row of up to 4096 columns in one pass (longer rows: two passes over 1024-column chunks), one row
     per program at up to 128 rows (decode: as many programs as rows) and up to 4096 elements a tile above; over a
-    layout's rows (not ``ROUTES``) rows wider than 256 columns are held as ``[BLOCK_R, ROW_CHUNKS, 256]`` tiles of ``host.QUANT_ROW_TILE`` elements
-    (``host.QUANT_ROW_CHUNKED``; each row's reductions within one warp) and a layout's padding rows may be skipped
-    (``SKIP_PAD``, ``host.QUANT_SKIP_PAD``); the per-tensor amax (6) one ``[BLOCK_R, 1024]`` chunk per program.
+    layout's rows (not ``ROUTES``) rows of 257-1024 columns are held as ``[BLOCK_R, ROW_CHUNKS, 256]`` tiles (plus a
+    ``ROW_TAIL`` tile) of ``host.QUANT_ROW_TILE`` elements (``host.QUANT_ROW_CHUNKED``; each row's reductions within
+    one warp) and a layout's padding rows may be skipped (``SKIP_PAD``, ``host.QUANT_SKIP_PAD``); the per-tensor amax
+    (6) one ``[BLOCK_R, 1024]`` chunk per program.
 
     ``local_ids`` / ``inv_permuted_idx`` (``RouteLayout``'s, with ``sorted_ids``): where at least half of the
     layout's rows are padding (decode: E * (block_m - 1) padding rows against M * topk routes), the programs take
