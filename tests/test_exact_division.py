@@ -11,9 +11,11 @@ That form is not an IEEE division in general. It is claimed only where the rows 
 dtypes; x is the activation rounded to it) and ``amax`` is the row's largest |x|, and there its FP8 codes equal the
 division's for every x and every amax: enumerated here exhaustively, up to sign (the form is odd in x: a zero keeps its
 sign through the ``rem == 0`` branch), with an exact FMA (products of two fp32 are exact in fp64; the sum is rounded
-once through TwoSum). The fp32 quotients themselves differ where x is near fp32's underflow (the remainder is then
-not representable), by one ulp of a quotient below 2^-64 (4.2e-30 at most for bf16), far under the 2^-10 below
-which every code is 0: bounded below. The GPU's own arithmetic is checked over the same enumeration in tests/test_triton_gpu.py.
+once through TwoSum), both with IEEE multiply / FMA and with the flush-to-zero forms the GPU runs (Triton's
+libdevice ``mul_rn`` / ``fma_rn`` compile to ``.ftz``). The fp32 quotients themselves differ where x is near fp32's
+underflow (the remainder, or with FTZ x itself, is then not representable), always for quotients below 2^-64
+(2.5e-29 at most for bf16 with IEEE, 5.2e-26 with FTZ; none for fp16), far under the 2^-10 below which every code
+is 0: bounded below. The GPU's own arithmetic is checked over the same enumeration in tests/test_triton_gpu.py.
 """
 
 from __future__ import annotations
@@ -47,12 +49,21 @@ def _fma32(a: np.ndarray, b, c: np.ndarray) -> np.ndarray:
     return _rn32_of_sum(a.astype(f64) * np.asarray(b, dtype=f32).astype(f64), c.astype(f64))
 
 
-def fast_quotient(x: np.ndarray, s: np.float32) -> np.ndarray:
-    """The FAST form of ``jit.div_rn_by_scale`` (fp32 arrays)."""
+def _ftz(v: np.ndarray) -> np.ndarray:
+    """Subnormal fp32 to a zero of the same sign (the ``.ftz`` forms of PTX's ``mul`` / ``fma``)."""
+    return np.where(np.abs(v) < f32(2.0 ** -126), np.copysign(f32(0.0), v), v).astype(f32)
+
+
+def fast_quotient(x: np.ndarray, s: np.float32, ftz: bool = False) -> np.ndarray:
+    """The FAST form of ``jit.div_rn_by_scale`` (fp32 arrays). ``ftz``: as the GPU runs it under Triton's default
+    (libdevice's ``mul_rn`` / ``fma_rn`` become ``mul.rn.ftz.f32`` / ``fma.rn.ftz.f32``: subnormal inputs and
+    results are flushed to zero)."""
+    f = _ftz if ftz else (lambda v: v)
     r = f32(f32(1.0) / s)
-    q0 = (x * r).astype(f32)
-    rem = _fma32(-q0, s, x)
-    return np.where(rem == 0, q0, _fma32(rem, r, q0)).astype(f32)
+    x = f(x)
+    q0 = f((x * r).astype(f32))
+    rem = f(_fma32(-q0, s, x))
+    return np.where(rem == 0, q0, f(_fma32(rem, r, q0))).astype(f32)
 
 
 def _e4m3(q: np.ndarray) -> torch.Tensor:
@@ -66,7 +77,7 @@ def _magnitudes(dtype: torch.dtype) -> np.ndarray:
     return bits.view(dtype).float().numpy()
 
 
-def _enumerate(dtype: torch.dtype, stride: int) -> tuple[int, int, int, float]:
+def _enumerate(dtype: torch.dtype, stride: int, ftz: bool) -> tuple[int, int, int, float]:
     """Over every ``stride``-th amax of ``dtype`` (and the largest) and every x of ``dtype`` with ``0 < x <= amax``:
     (pairs, FP8 code mismatches, fp32 quotient mismatches, largest quotient among those)."""
     xs = _magnitudes(dtype)
@@ -78,7 +89,7 @@ def _enumerate(dtype: torch.dtype, stride: int) -> tuple[int, int, int, float]:
         s = np.maximum((amax / f32(448.0)).astype(f32), _MIN_SCALE).astype(f32)
         x = xs[: i + 1]
         want = (x / s).astype(f32)  # numpy's fp32 division is IEEE
-        got = fast_quotient(x, s)
+        got = fast_quotient(x, s, ftz)
         pairs += x.size
         bad8 += int((_e4m3(got) != _e4m3(want)).sum())
         diff = got != want
@@ -98,7 +109,15 @@ def test_the_exact_fma_emulation_is_exact():
     b = g.standard_normal(4000).astype(f32)
     c = (-(a.astype(f64) * b.astype(f64))).astype(f32)  # near-total cancellation
     c[::2] = g.standard_normal(2000).astype(f32) * f32(2.0 ** -30)
+    # and exact ties of the fp64 sum: (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24 is halfway between two fp32 values, and
+    # +-2^-80 decides (a double rounding through fp64 drops it and rounds to even)
+    t = f32(1.0 + 2.0 ** -12)
+    a = np.concatenate([a, [t, t, -t, -t]]).astype(f32)
+    b = np.concatenate([b, [t, t, t, t]]).astype(f32)
+    c = np.concatenate([c, [2.0 ** -80, -(2.0 ** -80), 2.0 ** -80, -(2.0 ** -80)]]).astype(f32)
     got = _fma32(a, b, c)
+    naive = (a.astype(f64) * b.astype(f64) + c.astype(f64)).astype(f32)
+    assert (got[-4:] != naive[-4:]).any(), "the constructed ties do not separate an exact FMA from a double rounding"
     for k in range(a.size):
         exact = Fraction(float(a[k])) * Fraction(float(b[k])) + Fraction(float(c[k]))
         # RN32 of the exact rational: the nearest fp32 (ties to even) among the neighbours of fp32(float(exact))
@@ -111,25 +130,27 @@ def test_the_exact_fma_emulation_is_exact():
         assert got[k] == want, (a[k], b[k], c[k], got[k], want)
 
 
+@pytest.mark.parametrize("ftz", [False, True], ids=["ieee", "ftz"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fast_quotient_codes_equal_the_division_sampled(dtype):
+def test_fast_quotient_codes_equal_the_division_sampled(dtype, ftz):
     """Every x against every 61st amax (a few seconds): the FP8 codes are the division's."""
-    pairs, bad8, bad32, worst = _enumerate(dtype, 61)
+    pairs, bad8, bad32, worst = _enumerate(dtype, 61, ftz)
     assert pairs > 10**6
     for s in (f32(1.0), _MIN_SCALE, f32(0.0123)):  # zeros keep their sign, as x / s does
-        z = fast_quotient(np.array([0.0, -0.0], dtype=f32), s)
+        z = fast_quotient(np.array([0.0, -0.0], dtype=f32), s, ftz)
         assert list(np.signbit(z)) == [False, True] and not z.any()
-        v = np.array([-1.5, -448.0 * float(s)], dtype=f32)  # odd in x
-        assert np.array_equal(fast_quotient(v, s), -fast_quotient(-v, s))
+        v = np.array([-1.5, -448.0 * float(s), -(2.0 ** -130)], dtype=f32)  # odd in x
+        assert np.array_equal(fast_quotient(v, s, ftz), -fast_quotient(-v, s, ftz))
     assert bad8 == 0, f"{bad8} of {pairs} FP8 codes differ from the IEEE division's"
     assert worst < 2.0 ** -64, f"an fp32 quotient of {worst} differs (only quotients near underflow may)"
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ftz", [False, True], ids=["ieee", "ftz"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fast_quotient_codes_equal_the_division_exhaustive(dtype):
-    """Every (x, amax) pair of the dtype with 0 < x <= amax (about 5.3e8 for bf16, 5.4e8 for fp16): the claim of
-    ``jit.div_rn_by_scale``'s FAST form."""
-    pairs, bad8, bad32, worst = _enumerate(dtype, 1)
+def test_fast_quotient_codes_equal_the_division_exhaustive(dtype, ftz):
+    """Every (x, amax) pair of the dtype with 0 < x <= amax (5.3e8 for bf16, 5.0e8 for fp16): the claim of
+    ``jit.div_rn_by_scale``'s FAST form, with IEEE and with flush-to-zero multiply / FMA."""
+    pairs, bad8, bad32, worst = _enumerate(dtype, 1, ftz)
     assert bad8 == 0, f"{bad8} of {pairs} FP8 codes differ from the IEEE division's"
     assert worst < 2.0 ** -64, f"an fp32 quotient of {worst} differs (only quotients near underflow may)"

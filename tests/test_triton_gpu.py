@@ -178,7 +178,8 @@ def test_per_token_requantization_tiles_equal_the_reference(monkeypatch, chunked
     """The per-token requantization over a prefill layout (768 columns, Qwen3-30B's intermediate size), in each tile
     form the GPU may take (``[rows, 1024]`` with a row over several warps, ``ROW_CHUNKS`` padded to four chunks,
     ``ROW_CHUNKS`` of two plus a ``ROW_TAIL`` of one), against the reference's per-token quantizers on the CPU:
-    every routed row's codes and scale bit for bit, a NaN row (FP8) poisoning only itself. The hardware reductions
+    every routed row's codes and scale bit for bit, a NaN row and an inf row (FP8; in the first chunk, in the tail)
+    poisoning only themselves. The hardware reductions
     and layouts differ from the interpreter's; this is their check."""
     from backends.triton import kernels as K_, quant as T_quant
     from backends.triton.align import align_routes
@@ -197,8 +198,9 @@ def test_per_token_requantization_tiles_equal_the_reference(monkeypatch, chunked
     x = (torch.randn(rows, NC, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
     sid = lay.sorted_token_ids.cpu()[:rows].long()
     routed = (sid < numel) & (torch.arange(rows) < int(lay.num_tokens_post_padded.item()))
-    if qmode == K_.QMODE_FP8_TOKEN:
+    if qmode == K_.QMODE_FP8_TOKEN:  # in the first chunk and in the tail
         x[int(routed.nonzero()[10]), 100] = float("nan")
+        x[int(routed.nonzero()[20]), 700] = float("inf")
     int8 = qmode == K_.QMODE_INT8_TOKEN
     y = torch.zeros(rows, NC, dtype=torch.int8 if int8 else torch.uint8, device="cuda")
     ys = torch.zeros(rows, 1, dtype=torch.float32, device="cuda")
@@ -221,7 +223,7 @@ if importlib.util.find_spec("triton") is not None:  # (the kernel is defined at 
     from backends.triton.jit import div_rn_by_scale, fp8e4m3_code
 
     @triton.jit
-    def _div_probe_kernel(xs_ptr, n, min_scale, stats_ptr, BLOCK: tl.constexpr):
+    def _div_probe_kernel(xs_ptr, min_scale, stats_ptr, BLOCK: tl.constexpr):
         """Program (i, j): amax = xs[i], the x of block j up to it; counts the FP8 codes of the FAST quotient that
         differ from the IEEE quotient's (stats[0]) and the fp32 quotients that differ (stats[1]), and keeps the
         largest of those quotients' bits (stats[2]; positive floats order as their bits)."""
@@ -257,7 +259,7 @@ def test_fast_division_codes_equal_the_division_on_every_pair(dtype):
     xs = torch.arange(1, top, dtype=torch.int32).to(torch.int16).view(dtype).float().cuda()
     stats = torch.zeros(3, dtype=torch.int32, device="cuda")
     block = 1024
-    _div_probe_kernel[(xs.numel(), -(-xs.numel() // block))](xs, xs.numel(), _MIN_TOKEN_SCALE, stats, BLOCK=block)
+    _div_probe_kernel[(xs.numel(), -(-xs.numel() // block))](xs, _MIN_TOKEN_SCALE, stats, BLOCK=block)
     bad8, bad32, worst_bits = stats.tolist()
     worst = torch.tensor([worst_bits], dtype=torch.int32).view(torch.float32).item()
     assert bad8 == 0, f"{bad8} FP8 codes of the FAST quotient differ from the IEEE division's"

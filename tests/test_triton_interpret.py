@@ -965,12 +965,12 @@ def _():
 @check("act_quant_skip_pad")
 def _():
     """The per-token requantization over a prefill layout's rows wider than 256 columns (``ROW_CHUNKS``: each row
-    as chunks on a middle axis, with and without a tail tile; tiles spanning several of the layout's blocks), with
-    and without ``SKIP_PAD``, and
-    over the routes of a decode layout with more than 128 of them (``ROUTES``), gives every routed row the
-    reference's codes and scale (``scaled_fp8_quant`` per token / ``int8_quant_per_token`` of the row), an FP8 NaN
-    row poisoning only itself, with an expert map dropping routes; with ``SKIP_PAD`` or ``ROUTES`` the padding rows
-    (and rows past ``num_tokens_post_padded``) keep what they held."""
+    as chunks on a middle axis, with and without a tail tile), with and without ``SKIP_PAD``, and (the path before
+    it, kept there) over the routes of a decode layout with more than 128 of them (``ROUTES``), gives every routed
+    row the reference's codes and scale (``scaled_fp8_quant`` per token / ``int8_quant_per_token`` of the row), an
+    FP8 NaN in the first chunk and an inf in the last poisoning only their rows, with an expert map dropping routes;
+    with ``SKIP_PAD`` or ``ROUTES`` the padding rows (and rows past ``num_tokens_post_padded``) keep what they
+    held."""
     from backends.triton import kernels as K_
     from backends.triton.experts import layout_rows
     bad = []
@@ -999,8 +999,9 @@ def _():
                 (False, False, K_.QMODE_FP8_TOKEN, 768, torch.uint8, fp8),
                 (False, True, K_.QMODE_INT8_TOKEN, 300, torch.int8, rq.int8_quant_per_token)):
             x = torch.randn(rows, NC, generator=G).bfloat16()
-            if dt == torch.uint8:  # (the INT8 reference rejects non-finite input)
+            if dt == torch.uint8:  # (the INT8 reference rejects non-finite input); the first chunk and the last
                 x[int(routed.nonzero()[3]), 5] = float("nan")
+                x[int(routed.nonzero()[7]), NC - 3] = float("inf")
             y = torch.full((rows, NC), 7, dtype=dt)
             ys = torch.full((rows, 1), -5.0)
             saved = T_quant.QUANT_SKIP_PAD, T_quant.QUANT_ROW_CHUNKED, T_quant.QUANT_ROW_TAIL
@@ -1015,7 +1016,8 @@ def _():
                 T_quant.QUANT_SKIP_PAD, T_quant.QUANT_ROW_CHUNKED, T_quant.QUANT_ROW_TAIL = saved
             q, sc = ref(x[routed])
             got = y[routed].view(torch.uint8)
-            tag = f"{'routes' if routes else 'rows'} qmode {qmode} NC {NC} skip_pad {skip} tail {tail}"
+            tag = (f"routes qmode {qmode} NC {NC}" if routes else
+                   f"rows qmode {qmode} NC {NC} skip_pad {skip} tail {tail}")
             if not torch.equal(got, q.view(torch.uint8)):
                 bad.append(f"{tag}: {int((got != q.view(torch.uint8)).sum())} codes differ from the reference's")
             if not torch.equal(torch.nan_to_num(ys[routed], nan=-1.0),

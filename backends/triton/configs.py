@@ -46,7 +46,7 @@ with gate / up as two chains nor INT8) runs that many programs per output tile o
 to finish summing their fp32 partials in split order before the epilogue: decode GEMMs whose (expert, N tile)
 programs are too few to stream the weights (DeepSeek-V3 TP8 GEMM1 at M = 1: 64 programs of K = 7168).
 ``QUANT_WARPS`` (optional; GEMM2 entry; default 4, or for a per-token requantization one warp per 256 elements of
-a tile, up to 16; over a prefill layout's rows of 257-1024 columns at most one warp a row, ``host.QUANT_ROW_TILE``)
+a tile, up to 16; over a prefill layout's rows of 257-1024 columns at most 4, ``host.QUANT_ROW_TILE``)
 is the warps per program of the requantization kernel run
 before GEMM2 (``act_quant_kernel``, where GEMM1 does not requantize in its epilogue): a power of two in [1, 16].
 ``AMAX_EPILOGUE`` (optional, default 0; GEMM1 entry; dynamic per-tensor FP8 requantization, GEMM1 applying the

@@ -49,8 +49,8 @@ STEP_PDL = os.environ.get("MOE_TRITON_STEP_PDL", "1") != "0" and not INTERPRET
 #: (an A / B on the GPU).
 QUANT_ROUTES = os.environ.get("MOE_TRITON_QUANT_ROUTES", "1") != "0"
 #: The per-token requantization over the layout's rows (prefill) holds rows wider than 256 columns as
-#: ``[rows, chunks, 256]`` tiles of ``QUANT_ROW_TILE`` elements (at least one row), so that each row's reductions
-#: stay within one warp (``kernels.act_quant_kernel``'s ``ROW_CHUNKS``), and may skip the layout's padding rows
+#: ``[rows, chunks, 256]`` tiles of ``QUANT_ROW_TILE`` elements (at least one row), so that a row spans fewer warps
+#: (``kernels.act_quant_kernel``'s ``ROW_CHUNKS``), and may skip the layout's padding rows
 #: (``SKIP_PAD``: off, the ids' load before the rows' costs more than the padding). H200, Qwen3-30B
 #: fp8_channel_token, the kernel at M = 1024 / 4096: 33.4 / 86.2 us with ``[rows, 1024]`` tiles of 4096 elements
 #: (a row over four warps, reduced through shared memory), 31.3 / 72.9 chunked; with SKIP_PAD 31.4 / 76.6; chunked

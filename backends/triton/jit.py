@@ -78,8 +78,9 @@ def div_rn_by_scale(x, s, r, EMU: tl.constexpr, FAST: tl.constexpr = False):
     ``FAST`` (the GPU only; under the interpreter the IEEE quotient): ``q0 = RN(x * r)``, ``rem = fma(-q0, s, x)``,
     ``q0`` where ``rem`` is 0 (a zero keeps its sign) else ``fma(rem, r, q0)``: three instructions. Its FP8 codes
     equal the IEEE quotient's for every ``x`` of a bf16 / fp16 row and ``s = max(amax / 448, 1 / (448 * 512))`` with
-    ``amax`` the row's largest ``|x|`` (tests/test_exact_division.py enumerates every such pair; the fp32 quotients
-    differ only below 2^-64). Not claimed for fp32 rows, nor for other scale rules.
+    ``amax`` the row's largest ``|x|`` (tests/test_exact_division.py enumerates every such pair, with IEEE and with
+    the flush-to-zero ``mul.rn.ftz`` / ``fma.rn.ftz`` that libdevice's ``mul_rn`` / ``fma_rn`` compile to under
+    Triton; the fp32 quotients differ only below 2^-64). Not claimed for fp32 rows, nor for other scale rules.
     """
     if FAST and not EMU:
         q0 = libdevice.mul_rn(x, r)

@@ -732,11 +732,12 @@ def act_quant_kernel(
     ``num_tokens_post_padded``.
     ``ROW_CHUNKS`` > 1 (row modes 2 / 3, the whole row in one pass): the tile is ``[BLOCK_R, ROW_CHUNKS, BLOCK_C]``,
     the row's ``ROW_CHUNKS`` chunks of ``BLOCK_C`` (= 32 lanes x 8) columns on a middle axis. Triton's coalescing
-    orders the axes by contiguity, ties by index, so the threads fill a chunk's columns and the warps then take the
-    rows: each row's reductions stay within its warp (shuffles). A tile of whole rows as ``[BLOCK_R, BLOCK_C]``
-    spreads a row over several warps and reduces through shared memory and barriers. ``ROW_TAIL`` (a power of two
-    or 0): that many more chunks after them, as a second tile (a row of 768 columns: 2 + 1 chunks instead of 4, of
-    which one would be masked). ``FAST_DIV`` (QMODE 2, bf16 / fp16 rows): the codes' division in
+    orders the axes by contiguity, ties by index, so after a chunk's columns the warps go to the rows before the
+    chunks: a row spans fewer warps than in a ``[BLOCK_R, BLOCK_C]`` tile, whose 768-column row spans four (Triton
+    3.6, sm_90, 4 rows of 768: the bf16 loads' layout puts the warps on the rows, the uint8 stores' 16-byte vectors
+    2 x 2 over rows and chunks, so the main tile's amax still crosses two warps and its codes pass through shared
+    memory; the tail tile's reductions are within a warp). ``ROW_TAIL`` (a power of two or 0): that many more chunks
+    after them, as a second tile (a row of 768 columns: 2 + 1 chunks instead of 4, of which one would be masked). ``FAST_DIV`` (QMODE 2, bf16 / fp16 rows): the codes' division in
     ``jit.div_rn_by_scale``'s FAST form (the same codes)."""
     if PDL or TRIGGER:
         gdc_launch_dependents()

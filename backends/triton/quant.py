@@ -170,9 +170,9 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     (2, 3) a whole row of up to 4096 columns in one pass (longer rows: two passes over 1024-column chunks), one row
     per program at up to 128 rows (decode: as many programs as rows) and up to 4096 elements a tile above; over a
     layout's rows (not ``ROUTES``) rows of 257-1024 columns are held as ``[BLOCK_R, ROW_CHUNKS, 256]`` tiles (plus a
-    ``ROW_TAIL`` tile) of ``host.QUANT_ROW_TILE`` elements (``host.QUANT_ROW_CHUNKED``; each row's reductions within
-    one warp) and a layout's padding rows may be skipped (``SKIP_PAD``, ``host.QUANT_SKIP_PAD``); the per-tensor amax
-    (6) one ``[BLOCK_R, 1024]`` chunk per program.
+    ``ROW_TAIL`` tile) of ``host.QUANT_ROW_TILE`` elements (``host.QUANT_ROW_CHUNKED``; a row over fewer warps) and
+    a layout's padding rows may be skipped (``SKIP_PAD``, ``host.QUANT_SKIP_PAD``); the per-tensor amax (6) one
+    ``[BLOCK_R, 1024]`` chunk per program.
 
     ``local_ids`` / ``inv_permuted_idx`` (``RouteLayout``'s, with ``sorted_ids``): where at least half of the
     layout's rows are padding (decode: E * (block_m - 1) padding rows against M * topk routes), the programs take
@@ -218,11 +218,11 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     if num_warps is None:
         num_warps = max(4, min(16, br * bc // 256)) if row_mode else 4
     # per-token over the layout's rows (prefill; not the routes: slower at Qwen3-30B M = 64 on an H200) of 257 to 1024
-    # columns: whole rows as chunks of a warp's 256 columns on a middle axis (ROW_CHUNKS), QUANT_ROW_TILE elements
-    # a program, a warp per row (wider rows, 2048 columns of the input quantizer at Qwen3-30B M = 1024: slower, the
-    # programs too few threads)
+    # columns: whole rows as chunks of a warp's 256 columns on a middle axis (ROW_CHUNKS), QUANT_ROW_TILE elements a
+    # program (not the input quantizer's rows: 2048 columns at Qwen3-30B M = 1024 were slower, the programs too few
+    # threads; narrower ones not measured)
     chunks, tail, skip_pad = 1, 0, False
-    if row_mode and one_pass and 256 < bc <= 1024 and (
+    if row_mode and one_pass and sorted_ and 256 < bc <= 1024 and (
             (br > 1 and not routes and QUANT_ROW_CHUNKED) or QUANT_ROW_CHUNKED == 2):
         bc, n = 256, cdiv(nc, 256)
         chunks = 1 << (n.bit_length() - 1)  # the largest power of two <= n, then the rest as a second tile
@@ -234,7 +234,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
             br = 1 << (br.bit_length() - 1)
         num_warps = min(num_warps, 4, br)
         # the layout's padding rows neither read nor written (the ids are the layout's: every row in range)
-        skip_pad = bool(QUANT_SKIP_PAD and sorted_ and sorted_ids.numel() >= rows)
+        skip_pad = bool(QUANT_SKIP_PAD and not routes and sorted_ids.numel() >= rows)
     grid = (cdiv(num_valid if routes else rows, br), cdiv(nc, bc) if per_chunk else 1)
     dummy = y
     rp = rp or recipe_params("vllm")
