@@ -45,7 +45,7 @@ class Compiled:
         """``{"regs", "stack", "ops"}`` from the cubin: registers per thread, stack bytes (local-memory spills), and
         counts of the instructions that show the code path (HGMMA / QGMMA / IGMMA = wgmma, HMMA = mma.sync,
         UTMALDG = TMA loads, LDGSTS = cp.async, STL / LDL = local memory, DEPBAR_LE_1 / DEPBAR_LE_2 = wgmma waits
-        that leave one / two groups in flight)."""
+        that leave one / two groups in flight, BAR_SYNC = block-wide barriers)."""
         sass, res = _cuobjdump(self.cubin)
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
         ops = {o: sass.count(o) for o in ("HGMMA", "QGMMA", "IGMMA", "HMMA", "UTMALDG", "LDGSTS", "STL", "LDL")}
@@ -53,6 +53,9 @@ class Compiled:
         # serializes the wgmmas)
         ops["DEPBAR_LE_1"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1")
         ops["DEPBAR_LE_2"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x2")  # two chains (gate / up) in flight
+        # block-wide barriers: reductions or layout conversions across warps through shared memory (what the
+        # requantization's ROW_CHUNKS tiles try to avoid)
+        ops["BAR_SYNC"] = sass.count("BAR.SYNC")
         return dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
                     ops={k: v for k, v in ops.items() if v})
 
