@@ -53,9 +53,9 @@ QUANT_ROUTES = os.environ.get("MOE_TRITON_QUANT_ROUTES", "1") != "0"
 #: (``kernels.act_quant_kernel``'s ``ROW_CHUNKS``), and may skip the layout's padding rows
 #: (``SKIP_PAD``: off, the ids' load before the rows' costs more than the padding). H200, Qwen3-30B
 #: fp8_channel_token, the kernel at M = 1024 / 4096: 33.4 / 86.2 us with ``[rows, 1024]`` tiles of 4096 elements
-#: (a row over four warps, reduced through shared memory), 31.3 / 72.9 chunked; with SKIP_PAD 31.4 / 76.6; chunked
-#: tiles of 2048 / 8192 / 16384 elements 78.6 / 86.9 / 143.5 us at M = 4096 (docs/notes/gpu-sessions.md, eighteenth
-#: session). ``MOE_TRITON_QUANT_ROW_CHUNKED=0`` / ``MOE_TRITON_QUANT_ROW_TILE`` / ``MOE_TRITON_QUANT_SKIP_PAD=1`` for an
+#: (a row over four warps, reduced through shared memory), 31.3 / 72.9 chunked and padded to 4 chunks, 23.8 / 52.1
+#: with the tail tile (``QUANT_ROW_TAIL``, the default); padded, with SKIP_PAD 31.4 / 76.6, tiles of 2048 / 8192 /
+#: 16384 elements 78.6 / 86.9 / 143.5 us at M = 4096 (docs/notes/gpu-sessions.md, eighteenth session). ``MOE_TRITON_QUANT_ROW_CHUNKED=0`` / ``MOE_TRITON_QUANT_ROW_TILE`` / ``MOE_TRITON_QUANT_SKIP_PAD=1`` for an
 #: A / B on the GPU.
 #: (``MOE_TRITON_QUANT_ROW_CHUNKED=2``: also at decode and over the routes, an experiment)
 QUANT_ROW_CHUNKED = int(os.environ.get("MOE_TRITON_QUANT_ROW_CHUNKED", "1"))

@@ -652,19 +652,25 @@ def _act_load_at(base, cols, mask, UP_OFF, alpha, beta, limit,
 
 
 @triton.jit
-def _tile_amax(y):
-    """Per row of a tile: (largest finite |y|, count of NaN / inf)."""
+def _finite_abs(y):
+    """``(|y| with NaN / inf as 0, 1 where NaN / inf)`` elementwise: what the row amax and its poisoning read."""
     ay = tl.abs(y)
     badv = (y != y) | (ay == float("inf"))
-    return tl.max(tl.where(badv, 0.0, ay), axis=1), tl.sum(badv.to(tl.int32), axis=1)
+    return tl.where(badv, 0.0, ay), badv.to(tl.int32)
+
+
+@triton.jit
+def _tile_amax(y):
+    """Per row of a tile: (largest finite |y|, count of NaN / inf)."""
+    ay, bad = _finite_abs(y)
+    return tl.max(ay, axis=1), tl.sum(bad, axis=1)
 
 
 @triton.jit
 def _tile_amax3(y):
     """Per row of a ``[rows, chunks, cols]`` tile: (largest finite |y|, count of NaN / inf)."""
-    ay = tl.abs(y)
-    badv = (y != y) | (ay == float("inf"))
-    return tl.max(tl.max(tl.where(badv, 0.0, ay), axis=2), axis=1), tl.sum(tl.sum(badv.to(tl.int32), axis=2), axis=1)
+    ay, bad = _finite_abs(y)
+    return tl.max(tl.max(ay, axis=2), axis=1), tl.sum(tl.sum(bad, axis=2), axis=1)
 
 
 @triton.jit
