@@ -55,20 +55,24 @@ QUANT_ROUTES = os.environ.get("MOE_TRITON_QUANT_ROUTES", "1") != "0"
 #: fp8_channel_token, the kernel at M = 1024 / 4096: 33.4 / 86.2 us with ``[rows, 1024]`` tiles of 4096 elements
 #: (a row over four warps, reduced through shared memory), 31.3 / 72.9 chunked and padded to 4 chunks, 23.8 / 52.1
 #: with the tail tile (``QUANT_ROW_TAIL``, the default); padded, with SKIP_PAD 31.4 / 76.6, tiles of 2048 / 8192 /
-#: 16384 elements 78.6 / 86.9 / 143.5 us at M = 4096 (docs/notes/gpu-sessions.md, eighteenth session). ``MOE_TRITON_QUANT_ROW_CHUNKED=0`` / ``MOE_TRITON_QUANT_ROW_TILE`` / ``MOE_TRITON_QUANT_SKIP_PAD=1`` for an
-#: A / B on the GPU.
+#: 16384 elements 78.6 / 86.9 / 143.5 us at M = 4096 (docs/notes/gpu-sessions.md, eighteenth session). With the
+#: tail, 8192 elements (8 rows of 768, one barrier in the SASS) against 4096: 24.5 / 48.4 against 22.8 / 50.4 us,
+#: and with ``QUANT_FAST_DIV`` 13.6 / 35.5 against 16.0 / 43.2 (nineteenth session, two interleaved rounds): the
+#: default. ``MOE_TRITON_QUANT_ROW_CHUNKED=0`` / ``MOE_TRITON_QUANT_ROW_TILE`` / ``MOE_TRITON_QUANT_SKIP_PAD=1``
+#: for an A / B on the GPU.
 #: (``MOE_TRITON_QUANT_ROW_CHUNKED=2``: also at decode and over the routes, an experiment)
 QUANT_ROW_CHUNKED = int(os.environ.get("MOE_TRITON_QUANT_ROW_CHUNKED", "1"))
-QUANT_ROW_TILE = int(os.environ.get("MOE_TRITON_QUANT_ROW_TILE", "4096"))
+QUANT_ROW_TILE = int(os.environ.get("MOE_TRITON_QUANT_ROW_TILE", "8192"))
 #: rows of ``2^a + 2^b`` chunks as two tiles (``ROW_TAIL``; 768 columns: 2 + 1 chunks) instead of one padded to a power
 #: of two (4 chunks, one masked); ``MOE_TRITON_QUANT_ROW_TAIL=0`` pads instead
 QUANT_ROW_TAIL = os.environ.get("MOE_TRITON_QUANT_ROW_TAIL", "1") != "0"
 QUANT_SKIP_PAD = os.environ.get("MOE_TRITON_QUANT_SKIP_PAD", "0") == "1"
 #: The dynamic per-token FP8 quantizer's division (bf16 / fp16 rows) in ``jit.div_rn_by_scale``'s FAST form: a
 #: multiply by the row's reciprocal and two FMAs instead of ``div.rn.f32``, the same codes for every input of that
-#: domain (tests/test_exact_division.py enumerates them). Off (``MOE_TRITON_FAST_DIV=1`` turns it on) until the GPU's
-#: own check over the same enumeration (tests/test_triton_gpu.py) and an A / B have run on an H200.
-QUANT_FAST_DIV = os.environ.get("MOE_TRITON_FAST_DIV", "0") == "1"
+#: domain (tests/test_exact_division.py enumerates them on the CPU, tests/test_triton_gpu.py on the GPU's own FMA:
+#: passed on an H200). On by default since the nineteenth session's A / B (the prefill requantization above, H200:
+#: 24.5 -> 13.6 us at M = 1024, 48.4 -> 35.5 at M = 4096); ``MOE_TRITON_FAST_DIV=0`` keeps the division.
+QUANT_FAST_DIV = os.environ.get("MOE_TRITON_FAST_DIV", "1") != "0"
 
 _ACT_CODES = {
     MoEActivation.SILU: jit.ACT_SILU,
