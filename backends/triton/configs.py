@@ -61,9 +61,10 @@ fp8_tensor: a gain at M = 8 (GEMMs 167.7 -> 160.4 us with GEMM2's PDL), a tie at
 222.0: the 32-row A tiles quantized once per N tile); the per-token form was 1.4-1.8x slower at every Qwen3-30B
 decode entry with an IEEE division per element, and 2.4-5.3x with the FAST division and no slots (its A tiles no
 longer copied asynchronously under SWAP_AB), and is not kept (docs/notes/triton.md, "Tried and rejected").
-``AMAX_EPILOGUE`` 3 keeps the slots and the requantization kernel: each of its programs reduces GEMM1's slots and quantizes its rows in one pass (no
-atomics, no amax pass, GEMM2 reading FP8 codes as with 0 / 1; GEMM2's ``PDL`` applies); the only value that also
-takes GEMM1 on ``gluon_ws`` (``PINGPONG`` / ``COOPERATIVE``: each consumer writes one slot at its end). H200 (fourteenth
+``AMAX_EPILOGUE`` 3 keeps the slots and the requantization kernel: each of its programs reduces GEMM1's slots and
+quantizes its rows in one pass (no atomics, no amax pass, GEMM2 reading FP8 codes as with 0 / 1; GEMM2's ``PDL``
+applies); the only value that also takes GEMM1 on ``gluon_ws`` (``PINGPONG`` / ``COOPERATIVE``: each consumer writes
+one slot at its end). H200 (fourteenth
 session): Mixtral TP2 fp8_tensor M 1 / 64 gain 1.6 / 5.8 us on ``fused_moe_kernel``; on ``gluon_ws`` (prefill, each
 consumer a running max per row, reduced across its warps once) Mixtral TP2 fp8_tensor M 1024 / 4096: H100 -11 / -34
 us, H200 510.0 -> 497.7 / 1518.1 -> 1503.8 us (fifteenth session).
