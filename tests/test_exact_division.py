@@ -24,8 +24,11 @@ import numpy as np
 import pytest
 import torch
 
+from reference.quant.fp8 import _MIN_PER_TOKEN_SCALE
+
 f32, f64 = np.float32, np.float64
-_MIN_SCALE = f32(1.0) / f32(448.0 * 512.0)  # quant.py's _MIN_TOKEN_SCALE, reference.quant.fp8._MIN_PER_TOKEN_SCALE
+# the scale's floor 1 / (448 * 512), from the reference that defines it (the triton quantizers' _MIN_TOKEN_SCALE)
+_MIN_SCALE = f32(_MIN_PER_TOKEN_SCALE.item())
 
 
 def _rn32_of_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -743,8 +743,9 @@ def act_quant_kernel(
     3.6, sm_90, 4 rows of 768: the bf16 loads' layout puts the warps on the rows, the uint8 stores' 16-byte vectors
     2 x 2 over rows and chunks, so the main tile's amax still crosses two warps and its codes pass through shared
     memory; the tail tile's reductions are within a warp). ``ROW_TAIL`` (a power of two or 0): that many more chunks
-    after them, as a second tile (a row of 768 columns: 2 + 1 chunks instead of 4, of which one would be masked). ``FAST_DIV`` (QMODE 2, bf16 / fp16 rows): the codes' division in
-    ``jit.div_rn_by_scale``'s FAST form (the same codes)."""
+    after them, as a second tile (a row of 768 columns: 2 + 1 chunks instead of 4, of which one would be masked).
+    ``FAST_DIV`` (QMODE 2, bf16 / fp16 rows): the codes' division in ``jit.div_rn_by_scale``'s FAST form (the same
+    codes)."""
     if PDL or TRIGGER:
         gdc_launch_dependents()
     pid_r = tl.program_id(0)
