@@ -270,6 +270,24 @@ def test_warp_specialized_kernel_names_what_it_does_not_cover():
     assert "FP8 e4m3" in _supported(gluon_ws, dict(_ws_args("gemm2", coop8, fp8), a_mode=2, b_mode=3))
     assert "FAST_ACCUM" in _supported(gluon_ws, dict(_ws_args("gemm2", dict(coop8, FAST_ACCUM=1), fp8), a_mode=1,
                                                      b_mode=1))
+    # N_HALVES (FP8 with promotion: two halves of a consumer's MMA columns through one register set): 64 x 256
+    # consumer tiles, cooperative or ping-pong at 64 rows; not unscaled, not 128-row ping-pong, block halves <= 128,
+    # and a ring that holds a promotion interval's K tiles
+    halves = dict(coop8, BLOCK_SIZE_N=256, N_HALVES=1, num_stages=4)
+    for gemm, cfg in (("gemm2", halves), ("gemm1", dict(halves, BLOCK_SIZE_N=128)),
+                      ("gemm2", dict(halves, COOPERATIVE=0, PINGPONG=1, BLOCK_SIZE_M=64))):
+        assert _supported(gluon_ws, _ws_args(gemm, cfg, fp8)) is None, (gemm, cfg)
+        assert _supported(gluon_ws, dict(_ws_args(gemm, cfg, fp8), a_mode=1, b_mode=2)) is None, (gemm, cfg)
+    for what, (gemm, cfg, sh, reason, modes) in {
+        "halves unscaled": ("gemm2", dict(coop, N_HALVES=1), bf16, "N_HALVES: FP8", {}),
+        "block halves over 128": ("gemm1", dict(halves, BLOCK_SIZE_N=256), fp8, "block FP8", {}),
+        "halves ping-pong at 128 rows": ("gemm2", dict(halves, COOPERATIVE=0, PINGPONG=1), fp8,
+                                         "registers per thread", {}),
+        "halves ring under the interval": ("gemm2", dict(halves, num_stages=1), fp8, "num_stages >=",
+                                           dict(a_mode=1, b_mode=1)),
+    }.items():
+        why = _supported(gluon_ws, dict(_ws_args(gemm, cfg, sh), **modes))
+        assert why is not None and reason in why, f"{what}: {why!r}"
     int8 = _ws_args("gemm2", coop8, fp8)
     int8.update(a_mode=2, b_mode=2, a=torch.empty(64, int8["K"], dtype=torch.int8, device="meta"),
                 w=torch.empty(int8["w"].shape, dtype=torch.int8, device="meta"))
@@ -390,6 +408,17 @@ def test_split_k_tuner_variants_and_config():
         sanitize_config({"gemm1": dict(g1, SPLIT_K=0), "gemm2": g2})
     with pytest.raises(ValueError, match="FLATTEN"):
         sanitize_config({"gemm1": g1, "gemm2": dict(g2, SPLIT_K=2, N_TILES=2, FLATTEN=1)})
+
+
+def test_n_halves_is_a_warp_specialized_schedule():
+    """``N_HALVES`` is 0 or 1, and 1 only beside ``PINGPONG`` / ``COOPERATIVE`` (on ``fused_moe_kernel`` it would be
+    ignored silently: the A / B would time another schedule under its name)."""
+    from backends.triton.configs import sanitize_config
+    g = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=128, num_warps=4, COOPERATIVE=1)
+    assert sanitize_config({"gemm1": dict(g, BLOCK_SIZE_N=128, N_HALVES=1), "gemm2": dict(g, N_HALVES=1)})
+    for bad in (dict(g, N_HALVES=2), dict(g, COOPERATIVE=0, N_HALVES=1)):
+        with pytest.raises(ValueError, match="N_HALVES"):
+            sanitize_config({"gemm1": g, "gemm2": bad})
 
 
 def test_split_k_scratch_grows_and_keeps_what_a_graph_may_use():

@@ -172,6 +172,61 @@ def test_warp_specialized_amax_slots_equal_the_amax_pass(sched, nan_expert, loca
         f"AMAX_EPILOGUE 3 on gluon_ws differs from 0 at {(a != b).sum().item()} elements")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="gluon_ws is sm_90 only (strict kernels raise elsewhere)")
+@pytest.mark.parametrize("sched, half_tail, other", [
+    ("COOPERATIVE", 0, "two-sets"), ("COOPERATIVE", 1, "two-sets"), ("PINGPONG", 0, "two-sets"),
+    ("COOPERATIVE", 0, "fused_moe_kernel"), ("COOPERATIVE", 1, "fused_moe_kernel")],
+    ids=["coop", "coop-tail", "pingpong", "coop-vs-fused", "coop-tail-vs-fused"])
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_channel_token", "fp8_block128"])
+def test_n_halves_equal_the_other_promoted_forms(scheme, sched, half_tail, other):
+    """``N_HALVES`` on ``gluon_ws`` (a consumer's MMA columns as two halves through one register set, the promotion
+    serialized: GEMM1's gate, then up; GEMM2's first, then last ``BLOCK_N / 2`` columns) against another kernel
+    with the same promotion points, bitwise: each output element is the same MMA partials added in K order to an fp32
+    accumulator, times the same factors, rounded by the same epilogue. ``two-sets``: the two-register-set schedule
+    (64 x 128 MMA columns a consumer, promoted every K tile; the halves with ``PROMOTE_K`` = ``BLOCK_K``);
+    ``fused_moe_kernel``: the non-Gluon kernel with ``PROMOTE_K`` 256 (per-tensor / per-channel partials over two K
+    tiles of 128, the halves' default interval; block scales every K tile). Strict kernels (a fallback raises), an
+    expert map (tiles of non-local experts skipped) and, per-tensor, GEMM1's amax slots (``AMAX_EPILOGUE`` 3: the
+    halves' gated epilogue folds its own row maxima). The bench checks the tables' forms against the reference;
+    this pins the schedule to the other forms bit for bit."""
+    from backends.triton.experts import fused_experts, strict_kernels
+    from reference.routing import fused_topk
+    from reference.schemes import quantize_weights
+
+    g = torch.Generator().manual_seed(5)
+    E, K, I, topk, M, local = 8, 1024, 512, 2, 700, 6
+    w1 = (torch.randn(local, 2 * I, K, generator=g) * K ** -0.5).bfloat16().cuda()
+    w2 = (torch.randn(local, K, I, generator=g) * I ** -0.5).bfloat16().cuda()
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w, ids = fused_topk(None, torch.randn(M, E, generator=g), topk, True)[:2]
+    emap = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+    emap[:local] = torch.arange(local, dtype=torch.int32)
+    q1, q2, qc = quantize_weights(scheme, w1, w2)
+    bm = 128 if sched == "COOPERATIVE" else 64
+    common = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3, USE_TMA=1)
+    extra1 = dict(PERMUTE_A=1, FUSE_QUANT=0, HALF_TAIL=half_tail, AMAX_EPILOGUE=3 if scheme == "fp8_tensor" else 0)
+    pk = 128 if other == "two-sets" else 256
+    halves = {"gemm1": dict(common, BLOCK_SIZE_N=128, N_HALVES=1, PROMOTE_K=pk, **{sched: 1}, **extra1),
+              "gemm2": dict(common, BLOCK_SIZE_N=256, N_HALVES=1, PROMOTE_K=pk, **{sched: 1})}
+    if other == "two-sets":  # 64 x 128 MMA columns a consumer (GEMM1: 64 gate + 64 up), promoted every K tile
+        ref = {"gemm1": dict(common, BLOCK_SIZE_N=64, **{sched: 1}, **extra1),
+               "gemm2": dict(common, BLOCK_SIZE_N=128, **{sched: 1})}
+    else:
+        ref = {"gemm1": dict(common, BLOCK_SIZE_N=128, PROMOTE_K=pk, num_warps=8, **extra1),
+               "gemm2": dict(common, BLOCK_SIZE_N=128, PROMOTE_K=pk, num_warps=8)}
+    outs = []
+    with strict_kernels():
+        for cfg in (ref, halves):
+            outs.append(fused_experts(x, q1, q2, w.cuda(), ids.cuda(), quant_config=qc, config=cfg,
+                                      expert_map=emap, global_num_experts=E))
+    a, b = outs
+    assert a.isfinite().all() and b.isfinite().all(), "non-finite output from finite inputs"
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
+        f"N_HALVES differs from {other} at {(a != b).sum().item()} of {a.numel()} elements, max |diff| "
+        f"{(a.float() - b.float()).abs().max().item():.3g}")
+
+
 @pytest.mark.parametrize("chunked, tail", [(0, 1), (1, 0), (1, 1)], ids=["rows", "chunks-padded", "chunks-tail"])
 @pytest.mark.parametrize("qmode_name", ["QMODE_FP8_TOKEN", "QMODE_INT8_TOKEN"])
 def test_per_token_requantization_tiles_equal_the_reference(monkeypatch, chunked, tail, qmode_name):

@@ -114,7 +114,9 @@ def test_gluon_gemm_overlaps_the_scale_promotion_with_the_mmas(compiled):
     rows = [r for r in compiled["NVIDIA_H200"][1] if _gluon_fp8(r)]
     if not rows:
         pytest.skip("no NVIDIA_H200 table entry runs block FP8 on a Gluon GEMM (GLUON, PINGPONG, COOPERATIVE)")
-    serialized = [(r["shape"], r["M"], r["kernel"], r["ops"]) for r in rows if not r["ops"].get("DEPBAR_LE_1")]
+    # (N_HALVES entries serialize the promotion by design: one MMA register set a consumer, DeepGEMM's schedule)
+    serialized = [(r["shape"], r["M"], r["kernel"], r["ops"]) for r in rows
+                  if not r["ops"].get("DEPBAR_LE_1") and not r.get("n_halves")]
     assert not serialized, f"Gluon GEMMs whose wgmmas ptxas serialized: {serialized}"
 
 
@@ -198,7 +200,7 @@ for name, M in (("qwen3_30b_bf16", 1024), ("qwen3_30b_bf16", 4096), ("qwen3_30b_
         for k in log:
             if k.name == "ws_moe_gemm_kernel":
                 print(json.dumps(dict(shape=name, variant=variant, warps=k.num_warps, shared=k.shared,
-                                      **k.resources())), flush=True)
+                                      n_halves=k.constexprs.get("N_HALVES", 0), **k.resources())), flush=True)
 # an entry the kernel does not cover: ValueError with the reason under strict_kernels, else fused_moe_kernel
 sh = next(s for s in SHAPES if s.name == "qwen3_30b_bf16")
 w1, w2, qc, act = sm90._weights(sh)
@@ -236,9 +238,16 @@ def test_every_warp_specialized_variant_compiles():
         got = [r["variant"] for r in kernels if r["shape"] == shape]
         assert {"ws12-coop-bm128", "ws12-pingpong-bm64", "ws12-coop-bm128-unfused"} <= set(got), (shape, got)
         assert got.count("ws12-coop-bm128") == 2, (shape, got)
+    # (N_HALVES variants wait for every MMA by design, their promotion serialized: no wait leaving one in flight)
     bad = [r for r in kernels if r["stack"] > 0 or r["shared"] > SM90["max_shared_mem"] or r["warps"] != 12
-           or not {"HGMMA", "QGMMA"} & set(r["ops"]) or ("QGMMA" in r["ops"] and not r["ops"].get("DEPBAR_LE_1"))]
+           or not {"HGMMA", "QGMMA"} & set(r["ops"])
+           or ("QGMMA" in r["ops"] and not r["n_halves"] and not r["ops"].get("DEPBAR_LE_1"))]
     assert not bad, f"warp-specialized variants spilling, over shared memory, or with serialized wgmmas: {bad}"
+    halves = {(r["shape"], r["variant"]) for r in kernels if r["n_halves"]}
+    for shape, kt in (("mixtral_tp2_fp8_tensor", 2), ("qwen3_30b_fp8_channel_token", 2), ("dsv3_ep8_fp8blk", 1)):
+        assert (shape, "ws12-halves-coop-bm128") in halves, (shape, sorted(halves))
+        # per-tensor / per-channel: promoted every PROMOTE_K = 256 K elements (two K tiles); block: every K tile
+        assert {r["n_halves"] for r in kernels if r["shape"] == shape and r["n_halves"]} == {kt}, shape
     strict = next(r["strict"] for r in rows if "strict" in r)
     assert "not covered by gluon_ws" in strict and "HALF_TAIL" in strict, strict
     fallback = next(r["fallback"] for r in rows if "fallback" in r)
@@ -270,7 +279,8 @@ for gpu in ("NVIDIA_H200",):
             for g, k, a_mode in zip(("gemm1", "gemm2"), gemms, (plan.a1_mode, plan.a2_mode)):
                 print(json.dumps(dict(gpu=gpu, shape=sh.name, M=M, gemm=g, kernel=k.name, bm=cfg[g]["BLOCK_SIZE_M"],
                                       promote=promotion_tiles(cfg[g], a_mode=a_mode), warps=k.num_warps,
-                                      shared=k.shared, **k.resources())), flush=True)
+                                      shared=k.shared, n_halves=k.constexprs.get("N_HALVES", 0),
+                                      **k.resources())), flush=True)
 """
 
 
@@ -296,7 +306,8 @@ def test_fp8_per_tensor_and_channel_gemms_compile_promoted():
     ws = [r for r in rows if r["kernel"] == "ws_moe_gemm_kernel"]
     assert {(r["shape"], r["M"]) for r in ws} >= {(s, M) for s in ("qwen3_30b_fp8_channel_token",
                                                                      "mixtral_tp2_fp8_tensor") for M in (1024, 4096)}
-    off = [r for r in ws if r["warps"] != 12 or not r["ops"].get("DEPBAR_LE_1") or "UTMALDG" not in r["ops"]]
+    off = [r for r in ws if r["warps"] != 12 or "UTMALDG" not in r["ops"]
+           or not (r["n_halves"] or r["ops"].get("DEPBAR_LE_1"))]
     assert not off, f"warp-specialized FP8 GEMMs off their partitions or with serialized promotion: {off}"
 
 

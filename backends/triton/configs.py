@@ -5,11 +5,12 @@ names its tables (``E={E},N={N},device_name={dev}[,dtype={dtype}][,block_shape=[
 intermediate size I = ``w2.shape[2]``). Content::
 
     {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
-                       USE_TMA, N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, FUSE_ACT, FUSE_QUANT,
-                       PROMOTE_K, FAST_ACCUM, SWAP_AB, SPLIT_K, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP, AMAX_EPILOGUE},
+                       USE_TMA, N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, N_HALVES, FUSE_ACT,
+                       FUSE_QUANT, PROMOTE_K, FAST_ACCUM, SWAP_AB, SPLIT_K, PERMUTE_A, HALF_TAIL, JOINT_GATE_UP,
+                       AMAX_EPILOGUE},
              "gemm2": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, USE_TMA,
-                       N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, PDL, PROMOTE_K, FAST_ACCUM,
-                       SWAP_AB, SPLIT_K, QUANT_WARPS}},
+                       N_TILES, FLATTEN, GLUON, PERSISTENT, PINGPONG, COOPERATIVE, N_HALVES, PDL, PROMOTE_K,
+                       FAST_ACCUM, SWAP_AB, SPLIT_K, QUANT_WARPS}},
      ...}
 
 ``BLOCK_SIZE_M`` is the alignment block of the route layout and must be equal in both GEMMs. ``N_TILES``
@@ -33,7 +34,11 @@ is one program per resident CTA, each loading its next tile while storing this o
 two consumer warpgroups, one CTA per SM; ``num_stages`` = its TMA ring, ``num_warps`` = 4 per consumer): ping-pong
 (each consumer a whole tile, the epilogue of one overlapping the other's MMAs) or cooperative (both share a 128-row
 tile), bf16 / fp16 or block FP8, contiguous A rows, plain or SiLU-gated epilogue (``gluon_ws.supported``), else
-``fused_moe_kernel``. ``PDL`` (optional, default 0; GEMM2) launches GEMM2, and the requantization before it, with
+``fused_moe_kernel``. ``N_HALVES`` (optional, default 0; with ``PINGPONG`` / ``COOPERATIVE``, FP8 GEMMs with
+promotion) computes a consumer's MMA columns as two halves (GEMM1: gate, then up) through one MMA register set, each
+K tile's promotion serialized behind its MMA (DeepGEMM's schedule): a 64 x 256 consumer tile in the registers a
+64 x 128 one takes with two sets overlapping the promotion, so fewer operand bytes per FLOP (``gluon_ws``).
+``PDL`` (optional, default 0; GEMM2) launches GEMM2, and the requantization before it, with
 programmatic dependent launch: they start during GEMM1's last wave and wait for its output. ``PROMOTE_K``
 (optional, default ``DEFAULT_PROMOTE_K`` = 256, a power of two <= 256, >= ``BLOCK_SIZE_K``; FP8 per-tensor /
 per-channel GEMMs only) is the number of K elements accumulated in the FP8 MMA accumulator (about 14 mantissa bits
@@ -90,8 +95,8 @@ CONFIG_DIR = Path(os.environ.get("MOE_TRITON_CONFIG_DIR", Path(__file__).with_na
 
 # The keys a table entry may hold (anything else is a typo that would be ignored).
 GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "USE_TMA",
-              "N_TILES", "FLATTEN", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE", "PDL", "PROMOTE_K", "FAST_ACCUM",
-              "SWAP_AB", "SPLIT_K", "QUANT_WARPS")
+              "N_TILES", "FLATTEN", "GLUON", "PERSISTENT", "PINGPONG", "COOPERATIVE", "N_HALVES", "PDL", "PROMOTE_K",
+              "FAST_ACCUM", "SWAP_AB", "SPLIT_K", "QUANT_WARPS")
 # K elements an FP8 per-tensor / per-channel GEMM accumulates in the MMA accumulator before promoting it into fp32
 # (PROMOTE_K's default and its largest allowed value; DeepGEMM / CUTLASS use 128)
 DEFAULT_PROMOTE_K = 256
@@ -189,6 +194,10 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
         if g["SPLIT_K"] > 1 and g.get("FLATTEN", 0):
             # the split's arrival barrier inside a software-pipelined (tile, K) loop is not a schedule anyone checked
             raise ValueError("SPLIT_K > 1 does not combine with FLATTEN (use N_TILES without FLATTEN)")
+        if g.get("N_HALVES", 0) not in (0, 1) or g.get("N_HALVES", 0) and not (g.get("PINGPONG", 0)
+                                                                            or g.get("COOPERATIVE", 0)):
+            raise ValueError(f"N_HALVES={g.get('N_HALVES')!r} must be 0 or 1, and 1 only with PINGPONG or COOPERATIVE "
+                             "(it is a schedule of the warp-specialized kernel, gluon_ws)")
         qw = g.get("QUANT_WARPS", 4)
         if not isinstance(qw, int) or isinstance(qw, bool) or qw not in (1, 2, 4, 8, 16):
             raise ValueError(f"QUANT_WARPS={qw!r} must be a power of two in [1, 16] (warps per requantization program)")

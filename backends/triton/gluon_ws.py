@@ -42,6 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import configs as _configs
 from .host import OUT_AMAX_SLOTS, Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
 from .jit import ACT_SILU
 from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids, tma_load
@@ -67,7 +68,7 @@ def ws_moe_gemm_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     HALF_TAIL: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr,
     COOP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, A_EPI: gl.constexpr = 0,
-    B_EPI: gl.constexpr = 0, amax_ptr=None, AMAX: gl.constexpr = False,
+    B_EPI: gl.constexpr = 0, amax_ptr=None, AMAX: gl.constexpr = False, N_HALVES: gl.constexpr = False,
 ):
     """``C[rows, n] = epilogue(sum_k A[rows, k] W[e, n, k] (x scales))`` over the route layout's tiles (one expert
     each).
@@ -90,7 +91,9 @@ def ws_moe_gemm_kernel(
     epilogue's rounding; NaN / inf as inf) over all its tiles and writes it once, at its end, to slot ``2 p + c`` of
     ``amax_ptr`` (``[amax...][flags...]`` over the ``2 P`` slots: the largest finite |value|, or 0 and the flag 1.0
     when one was NaN / inf; every slot written, no zeros before the launch); ``act_quant_kernel``'s ``SLOTS`` pass
-    reduces them. Padding rows count too: GEMM1 runs here only on ``PERMUTE_A``'s rows, whose padding rows are
+    reduces them. ``N_HALVES`` (FP8 with promotion; see :func:`_tile_halves`): 0, or the K tiles per promotion of
+    the halves schedule, whose consumers compute their MMA columns as two halves through one register set. Padding
+    rows count too: GEMM1 runs here only on ``PERMUTE_A``'s rows, whose padding rows are
     zeros, without bias and with SiLU-and-mul, so they store zeros."""
     BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -109,11 +112,13 @@ def ws_moe_gemm_kernel(
         (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
-                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 0, A_EPI, B_EPI, amax_ptr, AMAX)),
+                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 0, A_EPI, B_EPI, amax_ptr, AMAX,
+                     N_HALVES)),
         (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
-                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 1, A_EPI, B_EPI, amax_ptr, AMAX)),
+                     GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 1, A_EPI, B_EPI, amax_ptr, AMAX,
+                     N_HALVES)),
         (_producer, (a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
                      N, K, NW, UP_OFF, a_smem, b_smem, ready, empty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HALF_TAIL,
                      GATED, STAGES)),
@@ -221,7 +226,7 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr,
               C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, COOP: gl.constexpr,
               STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, amax_ptr,
-              AMAX: gl.constexpr):
+              AMAX: gl.constexpr, N_HALVES: gl.constexpr):
     """Consumer ``C`` (0 or 1). Ping-pong: the program's tiles ``i`` with ``i % 2 == C``, the mainloop of tile ``i``
     after the other consumer's of tile ``i - 1`` (its ``(i - 1) // 2``-th arrival on ``order[1 - C]``).
     Cooperative: rows ``[C BLOCK_M / 2, (C + 1) BLOCK_M / 2)`` of every tile. ``AMAX``: its amax slot at the end."""
@@ -235,7 +240,7 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
     # without AMAX at Mixtral TP2 M = 4096 on the H100; this form, 2.5%
     if AMAX:
         RUN_ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M
-        amax = gl.zeros([RUN_ROWS], gl.float32, gl.SliceLayout(1, _out_layout(BLOCK_N)))
+        amax = gl.zeros([RUN_ROWS], gl.float32, gl.SliceLayout(1, _out_layout(_out_n(BLOCK_N, GATED, N_HALVES))))
     else:
         amax = gl.to_tensor(0.0)
     while tile < num_tiles:
@@ -249,7 +254,8 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
                 t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                                stride_ask, stride_bse, stride_bsn, stride_bsk, C * (BLOCK_M // 2), BLOCK_M // 2,
-                               BLOCK_M, BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C, A_EPI, B_EPI, AMAX)
+                               BLOCK_M, BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C, A_EPI, B_EPI, AMAX,
+                               N_HALVES)
                 if AMAX:
                     amax = gl.maximum(amax, t_amax)
         elif i % 2 == C:
@@ -261,14 +267,14 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
                 h_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                                stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M // 2, BLOCK_M, BLOCK_N,
-                               C_SORTED, GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX)
+                               C_SORTED, GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES)
                 if AMAX:  # half the running rows: folded as one value (a reduction across warps, tails only)
                     amax = gl.maximum(amax, gl.max(h_amax, axis=0))
             else:
                 t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                                stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M, BLOCK_M, BLOCK_N, C_SORTED,
-                               GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX)
+                               GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES)
                 if AMAX:
                     amax = gl.maximum(amax, t_amax)
         tile = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
@@ -298,9 +304,15 @@ def _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_s
           n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
           ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, ORDERED: gl.constexpr,
-          STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, AMAX: gl.constexpr):
+          STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, AMAX: gl.constexpr,
+          N_HALVES: gl.constexpr):
     """This consumer's ``ROWS x BLOCK_N`` output rows ``[row0 + ROW_OFF, + ROWS)`` of a tile: mainloop, epilogue;
     returns with ``AMAX`` the largest |value| stored in each of its ``ROWS`` rows (see :func:`_epilogue`), else 0."""
+    if N_HALVES:
+        return _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                            sorted_token_ids_ptr, row0 + ROW_OFF, n0, e, N, num_valid_tokens, UP_OFF, stride_cm,
+                            stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, ROW_OFF, ROWS, BLOCK_M, BLOCK_N,
+                            C_SORTED, GATED, ORDERED, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES)
     if SCALED or A_EPI > 0:
         BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
         rows_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(BN_MMA, 32))
@@ -318,6 +330,129 @@ def _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_s
                         STAGES, C)
     return _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0 + ROW_OFF, n0, N, num_valid_tokens, stride_cm, ROWS,
                      BLOCK_N, C_SORTED, GATED, AMAX)
+
+
+# ---- N_HALVES: a consumer's MMA columns as two halves, one MMA register set, the promotion serialized ----------
+
+
+@gluon.jit
+def _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr,
+                 row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn,
+                 stride_bsk, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 C_SORTED: gl.constexpr, GATED: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
+                 C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, AMAX: gl.constexpr, KP: gl.constexpr):
+    """An FP8 promoted tile (block scales, or per-tensor / per-channel ones applied in the epilogue) whose MMA
+    columns are two halves of ``HALF`` columns each, ``row0`` being this consumer's first row: half 0 the gate rows and
+    half 1 the up rows of the weight stage (``GATED``), else its first and last ``BLOCK_N / 2`` rows. Numerics as
+    :func:`_tile`'s: each K tile's MMA of a half started afresh and added to that half's fp32 accumulator times the K
+    tile's factors, in K order (every ``KP`` K tiles: per-tensor / per-channel scales, whose MMA partials may run
+    over ``PROMOTE_K`` K elements as ``fused_moe_kernel``'s do); the same dequantization and epilogue roundings."""
+    HALF: gl.constexpr = BLOCK_N if GATED else BLOCK_N // 2
+    acc_layout: gl.constexpr = _acc_layout(HALF, 32)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    a_s_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_asm
+    n1 = UP_OFF + n0 if GATED else n0 + HALF  # half 1's first weight row (within the expert)
+    w_s = b_scale_ptr + e.to(gl.int64) * stride_bse
+    acc0, acc1 = _mainloop_halves(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs,
+                                  w_s + (n0 // GROUP_C) * stride_bsn, w_s + (n1 // GROUP_C) * stride_bsn, stride_ask,
+                                  stride_bsk, ROW_OFF, ROWS, BLOCK_M, HALF, ORDERED, STAGES, C, A_EPI > 0, KP)
+    if A_EPI > 0:
+        acc0 = _dequantize_half(acc0, a_scale_ptr, rows, w_s, n0, stride_asm, stride_bsn, HALF, A_EPI, B_EPI)
+        acc1 = _dequantize_half(acc1, a_scale_ptr, rows, w_s, n1, stride_asm, stride_bsn, HALF, A_EPI, B_EPI)
+    if GATED:  # gate and up in separate accumulators: rounded each, SiLU-and-mul in fp32, rounded again
+        dt: gl.constexpr = c_ptr.dtype.element_ty
+        g = acc0.to(dt).to(gl.float32)
+        u = acc1.to(dt).to(gl.float32)
+        out = gl.convert_layout((g * (1.0 / (1.0 + gl.exp(-g))) * u).to(dt), _out_layout(BLOCK_N))  # as _epilogue
+        _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N,
+                    C_SORTED)
+        t_amax = gl.to_tensor(0.0)
+        if AMAX:
+            y = out.to(gl.float32)
+            ay = gl.abs(y)
+            t_amax = gl.max(gl.where((y != y) | (ay == float("inf")), float("inf"), ay), axis=1)
+        return t_amax
+    else:
+        t0 = _epilogue(acc0, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, HALF,
+                       C_SORTED, False, AMAX)
+        t1 = _epilogue(acc1, c_ptr, sorted_token_ids_ptr, row0, n0 + HALF, N, num_valid_tokens, stride_cm, ROWS,
+                       HALF, C_SORTED, False, AMAX)
+        return gl.maximum(t0, t1)
+
+
+@gluon.jit
+def _mainloop_halves(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs, b0_s_ptr, b1_s_ptr, stride_ask,
+                     stride_bsk, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr,
+                     ORDERED: gl.constexpr, STAGES: gl.constexpr, C: gl.constexpr, UNIT: gl.constexpr,
+                     KP: gl.constexpr):
+    """The two halves' fp32 accumulators ``[ROWS, HALF]`` over ring loads ``base .. base + nk``, promoted every ``KP``
+    K tiles (``nk % KP == 0``; block scales: 1). Per group of ``KP`` K tiles: half 0's MMAs chained into the one
+    register set (the first afresh), wait, promote; half 1's likewise; release the group's stages. This consumer's
+    tensor-core work stops while it promotes, and the other consumer's MMAs fill that time (DeepGEMM's schedule): the
+    register sets saved go to wider tiles (a 64 x 256 consumer tile in 192 registers a thread, against 64 x 128 with
+    two sets), which read fewer operand bytes from shared memory and L2 per FLOP. ``UNIT``: every factor 1
+    (per-tensor / per-channel, the scales come in the epilogue; the add is the FFMA with 1.0 exactly)."""
+    acc_layout: gl.constexpr = _acc_layout(HALF, 32)
+    acc0 = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
+    acc1 = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
+    y = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
+    for k in range(0, nk, KP):
+        if not UNIT:  # (KP = 1) loaded before the wait: their latency under the MMA
+            a_s = gl.load(a_s_ptrs + k * stride_ask)
+            s0 = (a_s * gl.load(b0_s_ptr + k * stride_bsk))[:, None]  # fused_moe_kernel's order: scales first
+            s1 = (a_s * gl.load(b1_s_ptr + k * stride_bsk))[:, None]
+        for t in gl.static_range(KP):
+            j = base + k + t
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            y = warpgroup_mma(_a_stage(a_smem, s, ROW_OFF, ROWS, BLOCK_M), b_smem.index(s).slice(0, HALF).permute(
+                (1, 0)), y, use_acc=t > 0, is_async=True)
+        y = warpgroup_mma_wait(num_outstanding=0, deps=(y, ))
+        if UNIT:
+            acc0 += y
+        else:
+            acc0 += y * s0
+        # pin the promotion before the next MMA, which is issued into y's registers: LLVM would otherwise sink it
+        # past that MMA and keep a copy of y (64 registers: spills); nothing is in flight, so the wait is a no-op
+        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+        for t in gl.static_range(KP):  # (the stages have landed: waited for above)
+            s = (base + k + t) % STAGES
+            y = warpgroup_mma(_a_stage(a_smem, s, ROW_OFF, ROWS, BLOCK_M), b_smem.index(s).slice(HALF, HALF).permute(
+                (1, 0)), y, use_acc=t > 0, is_async=True)
+        if ORDERED:  # every K tile of this tile taken: the other consumer may start
+            mbarrier.arrive(order.index(C), pred=k + KP == nk)
+        y = warpgroup_mma_wait(num_outstanding=0, deps=(y, ))
+        for t in gl.static_range(KP):
+            mbarrier.arrive(empty.index((base + k + t) % STAGES))
+        if UNIT:
+            acc1 += y
+        else:
+            acc1 += y * s1
+        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))  # as acc0's: before the next group's MMA
+    return acc0, acc1
+
+
+@gluon.jit
+def _dequantize_half(acc, a_scale_ptr, rows, w_s, wrow0, stride_asm, stride_bsn, HALF: gl.constexpr,
+                     A_EPI: gl.constexpr, B_EPI: gl.constexpr):
+    """:func:`_dequantize` for one half: its weight rows ``wrow0 ..`` of the expert's scales ``w_s``."""
+    acc_layout: gl.constexpr = _acc_layout(HALF, 32)
+    if A_EPI == 1:
+        acc = acc * gl.load(a_scale_ptr)
+    else:
+        acc = acc * gl.load(a_scale_ptr + rows.to(gl.int64) * stride_asm)[:, None]
+    if B_EPI == 1:
+        acc = acc * gl.load(w_s)
+    else:
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
+        acc = acc * gl.load(w_s + (wrow0 + cols).to(gl.int64) * stride_bsn)[None, :]
+    return acc
+
+
+@gluon.constexpr_function
+def _out_n(block_n, gated, halves):
+    """Columns of one epilogue store: ``BLOCK_N``, or half of it for a plain ``N_HALVES`` tile (a store per half)."""
+    return block_n // 2 if halves and not gated else block_n
 
 
 @gluon.constexpr_function
@@ -510,6 +645,7 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
     a_mode, b_mode, group_n, group_k = scales.a_mode, scales.b_mode, scales.group_n, scales.group_k
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     coop = bool(cfg.get("COOPERATIVE", 0))
+    halves = bool(cfg.get("N_HALVES", 0))
     block = a_mode == ScaleMode.GROUP
     # FP8 per-tensor / per-channel: promoted, scales in the epilogue
     per_tensor_or_row = (ScaleMode.TENSOR, ScaleMode.ROW)
@@ -518,10 +654,15 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
     gated = fuse.halves
     bn_mma = 2 * BN if gated else BN
     rows = BM // 2 if coop else BM  # a consumer's rows
-    # accumulator registers per thread: one set, or (block FP8) the accumulator and two MMA register sets
-    acc_regs = rows * bn_mma // 128 * (3 if scaled else 1)
+    mma_cols = bn_mma // 2 if halves else bn_mma  # one MMA's columns
+    # accumulator registers per thread: one set; FP8 with promotion, the accumulator and two MMA register sets, or
+    # (N_HALVES) the two halves' accumulators and one MMA set
+    acc_regs = rows * (bn_mma + mma_cols if halves else bn_mma * (3 if scaled else 1)) // 128
     elt = a.element_size()
-    smem = cfg.get("num_stages", 4) * (BM + bn_mma) * BK * elt + BM * BN * c.element_size()  # ring + epilogue
+    out_n = BN // 2 if halves and not gated else BN  # columns of one epilogue store
+    # the ring, and the epilogue's layout conversion of a consumer's tile (163904 B compiled at 3 stages of 128 x 256
+    # FP8 with N_HALVES: 147456 + 16384 + barriers)
+    smem = cfg.get("num_stages", 4) * (BM + bn_mma) * BK * elt + rows * out_n * c.element_size()
     a8 = a.dtype == torch.float8_e4m3fn or (scaled and a.dtype == torch.uint8)
     checks = [
         ((a_mode, b_mode) == (ScaleMode.NONE, ScaleMode.NONE) and a.dtype in (torch.bfloat16, torch.float16)
@@ -531,8 +672,12 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
          "activation and per-tensor or per-channel weight scales"),
         (not (epi_scales and cfg.get("FAST_ACCUM", 0)), "FAST_ACCUM (in-place FP8 accumulation) is fused_moe_kernel's"),
         (c.dtype in (torch.bfloat16, torch.float16), "bf16 / fp16 output"),
-        (not block or (group_n == GROUP and group_k == GROUP and BK == GROUP and BN <= GROUP),
-         "block FP8: 128x128 weight blocks, BLOCK_K = 128 and BLOCK_N <= 128 (one weight scale per K tile)"),
+        (not halves or scaled, "N_HALVES: FP8 GEMMs with promotion only (block, per-tensor or per-channel scales)"),
+        (not halves or gated or BN >= 64, "N_HALVES: BLOCK_N >= 64 (halves of at least 32 columns)"),
+        (not block or (group_n == GROUP and group_k == GROUP and BK == GROUP
+                       and (BN // 2 if halves and not gated else BN) <= GROUP),
+         "block FP8: 128x128 weight blocks, BLOCK_K = 128 and BLOCK_N <= 128 (with N_HALVES, halves <= 128: one "
+         "weight scale per MMA and K tile)"),
         (not epi_scales or BK in (64, 128), "FP8 per-tensor / per-channel: BLOCK_K 64 or 128 (promoted every K tile)"),
         (not shape.a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
         (fuse == Fusion.NONE or (gated and epi.act == ACT_SILU and not epi.has_limit),
@@ -543,10 +688,13 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
         (BM in (64, 128) and rows >= 64 and bn_mma <= 256 and BN >= 32 and BK in (32, 64, 128),
          "BLOCK_M in (64, 128) (a consumer's rows >= 64), MMA columns <= 256, BLOCK_K in (32, 64, 128)"),
         (acc_regs <= (192 if scaled else 128), f"a consumer's accumulators ({acc_regs} registers per thread) must fit "
-         "its warpgroup: at most 128 x 128 MMA columns x rows (FP8 with promotion: 64 x 128)"),
+         "its warpgroup: at most 128 x 128 MMA columns x rows (FP8 with promotion: 64 x 128, or 64 x 256 with "
+         "N_HALVES)"),
         (K % BK == 0 and n_out % BN == 0 and (not gated or w.shape[1] == 2 * n_out),
          "K % BLOCK_K == 0, N % BLOCK_N == 0 (gated: w1 rows = 2 I)"),
         (not (block and gated) or n_out % GROUP == 0, "block-FP8 gate / up halves need I % 128 == 0"),
+        (not halves or cfg.get("num_stages", 4) >= _halves_k_tiles(cfg, K, epi_scales),
+         "N_HALVES: num_stages >= the K tiles per promotion (PROMOTE_K / BLOCK_K: a consumer holds them all)"),
         (smem <= 220 * 1024, f"shared memory {smem} B over the SM's 227 KiB: fewer stages"),
         (a.is_contiguous() and w.is_contiguous() and c.stride(1) == 1 and a.data_ptr() % 16 == 0
          and w.data_ptr() % 16 == 0, "TMA needs contiguous, 16-byte aligned A and W"),
@@ -595,9 +743,20 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
         C_SORTED=shape.c_sorted, GATED=epi.fuse.halves, SCALED=scaled, COOP=bool(cfg.get("COOPERATIVE", 0)),
         STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS, A_EPI=int(a_mode) if epi_scales else 0,
         B_EPI=int(b_mode) if epi_scales else 0, amax_ptr=ops.cs if amax else c, AMAX=amax,
+        N_HALVES=_halves_k_tiles(cfg, K, epi_scales),
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
         maxnreg=LAUNCH_MAXNREG,
     )
+
+
+def _halves_k_tiles(cfg: dict, K: int, epi_scales: bool) -> int:
+    """The kernel's ``N_HALVES``: 0 (the two-set schedule), or the K tiles per promotion of the halves schedule:
+    ``PROMOTE_K / BLOCK_K`` for per-tensor / per-channel scales where ``K`` is a multiple of ``PROMOTE_K``, else 1
+    (block scales change every K tile)."""
+    if not cfg.get("N_HALVES", 0):
+        return 0
+    pk, bk = cfg.get("PROMOTE_K", _configs.DEFAULT_PROMOTE_K), cfg["BLOCK_SIZE_K"]
+    return pk // bk if epi_scales and pk >= bk and K % pk == 0 else 1
 
 
 def _grid(shape: GemmShape, cfg: dict, device) -> int:

@@ -40,6 +40,7 @@ class Compiled:
     num_stages: int
     shared: int  # bytes of shared memory the kernel requests
     cubin: bytes
+    constexprs: dict = dataclasses.field(default_factory=dict)  # the specialization's scalar constexprs, by name
 
     def resources(self) -> dict:
         """``{"regs", "stack", "ops"}`` from the cubin: registers per thread, stack bytes (local-memory spills), and
@@ -137,6 +138,17 @@ class _CompileOnlyDriver:
         pass
 
 
+def _constexprs(src) -> dict:
+    """``{name: value}`` of a compile source's int / bool constexprs (``ASTSource.constants`` is keyed by argument
+    index paths; the names come from its function), e.g. ``N_HALVES`` of ``ws_moe_gemm_kernel``."""
+    names = getattr(getattr(src, "fn", None), "arg_names", None) or []
+    out = {}
+    for path, v in (getattr(src, "constants", None) or {}).items():
+        if isinstance(path, tuple) and len(path) == 1 and path[0] < len(names) and isinstance(v, (bool, int)):
+            out[names[path[0]]] = v
+    return out
+
+
 @contextlib.contextmanager
 def compile_only(gpu_name: str = "NVIDIA_H200"):
     """Within the block, the triton backend's launches compile for sm_90 and run nothing; yields the list of
@@ -164,7 +176,7 @@ def compile_only(gpu_name: str = "NVIDIA_H200"):
         k = real_compile(*a, **kw)
         md = k.metadata
         log.append(Compiled(name=md.name, num_warps=md.num_warps, num_stages=md.num_stages, shared=md.shared,
-                            cubin=k.asm["cubin"]))
+                            cubin=k.asm["cubin"], constexprs=_constexprs(a[0] if a else kw.get("src"))))
         return k
 
     def accept_cpu(*tensors, what="operands"):
@@ -271,7 +283,8 @@ def compile_tables(gpu_name: str, shapes=None, Ms=None, progress=print) -> list[
             for k in log:
                 r = k.resources()
                 rows.append(dict(shape=sh.name, M=M, kernel=k.name, num_warps=k.num_warps, num_stages=k.num_stages,
-                                 shared=k.shared, regs=r["regs"], stack=r["stack"], ops=r["ops"]))
+                                 shared=k.shared, regs=r["regs"], stack=r["stack"], ops=r["ops"],
+                                 n_halves=k.constexprs.get("N_HALVES", 0)))
             progress(f"[{gpu_name}] {sh.name} M={M}: {len(log)} kernels compiled in {time.time() - t0:.1f}s"
                      + (f", ERROR {err}" if err else ""))
     return rows

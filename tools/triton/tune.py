@@ -394,7 +394,7 @@ def _ws_variants(entry_g1, g1, g2, fp8_block):
     64 x 128; epilogues overlap the other consumer's MMAs) and ``COOPERATIVE`` (both share a 128-row tile:
     128 x 256, FP8 128 x 128). ``fp8_block``: FP8 operands, block or per-tensor / per-channel scales (the same
     two-register-set mainloop, BLOCK_K 128: ``gluon_ws.supported``), whose tiles hold a third of the bf16 ones'
-    accumulator columns. GEMM2 alone (the entry's GEMM1 kept), GEMM1 over its pre-permuted input with
+    accumulator columns, or with ``N_HALVES`` (one register set, the promotion serialized) the bf16 ones' widths. GEMM2 alone (the entry's GEMM1 kept), GEMM1 over its pre-permuted input with
     SiLU-and-mul in its epilogue (block FP8: requantized by ``act_quant_kernel``; also unfused) alone or with GEMM2,
     with and without ``HALF_TAIL`` (64-row tails), in grouped tile orders of 8 / 16 / 32 row tiles. (Decode entries
     are left alone: 64-row tiles streaming the experts' weights through the ring measured 20-30% slower there than
@@ -428,6 +428,16 @@ def _ws_variants(entry_g1, g1, g2, fp8_block):
                     ("ws1-pingpong-bm64", pp1, g2)]
         if bm == 128:
             out += [("ws2-coop", entry_g1, co2), ("ws1-coop-bm128", co1, g2)]
+        # N_HALVES: 64 x 256 MMA columns a consumer through one register set, the promotion serialized (4 stages:
+        # a per-tensor / per-channel consumer holds the two K tiles of its PROMOTE_K interval)
+        hp1, hp2 = gemm1(64, 128, 4, PINGPONG=1, N_HALVES=1), ws(64, 256, 4, PINGPONG=1, N_HALVES=1)
+        hc1, hc2 = gemm1(128, 128, 4, COOPERATIVE=1, N_HALVES=1), ws(128, 256, 4, COOPERATIVE=1, N_HALVES=1)
+        out += [("ws12-halves-pingpong-bm64", hp1, hp2), ("ws12-halves-coop-bm128", hc1, hc2),
+                ("ws12-halves-coop-bm128+half_tail", tail(hc1), hc2)]
+        if bm == 64:
+            out += [("ws2-halves-pingpong", no_tail, dict(hp2, GROUP_SIZE_M=g2.get("GROUP_SIZE_M", 8)))]
+        if bm == 128:
+            out += [("ws2-halves-coop", entry_g1, hc2)]
         return out
     pp1_64, pp2_64 = gemm1(64, 128, 4, PINGPONG=1), ws(64, 256, 4, PINGPONG=1)
     co1, co2, pp2 = gemm1(128, 128, 3, COOPERATIVE=1), ws(128, 256, 3, COOPERATIVE=1), ws(128, 128, 4, PINGPONG=1)
