@@ -37,7 +37,11 @@ tile), bf16 / fp16 or block FP8, contiguous A rows, plain or SiLU-gated epilogue
 ``fused_moe_kernel``. ``N_HALVES`` (optional, default 0; with ``PINGPONG`` / ``COOPERATIVE``, FP8 GEMMs with
 promotion) computes a consumer's MMA columns as two halves (GEMM1: gate, then up) through one MMA register set, each
 K tile's promotion serialized behind its MMA (DeepGEMM's schedule): a 64 x 256 consumer tile in the registers a
-64 x 128 one takes with two sets overlapping the promotion, so fewer operand bytes per FLOP (``gluon_ws``).
+64 x 128 one takes with two sets overlapping the promotion, so fewer operand bytes per FLOP (``gluon_ws``); its
+per-tensor / per-channel consumers hold a ``PROMOTE_K`` interval's K tiles at once, so ``num_stages`` >= that many
+(4 at ``BLOCK_K`` 128: at 3 the ring starved, 12-16% slower). H200 (twentieth session), GEMMs at M 1024 / 4096:
+Mixtral TP2 fp8_tensor 507 -> 477 / 1514 -> 1490 us, Qwen3-30B fp8_channel_token 226 -> 219 / 515 -> 496,
+fp8_block128 221 -> 217 / 517 -> 497; DeepSeek-V3 EP8 998 -> 967 at M 1024, a loss at 4096 (3286 -> 3550).
 ``PDL`` (optional, default 0; GEMM2) launches GEMM2, and the requantization before it, with
 programmatic dependent launch: they start during GEMM1's last wave and wait for its output. ``PROMOTE_K``
 (optional, default ``DEFAULT_PROMOTE_K`` = 256, a power of two <= 256, >= ``BLOCK_SIZE_K``; FP8 per-tensor /
