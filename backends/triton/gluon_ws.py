@@ -18,7 +18,12 @@ three partitions (``gl.warp_specialize``):
   last one it saw;
 * cooperative (``COOP`` 1): both consumers compute every tile, consumer ``c`` its rows ``[c BLOCK_M / 2, (c + 1)
   BLOCK_M / 2)`` (a stage is released when both are done with it): twice the tile area of one warpgroup's registers
-  (128 x 256), so half the operand traffic per FLOP of a 128 x 128 tile, with the epilogue exposed.
+  (128 x 256), so half the operand traffic per FLOP of a 128 x 128 tile, with the epilogue exposed;
+* ``N_HALVES`` (FP8 with promotion, either schedule): a consumer computes its MMA columns as two halves (GEMM1: gate,
+  then up) through one MMA register set, waiting for each half's MMAs and promoting them before the next (DeepGEMM's
+  serialized promotion, the other consumer's MMAs filling the gap): the two-set promotion below limits a consumer to
+  64 x 128 columns (three register sets), the halves reach 64 x 256 in the same 192 registers (see
+  :func:`_tile_halves`).
 
 Numerics are ``fused_moe_kernel``'s: unquantized, the fp32 accumulator of wgmmas over K tiles in K order, rounded
 once to C's dtype; block FP8 (``SCALED``: 1x128 activation and 128x128 weight scales, ``BLOCK_K = 128``), each K
@@ -678,7 +683,8 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
                        and (BN // 2 if halves and not gated else BN) <= GROUP),
          "block FP8: 128x128 weight blocks, BLOCK_K = 128 and BLOCK_N <= 128 (with N_HALVES, halves <= 128: one "
          "weight scale per MMA and K tile)"),
-        (not epi_scales or BK in (64, 128), "FP8 per-tensor / per-channel: BLOCK_K 64 or 128 (promoted every K tile)"),
+        (not epi_scales or BK in (64, 128),
+         "FP8 per-tensor / per-channel: BLOCK_K 64 or 128 (promoted every K tile; N_HALVES: every PROMOTE_K)"),
         (not shape.a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
         (fuse == Fusion.NONE or (gated and epi.act == ACT_SILU and not epi.has_limit),
          "plain epilogue, or gate / up halves with SiLU (no clamp) only"),
