@@ -421,6 +421,20 @@ def test_n_halves_is_a_warp_specialized_schedule():
             sanitize_config({"gemm1": g, "gemm2": bad})
 
 
+def test_n_halves_promotion_interval():
+    """The halves' K tiles per promotion: ``PROMOTE_K / BLOCK_K`` for per-tensor / per-channel scales where K is a
+    multiple of ``PROMOTE_K`` (the error model's ``promote_every``, as ``fused_moe_kernel``), every K tile for block
+    scales and other K; 0 (the two-set schedule) without ``N_HALVES``."""
+    from backends.triton.gluon_ws import _halves_k_tiles
+    g = dict(BLOCK_SIZE_K=128, N_HALVES=1)
+    assert _halves_k_tiles(g, 7168, True) == 2  # default PROMOTE_K 256
+    assert _halves_k_tiles(dict(g, PROMOTE_K=128), 7168, True) == 1
+    assert _halves_k_tiles(dict(g, BLOCK_SIZE_K=64), 768, True) == 4
+    assert _halves_k_tiles(g, 640, True) == 1  # K = 640: not a multiple of 256
+    assert _halves_k_tiles(g, 7168, False) == 1  # block scales: every K tile
+    assert _halves_k_tiles(dict(g, N_HALVES=0), 7168, True) == 0
+
+
 def test_split_k_scratch_grows_and_keeps_what_a_graph_may_use():
     """SPLIT_K's per-device workspaces: zeroed counters, at least the size asked; a larger request replaces the pair
     and keeps the old one alive (a CUDA graph captured on it may still run); a smaller one reuses it."""
