@@ -198,8 +198,8 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
         if g["SPLIT_K"] > 1 and g.get("FLATTEN", 0):
             # the split's arrival barrier inside a software-pipelined (tile, K) loop is not a schedule anyone checked
             raise ValueError("SPLIT_K > 1 does not combine with FLATTEN (use N_TILES without FLATTEN)")
-        if g.get("N_HALVES", 0) not in (0, 1) or g.get("N_HALVES", 0) and not (g.get("PINGPONG", 0)
-                                                                            or g.get("COOPERATIVE", 0)):
+        halves = g.get("N_HALVES", 0)
+        if halves not in (0, 1) or halves and not (g.get("PINGPONG", 0) or g.get("COOPERATIVE", 0)):
             raise ValueError(f"N_HALVES={g.get('N_HALVES')!r} must be 0 or 1, and 1 only with PINGPONG or COOPERATIVE "
                              "(it is a schedule of the warp-specialized kernel, gluon_ws)")
         qw = g.get("QUANT_WARPS", 4)

@@ -362,21 +362,16 @@ def _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_p
                                   w_s + (n0 // GROUP_C) * stride_bsn, w_s + (n1 // GROUP_C) * stride_bsn, stride_ask,
                                   stride_bsk, ROW_OFF, ROWS, BLOCK_M, HALF, ORDERED, STAGES, C, A_EPI > 0, KP)
     if A_EPI > 0:
-        acc0 = _dequantize_half(acc0, a_scale_ptr, rows, w_s, n0, stride_asm, stride_bsn, HALF, A_EPI, B_EPI)
-        acc1 = _dequantize_half(acc1, a_scale_ptr, rows, w_s, n1, stride_asm, stride_bsn, HALF, A_EPI, B_EPI)
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
+        acc0 = _apply_scales(acc0, a_scale_ptr, rows, w_s, n0 + cols, stride_asm, stride_bsn, A_EPI, B_EPI)
+        acc1 = _apply_scales(acc1, a_scale_ptr, rows, w_s, n1 + cols, stride_asm, stride_bsn, A_EPI, B_EPI)
     if GATED:  # gate and up in separate accumulators: rounded each, SiLU-and-mul in fp32, rounded again
         dt: gl.constexpr = c_ptr.dtype.element_ty
-        g = acc0.to(dt).to(gl.float32)
-        u = acc1.to(dt).to(gl.float32)
-        out = gl.convert_layout((g * (1.0 / (1.0 + gl.exp(-g))) * u).to(dt), _out_layout(BLOCK_N))  # as _epilogue
+        out = gl.convert_layout(_silu_mul(acc0.to(dt).to(gl.float32), acc1.to(dt).to(gl.float32), dt),
+                                _out_layout(BLOCK_N))
         _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N,
                     C_SORTED)
-        t_amax = gl.to_tensor(0.0)
-        if AMAX:
-            y = out.to(gl.float32)
-            ay = gl.abs(y)
-            t_amax = gl.max(gl.where((y != y) | (ay == float("inf")), float("inf"), ay), axis=1)
-        return t_amax
+        return _stored_amax(out, AMAX)
     else:
         t0 = _epilogue(acc0, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, HALF,
                        C_SORTED, False, AMAX)
@@ -435,23 +430,6 @@ def _mainloop_halves(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs, b0
             acc1 += y * s1
         acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))  # as acc0's: before the next group's MMA
     return acc0, acc1
-
-
-@gluon.jit
-def _dequantize_half(acc, a_scale_ptr, rows, w_s, wrow0, stride_asm, stride_bsn, HALF: gl.constexpr,
-                     A_EPI: gl.constexpr, B_EPI: gl.constexpr):
-    """:func:`_dequantize` for one half: its weight rows ``wrow0 ..`` of the expert's scales ``w_s``."""
-    acc_layout: gl.constexpr = _acc_layout(HALF, 32)
-    if A_EPI == 1:
-        acc = acc * gl.load(a_scale_ptr)
-    else:
-        acc = acc * gl.load(a_scale_ptr + rows.to(gl.int64) * stride_asm)[:, None]
-    if B_EPI == 1:
-        acc = acc * gl.load(w_s)
-    else:
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
-        acc = acc * gl.load(w_s + (wrow0 + cols).to(gl.int64) * stride_bsn)[None, :]
-    return acc
 
 
 @gluon.constexpr_function
@@ -588,20 +566,28 @@ def _dequantize(acc, a_scale_ptr, b_scale_ptr, row0, n0, e, UP_OFF, stride_asm, 
     columns, the up rows' on the up columns)."""
     BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     acc_layout: gl.constexpr = _acc_layout(BN_MMA, 32)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BN_MMA, layout=gl.SliceLayout(0, acc_layout))
+    if GATED:
+        wrow = gl.where(cols < BLOCK_N, n0 + cols, UP_OFF + n0 + cols - BLOCK_N)
+    else:
+        wrow = n0 + cols
+    return _apply_scales(acc, a_scale_ptr, rows, b_scale_ptr + e.to(gl.int64) * stride_bse, wrow, stride_asm,
+                         stride_bsn, A_EPI, B_EPI)
+
+
+@gluon.jit
+def _apply_scales(acc, a_scale_ptr, rows, w_s, wrow, stride_asm, stride_bsn, A_EPI: gl.constexpr,
+                  B_EPI: gl.constexpr):
+    """``acc`` times the activation scale (1: ``a_scale[0]``; 2: per row, ``rows``), then the weight scale (1: the
+    expert's ``w_s[0]``; 2: per column, of weight rows ``wrow``)."""
     if A_EPI == 1:
         acc = acc * gl.load(a_scale_ptr)
     else:
-        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         acc = acc * gl.load(a_scale_ptr + rows.to(gl.int64) * stride_asm)[:, None]
-    w_s = b_scale_ptr + e.to(gl.int64) * stride_bse
     if B_EPI == 1:
         acc = acc * gl.load(w_s)
     else:
-        cols = gl.arange(0, BN_MMA, layout=gl.SliceLayout(0, acc_layout))
-        if GATED:
-            wrow = gl.where(cols < BLOCK_N, n0 + cols, UP_OFF + n0 + cols - BLOCK_N)
-        else:
-            wrow = n0 + cols
         acc = acc * gl.load(w_s + wrow.to(gl.int64) * stride_bsn)[None, :]
     return acc
 
@@ -616,13 +602,26 @@ def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, s
     h = acc.to(c_ptr.dtype.element_ty)
     if GATED:  # columns [0, BLOCK_N) are gate, [BLOCK_N, 2 BLOCK_N) up: a thread holds both of a pair
         g, u = h.to(gl.float32).reshape([ROWS, 2, BLOCK_N]).permute(0, 2, 1).split()
-        out = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(c_ptr.dtype.element_ty)  # jit.apply_act, SILU
-        out = gl.convert_layout(out, out_layout)
+        out = gl.convert_layout(_silu_mul(g, u, c_ptr.dtype.element_ty), out_layout)
     else:
         out = gl.convert_layout(h, out_layout)
     _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N, C_SORTED)
+    return _stored_amax(out, AMAX)
+
+
+@gluon.jit
+def _silu_mul(g, u, dt: gl.constexpr):
+    """``silu(g) * u`` in fp32 (gate and up already rounded to C's dtype), rounded to ``dt`` (``jit.apply_act``,
+    SILU)."""
+    return (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(dt)
+
+
+@gluon.jit
+def _stored_amax(out, AMAX: gl.constexpr):
+    """With ``AMAX``, the largest |value| of each row of a stored tile (NaN / inf as inf; over the columns, within a
+    warp: ``_out_layout`` spreads a row over one warp's lanes), else 0."""
     t_amax = gl.to_tensor(0.0)
-    if AMAX:  # per row: over the columns, within a warp (out_layout spreads a row over one warp's lanes)
+    if AMAX:
         y = out.to(gl.float32)
         ay = gl.abs(y)
         t_amax = gl.max(gl.where((y != y) | (ay == float("inf")), float("inf"), ay), axis=1)
