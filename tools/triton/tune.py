@@ -435,9 +435,10 @@ def _ws_variants(entry_g1, g1, g2, fp8_block):
         out += [("ws12-halves-pingpong-bm64", hp1, hp2), ("ws12-halves-coop-bm128", hc1, hc2),
                 ("ws12-halves-coop-bm128+half_tail", tail(hc1), hc2)]
         if bm == 64:
-            out += [("ws2-halves-pingpong", no_tail, dict(hp2, GROUP_SIZE_M=g2.get("GROUP_SIZE_M", 8)))]
-        if bm == 128:
-            out += [("ws2-halves-coop", entry_g1, hc2)]
+            out += [("ws2-halves-pingpong", no_tail, dict(hp2, GROUP_SIZE_M=g2.get("GROUP_SIZE_M", 8))),
+                    ("ws1-halves-pingpong-bm64", hp1, g2)]
+        if bm == 128:  # (GEMM1 alone: a long-K GEMM1 beside a short-K GEMM2 kept on its entry's kernel)
+            out += [("ws2-halves-coop", entry_g1, hc2), ("ws1-halves-coop-bm128", hc1, g2)]
         return out
     pp1_64, pp2_64 = gemm1(64, 128, 4, PINGPONG=1), ws(64, 256, 4, PINGPONG=1)
     co1, co2, pp2 = gemm1(128, 128, 3, COOPERATIVE=1), ws(128, 256, 3, COOPERATIVE=1), ws(128, 128, 4, PINGPONG=1)
