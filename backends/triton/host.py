@@ -73,6 +73,19 @@ QUANT_SKIP_PAD = os.environ.get("MOE_TRITON_QUANT_SKIP_PAD", "0") == "1"
 #: passed on an H200). On by default since the nineteenth session's A / B (the prefill requantization above, H200:
 #: 24.5 -> 13.6 us at M = 1024, 48.4 -> 35.5 at M = 4096); ``MOE_TRITON_FAST_DIV=0`` keeps the division.
 QUANT_FAST_DIV = os.environ.get("MOE_TRITON_FAST_DIV", "1") != "0"
+#: The dynamic per-tensor requantization between the GEMMs (``act_quant_kernel`` QMODE 6 / 7, element-wise) takes
+#: ``[rows, min(next_pow2(I), QUANT_TENSOR_COLS)]`` tiles of ``QUANT_TENSOR_TILE`` elements over
+#: ``QUANT_TENSOR_WARPS`` warps a program over the layout's rows (prefill), and one route's
+#: ``QUANT_TENSOR_ROUTE_COLS`` columns a program over the routes (decode, ``ROUTES``); the table's ``QUANT_WARPS``
+#: overrides the warps. ``MOE_TRITON_QUANT_TENSOR_{TILE,COLS,ROUTE_COLS,WARPS}``: an A / B on the GPU,
+#: ``tools/diag/requant_tiles.py`` (the codes are the same in every tiling). H200, Mixtral TP2 fp8_tensor (I = 7168),
+#: the kernel alone (twenty-second session, three rounds): at M = 64 over the routes 5.52 us with 1024 columns a
+#: program, 4.08 with 2048; at M = 1024 / 4096 over the rows 22.8 / 64.0 us with the defaults (4096 x 1024 on 4
+#: warps), 23.3 / 65.2 with 8192 x 1024 on 8, 26.0 / 73.7 with 8192 x 2048 on 8, 23.7 / 66.5 with 16384 x 1024 on 16.
+QUANT_TENSOR_TILE = int(os.environ.get("MOE_TRITON_QUANT_TENSOR_TILE", "4096"))
+QUANT_TENSOR_COLS = int(os.environ.get("MOE_TRITON_QUANT_TENSOR_COLS", "1024"))
+QUANT_TENSOR_ROUTE_COLS = int(os.environ.get("MOE_TRITON_QUANT_TENSOR_ROUTE_COLS", "2048"))
+QUANT_TENSOR_WARPS = int(os.environ.get("MOE_TRITON_QUANT_TENSOR_WARPS", "4"))
 
 _ACT_CODES = {
     MoEActivation.SILU: jit.ACT_SILU,

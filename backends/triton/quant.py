@@ -17,7 +17,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .host import (INTERPRET, QUANT_FAST_DIV, QUANT_ROUTES, QUANT_ROW_CHUNKED, QUANT_ROW_TAIL, QUANT_ROW_TILE,
-                   QUANT_SKIP_PAD, STEP_PDL, cdiv, check_device, next_pow2, recipe_params)
+                   QUANT_SKIP_PAD, QUANT_TENSOR_COLS, QUANT_TENSOR_ROUTE_COLS, QUANT_TENSOR_TILE, QUANT_TENSOR_WARPS,
+                   STEP_PDL, cdiv, check_device, next_pow2, recipe_params)
 from .jit import fp8_quant_rows
 from .kernels import (
     QMODE_FP8_GROUP,
@@ -206,6 +207,10 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
     else:
         bc = min(next_pow2(nc), 128 if INTERPRET else 1024)
     budget = 2048 if INTERPRET else 4096
+    per_tensor = qmode in (QMODE_FP8_TENSOR_AMAX, QMODE_FP8_TENSOR_QUANT) and not INTERPRET
+    if per_tensor:  # (over the routes a program is one route: fewer, wider programs; host.QUANT_TENSOR_ROUTE_COLS)
+        bc = min(next_pow2(nc), QUANT_TENSOR_ROUTE_COLS if routes and num_valid <= 128 else QUANT_TENSOR_COLS)
+        budget = QUANT_TENSOR_TILE
     br = max(1, min(budget // bc, 64))
     br = 1 << (br.bit_length() - 1)
     if (row_mode and rows <= 128) or (routes and num_valid <= 128):
@@ -216,7 +221,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
                           QMODE_FP8_TENSOR_AMAX)
     one_pass = qmode == QMODE_FP8_TENSOR_AMAX or (row_mode and nc <= bc)
     if num_warps is None:
-        num_warps = max(4, min(16, br * bc // 256)) if row_mode else 4
+        num_warps = max(4, min(16, br * bc // 256)) if row_mode else (QUANT_TENSOR_WARPS if per_tensor else 4)
     # per-token over the layout's rows (prefill; not the routes: slower at Qwen3-30B M = 64 on an H200) of 257 to 1024
     # columns: whole rows as chunks of a warp's 256 columns on a middle axis (ROW_CHUNKS), QUANT_ROW_TILE elements a
     # program (not the input quantizer's rows: 2048 columns at Qwen3-30B M = 1024 were slower, the programs too few
