@@ -271,6 +271,54 @@ def test_per_token_requantization_tiles_equal_the_reference(monkeypatch, chunked
                                                                                        nan=-1.0)), "scales differ"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="these kernels run on an SM90 GPU (none here)")
+@pytest.mark.parametrize("regime, tile, cols, warps", [
+    ("decode", 4096, 1024, 4), ("decode", 4096, 2048, 4), ("decode", 4096, 4096, 4),
+    ("prefill", 4096, 1024, 4), ("prefill", 8192, 2048, 8), ("prefill", 16384, 1024, 16)],
+    ids=["decode-1024", "decode-2048", "decode-4096", "prefill-4096x1024", "prefill-8192x2048", "prefill-16384x1024"])
+def test_per_tensor_requantization_tiles_equal_the_reference(monkeypatch, regime, tile, cols, warps):
+    """The dynamic per-tensor requantization between the GEMMs (the amax pass, then the quantization pass, as
+    ``run_experts`` launches them without GEMM1's amax slots) in each tiling ``host.QUANT_TENSOR_*`` allows, over the
+    routes (decode: a route a program, ``QUANT_TENSOR_ROUTE_COLS`` columns) and over a prefill layout's rows
+    (``QUANT_TENSOR_TILE`` elements of ``QUANT_TENSOR_COLS`` columns on ``QUANT_TENSOR_WARPS`` warps), at Mixtral
+    TP2's I = 7168 (chunks masked at the row's end): every routed row's codes and the scale, bit for bit, against
+    the reference's ``scaled_fp8_quant`` (dynamic per-tensor) of the routed rows on the CPU; padding rows count in
+    neither amax."""
+    from backends.triton import kernels as K_, quant as T_quant
+    from backends.triton.align import align_routes
+    from backends.triton.experts import layout_rows
+    from reference import quant as rq
+
+    monkeypatch.setattr(T_quant, "QUANT_TENSOR_TILE", tile)
+    monkeypatch.setattr(T_quant, "QUANT_TENSOR_COLS", cols)
+    monkeypatch.setattr(T_quant, "QUANT_TENSOR_ROUTE_COLS", cols)
+    monkeypatch.setattr(T_quant, "QUANT_TENSOR_WARPS", warps)
+    g = torch.Generator().manual_seed(13)
+    M, bs = (64, 64) if regime == "decode" else (2048, 128)
+    topk, E, NC = 2, 8, 7168
+    ids = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(M)]).to(torch.int32).cuda()
+    numel = M * topk
+    rows = layout_rows(numel, E, bs)
+    lay = align_routes(ids, bs, E, None, E, rows)
+    x = (torch.randn(rows, NC, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
+    sid = lay.sorted_token_ids.cpu()[:rows].long()
+    routed = (sid < numel) & (torch.arange(rows) < int(lay.num_tokens_post_padded.item()))
+    x[~routed] = 1000.0  # a padding row counted in the amax would move the scale
+    y = torch.zeros(rows, NC, dtype=torch.uint8, device="cuda")
+    ys = torch.zeros(rows, 1, dtype=torch.float32, device="cuda")
+    stat = torch.zeros(2, dtype=torch.float32, device="cuda")
+    kw = dict(x=x.cuda(), y=y, stat=stat, sorted_ids=lay.sorted_token_ids, expert_ids=lay.expert_ids,
+              ntpp=lay.num_tokens_post_padded, rows=rows, nc=NC, num_valid=numel, block_m=bs, act=0, split=0,
+              act_dtype=torch.bfloat16, local_ids=lay.local_ids, inv_permuted_idx=lay.inv_permuted_idx)
+    T_quant.launch_act_quant(qmode=K_.QMODE_FP8_TENSOR_AMAX, **kw)
+    T_quant.launch_act_quant(qmode=K_.QMODE_FP8_TENSOR_QUANT, ys=ys, **kw)
+    q, s = rq.scaled_fp8_quant(x[routed])
+    got = y.cpu()[routed]
+    assert torch.equal(got, q.view(torch.uint8)), f"{int((got != q.view(torch.uint8)).sum())} codes differ"
+    assert torch.equal(ys.cpu()[routed].view(torch.int32), s.float().expand(int(routed.sum()), 1).contiguous().view(
+        torch.int32)), f"scales differ: {ys.cpu()[routed][:2].flatten().tolist()} against {s.item()}"
+
+
 if importlib.util.find_spec("triton") is not None:  # (the kernel is defined at import: names resolve globally)
     import triton
     import triton.language as tl
