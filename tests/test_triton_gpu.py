@@ -227,6 +227,24 @@ def test_n_halves_equal_the_other_promoted_forms(scheme, sched, half_tail, other
         f"{(a.float() - b.float()).abs().max().item():.3g}")
 
 
+def _requant_inputs(seed: int, M: int, topk: int, E: int, bs: int, NC: int):
+    """A route layout of ``M`` tokens' random top-``topk`` of ``E`` experts (block ``bs``, on the GPU) and GEMM1-like
+    bf16 rows over it (CPU, rows of varied magnitude): ``(layout, rows, routes, x, routed)``, ``routed`` the rows that
+    hold a route below ``num_tokens_post_padded``."""
+    from backends.triton.align import align_routes
+    from backends.triton.experts import layout_rows
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(M)]).to(torch.int32).cuda()
+    numel = M * topk
+    rows = layout_rows(numel, E, bs)
+    lay = align_routes(ids, bs, E, None, E, rows)
+    x = (torch.randn(rows, NC, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
+    sid = lay.sorted_token_ids.cpu()[:rows].long()
+    routed = (sid < numel) & (torch.arange(rows) < int(lay.num_tokens_post_padded.item()))
+    return lay, rows, numel, x, routed
+
+
 @pytest.mark.parametrize("chunked, tail", [(0, 1), (1, 0), (1, 1)], ids=["rows", "chunks-padded", "chunks-tail"])
 @pytest.mark.parametrize("qmode_name", ["QMODE_FP8_TOKEN", "QMODE_INT8_TOKEN"])
 def test_per_token_requantization_tiles_equal_the_reference(monkeypatch, chunked, tail, qmode_name):
@@ -237,22 +255,13 @@ def test_per_token_requantization_tiles_equal_the_reference(monkeypatch, chunked
     poisoning only themselves. The hardware reductions
     and layouts differ from the interpreter's; this is their check."""
     from backends.triton import kernels as K_, quant as T_quant
-    from backends.triton.align import align_routes
-    from backends.triton.experts import layout_rows
     from reference import quant as rq
 
     monkeypatch.setattr(T_quant, "QUANT_ROW_CHUNKED", chunked)
     monkeypatch.setattr(T_quant, "QUANT_ROW_TAIL", bool(tail))
     qmode = getattr(K_, qmode_name)
-    g = torch.Generator().manual_seed(11)
     M, topk, E, bs, NC = 2048, 8, 128, 64, 768  # prefill: fewer padding rows than routes (no ROUTES)
-    ids = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(M)]).to(torch.int32).cuda()
-    numel = M * topk
-    rows = layout_rows(numel, E, bs)
-    lay = align_routes(ids, bs, E, None, E, rows)
-    x = (torch.randn(rows, NC, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
-    sid = lay.sorted_token_ids.cpu()[:rows].long()
-    routed = (sid < numel) & (torch.arange(rows) < int(lay.num_tokens_post_padded.item()))
+    lay, rows, numel, x, routed = _requant_inputs(11, M, topk, E, bs, NC)
     if qmode == K_.QMODE_FP8_TOKEN:  # in the first chunk and in the tail
         x[int(routed.nonzero()[10]), 100] = float("nan")
         x[int(routed.nonzero()[20]), 700] = float("inf")
@@ -285,24 +294,15 @@ def test_per_tensor_requantization_tiles_equal_the_reference(monkeypatch, regime
     the reference's ``scaled_fp8_quant`` (dynamic per-tensor) of the routed rows on the CPU; padding rows count in
     neither amax."""
     from backends.triton import kernels as K_, quant as T_quant
-    from backends.triton.align import align_routes
-    from backends.triton.experts import layout_rows
     from reference import quant as rq
 
     monkeypatch.setattr(T_quant, "QUANT_TENSOR_TILE", tile)
     monkeypatch.setattr(T_quant, "QUANT_TENSOR_COLS", cols)
     monkeypatch.setattr(T_quant, "QUANT_TENSOR_ROUTE_COLS", cols)
     monkeypatch.setattr(T_quant, "QUANT_TENSOR_WARPS", warps)
-    g = torch.Generator().manual_seed(13)
     M, bs = (64, 64) if regime == "decode" else (2048, 128)
-    topk, E, NC = 2, 8, 7168
-    ids = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(M)]).to(torch.int32).cuda()
-    numel = M * topk
-    rows = layout_rows(numel, E, bs)
-    lay = align_routes(ids, bs, E, None, E, rows)
-    x = (torch.randn(rows, NC, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
-    sid = lay.sorted_token_ids.cpu()[:rows].long()
-    routed = (sid < numel) & (torch.arange(rows) < int(lay.num_tokens_post_padded.item()))
+    lay, rows, numel, x, routed = _requant_inputs(13, M, 2, 8, bs, 7168)
+    NC = x.shape[1]
     x[~routed] = 1000.0  # a padding row counted in the amax would move the scale
     y = torch.zeros(rows, NC, dtype=torch.uint8, device="cuda")
     ys = torch.zeros(rows, 1, dtype=torch.float32, device="cuda")
