@@ -74,6 +74,30 @@ def test_half_tail_needs_tiles_of_32_rows():
     assert C.sanitize_config({"gemm1": g, "gemm2": g})["gemm1"]["HALF_TAIL"] == 0
 
 
+def test_gather_a_is_a_gluon_ws_gemm1_key():
+    """``GATHER_A`` (gluon_ws's producer gathering GEMM1's rows by route) replaces ``PERMUTE_A``: both at once, on a
+    GEMM1 without ``PINGPONG`` / ``COOPERATIVE`` (no producer to gather) or on GEMM2 (contiguous rows already) is a
+    config error, and gluon_ws covers a gathered GEMM1 only under it."""
+    from backends.triton import gluon_ws
+    from tools.triton.common import shapes
+
+    g = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, num_stages=4, PINGPONG=1)
+    assert C.sanitize_config({"gemm1": dict(g, GATHER_A=1), "gemm2": g})["gemm1"]["GATHER_A"] == 1
+    for bad, where in ((dict(g, GATHER_A=1, PERMUTE_A=1), "gemm1"), (dict(g, GATHER_A=1, PINGPONG=0), "gemm1"),
+                       (dict(g, GATHER_A=1), "gemm2")):
+        cfg = {"gemm1": g, "gemm2": g, where: bad}
+        with pytest.raises(ValueError, match="GATHER_A"):
+            C.sanitize_config(cfg)
+    bf16 = next(s for s in shapes() if s.name == "qwen3_30b_bf16")
+    fp8 = next(s for s in shapes() if s.name == "dsv3_ep8_fp8blk")
+    pp = dict(g, num_warps=4, BLOCK_SIZE_M=128, BLOCK_SIZE_N=64)
+    gathered = dict(_ws_args("gemm1", pp, bf16), a_gather=True)
+    assert "contiguous" in _supported(gluon_ws, gathered)
+    assert _supported(gluon_ws, dict(gathered, cfg=dict(pp, GATHER_A=1))) is None
+    coop8 = dict(pp, PINGPONG=0, COOPERATIVE=1, BLOCK_SIZE_K=128, num_stages=5, FUSE_QUANT=0, GATHER_A=1)
+    assert _supported(gluon_ws, dict(_ws_args("gemm1", coop8, fp8), a_gather=True)) is None  # block scales by token
+
+
 def test_ntiles_tuner_variants():
     """The tuner's ntiles family: decode GEMM2s with 2 / 3 / 4 N tiles per program, with and without FLATTEN, at the
     entry's BLOCK_SIZE_N and 64; nothing for prefill (BLOCK_SIZE_M > 32) or Gluon GEMM2s."""

@@ -227,6 +227,128 @@ def test_n_halves_equal_the_other_promoted_forms(scheme, sched, half_tail, other
         f"{(a.float() - b.float()).abs().max().item():.3g}")
 
 
+_GATHER_CASES = {  # GEMM1 entries of the tables' prefill forms on gluon_ws (GEMM2 the matching gluon_ws tile)
+    "bf16-pingpong": ("bf16", dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, PINGPONG=1)),
+    "bf16-coop-tail": ("bf16", dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, COOPERATIVE=1, HALF_TAIL=1)),
+    "fp8_tensor-halves": ("fp8_tensor", dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, COOPERATIVE=1,
+                                             N_HALVES=1, AMAX_EPILOGUE=3, FUSE_QUANT=0)),
+    "fp8_tensor-halves-tail": ("fp8_tensor", dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128,
+                                                  COOPERATIVE=1, N_HALVES=1, AMAX_EPILOGUE=3, FUSE_QUANT=0,
+                                                  HALF_TAIL=1)),
+    # per-token and block scales: read by each row's token in the consumers
+    "fp8_channel_token-halves-pingpong": ("fp8_channel_token", dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128,
+                                                                    BLOCK_SIZE_K=128, PINGPONG=1, N_HALVES=1,
+                                                                    FUSE_QUANT=0)),
+    "fp8_block128-halves-tail": ("fp8_block128", dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128,
+                                                      COOPERATIVE=1, N_HALVES=1, HALF_TAIL=1, FUSE_QUANT=0)),
+    "fp8_block128-coop": ("fp8_block128", dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, COOPERATIVE=1,
+                                               FUSE_QUANT=0)),
+}
+
+
+def _gather_cfgs(g1: dict) -> tuple[dict, dict]:
+    """``(PERMUTE_A, GATHER_A)`` configs of one GEMM1 form (4 stages; GEMM2 on the same schedule)."""
+    from backends.triton import configs as C
+
+    sched = "PINGPONG" if g1.get("PINGPONG") else "COOPERATIVE"
+    g2 = dict(BLOCK_SIZE_M=g1["BLOCK_SIZE_M"], BLOCK_SIZE_N=128, BLOCK_SIZE_K=g1["BLOCK_SIZE_K"], num_stages=4,
+              num_warps=4, USE_TMA=1, **{sched: 1})
+    base = dict(g1, num_stages=4, num_warps=4, USE_TMA=1, GROUP_SIZE_M=8)
+    return tuple(C.sanitize_config({"gemm1": dict(base, **extra), "gemm2": g2})
+                 for extra in (dict(PERMUTE_A=1), dict(GATHER_A=1)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="gluon_ws is sm_90 only (strict kernels raise elsewhere)")
+@pytest.mark.parametrize("case", list(_GATHER_CASES))
+@pytest.mark.parametrize("local", [None, 6], ids=["all-experts", "expert-map"])
+def test_gather_a_equals_permute_a(case, local):
+    """``GATHER_A`` (gluon_ws's producer warpgroup gathering GEMM1's rows by route with asynchronous copies) against
+    ``PERMUTE_A`` (the rows copied into sorted order first, loaded by TMA): the same A tiles reach the same MMAs, so
+    the layer's outputs are bitwise equal; per-tensor FP8 with GEMM1's amax slots (a padding row gathered as
+    anything but zeros would move the requantization's scale), per-token and block scales (read by token, not by
+    sorted row: a row given another's scale changes its output), ping-pong and cooperative, half-height tails, an
+    expert map (routes of non-local experts are padding-like: never gathered), strict kernels (a fallback to
+    ``fused_moe_kernel`` raises). Three calls each (the copies' arrivals on the stage barriers are a race if
+    miscounted)."""
+    from backends.triton.experts import fused_experts, strict_kernels
+    from reference.routing import fused_topk
+    from reference.schemes import quantize_weights
+
+    scheme, g1 = _GATHER_CASES[case]
+    g = torch.Generator().manual_seed(17)
+    E, K, I, topk, M = 8, 1024, 512, 2, 1000
+    n = local or E
+    w1 = (torch.randn(n, 2 * I, K, generator=g) * K ** -0.5).bfloat16().cuda()
+    w2 = (torch.randn(n, K, I, generator=g) * I ** -0.5).bfloat16().cuda()
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w, ids = fused_topk(None, torch.randn(M, E, generator=g), topk, True)[:2]
+    emap = None
+    if local is not None:
+        emap = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+        emap[:local] = torch.arange(local, dtype=torch.int32)
+    if scheme == "bf16":
+        from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG as qc
+        q1, q2 = w1, w2
+    else:
+        q1, q2, qc = quantize_weights(scheme, w1, w2)
+    permute, gather = _gather_cfgs(g1)
+    args = (x, q1, q2, w.cuda(), ids.cuda())
+    with strict_kernels():
+        want = fused_experts(*args, quant_config=qc, config=permute, expert_map=emap, global_num_experts=E)
+        for call in range(3):
+            got = fused_experts(*args, quant_config=qc, config=gather, expert_map=emap, global_num_experts=E)
+            assert got.isfinite().all(), f"call {call}: non-finite output from finite inputs"
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+                f"call {call}: GATHER_A differs from PERMUTE_A at {(got != want).sum().item()} of {got.numel()} "
+                f"elements, max |diff| {(got.float() - want.float()).abs().max().item():.3g}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="gluon_ws is sm_90 only")
+@pytest.mark.parametrize("case", ["bf16-pingpong", "bf16-coop-tail"])
+def test_gather_a_zero_fills_the_padding_rows(case):
+    """GEMM1 alone (``run_experts(stages="gemm1")``) into a workspace poisoned with NaN bytes: with ``GATHER_A`` every
+    row of the layout below ``num_tokens_post_padded`` is written, the routed rows equal ``PERMUTE_A``'s bit for bit
+    and the padding rows are exactly zero (SiLU-and-mul of zero rows; a stage's padding rows not zero-filled would
+    hold an earlier tile's rows and store their products)."""
+    from backends.triton import experts as tx
+    from reference.activation import MoEActivation
+    from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG as qc
+    from reference.routing import fused_topk
+
+    _, g1 = _GATHER_CASES[case]
+    g = torch.Generator().manual_seed(23)
+    E, K, I, topk, M = 8, 1024, 512, 2, 1000
+    w1 = (torch.randn(E, 2 * I, K, generator=g) * K ** -0.5).bfloat16().cuda()
+    w2 = (torch.randn(E, K, I, generator=g) * I ** -0.5).bfloat16().cuda()
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w, ids = fused_topk(None, torch.randn(M, E, generator=g), topk, True)[:2]
+    w, ids = w.cuda(), ids.cuda().to(torch.int32)
+    c2 = {}
+    for name, cfg in zip(("permute", "gather"), _gather_cfgs(g1)):
+        lay = tx.route_layout(ids, cfg, E)
+        rows = tx.layout_rows(M * topk, E, tx.layout_block(cfg))
+        ws13 = torch.full((rows * I * 2 + (1 << 16),), 0xFF, dtype=torch.uint8, device="cuda")
+        ws2 = torch.full((rows * 2 * I * 2 + (1 << 16),), 0xFF, dtype=torch.uint8, device="cuda")
+        with tx.strict_kernels():
+            tx.run_experts(out=torch.empty(M, K, dtype=torch.bfloat16, device="cuda"), a1q=x, a1q_scale=None,
+                           w1=w1, w2=w2, topk_weights=w, topk_ids=ids, activation=MoEActivation.SILU,
+                           expert_map=None, num_ids=E, qc=qc, plan=tx.plan_quant(qc), cfg=cfg, ws13=ws13, ws2=ws2,
+                           layout=lay, stages="gemm1")
+        ntpp = int(lay.num_tokens_post_padded[0])
+        sorted_ids = lay.sorted_token_ids[:ntpp].long()
+        c2[name] = (ws13[:rows * I * 2].view(torch.bfloat16).view(rows, I)[:ntpp].clone(), sorted_ids)
+    (a, ids_a), (b, ids_b) = c2["permute"], c2["gather"]
+    assert torch.equal(ids_a, ids_b), "the two configs' layouts differ (the test compares rows by position)"
+    pad = ids_b >= M * topk
+    assert pad.any(), "no padding rows in the layout: the test checks nothing"
+    assert not b.isnan().any(), f"{int(b.isnan().any(1).sum())} rows below num_tokens_post_padded left unwritten"
+    assert (b[pad] == 0).all(), f"{int((b[pad] != 0).any(1).sum())} padding rows not zero (stale stage rows)"
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
+        f"GATHER_A's GEMM1 output differs from PERMUTE_A's at {int((a != b).sum())} elements")
+
+
 def _requant_inputs(seed: int, M: int, topk: int, E: int, bs: int, NC: int):
     """A route layout of ``M`` tokens' random top-``topk`` of ``E`` experts (block ``bs``, on the GPU) and GEMM1-like
     bf16 rows over it (CPU, rows of varied magnitude): ``(layout, rows, routes, x, routed)``, ``routed`` the rows that

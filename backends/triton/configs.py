@@ -21,7 +21,10 @@ then overlap this tile's epilogue: short-K GEMMs whose programs are otherwise a 
 rows as one ``2 * BLOCK_SIZE_N``-wide weight tile (one MMA chain, split in the epilogue) instead of two chains (always
 for an FP8 per-tensor / per-channel GEMM1 promoted every few K tiles, see ``PROMOTE_K``). ``PERMUTE_A``
 (optional, default 0) copies GEMM1's input rows into the layout's sorted order first, so that GEMM1 reads
-contiguous row tiles (through TMA when ``USE_TMA``) instead of gathering them. ``HALF_TAIL`` (optional, default 0;
+contiguous row tiles (through TMA when ``USE_TMA``) instead of gathering them; ``GATHER_A`` (optional, default 0;
+GEMM1 on ``gluon_ws`` without ``PERMUTE_A``) has the warp-specialized kernel's producer, a warpgroup, gather the
+rows by route itself (asynchronous copies into the TMA-swizzled stages; per-token and block scales read by token in
+the consumers), so that no sorted copy is written and read. ``HALF_TAIL`` (optional, default 0;
 ``BLOCK_SIZE_M >= 32``) pads each expert's routes to ``BLOCK_SIZE_M / 2`` rows instead of ``BLOCK_SIZE_M`` and runs
 both GEMMs over a tile list: ``BLOCK_SIZE_M``-row tiles plus, where an expert's segment has an odd number of
 half blocks, one ``BLOCK_SIZE_M / 2``-row tail tile in the same launch. ``GLUON`` (optional, default 0) runs
@@ -105,7 +108,8 @@ GEMM2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "n
 # (PROMOTE_K's default and its largest allowed value; DeepGEMM / CUTLASS use 128)
 DEFAULT_PROMOTE_K = 256
 MAX_PROMOTE_K = 256
-GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL", "JOINT_GATE_UP", "AMAX_EPILOGUE")
+GEMM1_KEYS = GEMM2_KEYS + ("FUSE_ACT", "FUSE_QUANT", "PERMUTE_A", "HALF_TAIL", "JOINT_GATE_UP", "AMAX_EPILOGUE",
+                           "GATHER_A")
 
 
 def device_name() -> str:
@@ -228,6 +232,12 @@ def sanitize_config(cfg: dict, *, block_shape=None) -> dict:
         raise ValueError(f"AMAX_EPILOGUE={out['gemm1']['AMAX_EPILOGUE']!r} must be 0 (act_quant's amax pass), 1 "
                          "(GEMM1's epilogue, atomics), 2 (slots, GEMM2 quantizes on load) or 3 (slots, reduced by "
                          "the requantization kernel)")
+    if "GATHER_A" in out["gemm2"]:
+        raise ValueError("GATHER_A is a gemm1 key (GEMM1's producer gathers the hidden states' rows by route)")
+    g1 = out["gemm1"]
+    if g1.get("GATHER_A", 0) and (g1["PERMUTE_A"] or not (g1.get("PINGPONG", 0) or g1.get("COOPERATIVE", 0))):
+        raise ValueError("GATHER_A gathers GEMM1's rows in gluon_ws's producer: it needs PINGPONG or COOPERATIVE and "
+                         "no PERMUTE_A (which copies the rows into sorted order instead)")
     if out["gemm1"]["HALF_TAIL"] and out["gemm1"]["BLOCK_SIZE_M"] < 32:
         raise ValueError(f"HALF_TAIL needs BLOCK_SIZE_M >= 32 (tail tiles of BLOCK_SIZE_M / 2 >= 16 rows), got "
                          f"{out['gemm1']['BLOCK_SIZE_M']}")

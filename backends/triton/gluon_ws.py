@@ -1,5 +1,5 @@
-"""Warp-specialized, persistent grouped expert GEMM for sm_90 in Gluon: one TMA producer warp feeds two MMA consumer
-warpgroups, in CUTLASS's two schedules.
+"""Warp-specialized, persistent grouped expert GEMM for sm_90 in Gluon: one TMA producer warp (``GATHER_A``: a
+warpgroup that also gathers GEMM1's rows by route) feeds two MMA consumer warpgroups, in CUTLASS's two schedules.
 
 Why: ``fused_moe_kernel`` (and the block-FP8 Gluon kernel of ``gluon_sm90``) run the loads, the MMAs and the epilogue
 of a tile in the same warps, so the first loads of a tile and its epilogue (rounding, activation, row-scattered
@@ -44,6 +44,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -58,6 +59,11 @@ __all__ = ["ws_moe_gemm_kernel", "supported", "launch"]
 
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup per consumer
 PRODUCER_REGS = gl.constexpr(24)  # the producer only issues TMA: the fewest registers setmaxnreg allows
+# GATHER_A: the producer is a warpgroup that gathers A's rows by route (cp.async, 16 bytes a thread and copy) and
+# issues W's TMA; its registers come out of the consumers' (the default consumer is given what the workers leave:
+# 128 x (256 + 232 + 24) = 128 x (232 + 232 + 48) = 64K)
+GATHER_WARPS = gl.constexpr(4)
+GATHER_REGS = gl.constexpr(48)
 CONSUMER_REGS = gl.constexpr(232)  # the worker consumer's share of the SM's 64K registers (the default gets 256)
 # launch-time registers per thread: 12 warps (two consumer warpgroups, the producer's warp rounded up to a warpgroup)
 # must fit the SM's 64K; the partitions then move them to the consumers (setmaxnreg)
@@ -74,6 +80,7 @@ def ws_moe_gemm_kernel(
     HALF_TAIL: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr,
     COOP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, A_EPI: gl.constexpr = 0,
     B_EPI: gl.constexpr = 0, amax_ptr=None, AMAX: gl.constexpr = False, N_HALVES: gl.constexpr = False,
+    a_ptr=None, stride_am=0, TOP_K: gl.constexpr = 1, GATHER_A: gl.constexpr = False,
 ):
     """``C[rows, n] = epilogue(sum_k A[rows, k] W[e, n, k] (x scales))`` over the route layout's tiles (one expert
     each).
@@ -97,9 +104,14 @@ def ws_moe_gemm_kernel(
     ``amax_ptr`` (``[amax...][flags...]`` over the ``2 P`` slots: the largest finite |value|, or 0 and the flag 1.0
     when one was NaN / inf; every slot written, no zeros before the launch); ``act_quant_kernel``'s ``SLOTS`` pass
     reduces them. ``N_HALVES`` (FP8 with promotion; see :func:`_tile_halves`): 0, or the K tiles per promotion of
-    the halves schedule, whose consumers compute their MMA columns as two halves through one register set. Padding
-    rows count too: GEMM1 runs here only on ``PERMUTE_A``'s rows, whose padding rows are
-    zeros, without bias and with SiLU-and-mul, so they store zeros."""
+    the halves schedule, whose consumers compute their MMA columns as two halves through one register set.
+    ``GATHER_A`` (GEMM1 without ``PERMUTE_A``): A is ``a_ptr`` ``(M, K)`` (row stride ``stride_am``), the hidden
+    states in token order, and the producer warpgroup gathers a tile's rows by route (sorted row ``r`` holds route
+    ``sorted_token_ids[r]``, token ``route // TOP_K``; padding rows zero-filled) with asynchronous copies into the
+    same swizzled stages TMA fills (``a_desc`` then only names their layout); per-token / block scales ``a_scale``
+    are then in token order too, read by each row's token. Padding rows count too: GEMM1 runs
+    here only on zero padding rows (``PERMUTE_A``'s copy, or the gather's zero fill), without bias and with
+    SiLU-and-mul, so they store zeros."""
     BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN_MMA, BLOCK_K], b_desc.layout)
@@ -107,7 +119,9 @@ def ws_moe_gemm_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        # GATHER_A: W's expected bytes (one arrival) and each producer thread's copies (an arrival each, once they
+        # have landed: cp.async.mbarrier.arrive.noinc)
+        mbarrier.init(ready.index(i), count=1 + GATHER_WARPS * 32 if GATHER_A else 1)
         mbarrier.init(empty.index(i), count=2 if COOP else 1)  # cooperative: both consumers release each stage
     for i in gl.static_range(2):
         mbarrier.init(order.index(i), count=1)
@@ -118,16 +132,16 @@ def ws_moe_gemm_kernel(
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
                      GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 0, A_EPI, B_EPI, amax_ptr, AMAX,
-                     N_HALVES)),
+                     N_HALVES, TOP_K if GATHER_A else 0)),
         (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
                      GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 1, A_EPI, B_EPI, amax_ptr, AMAX,
-                     N_HALVES)),
+                     N_HALVES, TOP_K if GATHER_A else 0)),
         (_producer, (a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
                      N, K, NW, UP_OFF, a_smem, b_smem, ready, empty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HALF_TAIL,
-                     GATED, STAGES)),
-    ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                     GATED, STAGES, a_ptr, stride_am, sorted_token_ids_ptr, num_valid_tokens, TOP_K, GATHER_A)),
+    ], [CONSUMER_WARPS, GATHER_WARPS if GATHER_A else 1], [CONSUMER_REGS, GATHER_REGS if GATHER_A else PRODUCER_REGS])
 
 
 # ---- the tile schedule (every partition walks it alike) ----------------------------------------------------------
@@ -184,25 +198,47 @@ def _next(tile, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_
 def _producer(a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr, N, K,
               NW, UP_OFF, a_smem, b_smem, ready, empty, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr, GATED: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, a_ptr, stride_am, sorted_token_ids_ptr, num_valid_tokens, TOP_K: gl.constexpr,
+              GATHER_A: gl.constexpr):
     """The TMA warp: the program's tiles' K tiles, in order, into the ring: load ``j`` into stage ``j % STAGES``
     once its previous occupant, load ``j - STAGES``, has been released (a tail tile loads ``BLOCK_M / 2`` rows of A
-    into the stage's first half)."""
+    into the stage's first half). ``GATHER_A``: a warpgroup; each thread copies its 16-byte pieces of the tile's A
+    rows from their tokens' rows (the route ids loaded once a tile; the rows past a tail's half and padding rows
+    zero-filled) and arrives on the stage once they have landed; W by TMA as without."""
     num_pid_m, num_pid_n, num_tiles, nk, nprog, tile = _schedule(
         expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         HALF_TAIL)
     B_BYTES: gl.constexpr = 2 * b_desc.block_type.nbytes if GATED else b_desc.block_type.nbytes
+    if GATHER_A:
+        g_layout: gl.constexpr = _gather_layout(BLOCK_M, BLOCK_K, a_desc.dtype.primitive_bitwidth)
+        g_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, g_layout))
+        g_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, g_layout))
     j = 0
     while tile < num_tiles:
         row0, n0, e, full = _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
                                      GROUP_M, HALF_TAIL)
         b_row0 = e * NW + n0
+        if GATHER_A:
+            if HALF_TAIL:
+                in_tile = g_rows < gl.where(full, BLOCK_M, BLOCK_M // 2)
+            else:
+                in_tile = g_rows < BLOCK_M
+            route = gl.load(sorted_token_ids_ptr + row0 + g_rows, mask=in_tile, other=num_valid_tokens)
+            valid = route < num_valid_tokens
+            a_rows = a_ptr + gl.where(valid, route // TOP_K, 0).to(gl.int64) * stride_am
+            a_ptrs = a_rows[:, None] + g_cols[None, :]
+            a_mask = valid[:, None] & (g_cols < BLOCK_K)[None, :]
         for k in range(nk):
             s = j % STAGES
             # the ring's first pass waits on the phase before the first (complete from the start)
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            if HALF_TAIL:
+            if GATHER_A:
+                async_copy.async_copy_global_to_shared(a_smem.index(s), a_ptrs + k * BLOCK_K, mask=a_mask,
+                                                       cache_modifier=".cg")
+                async_copy.mbarrier_arrive(bar, increment_count=False)
+                mbarrier.expect(bar, B_BYTES)
+            elif HALF_TAIL:
                 mbarrier.expect(bar, a_desc.block_type.nbytes + B_BYTES, pred=full)
                 mbarrier.expect(bar, a_desc_h.block_type.nbytes + B_BYTES, pred=not full)
                 tma_load(a_desc, [row0, k * BLOCK_K], bar, a_smem.index(s), pred=full)
@@ -231,7 +267,7 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr,
               C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, COOP: gl.constexpr,
               STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, amax_ptr,
-              AMAX: gl.constexpr, N_HALVES: gl.constexpr):
+              AMAX: gl.constexpr, N_HALVES: gl.constexpr, A_TOP_K: gl.constexpr):
     """Consumer ``C`` (0 or 1). Ping-pong: the program's tiles ``i`` with ``i % 2 == C``, the mainloop of tile ``i``
     after the other consumer's of tile ``i - 1`` (its ``(i - 1) // 2``-th arrival on ``order[1 - C]``).
     Cooperative: rows ``[C BLOCK_M / 2, (C + 1) BLOCK_M / 2)`` of every tile. ``AMAX``: its amax slot at the end."""
@@ -260,7 +296,7 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                                stride_ask, stride_bse, stride_bsn, stride_bsk, C * (BLOCK_M // 2), BLOCK_M // 2,
                                BLOCK_M, BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C, A_EPI, B_EPI, AMAX,
-                               N_HALVES)
+                               N_HALVES, A_TOP_K)
                 if AMAX:
                     amax = gl.maximum(amax, t_amax)
         elif i % 2 == C:
@@ -272,14 +308,15 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
                 h_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                                stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M // 2, BLOCK_M, BLOCK_N,
-                               C_SORTED, GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES)
+                               C_SORTED, GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES,
+                               A_TOP_K)
                 if AMAX:  # half the running rows: folded as one value (a reduction across warps, tails only)
                     amax = gl.maximum(amax, gl.max(h_amax, axis=0))
             else:
                 t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                                stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M, BLOCK_M, BLOCK_N, C_SORTED,
-                               GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES)
+                               GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES, A_TOP_K)
                 if AMAX:
                     amax = gl.maximum(amax, t_amax)
         tile = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
@@ -310,25 +347,28 @@ def _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_s
           ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, ORDERED: gl.constexpr,
           STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, AMAX: gl.constexpr,
-          N_HALVES: gl.constexpr):
+          N_HALVES: gl.constexpr, A_TOP_K: gl.constexpr):
     """This consumer's ``ROWS x BLOCK_N`` output rows ``[row0 + ROW_OFF, + ROWS)`` of a tile: mainloop, epilogue;
-    returns with ``AMAX`` the largest |value| stored in each of its ``ROWS`` rows (see :func:`_epilogue`), else 0."""
+    returns with ``AMAX`` the largest |value| stored in each of its ``ROWS`` rows (see :func:`_epilogue`), else 0.
+    ``A_TOP_K``: 0, or (``GATHER_A``) the top-k: A's row scales are then read by token (:func:`_scale_rows`)."""
     if N_HALVES:
         return _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                             sorted_token_ids_ptr, row0 + ROW_OFF, n0, e, N, num_valid_tokens, UP_OFF, stride_cm,
                             stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, ROW_OFF, ROWS, BLOCK_M, BLOCK_N,
-                            C_SORTED, GATED, ORDERED, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES)
+                            C_SORTED, GATED, ORDERED, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES, A_TOP_K)
     if SCALED or A_EPI > 0:
         BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
         rows_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(BN_MMA, 32))
-        a_s_ptrs = a_scale_ptr + (row0 + ROW_OFF + gl.arange(0, ROWS, layout=rows_layout)).to(gl.int64) * stride_asm
+        s_rows = _scale_rows(sorted_token_ids_ptr, row0 + ROW_OFF + gl.arange(0, ROWS, layout=rows_layout),
+                             num_valid_tokens, A_TOP_K)
+        a_s_ptrs = a_scale_ptr + s_rows.to(gl.int64) * stride_asm
         b_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + (n0 // GROUP_C) * stride_bsn
         bu_s_ptr = b_scale_ptr + e.to(gl.int64) * stride_bse + ((UP_OFF + n0) // GROUP_C) * stride_bsn
         # A_EPI: the same promotion per K tile with unit factors (the scales do not vary along K)
         acc = _mainloop_scaled(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask,
                                stride_bsk, ROW_OFF, ROWS, BLOCK_M, BLOCK_N, GATED, ORDERED, STAGES, C, A_EPI > 0)
         if A_EPI > 0:
-            acc = _dequantize(acc, a_scale_ptr, b_scale_ptr, row0 + ROW_OFF, n0, e, UP_OFF, stride_asm, stride_bse,
+            acc = _dequantize(acc, a_scale_ptr, b_scale_ptr, s_rows, n0, e, UP_OFF, stride_asm, stride_bse,
                               stride_bsn, ROWS, BLOCK_N, GATED, A_EPI, B_EPI)
     else:
         acc = _mainloop(base, nk, a_smem, b_smem, ready, empty, order, ROW_OFF, ROWS, BLOCK_M, BLOCK_N, GATED, ORDERED,
@@ -345,7 +385,8 @@ def _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_p
                  row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn,
                  stride_bsk, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  C_SORTED: gl.constexpr, GATED: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                 C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, AMAX: gl.constexpr, KP: gl.constexpr):
+                 C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, AMAX: gl.constexpr, KP: gl.constexpr,
+                 A_TOP_K: gl.constexpr):
     """An FP8 promoted tile (block scales, or per-tensor / per-channel ones applied in the epilogue) whose MMA
     columns are two halves of ``HALF`` columns each, ``row0`` being this consumer's first row: half 0 the gate rows and
     half 1 the up rows of the weight stage (``GATED``), else its first and last ``BLOCK_N / 2`` rows. Numerics as
@@ -354,7 +395,8 @@ def _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_p
     over ``PROMOTE_K`` K elements as ``fused_moe_kernel``'s do); the same dequantization and epilogue roundings."""
     HALF: gl.constexpr = BLOCK_N if GATED else BLOCK_N // 2
     acc_layout: gl.constexpr = _acc_layout(HALF, 32)
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    rows = _scale_rows(sorted_token_ids_ptr, row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout)),
+                       num_valid_tokens, A_TOP_K)
     a_s_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_asm
     n1 = UP_OFF + n0 if GATED else n0 + HALF  # half 1's first weight row (within the expert)
     w_s = b_scale_ptr + e.to(gl.int64) * stride_bse
@@ -558,15 +600,27 @@ def _scales(k, a_s_ptrs, b_s_ptr, bu_s_ptr, stride_ask, stride_bsk, is_gate, ROW
 
 
 @gluon.jit
-def _dequantize(acc, a_scale_ptr, b_scale_ptr, row0, n0, e, UP_OFF, stride_asm, stride_bse, stride_bsn,
+def _scale_rows(sorted_token_ids_ptr, rows, num_valid_tokens, A_TOP_K: gl.constexpr):
+    """The rows of A's per-row (per-token, block) scales for sorted rows ``rows``: the rows themselves (A in sorted
+    order, ``PERMUTE_A``'s scales with it), or (``A_TOP_K`` > 0: ``GATHER_A``) each route's token; a padding row
+    reads token 0's scale, which multiplies its zero-filled A (``PERMUTE_A``'s padding rows have zero scales: both
+    give +0 wherever token 0's scale is finite, and the padding rows' outputs are never read as routes)."""
+    if A_TOP_K > 0:
+        route = gl.load(sorted_token_ids_ptr + rows)
+        return gl.where(route < num_valid_tokens, route // A_TOP_K, 0)
+    else:
+        return rows
+
+
+@gluon.jit
+def _dequantize(acc, a_scale_ptr, b_scale_ptr, rows, n0, e, UP_OFF, stride_asm, stride_bse, stride_bsn,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, GATED: gl.constexpr, A_EPI: gl.constexpr,
                 B_EPI: gl.constexpr):
     """FP8 per-tensor / per-channel: the promoted fp32 accumulator times the activation scale, then the weight scale
     (``fused_moe_kernel``'s ``A_SCALE`` / ``B_SCALE`` 1, 2 epilogue order; GATED: the gate rows' scales on the gate
-    columns, the up rows' on the up columns)."""
+    columns, the up rows' on the up columns; ``rows``: the rows of A's per-row scales, :func:`_scale_rows`)."""
     BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     acc_layout: gl.constexpr = _acc_layout(BN_MMA, 32)
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BN_MMA, layout=gl.SliceLayout(0, acc_layout))
     if GATED:
         wrow = gl.where(cols < BLOCK_N, n0 + cols, UP_OFF + n0 + cols - BLOCK_N)
@@ -629,6 +683,16 @@ def _stored_amax(out, AMAX: gl.constexpr):
 
 
 @gluon.constexpr_function
+def _gather_layout(block_m, block_k, bits):
+    """``GATHER_A``'s copy layout over ``[BLOCK_M, BLOCK_K]``: 16 bytes a thread and copy, a row's pieces over
+    consecutive lanes, the producer's warps down the rows."""
+    vec = 128 // bits
+    per_row = block_k // vec
+    return gl.BlockedLayout(size_per_thread=[1, vec], threads_per_warp=[32 // per_row, per_row],
+                            warps_per_cta=[GATHER_WARPS.value, 1], order=[1, 0])
+
+
+@gluon.constexpr_function
 def _out_layout(block_n):
     """The epilogue's store layout: 8 consecutive columns (16 bytes) a thread, a row over ``block_n / 8`` lanes of
     one warp, the warpgroup's 4 warps down the rows."""
@@ -650,6 +714,7 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
     BM, BN, BK = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     coop = bool(cfg.get("COOPERATIVE", 0))
     halves = bool(cfg.get("N_HALVES", 0))
+    gather = bool(cfg.get("GATHER_A", 0))
     block = a_mode == ScaleMode.GROUP
     # FP8 per-tensor / per-channel: promoted, scales in the epilogue
     per_tensor_or_row = (ScaleMode.TENSOR, ScaleMode.ROW)
@@ -684,7 +749,9 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
          "weight scale per MMA and K tile)"),
         (not epi_scales or BK in (64, 128),
          "FP8 per-tensor / per-channel: BLOCK_K 64 or 128 (promoted every K tile; N_HALVES: every PROMOTE_K)"),
-        (not shape.a_gather, "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A)"),
+        (not shape.a_gather or gather,
+         "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A) or gathered by the producer (GATHER_A)"),
+        (not gather or shape.a_gather and shape.c_sorted, "GATHER_A: GEMM1 without PERMUTE_A only"),
         (fuse == Fusion.NONE or (gated and epi.act == ACT_SILU and not epi.has_limit),
          "plain epilogue, or gate / up halves with SiLU (no clamp) only"),
         (bias is None and (not epi.out_quant or epi.out_quant == OUT_AMAX_SLOTS and shape.c_sorted),
@@ -713,7 +780,8 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
     """Launch :func:`ws_moe_gemm_kernel` for one GEMM, one CTA per SM (arguments as ``experts.launch_gemm``'s;
     ``scales.a_mode`` / ``b_mode``: ``GROUP`` block FP8; ``TENSOR`` / ``ROW``: per-tensor / per-row or per-channel,
     applied in the epilogue; ``ops.w_scale`` as ``experts._scale_strides`` returns it, ``w_strides``: its
-    ``(expert, row, K block)`` strides; ``layout.tiles`` set: ``HALF_TAIL``; call :func:`supported` first)."""
+    ``(expert, row, K block)`` strides; ``layout.tiles`` set: ``HALF_TAIL``; ``shape.a_gather``: ``ops.a`` is the
+    hidden states ``(M, K)``, gathered by the producer (``GATHER_A``); call :func:`supported` first)."""
     a, w, c, a_scale, w_scale = ops.a, ops.w, ops.c, ops.a_scale, ops.w_scale
     a_mode, b_mode, layout, n_out = scales.a_mode, scales.b_mode, shape.layout, shape.n_out
     E, NW, K = w.shape
@@ -749,6 +817,7 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
         STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS, A_EPI=int(a_mode) if epi_scales else 0,
         B_EPI=int(b_mode) if epi_scales else 0, amax_ptr=ops.cs if amax else c, AMAX=amax,
         N_HALVES=_halves_k_tiles(cfg, K, epi_scales),
+        a_ptr=a, stride_am=a.stride(0), TOP_K=shape.top_k, GATHER_A=shape.a_gather,
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
         maxnreg=LAUNCH_MAXNREG,
     )

@@ -510,9 +510,9 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             continue
         entry = {k: dict(v) for k, v in table[str(M)].items()}
         g2 = entry["gemm2"]
-        # the reference path: fused_moe_kernel gathering its rows (no Gluon kernel: those need PERMUTE_A)
+        # the reference path: fused_moe_kernel gathering its rows (no Gluon kernel: those need PERMUTE_A or GATHER_A)
         g1 = {k: v for k, v in entry["gemm1"].items()
-              if k not in ("PERMUTE_A", "HALF_TAIL", "PERSISTENT") + GLUON_KEYS}
+              if k not in ("PERMUTE_A", "GATHER_A", "HALF_TAIL", "PERSISTENT") + GLUON_KEYS}
         bm = g1["BLOCK_SIZE_M"]
         R = 4
         xs, routes, a1s = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=77 * M)
