@@ -222,7 +222,8 @@ print(json.dumps(dict(fallback=[k.name for k in log])))
 
 def test_every_warp_specialized_variant_compiles():
     """Every warp-specialized variant the tuner tries (ping-pong and cooperative; bf16, block FP8 and FP8 per-tensor /
-    per-channel; GEMM1 with SiLU-and-mul and GEMM2; 64- and 128-row tiles, HALF_TAIL) compiles for sm_90 to 12 warps without spills, within
+    per-channel; GEMM1 with SiLU-and-mul and GEMM2, over PERMUTE_A's copy or gathering, GATHER_A; 64- and 128-row
+    tiles, HALF_TAIL) compiles for sm_90 to 12 warps without spills, within
     the SM's shared memory, on wgmma, the block-FP8 ones with their promotion overlapped; and an entry the kernel
     does not cover names why under ``strict_kernels`` (as the tuner runs) and falls back to ``fused_moe_kernel``
     otherwise."""
@@ -232,6 +233,9 @@ def test_every_warp_specialized_variant_compiles():
     kernels = [r for r in rows if "variant" in r]
     names = {r["variant"] for r in kernels}
     assert {"ws2-pingpong", "ws12-coop-bm128+half_tail", "ws12-pingpong-bm64", "ws1-coop+ws2-pingpong"} <= names, names
+    # GATHER_A twins of the GEMM1 variants (the producer a warpgroup gathering by route), block FP8 included
+    assert {"ws12-coop-bm128+gather", "ws12-halves-coop-bm128+half_tail+gather"} <= names, names
+    assert any(r["variant"].endswith("+gather") and r["shape"] == "dsv3_ep8_fp8blk" for r in kernels)
     # FP8 per-tensor / per-channel (issue 44): every variant of the FP8 tile list runs on the kernel (strict_kernels
     # raised for none), GEMM1 and GEMM2 both where the variant puts both there
     for shape in ("mixtral_tp2_fp8_tensor", "qwen3_30b_fp8_channel_token"):

@@ -227,7 +227,7 @@ def _producer(a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_p
             valid = route < num_valid_tokens
             a_rows = a_ptr + gl.where(valid, route // TOP_K, 0).to(gl.int64) * stride_am
             a_ptrs = a_rows[:, None] + g_cols[None, :]
-            a_mask = valid[:, None] & (g_cols < BLOCK_K)[None, :]
+            a_mask = valid[:, None] & (g_cols < BLOCK_K)[None, :]  # (all columns: the row mask as a 2-D tile)
         for k in range(nk):
             s = j % STAGES
             # the ring's first pass waits on the phase before the first (complete from the start)
@@ -236,6 +236,8 @@ def _producer(a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_p
             if GATHER_A:
                 async_copy.async_copy_global_to_shared(a_smem.index(s), a_ptrs + k * BLOCK_K, mask=a_mask,
                                                        cache_modifier=".cg")
+                # noinc: each thread's arrival is one of the barrier's 1 + 128 counted at init, so the elected
+                # thread's expect below needs no ordering against the other warps' copies
                 async_copy.mbarrier_arrive(bar, increment_count=False)
                 mbarrier.expect(bar, B_BYTES)
             elif HALF_TAIL:
