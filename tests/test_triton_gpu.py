@@ -258,6 +258,23 @@ def _gather_cfgs(g1: dict) -> tuple[dict, dict]:
                  for extra in (dict(PERMUTE_A=1), dict(GATHER_A=1)))
 
 
+_GATHER_SIZES = dict(E=8, K=1024, I=512, topk=2, M=1000)
+
+
+def _gather_inputs(seed: int, n: int):
+    """Random bf16 ``w1 (n, 2 I, K)``, ``w2 (n, K, I)`` for ``n`` local experts, ``x (M, K)`` and a top-k routing
+    over all ``E`` experts, on the GPU, at ``_GATHER_SIZES``: ``(w1, w2, x, topk_weights, topk_ids)``."""
+    from reference.routing import fused_topk
+
+    E, K, I, topk, M = (_GATHER_SIZES[k] for k in ("E", "K", "I", "topk", "M"))
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(n, 2 * I, K, generator=g) * K ** -0.5).bfloat16().cuda()
+    w2 = (torch.randn(n, K, I, generator=g) * I ** -0.5).bfloat16().cuda()
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w, ids = fused_topk(None, torch.randn(M, E, generator=g), topk, True)[:2]
+    return w1, w2, x, w.cuda(), ids.cuda()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="gluon_ws is sm_90 only (strict kernels raise elsewhere)")
 @pytest.mark.parametrize("case", list(_GATHER_CASES))
@@ -272,17 +289,11 @@ def test_gather_a_equals_permute_a(case, local):
     ``fused_moe_kernel`` raises). Three calls each (the copies' arrivals on the stage barriers are a race if
     miscounted)."""
     from backends.triton.experts import fused_experts, strict_kernels
-    from reference.routing import fused_topk
     from reference.schemes import quantize_weights
 
     scheme, g1 = _GATHER_CASES[case]
-    g = torch.Generator().manual_seed(17)
-    E, K, I, topk, M = 8, 1024, 512, 2, 1000
-    n = local or E
-    w1 = (torch.randn(n, 2 * I, K, generator=g) * K ** -0.5).bfloat16().cuda()
-    w2 = (torch.randn(n, K, I, generator=g) * I ** -0.5).bfloat16().cuda()
-    x = torch.randn(M, K, generator=g).bfloat16().cuda()
-    w, ids = fused_topk(None, torch.randn(M, E, generator=g), topk, True)[:2]
+    E = _GATHER_SIZES["E"]
+    w1, w2, x, w, ids = _gather_inputs(17, local or E)
     emap = None
     if local is not None:
         emap = torch.full((E,), -1, dtype=torch.int32, device="cuda")
@@ -293,7 +304,7 @@ def test_gather_a_equals_permute_a(case, local):
     else:
         q1, q2, qc = quantize_weights(scheme, w1, w2)
     permute, gather = _gather_cfgs(g1)
-    args = (x, q1, q2, w.cuda(), ids.cuda())
+    args = (x, q1, q2, w, ids)
     with strict_kernels():
         want = fused_experts(*args, quant_config=qc, config=permute, expert_map=emap, global_num_experts=E)
         for call in range(3):
@@ -315,16 +326,11 @@ def test_gather_a_zero_fills_the_padding_rows(case):
     from backends.triton import experts as tx
     from reference.activation import MoEActivation
     from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG as qc
-    from reference.routing import fused_topk
 
     _, g1 = _GATHER_CASES[case]
-    g = torch.Generator().manual_seed(23)
-    E, K, I, topk, M = 8, 1024, 512, 2, 1000
-    w1 = (torch.randn(E, 2 * I, K, generator=g) * K ** -0.5).bfloat16().cuda()
-    w2 = (torch.randn(E, K, I, generator=g) * I ** -0.5).bfloat16().cuda()
-    x = torch.randn(M, K, generator=g).bfloat16().cuda()
-    w, ids = fused_topk(None, torch.randn(M, E, generator=g), topk, True)[:2]
-    w, ids = w.cuda(), ids.cuda().to(torch.int32)
+    E, K, I, topk, M = (_GATHER_SIZES[k] for k in ("E", "K", "I", "topk", "M"))
+    w1, w2, x, w, ids = _gather_inputs(23, E)
+    ids = ids.to(torch.int32)
     c2 = {}
     for name, cfg in zip(("permute", "gather"), _gather_cfgs(g1)):
         lay = tx.route_layout(ids, cfg, E)

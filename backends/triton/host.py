@@ -81,8 +81,9 @@ QUANT_FAST_DIV = os.environ.get("MOE_TRITON_FAST_DIV", "1") != "0"
 #: ``tools/diag/requant_tiles.py`` (the codes are the same in every tiling). H200, Mixtral TP2 fp8_tensor (I = 7168),
 #: the kernel alone (twenty-second / twenty-third sessions, three rounds): at M = 64 over the routes 5.52 us with
 #: 1024 columns a program, 4.08 with 2048, 3.26 with 4096, 3.16 with 8192 (a route a program); at M = 1 (two routes)
-#: 2.00 / 2.08 / 2.43 us with 2048 / 4096 / 8192 (fewer programs for the same latency chain); at M = 1024 / 4096 over the rows 22.8 / 64.0 us with the defaults (4096 x 1024 on 4
-#: warps), 23.3 / 65.2 with 8192 x 1024 on 8, 26.0 / 73.7 with 8192 x 2048 on 8, 23.7 / 66.5 with 16384 x 1024 on 16.
+#: 2.00 / 2.08 / 2.43 us with 2048 / 4096 / 8192 (fewer programs for the same latency chain); at M = 1024 / 4096
+#: over the rows 22.8 / 64.0 us with the defaults (4096 x 1024 on 4 warps), 23.3 / 65.2 with 8192 x 1024 on 8,
+#: 26.0 / 73.7 with 8192 x 2048 on 8, 23.7 / 66.5 with 16384 x 1024 on 16.
 QUANT_TENSOR_TILE = int(os.environ.get("MOE_TRITON_QUANT_TENSOR_TILE", "4096"))
 QUANT_TENSOR_COLS = int(os.environ.get("MOE_TRITON_QUANT_TENSOR_COLS", "1024"))
 QUANT_TENSOR_ROUTE_COLS = int(os.environ.get("MOE_TRITON_QUANT_TENSOR_ROUTE_COLS", "4096"))
