@@ -14,6 +14,13 @@ are not kernels, waits) or, where a kernel launched with programmatic dependent 
 ends, the overlap (its device time then includes its wait), then the sum, the overlap and the idle time (graph time -
 (sum - overlap)), and the same rounds' time after a second of rest, each with its SM clock, power and power-cap
 share (``timing.ClockSampler``): an "idle" that the rested rounds do not show is clocks, not gaps.
+``--profile-range`` times nothing: each stage is called eagerly (twice to compile and warm up), then once more between
+``cudaProfilerStart`` and ``cudaProfilerStop``, for an external profiler started with ``--profile-from-start off``
+(Nsight Compute locks the SM clock, so the kernels compare at one clock whatever the power cap does)::
+
+    ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats python -m benchmarks.breakdown \
+        --backend triton --gemms --peer vllm --vllm-src DIR --shapes mixtral_tp2-fp8_tensor --ms 1024 --profile-range
+
 ``--expected-m`` (deep_gemm) times the step once per ``expected_m`` hint of the masked GEMMs (M < 128) instead of
 ``backends.deep_gemm.experts.expected_m_for``.
 ``--gemms`` breaks down the backend's GEMM-stage variants instead (``benchmarks/variants/<name>.py``: what
@@ -107,6 +114,18 @@ def breakdown(call, n: int, dev, replays: int = 3) -> dict:
                 burst_us=burst_us, clocks=timing.clock_summary(m.clocks), rested_clocks=rested)
 
 
+def profile_range(name: str, call, dev) -> None:
+    """``call(0)`` twice (compiles, warms up), then once between ``cudaProfilerStart`` and ``cudaProfilerStop``."""
+    for _ in range(2):
+        call(0)
+    torch.cuda.synchronize(dev)
+    print(f"  profiled: {name}", flush=True)
+    torch.cuda.cudart().cudaProfilerStart()
+    call(0)
+    torch.cuda.synchronize(dev)
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", required=True, help="registered backend name")
@@ -120,7 +139,12 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-src", default=None, metavar="PATH", help="vLLM's source (see python -m benchmarks --help)")
     ap.add_argument("--prepare", choices=("backend", "reference"), default="backend",
                     help="the step's activation quantizers: the backend's own ops (default) or the reference's")
+    ap.add_argument("--profile-range", action="store_true",
+                    help="time nothing: call each stage once between cudaProfilerStart / Stop (for ncu "
+                         "--profile-from-start off)")
     args = ap.parse_args(argv)
+    if args.profile_range and args.expected_m:
+        ap.error("--profile-range calls each stage once for a profiler; it does not combine with --expected-m")
     if args.peer and not args.gemms:
         ap.error("--peer vllm breaks down vLLM's GEMM launches beside the backend's GEMM stage: add --gemms")
     if args.vllm_src and not args.peer:
@@ -177,6 +201,10 @@ def main(argv=None) -> int:
                 print(f"{sid} M={M}: {type(exc).__name__}: {exc}", flush=True)
                 continue
             for name, call, n, dev in steps:
+                if args.profile_range:
+                    print(f"{sid} M={M} {name}:", flush=True)
+                    profile_range(name, call, dev)
+                    continue
                 try:
                     b = breakdown(call, n, dev)
                 except Exception as exc:  # noqa: BLE001

@@ -308,6 +308,7 @@ def test_breakdown_peer_needs_the_gemm_stage(capsys):
     for argv, says in ((["--backend", "triton", "--peer", "vllm"], "add --gemms"),
                        (["--backend", "triton", "--vllm-src", "x"], "add --gemms --peer vllm"),
                        (["--backend", "deep_gemm", "--gemms", "--expected-m", "4"], "does not combine"),
+                       (["--backend", "deep_gemm", "--expected-m", "4", "--profile-range"], "does not combine"),
                        (["--backend", "torch", "--gemms"], "no GEMM-stage variants")):
         with pytest.raises(SystemExit) as exc:
             breakdown.main(argv)
@@ -334,3 +335,25 @@ def test_breakdown_counts_a_pdl_overlap_once(monkeypatch):
     b = breakdown.breakdown(lambda i: None, 1, None)
     assert b["sum_us"] == pytest.approx(105.1) and b["overlap_us"] == pytest.approx(32.5)
     assert b["graph_us"] - (b["sum_us"] - b["overlap_us"]) == pytest.approx(0.2)
+
+
+def test_breakdown_profile_range_brackets_one_warm_call(monkeypatch):
+    """``--profile-range``: the profiler's range holds exactly one call of the stage, after two that compile and warm
+    up, and is closed after the device finished it (a kernel still running at ``cudaProfilerStop`` is not profiled)."""
+    import torch
+
+    from benchmarks import breakdown
+
+    events = []
+
+    class Cudart:
+        def cudaProfilerStart(self):
+            events.append("start")
+
+        def cudaProfilerStop(self):
+            events.append("stop")
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: events.append("sync"))
+    breakdown.profile_range("gemms", lambda i: events.append(f"call {i}"), None)
+    assert events == ["call 0", "call 0", "sync", "start", "call 0", "sync", "stop"]
