@@ -25,6 +25,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -34,6 +35,9 @@ from .jit import ACT_SILU  # the one activation the GATED epilogue implements
 #: TMA tile load: ``tma.async_load`` from Triton 3.7 on (3.9 removed the old name), ``async_copy_global_to_shared``
 #: in the image's 3.6; the same operation
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+#: cp.async tile copy (``GATHER_A``'s row gather): renamed the same way, ``async_copy.async_load`` in 3.9 (whose old
+#: name raises), ``async_copy_global_to_shared`` in 3.6
+cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 __all__ = ["fp8_block_moe_gemm_kernel", "supported", "launch"]
 

@@ -51,7 +51,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from . import configs as _configs
 from .host import OUT_AMAX_SLOTS, Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
 from .jit import ACT_SILU
-from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids, tma_load
+from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids, cp_async_load, tma_load
 
 GROUP_C = gl.constexpr(GROUP)  # the 128x128 weight block, inside kernels
 
@@ -234,8 +234,7 @@ def _producer(a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_p
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             if GATHER_A:
-                async_copy.async_copy_global_to_shared(a_smem.index(s), a_ptrs + k * BLOCK_K, mask=a_mask,
-                                                       cache_modifier=".cg")
+                cp_async_load(a_smem.index(s), a_ptrs + k * BLOCK_K, mask=a_mask, cache_modifier=".cg")
                 # noinc: each thread's arrival is one of the barrier's 1 + 128 counted at init, so the elected
                 # thread's expect below needs no ordering against the other warps' copies
                 async_copy.mbarrier_arrive(bar, increment_count=False)
