@@ -230,6 +230,25 @@ def slow(session: nox.Session) -> None:
     _run_tests(session, "slow")
 
 
+# Triton releases besides TRITON_SPEC that the backend must compile under: the GPU machine can be given a newer one
+# (../shared/gpu/triton-parts.sh), and Gluon renames its operations between releases (3.9 removed
+# async_copy_global_to_shared, which GATHER_A's producer called).
+NEWER_TRITONS = ["3.9.0"]
+
+
+@nox.session(default=False)
+@nox.parametrize("triton", NEWER_TRITONS, ids=NEWER_TRITONS)
+def sm90(session: nox.Session, triton: str) -> None:
+    """Every table entry of the H200 and H100 compiled for sm_90 under another Triton release than the tests'
+    (``python -m tools.triton.sm90``: the real launch path, Triton's driver swapped for one that compiles and launches
+    nothing; no GPU needed), failing on an entry that does not compile (about 10 minutes on 2 cores; CI runs it)."""
+    _install(session, "test")
+    if not _passthrough(session):
+        session.install(f"triton=={triton}")
+    session.run("python", "-c", "import triton; print('triton', triton.__version__)")
+    session.run("python", "-m", "tools.triton.sm90", *session.posargs)
+
+
 @nox.session(venv_backend="none", default=False)
 def dev(session: nox.Session) -> None:
     """Create (or update) the development environment .venv (or the folder given after --): torch, the project
