@@ -415,3 +415,26 @@ def test_every_warp_specialized_amax_form_compiles():
     assert forms == {"pingpong-bm64", "pingpong-bm128", "pingpong-bm128+half_tail", "cooperative-bm128",
                      "cooperative-bm128+half_tail"}, forms
     assert all(r["stack"] == 0 for r in rows), rows
+
+
+def test_fp_fusion_is_pinned_whatever_the_environment():
+    """The kernels' numerics were checked on the GPU with FMA contraction on, Triton 3.6 - 3.9's default; Triton 3.10
+    turns the default off (``TRITON_DEFAULT_FP_FUSION``), which rounds the FP8 promotion, the epilogue scales, the
+    activations and the top-k weighted sum differently (FMUL + FADD for FFMA). Every floating-point launch pins it
+    (``backends.triton.jit.FP_FUSION``): compiled with the default turned off, every kernel's instructions are those
+    of the default build."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "tools.triton.sm90", "--gpus", "NVIDIA_H200", "--shapes",
+           "qwen3_30b_fp8blk,mixtral_tp2_fp8_tensor", "--ms", "64,1024", "--json"]
+    runs = {}
+    for fusion in ("1", "0"):
+        p = subprocess.run(cmd, cwd=ROOT, env=dict(env, TRITON_DEFAULT_FP_FUSION=fusion), capture_output=True,
+                           text=True, timeout=1200)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[fusion] = [(r["shape"], r["M"], r["kernel"], r["ops"]) for r in map(json.loads, p.stdout.splitlines())
+                        if "kernel" in r]
+    assert any(ops.get("FFMA") for *_, ops in runs["1"]), "no contracted multiply-add at all: nothing was checked"
+    changed = [(a[:3], a[3], b[3]) for a, b in zip(runs["1"], runs["0"]) if a != b]
+    assert len(runs["1"]) == len(runs["0"]) and not changed, \
+        f"kernels compiled differently with TRITON_DEFAULT_FP_FUSION=0 (entry, default, off): {changed}"

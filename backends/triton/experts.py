@@ -88,6 +88,7 @@ from .kernels import (
     moe_sum_kernel,
     permute_rows_kernel,
 )
+from .jit import FP_FUSION
 from .quant import launch_act_quant as _launch_act_quant
 from .quant import quantize_activation
 
@@ -591,7 +592,7 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
         PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait,
         **({"local_ptr": layout.local_ids, "num_ids": layout.num_ids, "ROUTE_TILES": layout.route_tiles}
            if layout.route_tiles else {}),
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **FP_FUSION,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
 
@@ -824,7 +825,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     moe_sum_kernel[(M, cdiv(K, bk))](
         c3, tw, local, out, K, c3.stride(0), tw.stride(0), out.stride(0),
         TOPK=topk, BLOCK_K=bk, APPLY_W=not apply_router_weight_on_input, EMU=INTERPRET, PDL=sum_pdl, num_warps=4,
-        **({"launch_pdl": True} if sum_pdl else {}))
+        **FP_FUSION, **({"launch_pdl": True} if sum_pdl else {}))
     return out
 
 

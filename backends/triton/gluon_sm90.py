@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .host import Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
-from .jit import ACT_SILU  # the one activation the GATED epilogue implements
+from .jit import ACT_SILU, FP_FUSION  # (ACT_SILU: the one activation the GATED epilogue implements)
 
 #: TMA tile load: ``tma.async_load`` from Triton 3.7 on (3.9 removed the old name), ``async_copy_global_to_shared``
 #: in the image's 3.6; the same operation
@@ -334,6 +334,7 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), C_SORTED=shape.c_sorted,
         GATED=gated, STAGES=cfg.get("num_stages", 4), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
+        **FP_FUSION,
     )
 
 

@@ -50,7 +50,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import configs as _configs
 from .host import OUT_AMAX_SLOTS, Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
-from .jit import ACT_SILU
+from .jit import ACT_SILU, FP_FUSION
 from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids, cp_async_load, tma_load
 
 GROUP_C = gl.constexpr(GROUP)  # the 128x128 weight block, inside kernels
@@ -820,7 +820,7 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
         N_HALVES=_halves_k_tiles(cfg, K, epi_scales),
         a_ptr=a, stride_am=a.stride(0), TOP_K=shape.top_k, GATHER_A=shape.a_gather,
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
-        maxnreg=LAUNCH_MAXNREG,
+        maxnreg=LAUNCH_MAXNREG, **FP_FUSION,
     )
 
 

@@ -19,7 +19,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from .host import (INTERPRET, QUANT_FAST_DIV, QUANT_ROUTES, QUANT_ROW_CHUNKED, QUANT_ROW_TAIL, QUANT_ROW_TILE,
                    QUANT_SKIP_PAD, QUANT_TENSOR_COLS, QUANT_TENSOR_ROUTE_COLS, QUANT_TENSOR_TILE, QUANT_TENSOR_WARPS,
                    STEP_PDL, cdiv, check_device, next_pow2, recipe_params)
-from .jit import fp8_quant_rows
+from .jit import FP_FUSION, fp8_quant_rows
 from .kernels import (
     QMODE_FP8_GROUP,
     QMODE_FP8_STATIC,
@@ -151,7 +151,7 @@ def per_token_group_quant_fp8(
         p["amax_floor"], p["ue8m0_floor"],
         GROUP=group_size, GROUP_P2=gp2, BLOCK_R=block_r,
         USE_UE8M0=bool(use_ue8m0), UE8M0_EXACT=p["UE8M0_EXACT"], SCALE_INV=p["SCALE_INV"],
-        RECIP_MUL=p["RECIP_MUL"], EMU=INTERPRET, TRIGGER=STEP_PDL,
+        RECIP_MUL=p["RECIP_MUL"], EMU=INTERPRET, TRIGGER=STEP_PDL, **FP_FUSION,
     )
     return q, s
 
@@ -258,7 +258,7 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         ROUTES=routes, SLOTS=slots is not None, num_slots=slots.shape[0] if slots is not None else 0,
         SKIP_PAD=skip_pad, ROW_CHUNKS=chunks, ROW_TAIL=tail,
         FAST_DIV=QUANT_FAST_DIV and qmode == QMODE_FP8_TOKEN and act_dtype in (torch.bfloat16, torch.float16),
-        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+        num_warps=num_warps, **FP_FUSION, **({"launch_pdl": True} if pdl else {}),
     )
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .host import INTERPRET, cdiv, check_device, next_pow2
+from .jit import FP_FUSION
 
 __all__ = ["fused_topk"]
 
@@ -129,7 +130,7 @@ def fused_topk(
     _fused_topk_kernel[(cdiv(M, block_t),)](
         logits, w, ids, M, E, logits.stride(0), w.stride(0), ids.stride(0),
         TOPK=topk, TOPK_P2=next_pow2(topk), E_PAD=e_pad, BLOCK_T=block_t,
-        SIGMOID=scoring_func == "sigmoid", RENORM=bool(renormalize),
+        SIGMOID=scoring_func == "sigmoid", RENORM=bool(renormalize), **FP_FUSION,
     )
     if clamp:
         bad = ~torch.isfinite(logits).all(-1)

@@ -46,7 +46,8 @@ class Compiled:
         """``{"regs", "stack", "ops"}`` from the cubin: registers per thread, stack bytes (local-memory spills), and
         counts of the instructions that show the code path (HGMMA / QGMMA / IGMMA = wgmma, HMMA = mma.sync,
         UTMALDG = TMA loads, LDGSTS = cp.async, STL / LDL = local memory, DEPBAR_LE_1 / DEPBAR_LE_2 = wgmma waits
-        that leave one / two groups in flight, BAR_SYNC = block-wide barriers)."""
+        that leave one / two groups in flight, BAR_SYNC = block-wide barriers, FFMA = fp32 multiply-adds rounded
+        once)."""
         sass, res = _cuobjdump(self.cubin)
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
         ops = {o: sass.count(o) for o in ("HGMMA", "QGMMA", "IGMMA", "HMMA", "UTMALDG", "LDGSTS", "STL", "LDL")}
@@ -57,6 +58,8 @@ class Compiled:
         # block-wide barriers: reductions or layout conversions across warps through shared memory (what the
         # requantization's ROW_CHUNKS tiles try to avoid)
         ops["BAR_SYNC"] = sass.count("BAR.SYNC")
+        # fp32 multiply-adds contracted into one rounding (FP fusion, pinned by the backend: jit.FP_FUSION)
+        ops["FFMA"] = len(re.findall(r"\bFFMA\b", sass))
         return dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
                     ops={k: v for k, v in ops.items() if v})
 
