@@ -16,7 +16,8 @@ ends, the overlap (its device time then includes its wait), then the sum, the ov
 share (``timing.ClockSampler``): an "idle" that the rested rounds do not show is clocks, not gaps.
 ``--profile-range`` times nothing: each stage is called eagerly (twice to compile and warm up), then once more between
 ``cudaProfilerStart`` and ``cudaProfilerStop``, for an external profiler started with ``--profile-from-start off``
-(Nsight Compute locks the SM clock, so the kernels compare at one clock whatever the power cap does)::
+(compare Nsight Compute's elapsed cycles: the SM clock still moves under the power cap during its replays, 1.2-1.5
+GHz on the H200)::
 
     ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats python -m benchmarks.breakdown \
         --backend triton --gemms --peer vllm --vllm-src DIR --shapes mixtral_tp2-fp8_tensor --ms 1024 --profile-range
