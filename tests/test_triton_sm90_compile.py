@@ -417,16 +417,20 @@ def test_every_warp_specialized_amax_form_compiles():
     assert all(r["stack"] == 0 for r in rows), rows
 
 
-def test_fp_fusion_is_pinned_whatever_the_environment():
+@pytest.mark.parametrize("what", [
+    pytest.param(["--gpus", "NVIDIA_H200", "--shapes", "qwen3_30b_fp8blk,mixtral_tp2_fp8_tensor", "--ms", "64,1024"],
+                 id="triton-tables"),
+    pytest.param(["--glue"], id="deep_gemm-glue")])
+def test_fp_fusion_is_pinned_whatever_the_environment(what):
     """The kernels' numerics were checked on the GPU with FMA contraction on, Triton 3.6 - 3.9's default; Triton 3.10
     turns the default off (``TRITON_DEFAULT_FP_FUSION``), which rounds the FP8 promotion, the epilogue scales, the
-    activations and the top-k weighted sum differently (FMUL + FADD for FFMA). Every floating-point launch pins it
-    (``backends.triton.jit.FP_FUSION``): compiled with the default turned off, every kernel's instructions are those
-    of the default build."""
+    activations and the top-k weighted sum differently (FMUL + FADD for FFMA). Every floating-point launch of the
+    triton backend and of the deep_gemm backend's Triton glue pins it (``backends._triton_launch.FP_FUSION``):
+    compiled with the default turned off, every kernel's instructions are those of the default build (without the
+    pin, 106 of 280 H200 table kernels and the glue's activation-and-requantization kernels change)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "tools.triton.sm90", "--gpus", "NVIDIA_H200", "--shapes",
-           "qwen3_30b_fp8blk,mixtral_tp2_fp8_tensor", "--ms", "64,1024", "--json"]
+    cmd = [sys.executable, "-m", "tools.triton.sm90", *what, "--json"]
     runs = {}
     for fusion in ("1", "0"):
         p = subprocess.run(cmd, cwd=ROOT, env=dict(env, TRITON_DEFAULT_FP_FUSION=fusion), capture_output=True,

@@ -38,6 +38,7 @@ try:  # triton is optional: the torch paths are used without it
     from triton.language.extra import libdevice
 
     import backends._triton_interpreter  # noqa: F401  (runtime loop bounds under TRITON_INTERPRET=1)
+    from backends._triton_launch import FP_FUSION  # FMA contraction pinned on at the floating-point launches
 
     HAVE_TRITON = True
 except Exception:  # pragma: no cover - depends on the machine
@@ -423,7 +424,7 @@ def act_mul_quant(x: torch.Tensor, activation: MoEActivation, *, alpha, beta, li
         float(r.amax_floor), float(r.ue8m0_scale_floor),
         ACT=_ACT_CODE[activation], HAS_LIMIT=has_lim, ACT_DTYPE=act_dtype, USE_UE8M0=use_ue8m0,
         DIVIDE=r.quant_op == "divide", AMAX_OVER_MAX=r.scale_computation == "amax/max", EXACT=not _INTERPRET,
-        GROUP=group_size, ROWS=ROWS, ROUTES=routes is not None, GPP=GPP, num_warps=cfg["num_warps"])
+        GROUP=group_size, ROWS=ROWS, ROUTES=routes is not None, GPP=GPP, num_warps=cfg["num_warps"], **FP_FUSION)
     return q, s
 
 
@@ -458,7 +459,7 @@ def quantize_scatter(x: torch.Tensor, inv_perm: torch.Tensor, out_q: torch.Tenso
         x, inv, out_q, out_s, M, K, x.stride(0), out_q.stride(0), s_R0, s_S0, s_S1,
         float(r.amax_floor), float(r.ue8m0_scale_floor), TOPK=topk, USE_UE8M0=use_ue8m0,
         DIVIDE=r.quant_op == "divide", AMAX_OVER_MAX=r.scale_computation == "amax/max", GROUP=group_size,
-        ROWS=ROWS, GPP=GPP, num_warps=cfg["num_warps"])
+        ROWS=ROWS, GPP=GPP, num_warps=cfg["num_warps"], **FP_FUSION)
 
 
 def unpermute_and_reduce(a: torch.Tensor, inv_perm: torch.Tensor, topk_weights: torch.Tensor,
@@ -475,5 +476,5 @@ def unpermute_and_reduce(a: torch.Tensor, inv_perm: torch.Tensor, topk_weights: 
     BLOCK_K = 1024
     _gather_reduce_kernel[(M, triton.cdiv(K, BLOCK_K))](a, inv, w, output, K, a.stride(0), output.stride(0),
                                                          TOPK=topk, BLOCK_K=BLOCK_K, EXACT=not _INTERPRET,
-                                                         num_warps=4)
+                                                         num_warps=4, **FP_FUSION)
     return output

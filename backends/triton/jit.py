@@ -26,12 +26,9 @@ from triton.language.extra import libdevice
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-#: Launch option of the backend's floating-point kernels: FMA contraction on (``a * b + c`` rounded once), the
-#: default of Triton 3.6 - 3.9 under which their numerics were checked on the GPU. Contraction decides the rounding of
-#: the FP8 promotion (``acc += y * s``), the epilogue scales, the activations and the top-k weighted sum (an sm_90
-#: compile under 3.9 with ``TRITON_DEFAULT_FP_FUSION=0`` turns those FFMAs into FMUL + FADD; the quantizers' codes do
-#: not change: their divisions and products round explicitly). Triton 3.10 turns the default off, so it is pinned.
-FP_FUSION = {"enable_fp_fusion": True}
+#: Launch option of every floating-point kernel: FMA contraction pinned on (shared with the deep_gemm backend's
+#: Triton kernels: ``backends._triton_launch``, where the why is written)
+from backends._triton_launch import FP_FUSION  # noqa: E402,F401
 
 
 # Triton 3.6's interpreter cannot index with a runtime loop bound under numpy >= 2.3: patched in one shared place.

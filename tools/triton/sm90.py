@@ -2,6 +2,7 @@
 
     python -m tools.triton.sm90                     # every entry of the H200 and H100 tables: compile + resources
     python -m tools.triton.sm90 --gpus NVIDIA_H200 --shapes qwen3_30b_fp8blk --ms 4096 [--json]
+    python -m tools.triton.sm90 --glue [--json]      # the deep_gemm backend's Triton glue kernels instead
 
 Under :func:`compile_only` Triton's active driver is replaced by one that targets ``cuda:90`` and launches nothing,
 and the backend's device checks accept CPU tensors: ``fused_experts`` then runs its host code on CPU tensors of the
@@ -211,10 +212,11 @@ def _jit_functions():
     """The backend's ``@triton.jit`` kernels (the ones a launch can compile)."""
     import triton
 
+    from backends.deep_gemm import triton_kernels as deep_gemm_glue
     from backends.triton import align, gluon_sm90, gluon_ws, kernels, quant, routing
 
     out = []
-    for mod in (kernels, align, quant, routing, gluon_sm90, gluon_ws):
+    for mod in (kernels, align, quant, routing, gluon_sm90, gluon_ws, deep_gemm_glue):
         for v in vars(mod).values():
             if isinstance(v, triton.runtime.jit.JITFunction) and v not in out:
                 out.append(v)
@@ -293,6 +295,50 @@ def compile_tables(gpu_name: str, shapes=None, Ms=None, progress=print) -> list[
     return rows
 
 
+def compile_deep_gemm_glue(progress=print) -> list[dict]:
+    """Compile, for sm_90, the deep_gemm backend's Triton glue kernels (``backends.deep_gemm.triton_kernels``: the
+    activation-and-requantization for each activation and scale rule, the input quantization-and-scatter, the weighted
+    top-k reduction, the layout) at Qwen3-30B-A3B's FP8 block shape (K = 2048, I = 768, top-8): one row per kernel,
+    ``{shape, M, kernel, num_warps, num_stages, shared, regs, stack, ops}``, or ``{shape, M, error}``."""
+    from backends.deep_gemm import triton_kernels as glue
+    from backends.deep_gemm.layout import sf_empty
+    from reference.activation import MoEActivation
+
+    M, K, I, topk, E = 64, 2048, 768, 8, 128
+    steps = [(f"act_mul_quant {act.name} ue8m0={ue8m0}",
+              lambda act=act, ue8m0=ue8m0: glue.act_mul_quant(torch.empty(M * topk, 2 * I, dtype=torch.bfloat16),
+                                                              act, alpha=None, beta=None, limit=None, group_size=128,
+                                                              use_ue8m0=ue8m0, recipe="vllm"))
+             for act in (MoEActivation.SILU, MoEActivation.SWIGLUOAI_UNINTERLEAVE, MoEActivation.SWIGLUSTEP)
+             for ue8m0 in (False, True)]
+    inv = torch.arange(M * topk, dtype=torch.int64).view(M, topk)
+    steps += [("quantize_scatter", lambda: glue.quantize_scatter(
+                  torch.empty(M, K, dtype=torch.bfloat16), inv, torch.empty(M * topk, K, dtype=torch.float8_e4m3fn),
+                  sf_empty(M * topk, K // 128, torch.device("cpu")))),
+              ("unpermute_and_reduce", lambda: glue.unpermute_and_reduce(
+                  torch.empty(M * topk, K, dtype=torch.bfloat16), inv, torch.ones(M, topk),
+                  torch.empty(M, K, dtype=torch.bfloat16))),
+              ("build_contiguous_layout", lambda: glue.build_contiguous_layout(
+                  torch.randint(0, E, (M, topk), dtype=torch.int32), E, M * topk + E * 128, 128))]
+    rows = []
+    for name, step in steps:
+        with compile_only() as log:
+            try:
+                step()
+                err = None
+            except Exception as exc:  # noqa: BLE001 - reported per step
+                err = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if err:
+            rows.append(dict(shape=f"deep_gemm glue {name}", M=M, error=err))
+        for k in log:
+            r = k.resources()
+            rows.append(dict(shape=f"deep_gemm glue {name}", M=M, kernel=k.name, num_warps=k.num_warps,
+                             num_stages=k.num_stages, shared=k.shared, regs=r["regs"], stack=r["stack"],
+                             ops=r["ops"], n_halves=0))
+        progress(f"[sm_90] deep_gemm glue {name}: {len(log)} kernels compiled" + (f", ERROR {err}" if err else ""))
+    return rows
+
+
 def main(argv=None) -> int:
     import json
 
@@ -301,13 +347,15 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="comma-separated bench shape names (default: all)")
     ap.add_argument("--ms", default="", help="comma-separated table Ms (default: every entry)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON lines instead of a table")
+    ap.add_argument("--glue", action="store_true",
+                    help="compile the deep_gemm backend's Triton glue kernels instead of the triton backend's tables")
     args = ap.parse_args(argv)
     shapes = set(filter(None, args.shapes.split(",")))
     Ms = {int(m) for m in args.ms.split(",") if m}
     bad = 0
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    for gpu in args.gpus.split(","):
-        rows = compile_tables(gpu, shapes, Ms, progress=log)
+    for gpu in ["sm_90"] if args.glue else args.gpus.split(","):
+        rows = compile_deep_gemm_glue(progress=log) if args.glue else compile_tables(gpu, shapes, Ms, progress=log)
         for r in rows:
             bad += "error" in r
             if args.json:
@@ -320,7 +368,7 @@ def main(argv=None) -> int:
                       f"warps {r['num_warps']:>2d} stages {r['num_stages']} smem {r['shared']:>6d} "
                       f"regs {r['regs']:>3d} stack {r['stack']:>4d}  {ops}")
     if bad:
-        print(f"{bad} table entries failed to compile for sm_90", file=sys.stderr)
+        print(f"{bad} {'glue steps' if args.glue else 'table entries'} failed to compile for sm_90", file=sys.stderr)
     return 1 if bad else 0
 
 
