@@ -495,3 +495,54 @@ def test_fast_division_codes_equal_the_division_on_every_pair(dtype):
     worst = torch.tensor([worst_bits], dtype=torch.int32).view(torch.float32).item()
     assert bad8 == 0, f"{bad8} FP8 codes of the FAST quotient differ from the IEEE division's"
     assert worst < 2.0 ** -64, f"{bad32} fp32 quotients differ, the largest {worst} (only those near underflow may)"
+
+
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("local", [None, 64], ids=["all-experts", "expert-map"])
+def test_token_quant_equals_the_requantization_kernel(monkeypatch, M, local):
+    """``TOKEN_QUANT`` (decode without a route layout, per-token FP8: GEMM2's programs quantize their route's row of
+    GEMM1's output themselves) against the requantization kernel between the GEMMs, on Qwen3-30B-A3B's shape with the
+    tuned table's configs: the layer's outputs bitwise equal, three eager calls and three replays of a CUDA graph.
+    What only the GPU shows: the N-tile programs of a route store the same codes while others read them (after their
+    own program's barrier), and C3 is written while other programs still read GEMM1's output (it must not alias
+    it)."""
+    from backends.triton import experts as tx
+    from reference.routing import fused_topk
+    from reference.schemes import quantize_weights
+
+    E, K, I, topk = 128, 2048, 768, 8
+    g = torch.Generator().manual_seed(23)
+    n = local or E
+    w1 = (torch.randn(n, 2 * I, K, generator=g) * K ** -0.5).bfloat16().cuda()
+    w2 = (torch.randn(n, K, I, generator=g) * I ** -0.5).bfloat16().cuda()
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w, ids = fused_topk(None, torch.randn(M, E, generator=g), topk, True)[:2]
+    w, ids = w.cuda(), ids.cuda()
+    q1, q2, qc = quantize_weights("fp8_channel_token", w1, w2)
+    emap = None
+    if local is not None:
+        emap = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+        emap[:local] = torch.arange(local, dtype=torch.int32)
+    launches, real = [], tx._launch_act_quant
+    monkeypatch.setattr(tx, "_launch_act_quant", lambda **kw: (launches.append(kw["qmode"]), real(**kw))[1])
+
+    def call():
+        return tx.fused_experts(x, q1, q2, w, ids, quant_config=qc, expert_map=emap, global_num_experts=E)
+
+    monkeypatch.setattr(tx, "TOKEN_QUANT", False)
+    want = call()
+    assert len(launches) == 1, f"{len(launches)} requantization launches with TOKEN_QUANT off (1 expected)"
+    monkeypatch.setattr(tx, "TOKEN_QUANT", True)
+    got = [call() for _ in range(3)]
+    assert len(launches) == 1, "a requantization kernel ran with TOKEN_QUANT on: the path was not taken"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(3):
+        graph.replay()
+        got.append(out.clone())
+    for i, t in enumerate(got):
+        assert torch.equal(t.view(torch.int16), want.view(torch.int16)), (
+            f"{'call' if i < 3 else 'replay'} {i % 3}: TOKEN_QUANT differs from the requantization kernel at "
+            f"{(t != want).sum().item()} of {t.numel()} elements")
