@@ -57,9 +57,7 @@ from .host import (
     INTERPRET,
     OUT_AMAX,
     OUT_AMAX_SLOTS,
-    QUANT_FAST_DIV,
     STEP_PDL,
-    TOKEN_QUANT,
     SUPPORTED_ACTIVATIONS,
     Fusion,
     GemmEpilogue,
@@ -91,7 +89,6 @@ from .kernels import (
     permute_rows_kernel,
 )
 from .jit import FP_FUSION
-from .quant import _MIN_TOKEN_SCALE
 from .quant import launch_act_quant as _launch_act_quant
 from .quant import quantize_activation
 
@@ -496,8 +493,6 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
     if special is not None and cfg.get("SPLIT_K", 1) > 1:
         raise ValueError(f"table entry {cfg}: SPLIT_K is a fused_moe_kernel mode, not {special}'s")
     mod = _gemm_gluon(ops, shape, scales, epi, cfg)
-    if ops.a_src is not None and (mod is not None or not shape.layout.route_tiles or scales.a_mode != ScaleMode.ROW):
-        raise ValueError("a_src (TOKEN_QUANT): GEMM2 on fused_moe_kernel under ROUTE_TILES with per-token FP8 A only")
     if mod is not None:
         # a Gluon kernel (GLUON: block-FP8 with the scale promotion overlapped; PINGPONG / COOPERATIVE: warp
         # specialized) where it covers this GEMM, else fused_moe_kernel below
@@ -597,10 +592,6 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
         PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait,
         **({"local_ptr": layout.local_ids, "num_ids": layout.num_ids, "ROUTE_TILES": layout.route_tiles}
            if layout.route_tiles else {}),
-        **({"q_src_ptr": ops.a_src, "stride_qm": ops.a_src.stride(0), "min_token_scale": _MIN_TOKEN_SCALE,
-            "TOKEN_QUANT": True, "Q_COLS": next_pow2(K),
-            "Q_FAST_DIV": QUANT_FAST_DIV and epi.act_dtype in (torch.bfloat16, torch.float16)}
-           if ops.a_src is not None else {}),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **FP_FUSION,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
@@ -693,10 +684,6 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     slots_pass = amax_epi == 3
     pdl = bool(g2.get("PDL", 0)) and not INTERPRET and stages in ("all", "gemms") and (
         plan.a2_qmode != QMODE_FP8_TENSOR_AMAX or quant_on_load or slots_pass) and on_fused_kernel
-    # TOKEN_QUANT (decode without a layout, per-token FP8 between the GEMMs): GEMM2's programs quantize their route's
-    # row of GEMM1's output themselves, no requantization kernel between the GEMMs
-    token_quant = (TOKEN_QUANT and bool(layout.route_tiles) and plan.a2_qmode == QMODE_FP8_TOKEN and bool(fuse)
-                   and not out_quant and _gluon_key(g2) is None and stages in ("all", "gemms"))
     if plan.a2_qmode == QMODE_FP8_GROUP and I % group:
         raise ValueError(f"block-FP8 requantization needs I % {group} == 0, got I = {I}")
 
@@ -718,10 +705,8 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     slots = _view(buf13, slot_off, (2, tiles_m * tiles_n), torch.float32).t() if n_slots else None
     # ---- ws2: C1 (unfused GEMM1 output) or the pre-quant C2, then C3 (GEMM2 output by route)
     c1_cols = 0 if fuse and (out_quant or not quant or quant_on_load) else (I if fuse else NW1)
-    # (TOKEN_QUANT: C3 after C1, which GEMM2's programs read while others store C3)
-    c3_off = round_up(rows * c1_cols * elt, 16) if token_quant else 0
-    buf2 = _bytes_region(ws2, max(rows * c1_cols * elt, c3_off + numel * K * elt), dev)
-    c3 = _view(buf2, c3_off, (numel, K), act_dtype)
+    buf2 = _bytes_region(ws2, max(rows * c1_cols, numel * K) * elt, dev)
+    c3 = _view(buf2, 0, (numel, K), act_dtype)
 
     w1_bias, w2_bias = qc.w1_bias, qc.w2_bias
     # rp / use_ue8m0 go to both GEMMs (the kernel reads them only with out_quant)
@@ -805,8 +790,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
             a2s = None
             if qm in (QMODE_FP8_STATIC, QMODE_INT8_STATIC):
                 a2s = (a2_scale if a2_scale is not None else qc.a2_scale).reshape(1).to(torch.float32)
-            if not token_quant:  # (else GEMM2 quantizes its A rows itself)
-                _launch_act_quant(x=c1, y=c2_view, ys=c2s, a2s=a2s, qmode=qm, pdl=pdl, **aq)
+            _launch_act_quant(x=c1, y=c2_view, ys=c2s, a2s=a2s, qmode=qm, pdl=pdl, **aq)
         if taps is not None and not quant and not fuse:
             taps["activation"] = _unsort_rows(c2, layout, numel, M, topk)
     if stages == "gemm1":
@@ -826,8 +810,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     # STEP_PDL: the top-k sum is launched during GEMM2 (which lets it start once every program of GEMM2 has) and
     # waits for it
     sum_pdl = STEP_PDL and stages == "all"
-    launch_gemm(GemmOperands(c2, w2, c3, a_scale=a2_scale_arg, w_scale=qc.w2_scale, bias=w2_bias,
-                             a_src=c1 if token_quant else None),
+    launch_gemm(GemmOperands(c2, w2, c3, a_scale=a2_scale_arg, w_scale=qc.w2_scale, bias=w2_bias),
                  GemmShape(n_out=K, a_gather=False, c_sorted=False, **gemm_rows), replace(scales1, a_mode=a2_mode),
                  GemmEpilogue(**epi_quant), g2, pdl_wait=pdl, pdl_trigger=sum_pdl)
     if taps is not None:  # C3 is by route; rows of routes not held here were never written
@@ -1022,10 +1005,7 @@ class TritonExperts(FusedMoEExpertsModular):
             else:  # (twice the slots: GEMM1 on gluon_ws writes two per program, up to twice its tiles)
                 need13 = round_up(round_up(rows * I, 16) + rows * 4, 16) + 4 * tiles * 4
         cols13 = max(I, cdiv(need13, rows * elt))
-        cols2 = max(N, K, I)
-        if TOKEN_QUANT and self.plan.a2_qmode == QMODE_FP8_TOKEN and M * topk <= ROUTE_TILES_MAX:
-            cols2 = max(cols2, I + cdiv(M * topk * K + 16, rows))  # (run_experts' token_quant: C3 after C1)
-        return (rows, cols13), (rows, cols2), (M, K)
+        return (rows, cols13), (rows, max(N, K, I)), (M, K)
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,

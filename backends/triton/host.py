@@ -73,11 +73,6 @@ QUANT_SKIP_PAD = os.environ.get("MOE_TRITON_QUANT_SKIP_PAD", "0") == "1"
 #: passed on an H200). On by default since the nineteenth session's A / B (the prefill requantization above, H200:
 #: 24.5 -> 13.6 us at M = 1024, 48.4 -> 35.5 at M = 4096); ``MOE_TRITON_FAST_DIV=0`` keeps the division.
 QUANT_FAST_DIV = os.environ.get("MOE_TRITON_FAST_DIV", "1") != "0"
-#: At decode without a route layout (``ROUTE_TILES``) with per-token FP8 activations, GEMM2's programs quantize their
-#: route's row of GEMM1's output themselves (``kernels.fused_moe_kernel``'s ``TOKEN_QUANT``: the requantization
-#: kernel's codes and scale, bit for bit) instead of a requantization kernel between the GEMMs, whose launch and
-#: wait are most of its 1.5 us at M = 1. ``MOE_TRITON_TOKEN_QUANT=0``: the kernel between (an A / B on the GPU).
-TOKEN_QUANT = os.environ.get("MOE_TRITON_TOKEN_QUANT", "1") != "0"
 #: The dynamic per-tensor requantization between the GEMMs (``act_quant_kernel`` QMODE 6 / 7, element-wise) takes
 #: ``[rows, min(next_pow2(I), QUANT_TENSOR_COLS)]`` tiles of ``QUANT_TENSOR_TILE`` elements over
 #: ``QUANT_TENSOR_WARPS`` warps a program over the layout's rows (prefill), and one route's
@@ -252,9 +247,7 @@ class GemmOperands:
     as uint8); ``w``: ``(E, NW, K)`` weights (codes when quantized); ``c``: the output, ``(rows, n_out)`` by sorted
     position or ``(routes, n_out)`` by route; ``cs``: ``c``'s fp32 row-group scales when the epilogue quantizes
     (``GemmEpilogue.out_quant``); ``a_scale`` / ``w_scale``: fp32 scales as ``GemmScales``' modes lay them out;
-    ``bias``: ``(E, NW)`` or None. ``a_src``: GEMM2 under ``ROUTE_TILES`` with per-token FP8 A only
-    (``fused_moe_kernel``'s ``TOKEN_QUANT``): GEMM1's output rows ``(rows, K)`` in the activation dtype, which each
-    program quantizes into its route's row of ``a`` / ``a_scale`` before it reads them (not aliasing ``c``).
+    ``bias``: ``(E, NW)`` or None.
     """
 
     a: torch.Tensor
@@ -264,7 +257,6 @@ class GemmOperands:
     a_scale: torch.Tensor | None = None
     w_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
-    a_src: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

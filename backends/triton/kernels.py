@@ -492,9 +492,6 @@ def fused_moe_kernel(
     PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
     # decode without a route layout (ROUTE_TILES): the local expert of each route out (GEMM1), the id space
     local_ptr=None, num_ids=0, ROUTE_TILES: tl.constexpr = 0,
-    # GEMM2 under ROUTE_TILES quantizing its own route's A row first (TOKEN_QUANT): GEMM1's output, the FP8 floor
-    q_src_ptr=None, stride_qm=0, min_token_scale=0.0, TOKEN_QUANT: tl.constexpr = False, Q_COLS: tl.constexpr = 1,
-    Q_FAST_DIV: tl.constexpr = False,
 ):
     """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
 
@@ -547,12 +544,6 @@ def fused_moe_kernel(
     ``t`` alone (its first row; ``EM = M * topk * BLOCK_M``), ``sorted_token_ids`` is ``topk_ids`` (flat) and
     ``expert_ids`` the expert map (2), the tile's expert read from them (ids outside ``[0, num_ids)`` and those the map
     drops: -1, the tile skipped); GEMM1 (``C_SORTED``) writes each route's local expert to ``local``.
-    ``TOKEN_QUANT`` (GEMM2 under ``ROUTE_TILES`` with per-token FP8 A, ``A_SCALE`` 2): no requantization kernel
-    between the GEMMs; after its wait each program quantizes its route's row of GEMM1's output (``q_src``, row
-    ``row0``, ``K`` columns in the activation dtype, ``Q_COLS`` = next power of two) into A's row and A's scale with
-    ``act_quant_kernel``'s QMODE 2 codes and scale, bit for bit (:func:`_token_quant_row`), then reads them as A.
-    The N-tile programs of a route write the same bytes; ``q_src`` must not alias C (other programs store C while
-    this one reads its row).
     """
     if PDL_TRIGGER:
         gdc_launch_dependents()
@@ -603,9 +594,6 @@ def fused_moe_kernel(
             return
         row0 = pid_m * BLOCK_M
         half = 0
-        if TOKEN_QUANT:
-            _token_quant_row(q_src_ptr, a_ptr, a_scale_ptr, row0, K, stride_qm, stride_am, stride_asm,
-                             min_token_scale, ACT_DT, Q_COLS, EMU, Q_FAST_DIV)
     else:
         ntpp = tl.load(num_tokens_post_padded_ptr)
         e = tl.load(expert_ids_ptr + pid_m)  # pid_m < cdiv(EM, BLOCK_M) = the layout's block count
@@ -634,27 +622,6 @@ def fused_moe_kernel(
                       EVEN_K, TMA_A, TMA_B, EMU,
                       HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT, OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
                       ROUTE_TILES)
-
-
-@triton.jit
-def _token_quant_row(x_ptr, q_ptr, s_ptr, row0, NC, stride_xm, stride_qm, stride_sm, min_token_scale,
-                     ACT_DT: tl.constexpr, COLS: tl.constexpr, EMU: tl.constexpr, FAST_DIV: tl.constexpr):
-    """Row ``row0`` of ``x`` (``NC`` columns in ``ACT_DT``) quantized to FP8 per token into the same row of ``q``
-    (codes) and ``s`` (the fp32 scale): ``act_quant_kernel``'s one-pass QMODE 2 over one row (``ACT_NONE``; the same
-    amax, scale, reciprocal and codes), then a barrier of the program, so that its threads read the codes and the
-    scale (``fused_moe_kernel``'s ``TOKEN_QUANT``) once every thread has stored its part."""
-    rows = row0 + tl.arange(0, 1)
-    row64 = rows.to(tl.int64)
-    cols = tl.arange(0, COLS)
-    mask = (rows >= 0)[:, None] & (cols < NC)[None, :]
-    y = _act_load(x_ptr, row64, cols, mask, stride_xm, 0, 0.0, 0.0, 0.0, 0, 0, False, ACT_DT, EMU)  # (ACT_NONE)
-    amax, nbad = _tile_amax(y)
-    s, mult = _row_scale(amax, nbad, min_token_scale, 2)
-    codes = _row_codes(y, s[:, None], mult[:, None], (nbad > 0)[:, None], 2, EMU, FAST_DIV)
-    tl.store(q_ptr + row64[:, None] * stride_qm + cols[None, :], codes.to(q_ptr.dtype.element_ty, bitcast=True),
-             mask=mask)
-    tl.store(s_ptr + row64 * stride_sm, s)
-    tl.debug_barrier()
 
 
 @triton.jit
