@@ -174,14 +174,12 @@ def test_warp_specialized_amax_slots_equal_the_amax_pass(sched, nan_expert, loca
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="gluon_ws is sm_90 only (strict kernels raise elsewhere)")
-@pytest.mark.parametrize("sched, half_tail, other, overlap", [
-    ("COOPERATIVE", 0, "two-sets", False), ("COOPERATIVE", 1, "two-sets", False), ("PINGPONG", 0, "two-sets", False),
-    ("COOPERATIVE", 0, "fused_moe_kernel", False), ("COOPERATIVE", 1, "fused_moe_kernel", False),
-    ("COOPERATIVE", 0, "two-sets", True), ("COOPERATIVE", 0, "fused_moe_kernel", True)],
-    ids=["coop", "coop-tail", "pingpong", "coop-vs-fused", "coop-tail-vs-fused", "coop-overlap",
-         "coop-overlap-vs-fused"])
+@pytest.mark.parametrize("sched, half_tail, other", [
+    ("COOPERATIVE", 0, "two-sets"), ("COOPERATIVE", 1, "two-sets"), ("PINGPONG", 0, "two-sets"),
+    ("COOPERATIVE", 0, "fused_moe_kernel"), ("COOPERATIVE", 1, "fused_moe_kernel")],
+    ids=["coop", "coop-tail", "pingpong", "coop-vs-fused", "coop-tail-vs-fused"])
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_channel_token", "fp8_block128"])
-def test_n_halves_equal_the_other_promoted_forms(monkeypatch, scheme, sched, half_tail, other, overlap):
+def test_n_halves_equal_the_other_promoted_forms(scheme, sched, half_tail, other):
     """``N_HALVES`` on ``gluon_ws`` (a consumer's MMA columns as two halves through one register set, the promotion
     serialized: GEMM1's gate, then up; GEMM2's first, then last ``BLOCK_N / 2`` columns) against another kernel
     with the same promotion points, bitwise: each output element is the same MMA partials added in K order to an fp32
@@ -191,10 +189,7 @@ def test_n_halves_equal_the_other_promoted_forms(monkeypatch, scheme, sched, hal
     tiles of 128, the halves' default interval; block scales every K tile). Strict kernels (a fallback raises), an
     expert map (tiles of non-local experts skipped) and, per-tensor, GEMM1's amax slots (``AMAX_EPILOGUE`` 3: the
     halves' gated epilogue folds its own row maxima). The bench checks the tables' forms against the reference;
-    this pins the schedule to the other forms bit for bit. ``overlap``: the cooperative halves with ``EPI_OVERLAP``
-    (each tile's epilogue under the next tile's first MMAs) on 7 programs, so that each walks several tiles (the
-    next-tile issue, and the MMAs issued past a program's last tile and never read)."""
-    from backends.triton import gluon_ws
+    this pins the schedule to the other forms bit for bit."""
     from backends.triton.experts import fused_experts, strict_kernels
     from reference.routing import fused_topk
     from reference.schemes import quantize_weights
@@ -220,9 +215,6 @@ def test_n_halves_equal_the_other_promoted_forms(monkeypatch, scheme, sched, hal
     else:
         ref = {"gemm1": dict(common, BLOCK_SIZE_N=128, PROMOTE_K=pk, num_warps=8, **extra1),
                "gemm2": dict(common, BLOCK_SIZE_N=128, PROMOTE_K=pk, num_warps=8)}
-    monkeypatch.setattr(gluon_ws, "EPI_OVERLAP", overlap)
-    if overlap:
-        monkeypatch.setattr(gluon_ws, "_num_sms", lambda device: 7)
     outs = []
     with strict_kernels():
         for cfg in (ref, halves):

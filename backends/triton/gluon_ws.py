@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import configs as _configs
-from .host import EPI_OVERLAP, OUT_AMAX_SLOTS, Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
+from .host import OUT_AMAX_SLOTS, Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
 from .jit import ACT_SILU, FP_FUSION
 from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids, cp_async_load, tma_load
 
@@ -81,7 +81,6 @@ def ws_moe_gemm_kernel(
     COOP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, A_EPI: gl.constexpr = 0,
     B_EPI: gl.constexpr = 0, amax_ptr=None, AMAX: gl.constexpr = False, N_HALVES: gl.constexpr = False,
     a_ptr=None, stride_am=0, TOP_K: gl.constexpr = 1, GATHER_A: gl.constexpr = False,
-    EPI_OVERLAP: gl.constexpr = False,
 ):
     """``C[rows, n] = epilogue(sum_k A[rows, k] W[e, n, k] (x scales))`` over the route layout's tiles (one expert
     each).
@@ -133,12 +132,12 @@ def ws_moe_gemm_kernel(
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
                      GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 0, A_EPI, B_EPI, amax_ptr, AMAX,
-                     N_HALVES, TOP_K if GATHER_A else 0, EPI_OVERLAP)),
+                     N_HALVES, TOP_K if GATHER_A else 0)),
         (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
                      GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 1, A_EPI, B_EPI, amax_ptr, AMAX,
-                     N_HALVES, TOP_K if GATHER_A else 0, EPI_OVERLAP)),
+                     N_HALVES, TOP_K if GATHER_A else 0)),
         (_producer, (a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
                      N, K, NW, UP_OFF, a_smem, b_smem, ready, empty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HALF_TAIL,
                      GATED, STAGES, a_ptr, stride_am, sorted_token_ids_ptr, num_valid_tokens, TOP_K, GATHER_A)),
@@ -269,7 +268,7 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr,
               C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, COOP: gl.constexpr,
               STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, amax_ptr,
-              AMAX: gl.constexpr, N_HALVES: gl.constexpr, A_TOP_K: gl.constexpr, EPI_OVERLAP: gl.constexpr):
+              AMAX: gl.constexpr, N_HALVES: gl.constexpr, A_TOP_K: gl.constexpr):
     """Consumer ``C`` (0 or 1). Ping-pong: the program's tiles ``i`` with ``i % 2 == C``, the mainloop of tile ``i``
     after the other consumer's of tile ``i - 1`` (its ``(i - 1) // 2``-th arrival on ``order[1 - C]``).
     Cooperative: rows ``[C BLOCK_M / 2, (C + 1) BLOCK_M / 2)`` of every tile. ``AMAX``: its amax slot at the end."""
@@ -286,68 +285,44 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
         amax = gl.zeros([RUN_ROWS], gl.float32, gl.SliceLayout(1, _out_layout(_out_n(BLOCK_N, GATED, N_HALVES))))
     else:
         amax = gl.to_tensor(0.0)
-    if EPI_OVERLAP:  # cooperative N_HALVES without tails: the next tile's first MMAs during each epilogue
-        HALF: gl.constexpr = BLOCK_N if GATED else BLOCK_N // 2
-        ROWS: gl.constexpr = BLOCK_M // 2
-        y = gl.zeros([ROWS, HALF], gl.float32, _acc_layout(HALF, 32))
-        y = _issue_half0(0, 0, y, a_smem, b_smem, ready, C * ROWS, ROWS, BLOCK_M, HALF, STAGES, N_HALVES, True,
-                         tile < num_tiles)
-        while tile < num_tiles:
-            row0, n0, e, full = _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
-                                         GROUP_M, HALF_TAIL)
-            nxt = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
-                        BLOCK_N, GROUP_M, HALF_TAIL)
-            t_amax, y = _tile_halves(i * nk, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr,
-                                     b_scale_ptr, sorted_token_ids_ptr, row0 + C * ROWS, n0, e, N, num_valid_tokens,
-                                     UP_OFF, stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                                     C * ROWS, ROWS, BLOCK_M, BLOCK_N, C_SORTED, GATED, False, STAGES, C, A_EPI,
-                                     B_EPI, AMAX, N_HALVES, A_TOP_K, y, nxt < num_tiles, True)
-            if AMAX:
-                amax = gl.maximum(amax, t_amax)
-            tile = nxt
-            i += 1
-        y = warpgroup_mma_wait(num_outstanding=0, deps=(y, ))  # (the MMAs past the last tile: not read)
-    else:
-        while tile < num_tiles:
-            row0, n0, e, full = _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
-                                         GROUP_M, HALF_TAIL)
-            base = i * nk  # the ring index of this tile's first K tile
-            if COOP:
-                if HALF_TAIL and C == 1 and not full:  # a tail's rows are consumer 0's half: only release the stages
-                    _release(base, nk, ready, empty, STAGES)
-                else:
-                    t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
-                                   sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm,
-                                   stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, C * (BLOCK_M // 2),
-                                   BLOCK_M // 2, BLOCK_M, BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C, A_EPI,
-                                   B_EPI, AMAX, N_HALVES, A_TOP_K)
-                    if AMAX:
-                        amax = gl.maximum(amax, t_amax)
-            elif i % 2 == C:
-                if i > 0:
-                    mbarrier.wait(order.index(1 - C), ((i - 1) // 2) & 1)
-                if HALF_TAIL and not full:  # a tail: BLOCK_M / 2 rows (the first half of each A stage)
-                    # (its own name: a value assigned in both arms of this runtime branch must have one type, and the
-                    # tail's per-row maxima are half as many)
-                    h_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
-                                   sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm,
-                                   stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M // 2, BLOCK_M,
-                                   BLOCK_N,
-                                   C_SORTED, GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES,
-                                   A_TOP_K)
-                    if AMAX:  # half the running rows: folded as one value (a reduction across warps, tails only)
-                        amax = gl.maximum(amax, gl.max(h_amax, axis=0))
-                else:
-                    t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
-                                   sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm,
-                                   stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M, BLOCK_M,
-                                   BLOCK_N, C_SORTED, GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES,
-                                   A_TOP_K)
-                    if AMAX:
-                        amax = gl.maximum(amax, t_amax)
-            tile = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
-                         BLOCK_N, GROUP_M, HALF_TAIL)
-            i += 1
+    while tile < num_tiles:
+        row0, n0, e, full = _tile_at(tile, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
+                                     GROUP_M, HALF_TAIL)
+        base = i * nk  # the ring index of this tile's first K tile
+        if COOP:
+            if HALF_TAIL and C == 1 and not full:  # a tail's rows are consumer 0's half: only release the stages
+                _release(base, nk, ready, empty, STAGES)
+            else:
+                t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                               sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
+                               stride_ask, stride_bse, stride_bsn, stride_bsk, C * (BLOCK_M // 2), BLOCK_M // 2,
+                               BLOCK_M, BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C, A_EPI, B_EPI, AMAX,
+                               N_HALVES, A_TOP_K)
+                if AMAX:
+                    amax = gl.maximum(amax, t_amax)
+        elif i % 2 == C:
+            if i > 0:
+                mbarrier.wait(order.index(1 - C), ((i - 1) // 2) & 1)
+            if HALF_TAIL and not full:  # a tail: BLOCK_M / 2 rows (the first half of each A stage)
+                # (its own name: a value assigned in both arms of this runtime branch must have one type, and the
+                # tail's per-row maxima are half as many)
+                h_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                               sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
+                               stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M // 2, BLOCK_M, BLOCK_N,
+                               C_SORTED, GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES,
+                               A_TOP_K)
+                if AMAX:  # half the running rows: folded as one value (a reduction across warps, tails only)
+                    amax = gl.maximum(amax, gl.max(h_amax, axis=0))
+            else:
+                t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                               sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
+                               stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M, BLOCK_M, BLOCK_N, C_SORTED,
+                               GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES, A_TOP_K)
+                if AMAX:
+                    amax = gl.maximum(amax, t_amax)
+        tile = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
+                     BLOCK_N, GROUP_M, HALF_TAIL)
+        i += 1
     if AMAX:  # slot 2 p + C of the 2 P: the largest finite |value| at [slot] (0 if flagged), the flag at [2 P + slot]
         slot = 2 * gl.program_id(0) + C
         m = gl.max(amax, axis=0)
@@ -378,13 +353,10 @@ def _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_s
     returns with ``AMAX`` the largest |value| stored in each of its ``ROWS`` rows (see :func:`_epilogue`), else 0.
     ``A_TOP_K``: 0, or (``GATHER_A``) the top-k: A's row scales are then read by token (:func:`_scale_rows`)."""
     if N_HALVES:
-        HALF: gl.constexpr = BLOCK_N if GATED else BLOCK_N // 2
-        t_amax, _ = _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
-                                 sorted_token_ids_ptr, row0 + ROW_OFF, n0, e, N, num_valid_tokens, UP_OFF, stride_cm,
-                                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, ROW_OFF, ROWS, BLOCK_M,
-                                 BLOCK_N, C_SORTED, GATED, ORDERED, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES, A_TOP_K,
-                                 gl.zeros([ROWS, HALF], gl.float32, _acc_layout(HALF, 32)), False, False)
-        return t_amax
+        return _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
+                            sorted_token_ids_ptr, row0 + ROW_OFF, n0, e, N, num_valid_tokens, UP_OFF, stride_cm,
+                            stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, ROW_OFF, ROWS, BLOCK_M, BLOCK_N,
+                            C_SORTED, GATED, ORDERED, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES, A_TOP_K)
     if SCALED or A_EPI > 0:
         BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
         rows_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(BN_MMA, 32))
@@ -415,16 +387,13 @@ def _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_p
                  stride_bsk, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  C_SORTED: gl.constexpr, GATED: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
                  C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, AMAX: gl.constexpr, KP: gl.constexpr,
-                 A_TOP_K: gl.constexpr, y, has_next, OVERLAP: gl.constexpr):
+                 A_TOP_K: gl.constexpr):
     """An FP8 promoted tile (block scales, or per-tensor / per-channel ones applied in the epilogue) whose MMA
     columns are two halves of ``HALF`` columns each, ``row0`` being this consumer's first row: half 0 the gate rows and
     half 1 the up rows of the weight stage (``GATED``), else its first and last ``BLOCK_N / 2`` rows. Numerics as
     :func:`_tile`'s: each K tile's MMA of a half started afresh and added to that half's fp32 accumulator times the K
     tile's factors, in K order (every ``KP`` K tiles: per-tensor / per-channel scales, whose MMA partials may run
-    over ``PROMOTE_K`` K elements as ``fused_moe_kernel``'s do); the same dequantization and epilogue roundings.
-    ``y``: the MMA register set; ``OVERLAP`` (``EPI_OVERLAP``): this tile's first group's half 0 is in flight in it,
-    and when ``has_next`` the next tile's (ring loads ``base + nk ..``) is issued into it before this epilogue, so
-    that the tensor cores work through the epilogue. Returns ``(amax, y)`` (see :func:`_tile`)."""
+    over ``PROMOTE_K`` K elements as ``fused_moe_kernel``'s do); the same dequantization and epilogue roundings."""
     HALF: gl.constexpr = BLOCK_N if GATED else BLOCK_N // 2
     acc_layout: gl.constexpr = _acc_layout(HALF, 32)
     rows = _scale_rows(sorted_token_ids_ptr, row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout)),
@@ -432,128 +401,78 @@ def _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_p
     a_s_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_asm
     n1 = UP_OFF + n0 if GATED else n0 + HALF  # half 1's first weight row (within the expert)
     w_s = b_scale_ptr + e.to(gl.int64) * stride_bse
-    acc0, acc1, y = _mainloop_halves(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs,
-                                     w_s + (n0 // GROUP_C) * stride_bsn, w_s + (n1 // GROUP_C) * stride_bsn,
-                                     stride_ask, stride_bsk, ROW_OFF, ROWS, BLOCK_M, HALF, ORDERED, STAGES, C,
-                                     A_EPI > 0, KP, y, OVERLAP)
+    acc0, acc1 = _mainloop_halves(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs,
+                                  w_s + (n0 // GROUP_C) * stride_bsn, w_s + (n1 // GROUP_C) * stride_bsn, stride_ask,
+                                  stride_bsk, ROW_OFF, ROWS, BLOCK_M, HALF, ORDERED, STAGES, C, A_EPI > 0, KP)
     if A_EPI > 0:
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
         acc0 = _apply_scales(acc0, a_scale_ptr, rows, w_s, n0 + cols, stride_asm, stride_bsn, A_EPI, B_EPI)
         acc1 = _apply_scales(acc1, a_scale_ptr, rows, w_s, n1 + cols, stride_asm, stride_bsn, A_EPI, B_EPI)
-    # the rounding point: both halves to C's dtype (GATED: gate and up each, before SiLU-and-mul in fp32)
-    dt: gl.constexpr = c_ptr.dtype.element_ty
-    h0 = acc0.to(dt)
-    h1 = acc1.to(dt)
-    if OVERLAP:
-        # pinned here, in half the registers of the fp32 sets, before the next tile's first half-0 MMAs are issued
-        # into y: they then run on the tensor cores during the rest of this epilogue (with the fp32 sets still live,
-        # ptxas finds too few registers for the wgmma pipeline and serializes every wgmma of the kernel)
-        h0 = warpgroup_mma_wait(num_outstanding=0, deps=(h0, ))
-        h1 = warpgroup_mma_wait(num_outstanding=0, deps=(h1, ))
-        y = _issue_half0(base + nk, 0, y, a_smem, b_smem, ready, ROW_OFF, ROWS, BLOCK_M, HALF, STAGES, KP, True,
-                         has_next)
     if GATED:  # gate and up in separate accumulators: rounded each, SiLU-and-mul in fp32, rounded again
-        out = gl.convert_layout(_silu_mul(h0.to(gl.float32), h1.to(gl.float32), dt), _out_layout(BLOCK_N))
+        dt: gl.constexpr = c_ptr.dtype.element_ty
+        out = gl.convert_layout(_silu_mul(acc0.to(dt).to(gl.float32), acc1.to(dt).to(gl.float32), dt),
+                                _out_layout(BLOCK_N))
         _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N,
                     C_SORTED)
-        return _stored_amax(out, AMAX), y
+        return _stored_amax(out, AMAX)
     else:
-        t0 = _epilogue(h0, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, HALF,
+        t0 = _epilogue(acc0, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, HALF,
                        C_SORTED, False, AMAX)
-        t1 = _epilogue(h1, c_ptr, sorted_token_ids_ptr, row0, n0 + HALF, N, num_valid_tokens, stride_cm, ROWS,
+        t1 = _epilogue(acc1, c_ptr, sorted_token_ids_ptr, row0, n0 + HALF, N, num_valid_tokens, stride_cm, ROWS,
                        HALF, C_SORTED, False, AMAX)
-        return gl.maximum(t0, t1), y
+        return gl.maximum(t0, t1)
 
 
 @gluon.jit
 def _mainloop_halves(base, nk, a_smem, b_smem, ready, empty, order, a_s_ptrs, b0_s_ptr, b1_s_ptr, stride_ask,
                      stride_bsk, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr,
                      ORDERED: gl.constexpr, STAGES: gl.constexpr, C: gl.constexpr, UNIT: gl.constexpr,
-                     KP: gl.constexpr, y, ISSUED: gl.constexpr = False):
+                     KP: gl.constexpr):
     """The two halves' fp32 accumulators ``[ROWS, HALF]`` over ring loads ``base .. base + nk``, promoted every ``KP``
     K tiles (``nk % KP == 0``; block scales: 1). Per group of ``KP`` K tiles: half 0's MMAs chained into the one
-    register set ``y`` (the first afresh), wait, promote; half 1's likewise; release the group's stages. This
-    consumer's tensor-core work stops while it promotes, and the other consumer's MMAs fill that time (DeepGEMM's
-    schedule): the register sets saved go to wider tiles (a 64 x 256 consumer tile in 192 registers a thread, against
-    64 x 128 with two sets), which read fewer operand bytes from shared memory and L2 per FLOP. ``UNIT``: every factor
-    1 (per-tensor / per-channel, the scales come in the epilogue; the add is the FFMA with 1.0 exactly). ``ISSUED``:
-    the first group's half 0 is already in flight in ``y`` (``EPI_OVERLAP``: issued before the previous tile's
-    epilogue). Returns ``(acc0, acc1, y)``, ``y`` done (free to be issued into)."""
+    register set (the first afresh), wait, promote; half 1's likewise; release the group's stages. This consumer's
+    tensor-core work stops while it promotes, and the other consumer's MMAs fill that time (DeepGEMM's schedule): the
+    register sets saved go to wider tiles (a 64 x 256 consumer tile in 192 registers a thread, against 64 x 128 with
+    two sets), which read fewer operand bytes from shared memory and L2 per FLOP. ``UNIT``: every factor 1
+    (per-tensor / per-channel, the scales come in the epilogue; the add is the FFMA with 1.0 exactly)."""
     acc_layout: gl.constexpr = _acc_layout(HALF, 32)
     acc0 = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
     acc1 = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
-    if ISSUED:  # each group's half 0 issued at the end of the group before (kept in flight across the loop)
-        for k in range(0, nk - KP, KP):
-            acc0, acc1, y = _halves_group(k, base, nk, y, acc0, acc1, a_smem, b_smem, empty, order, a_s_ptrs,
-                                          b0_s_ptr, b1_s_ptr, stride_ask, stride_bsk, ROW_OFF, ROWS, BLOCK_M, HALF,
-                                          ORDERED, STAGES, C, UNIT, KP)
-            y = _issue_half0(base, k + KP, y, a_smem, b_smem, ready, ROW_OFF, ROWS, BLOCK_M, HALF, STAGES, KP, True)
-        acc0, acc1, y = _halves_group(nk - KP, base, nk, y, acc0, acc1, a_smem, b_smem, empty, order, a_s_ptrs,
-                                      b0_s_ptr, b1_s_ptr, stride_ask, stride_bsk, ROW_OFF, ROWS, BLOCK_M, HALF,
-                                      ORDERED, STAGES, C, UNIT, KP)
-    else:
-        for k in range(0, nk, KP):
-            y = _issue_half0(base, k, y, a_smem, b_smem, ready, ROW_OFF, ROWS, BLOCK_M, HALF, STAGES, KP, False)
-            acc0, acc1, y = _halves_group(k, base, nk, y, acc0, acc1, a_smem, b_smem, empty, order, a_s_ptrs,
-                                          b0_s_ptr, b1_s_ptr, stride_ask, stride_bsk, ROW_OFF, ROWS, BLOCK_M, HALF,
-                                          ORDERED, STAGES, C, UNIT, KP)
-    return acc0, acc1, y
-
-
-@gluon.jit
-def _issue_half0(base, k, y, a_smem, b_smem, ready, ROW_OFF: gl.constexpr, ROWS: gl.constexpr,
-                 BLOCK_M: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr, KP: gl.constexpr,
-                 KEEP: gl.constexpr, ok=True):
-    """Half 0's MMAs of the group of ``KP`` K tiles at ring loads ``base + k ..``, chained into ``y`` (the first
-    afresh), each once its stage has landed; returned in flight. ``KEEP``: as a tensor (a wait that leaves all
-    ``KP`` groups in flight), which may cross a loop iteration (Gluon's in-flight accumulator may not). ``ok``
-    False: no such loads (past the program's last tile): the MMAs run on whatever the stages hold, without waiting,
-    and their result is never read (issued all the same: a wgmma under a branch makes ptxas serialize them all)."""
-    for t in gl.static_range(KP):
-        j = base + k + t
-        s = j % STAGES
-        mbarrier.wait(ready.index(s), (j // STAGES) & 1, pred=ok)
-        y = warpgroup_mma(_a_stage(a_smem, s, ROW_OFF, ROWS, BLOCK_M), b_smem.index(s).slice(0, HALF).permute(
-            (1, 0)), y, use_acc=t > 0, is_async=True)
-    if KEEP:
-        y = warpgroup_mma_wait(num_outstanding=KP, deps=(y, ))
-    return y
-
-
-@gluon.jit
-def _halves_group(k, base, nk, y, acc0, acc1, a_smem, b_smem, empty, order, a_s_ptrs, b0_s_ptr, b1_s_ptr, stride_ask,
-                  stride_bsk, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr,
-                  ORDERED: gl.constexpr, STAGES: gl.constexpr, C: gl.constexpr, UNIT: gl.constexpr,
-                  KP: gl.constexpr):
-    """The rest of group ``k`` once half 0's MMAs are in flight in ``y``: wait, promote into ``acc0``; half 1's MMAs
-    (the stages have landed: waited for before half 0), wait, release the group's stages, promote into ``acc1``."""
-    if not UNIT:  # (KP = 1) loaded before the wait: their latency under the MMA
-        a_s = gl.load(a_s_ptrs + k * stride_ask)
-        s0 = (a_s * gl.load(b0_s_ptr + k * stride_bsk))[:, None]  # fused_moe_kernel's order: scales first
-        s1 = (a_s * gl.load(b1_s_ptr + k * stride_bsk))[:, None]
-    y = warpgroup_mma_wait(num_outstanding=0, deps=(y, ))
-    if UNIT:
-        acc0 += y
-    else:
-        acc0 += y * s0
-    # pin the promotion before the next MMA, which is issued into y's registers: LLVM would otherwise sink it
-    # past that MMA and keep a copy of y (64 registers: spills); nothing is in flight, so the wait is a no-op
-    acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
-    for t in gl.static_range(KP):
-        s = (base + k + t) % STAGES
-        y = warpgroup_mma(_a_stage(a_smem, s, ROW_OFF, ROWS, BLOCK_M), b_smem.index(s).slice(HALF, HALF).permute(
-            (1, 0)), y, use_acc=t > 0, is_async=True)
-    if ORDERED:  # every K tile of this tile taken: the other consumer may start
-        mbarrier.arrive(order.index(C), pred=k + KP == nk)
-    y = warpgroup_mma_wait(num_outstanding=0, deps=(y, ))
-    for t in gl.static_range(KP):
-        mbarrier.arrive(empty.index((base + k + t) % STAGES))
-    if UNIT:
-        acc1 += y
-    else:
-        acc1 += y * s1
-    acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))  # as acc0's: before the next group's MMA
-    return acc0, acc1, y
+    y = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
+    for k in range(0, nk, KP):
+        if not UNIT:  # (KP = 1) loaded before the wait: their latency under the MMA
+            a_s = gl.load(a_s_ptrs + k * stride_ask)
+            s0 = (a_s * gl.load(b0_s_ptr + k * stride_bsk))[:, None]  # fused_moe_kernel's order: scales first
+            s1 = (a_s * gl.load(b1_s_ptr + k * stride_bsk))[:, None]
+        for t in gl.static_range(KP):
+            j = base + k + t
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            y = warpgroup_mma(_a_stage(a_smem, s, ROW_OFF, ROWS, BLOCK_M), b_smem.index(s).slice(0, HALF).permute(
+                (1, 0)), y, use_acc=t > 0, is_async=True)
+        y = warpgroup_mma_wait(num_outstanding=0, deps=(y, ))
+        if UNIT:
+            acc0 += y
+        else:
+            acc0 += y * s0
+        # pin the promotion before the next MMA, which is issued into y's registers: LLVM would otherwise sink it
+        # past that MMA and keep a copy of y (64 registers: spills); nothing is in flight, so the wait is a no-op
+        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+        for t in gl.static_range(KP):  # (the stages have landed: waited for above)
+            s = (base + k + t) % STAGES
+            y = warpgroup_mma(_a_stage(a_smem, s, ROW_OFF, ROWS, BLOCK_M), b_smem.index(s).slice(HALF, HALF).permute(
+                (1, 0)), y, use_acc=t > 0, is_async=True)
+        if ORDERED:  # every K tile of this tile taken: the other consumer may start
+            mbarrier.arrive(order.index(C), pred=k + KP == nk)
+        y = warpgroup_mma_wait(num_outstanding=0, deps=(y, ))
+        for t in gl.static_range(KP):
+            mbarrier.arrive(empty.index((base + k + t) % STAGES))
+        if UNIT:
+            acc1 += y
+        else:
+            acc1 += y * s1
+        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))  # as acc0's: before the next group's MMA
+    return acc0, acc1
 
 
 @gluon.constexpr_function
@@ -898,17 +817,11 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
         C_SORTED=shape.c_sorted, GATED=epi.fuse.halves, SCALED=scaled, COOP=bool(cfg.get("COOPERATIVE", 0)),
         STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS, A_EPI=int(a_mode) if epi_scales else 0,
         B_EPI=int(b_mode) if epi_scales else 0, amax_ptr=ops.cs if amax else c, AMAX=amax,
-        N_HALVES=_halves_k_tiles(cfg, K, epi_scales), EPI_OVERLAP=epi_overlap(cfg, half_tail),
+        N_HALVES=_halves_k_tiles(cfg, K, epi_scales),
         a_ptr=a, stride_am=a.stride(0), TOP_K=shape.top_k, GATHER_A=shape.a_gather,
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
         maxnreg=LAUNCH_MAXNREG, **FP_FUSION,
     )
-
-
-def epi_overlap(cfg: dict, half_tail: bool) -> bool:
-    """The kernel's ``EPI_OVERLAP`` (``host.EPI_OVERLAP``): for a cooperative ``N_HALVES`` GEMM without ``HALF_TAIL``
-    tails only (ping-pong already runs one consumer's epilogue under the other's mainloop)."""
-    return EPI_OVERLAP and bool(cfg.get("COOPERATIVE", 0)) and bool(cfg.get("N_HALVES", 0)) and not half_tail
 
 
 def _halves_k_tiles(cfg: dict, K: int, epi_scales: bool) -> int:

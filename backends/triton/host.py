@@ -73,10 +73,6 @@ QUANT_SKIP_PAD = os.environ.get("MOE_TRITON_QUANT_SKIP_PAD", "0") == "1"
 #: passed on an H200). On by default since the nineteenth session's A / B (the prefill requantization above, H200:
 #: 24.5 -> 13.6 us at M = 1024, 48.4 -> 35.5 at M = 4096); ``MOE_TRITON_FAST_DIV=0`` keeps the division.
 QUANT_FAST_DIV = os.environ.get("MOE_TRITON_FAST_DIV", "1") != "0"
-#: ``gluon_ws``'s cooperative ``N_HALVES`` GEMMs (no ``HALF_TAIL``) issue the next tile's first MMAs before each
-#: tile's epilogue (``EPI_OVERLAP``), so that the tensor cores work while both consumers run it.
-#: ``MOE_TRITON_EPI_OVERLAP=0`` / ``1`` for an A / B on the GPU.
-EPI_OVERLAP = os.environ.get("MOE_TRITON_EPI_OVERLAP", "0") == "1"
 #: The dynamic per-tensor requantization between the GEMMs (``act_quant_kernel`` QMODE 6 / 7, element-wise) takes
 #: ``[rows, min(next_pow2(I), QUANT_TENSOR_COLS)]`` tiles of ``QUANT_TENSOR_TILE`` elements over
 #: ``QUANT_TENSOR_WARPS`` warps a program over the layout's rows (prefill), and one route's
