@@ -241,12 +241,15 @@ NEWER_TRITONS = ["3.9.0"]
 def sm90(session: nox.Session, triton: str) -> None:
     """Every table entry of the H200 and H100 compiled for sm_90 under another Triton release than the tests'
     (``python -m tools.triton.sm90``: the real launch path, Triton's driver swapped for one that compiles and launches
-    nothing; no GPU needed), failing on an entry that does not compile (about 10 minutes on 2 cores; CI runs it)."""
+    nothing; no GPU needed), then the deep_gemm backend's Triton glue kernels (``--glue``), failing on one that does
+    not compile (about 10 minutes on 2 cores; CI runs it). Arguments after ``--`` replace both runs by one."""
     _install(session, "test")
     if not _passthrough(session):
         session.install(f"triton=={triton}")
     session.run("python", "-c", "import triton; print('triton', triton.__version__)")
     session.run("python", "-m", "tools.triton.sm90", *session.posargs)
+    if not session.posargs:
+        session.run("python", "-m", "tools.triton.sm90", "--glue")
 
 
 @nox.session(venv_backend="none", default=False)
