@@ -24,12 +24,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+# every floating-point launch passes FP_FUSION (FMA contraction pinned on; the why: backends._triton_launch)
+from backends._triton_launch import FP_FUSION  # noqa: F401
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-#: Launch option of every floating-point kernel: FMA contraction pinned on (shared with the deep_gemm backend's
-#: Triton kernels: ``backends._triton_launch``, where the why is written)
-from backends._triton_launch import FP_FUSION  # noqa: E402,F401
-
 
 # Triton 3.6's interpreter cannot index with a runtime loop bound under numpy >= 2.3: patched in one shared place.
 import backends._triton_interpreter  # noqa: E402,F401  (applies the patch under TRITON_INTERPRET=1)

@@ -278,20 +278,30 @@ def compile_tables(gpu_name: str, shapes=None, Ms=None, progress=print) -> list[
             # strict: an entry tuned for a Gluon kernel that does not cover it (it would silently run
             # fused_moe_kernel) is an error
             with compile_only(gpu_name) as log, strict_kernels():
-                try:
-                    fused_experts(x, w1, w2, w, ids, activation=act, quant_config=qc)
-                    err = None
-                except Exception as exc:  # noqa: BLE001 - reported per entry
-                    err = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-            if err:
-                rows.append(dict(shape=sh.name, M=M, error=err))
-            for k in log:
-                r = k.resources()
-                rows.append(dict(shape=sh.name, M=M, kernel=k.name, num_warps=k.num_warps, num_stages=k.num_stages,
-                                 shared=k.shared, regs=r["regs"], stack=r["stack"], ops=r["ops"],
-                                 n_halves=k.constexprs.get("N_HALVES", 0)))
+                err = _error_of(lambda: fused_experts(x, w1, w2, w, ids, activation=act, quant_config=qc))
+            rows += _rows(sh.name, M, log, err)
             progress(f"[{gpu_name}] {sh.name} M={M}: {len(log)} kernels compiled in {time.time() - t0:.1f}s"
                      + (f", ERROR {err}" if err else ""))
+    return rows
+
+
+def _error_of(step) -> str | None:
+    """``step()``'s exception as one line (what a row reports), or None when it returned."""
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - reported per row
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    return None
+
+
+def _rows(shape: str, M: int, log: list[Compiled], err: str | None) -> list[dict]:
+    """The rows of one compiled step: ``{shape, M, error}`` if it raised, then one per kernel it compiled."""
+    rows = [dict(shape=shape, M=M, error=err)] if err else []
+    for k in log:
+        r = k.resources()
+        rows.append(dict(shape=shape, M=M, kernel=k.name, num_warps=k.num_warps, num_stages=k.num_stages,
+                         shared=k.shared, regs=r["regs"], stack=r["stack"], ops=r["ops"],
+                         n_halves=k.constexprs.get("N_HALVES", 0)))
     return rows
 
 
@@ -323,18 +333,8 @@ def compile_deep_gemm_glue(progress=print) -> list[dict]:
     rows = []
     for name, step in steps:
         with compile_only() as log:
-            try:
-                step()
-                err = None
-            except Exception as exc:  # noqa: BLE001 - reported per step
-                err = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        if err:
-            rows.append(dict(shape=f"deep_gemm glue {name}", M=M, error=err))
-        for k in log:
-            r = k.resources()
-            rows.append(dict(shape=f"deep_gemm glue {name}", M=M, kernel=k.name, num_warps=k.num_warps,
-                             num_stages=k.num_stages, shared=k.shared, regs=r["regs"], stack=r["stack"],
-                             ops=r["ops"], n_halves=0))
+            err = _error_of(step)
+        rows += _rows(f"deep_gemm glue {name}", M, log, err)
         progress(f"[sm_90] deep_gemm glue {name}: {len(log)} kernels compiled" + (f", ERROR {err}" if err else ""))
     return rows
 
