@@ -133,6 +133,18 @@ def test_warp_specialized_entries_run_their_partitions(compiled):
     assert not bad, f"warp-specialized GEMMs off their partition layout: {bad}"
 
 
+def test_warp_specialized_epilogues_convert_two_values_per_instruction(compiled):
+    """The warp-specialized GEMMs' epilogues round to bf16 with packed conversions only (``F2FP ... PACK_AB``: two
+    values an instruction; ``gluon_ws._rounded``): a gated epilogue's gate / up roundings as one ``F2F.BF16.F32`` a
+    value put it on the 16-lane conversion pipe beside SiLU's two ``MUFU`` per value, while both consumers' tensor
+    cores wait (GEMM1 2-3.6% slower on the H200's FP8 prefill entries, twenty-sixth session)."""
+    rows = [r for g in GPUS for r in compiled[g][1] if r.get("kernel") == "ws_moe_gemm_kernel"]
+    if not rows:
+        pytest.skip("no table entry uses the warp-specialized GEMM")
+    unpacked = [(r["shape"], r["M"], r["ops"]["F2F_BF16"]) for r in rows if r["ops"].get("F2F_BF16")]
+    assert not unpacked, f"warp-specialized GEMMs rounding one value per conversion: {unpacked}"
+
+
 GLUON_VARIANTS = r"""
 import json, sys, torch
 from backends.triton import configs as C

@@ -410,8 +410,7 @@ def _tile_halves(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_p
         acc1 = _apply_scales(acc1, a_scale_ptr, rows, w_s, n1 + cols, stride_asm, stride_bsn, A_EPI, B_EPI)
     if GATED:  # gate and up in separate accumulators: rounded each, SiLU-and-mul in fp32, rounded again
         dt: gl.constexpr = c_ptr.dtype.element_ty
-        out = gl.convert_layout(_silu_mul(acc0.to(dt).to(gl.float32), acc1.to(dt).to(gl.float32), dt),
-                                _out_layout(BLOCK_N))
+        out = gl.convert_layout(_silu_mul(_rounded(acc0, dt), _rounded(acc1, dt), dt), _out_layout(BLOCK_N))
         _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N,
                     C_SORTED)
         return _stored_amax(out, AMAX)
@@ -654,14 +653,28 @@ def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, s
     Returns, with ``AMAX``, the largest |value| stored in each row (``[ROWS]``; NaN / inf counted as inf: no load of
     the route ids in the epilogue; see the kernel's docstring for why padding rows may count), else 0."""
     out_layout: gl.constexpr = _out_layout(BLOCK_N)
-    h = acc.to(c_ptr.dtype.element_ty)
     if GATED:  # columns [0, BLOCK_N) are gate, [BLOCK_N, 2 BLOCK_N) up: a thread holds both of a pair
-        g, u = h.to(gl.float32).reshape([ROWS, 2, BLOCK_N]).permute(0, 2, 1).split()
+        g, u = _rounded(acc, c_ptr.dtype.element_ty).reshape([ROWS, 2, BLOCK_N]).permute(0, 2, 1).split()
         out = gl.convert_layout(_silu_mul(g, u, c_ptr.dtype.element_ty), out_layout)
     else:
-        out = gl.convert_layout(h, out_layout)
+        out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
     _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N, C_SORTED)
     return _stored_amax(out, AMAX)
+
+
+@gluon.jit
+def _rounded(x, dt: gl.constexpr):
+    """``x.to(dt).to(float32)``: fp32 ``x`` rounded to nearest even in C's dtype, as fp32. bf16: two values per
+    conversion (``cvt.rn.bf16x2.f32``, whose halves are ``cvt.rn.bf16.f32``'s bits, NaN canonical alike), widened by
+    a shift and a mask. Why: the per-value form compiles to one ``F2F.BF16.F32`` a value, on sm_90's slow conversion
+    pipe beside SiLU's two ``MUFU``, in an epilogue the tensor cores idle through; packed, the FP8 prefill GEMM1s ran
+    2-3.6% faster on the H200, bit for bit the same (docs/notes/triton.md, twenty-sixth session)."""
+    if dt == gl.bfloat16:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $3, $2; shl.b32 $0, p, 16; and.b32 $1, p, 0xffff0000; }",
+            "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
+    else:
+        return x.to(dt).to(gl.float32)
 
 
 @gluon.jit

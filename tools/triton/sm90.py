@@ -48,7 +48,7 @@ class Compiled:
         counts of the instructions that show the code path (HGMMA / QGMMA / IGMMA = wgmma, HMMA = mma.sync,
         UTMALDG = TMA loads, LDGSTS = cp.async, STL / LDL = local memory, DEPBAR_LE_1 / DEPBAR_LE_2 = wgmma waits
         that leave one / two groups in flight, BAR_SYNC = block-wide barriers, FFMA = fp32 multiply-adds rounded
-        once)."""
+        once, F2F_BF16 = fp32 -> bf16 conversions of one value, where a packed one converts two)."""
         sass, res = _cuobjdump(self.cubin)
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
         ops = {o: sass.count(o) for o in ("HGMMA", "QGMMA", "IGMMA", "HMMA", "UTMALDG", "LDGSTS", "STL", "LDL")}
@@ -61,6 +61,8 @@ class Compiled:
         ops["BAR_SYNC"] = sass.count("BAR.SYNC")
         # fp32 multiply-adds contracted into one rounding (FP fusion, pinned by the backend: jit.FP_FUSION)
         ops["FFMA"] = len(re.findall(r"\bFFMA\b", sass))
+        # fp32 -> bf16 conversions of one value each (the 16-lane conversion pipe; F2FP ... PACK_AB converts two)
+        ops["F2F_BF16"] = sass.count("F2F.BF16.F32")
         return dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
                     ops={k: v for k, v in ops.items() if v})
 
