@@ -167,13 +167,14 @@ def _():
             q2, s2 = rq.scaled_fp8_quant(x, *args, use_per_token_if_dynamic=mode == "token")
             if not (same_codes(q1, q2) and same_scales(s1, s2)):
                 bad.append((str(dt), mode))
-    # rows longer than one tile: the per-token modes' two passes, the per-tensor amax over many column chunks
-    x = quant_input(3, 2048, torch.bfloat16)
+    # rows longer than one tile (the interpreter takes the GPU's tiles: a whole row up to 4096 columns, then 1024-column
+    # chunks): the per-token modes' two passes, the per-tensor amax over many column chunks
+    x = quant_input(3, 8192, torch.bfloat16)
     for mode in ("tensor", "token"):
         q1, s1 = T_quant.scaled_fp8_quant(x, use_per_token_if_dynamic=mode == "token")
         q2, s2 = rq.scaled_fp8_quant(x, use_per_token_if_dynamic=mode == "token")
         if not (same_codes(q1, q2) and same_scales(s1, s2)):
-            bad.append(("K 2048", mode))
+            bad.append(("K 8192", mode))
     z = torch.zeros(3, 128)
     q1, s1 = T_quant.scaled_fp8_quant(z)
     q2, s2 = rq.scaled_fp8_quant(z)
@@ -185,12 +186,13 @@ def _():
 @check("int8_quant_per_token")
 def _():
     bad = []
-    for dt in (torch.bfloat16, torch.float16, torch.float32):
-        x = quant_input(16, 2048, dt)
+    # one pass (a row in one tile) and two (8192 columns: over 1024-column chunks)
+    for dt, K in ((torch.bfloat16, 2048), (torch.float16, 2048), (torch.float32, 2048), (torch.bfloat16, 8192)):
+        x = quant_input(16, K, dt)
         q1, s1 = T_quant.int8_quant_per_token(x)
         q2, s2 = rq.int8_quant_per_token(x)
         if not (torch.equal(q1, q2) and same_scales(s1, s2)):
-            bad.append((str(dt), int((q1 != q2).sum())))
+            bad.append((str(dt), K, int((q1 != q2).sum())))
     try:
         T_quant.int8_quant_per_token(torch.tensor([[1.0, float("nan")]]))
         bad.append("NaN did not raise")

@@ -224,7 +224,13 @@ def fp8_quant_rows(y, amax_floor, ue8m0_floor, USE_UE8M0: tl.constexpr, UE8M0_EX
     """
     # one NaN-propagating max per element finds both the amax and the poisoned rows (NaN or inf: not <= FLT_MAX);
     # a poisoned row's scale and codes are computed from garbage and overwritten below
-    amax = tl.reduce(tl.abs(y), 1, _max_nan)
+    if EMU:  # the interpreter runs a combine_fn reduction one element pair at a time in Python (about 100x its
+        # built-in max): the finite amax and the poisoned rows as inf, which gives the same scales and codes below
+        ay = tl.abs(y)
+        bad = (y != y) | (ay == float("inf"))
+        amax = tl.where(tl.max(bad.to(tl.int32), axis=1) > 0, float("inf"), tl.max(tl.where(bad, 0.0, ay), axis=1))
+    else:
+        amax = tl.reduce(tl.abs(y), 1, _max_nan)
     poisoned = ~(amax <= 3.4028234663852886e38)
     s = fp8_group_scale(amax, amax_floor, ue8m0_floor, USE_UE8M0, UE8M0_EXACT, SCALE_INV)
     if RECIP_MUL:

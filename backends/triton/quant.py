@@ -140,7 +140,7 @@ def per_token_group_quant_fp8(
     if R == 0 or G == 0:
         return q, s
     gp2 = next_pow2(group_size)
-    block_r = max(1, min(64, 4096 // gp2)) if not INTERPRET else max(1, min(16, 1024 // gp2))
+    block_r = max(1, min(64, 4096 // gp2))
     # decode: no more rows per tile than there are (masked rows cost the same per-thread chain: M=1 at K 2048 took
     # 6.2 us in [32, 128] tiles on an H200)
     block_r = min(block_r, next_pow2(R))
@@ -202,11 +202,11 @@ def launch_act_quant(*, x, y, ys=None, stat=None, a2s=None, sorted_ids=None, exp
         bc = group
         if bc & (bc - 1):
             raise ValueError(f"group size {group} must be a power of two")
-    elif row_mode and next_pow2(nc) <= (1024 if INTERPRET else 4096):
+    elif row_mode and next_pow2(nc) <= 4096:
         bc = next_pow2(nc)
     else:
-        bc = min(next_pow2(nc), 128 if INTERPRET else 1024)
-    budget = 2048 if INTERPRET else 4096
+        bc = min(next_pow2(nc), 1024)
+    budget = 4096
     per_tensor = qmode in (QMODE_FP8_TENSOR_AMAX, QMODE_FP8_TENSOR_QUANT) and not INTERPRET
     if per_tensor:  # (over the routes a program is one route: fewer, wider programs; host.QUANT_TENSOR_ROUTE_COLS)
         bc = min(next_pow2(nc), QUANT_TENSOR_ROUTE_COLS if routes and num_valid <= 128 else QUANT_TENSOR_COLS)
