@@ -212,7 +212,10 @@ def _run_tests(session: nox.Session, marker: str) -> None:
     # expensive module-scoped fixtures (the sm_90 compilation of every table entry) run once, not once per worker.
     workers = os.environ.get("MOE_TESTS_WORKERS", "2")
     xdist = ["-n", workers, "--dist", "loadfile"] if workers != "0" else []
-    session.run("python", "-m", "pytest", "tests", "-p", "no:cacheprovider", "-m", marker, *xdist, *session.posargs)
+    # the ten slowest tests in the log: a subprocess run nearing its timeout shows before CI goes red on it (stop 62:
+    # the suite's op files in the interpreter passed 900 s unseen)
+    session.run("python", "-m", "pytest", "tests", "-p", "no:cacheprovider", "-m", marker, "--durations=10", *xdist,
+                *session.posargs)
 
 
 @nox.session
