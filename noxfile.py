@@ -221,13 +221,13 @@ def _run_tests(session: nox.Session, marker: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Test the reference against independent oracles, and the harness (it must go red for broken backends): every
-    test not marked ``slow`` (about 2 minutes on 2 cores)."""
+    test not marked ``slow`` (about 6 minutes on 2 cores)."""
     _run_tests(session, "not slow")
 
 
 @nox.session(default=False)
 def slow(session: nox.Session) -> None:
-    """The tests marked ``slow`` (about 15 minutes on 2 cores; CI runs them after ``tests``): the harness run end to
+    """The tests marked ``slow`` (about 30 minutes on 2 cores; CI runs them after ``tests``): the harness run end to
     end against broken backends in subprocesses, the Triton kernels and the suite's op files in Triton's
     interpreter, the error model's float64 sweep over every model x scheme and its K = 16384 probe, nvcc."""
     _run_tests(session, "slow")
