@@ -215,6 +215,21 @@ def _max_nan(a, b):
 
 
 @triton.jit
+def finite_abs(y):
+    """``(|y| with NaN / inf as 0, 1 where NaN / inf)`` elementwise: what the row amax and its poisoning read."""
+    ay = tl.abs(y)
+    badv = (y != y) | (ay == float("inf"))
+    return tl.where(badv, 0.0, ay), badv.to(tl.int32)
+
+
+@triton.jit
+def tile_amax(y):
+    """Per row of a tile: (largest finite |y|, count of NaN / inf)."""
+    ay, bad = finite_abs(y)
+    return tl.max(ay, axis=1), tl.sum(bad, axis=1)
+
+
+@triton.jit
 def fp8_quant_rows(y, amax_floor, ue8m0_floor, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr,
                    SCALE_INV: tl.constexpr, RECIP_MUL: tl.constexpr, EMU: tl.constexpr = False):
     """Quantize a ``[R, G]`` fp32 tile as R groups of G (one group per row): returns (uint8 codes, fp32 scales [R]).
@@ -226,9 +241,8 @@ def fp8_quant_rows(y, amax_floor, ue8m0_floor, USE_UE8M0: tl.constexpr, UE8M0_EX
     # a poisoned row's scale and codes are computed from garbage and overwritten below
     if EMU:  # the interpreter runs a combine_fn reduction one element pair at a time in Python (about 100x its
         # built-in max): the finite amax and the poisoned rows as inf, which gives the same scales and codes below
-        ay = tl.abs(y)
-        bad = (y != y) | (ay == float("inf"))
-        amax = tl.where(tl.max(bad.to(tl.int32), axis=1) > 0, float("inf"), tl.max(tl.where(bad, 0.0, ay), axis=1))
+        amax, nbad = tile_amax(y)
+        amax = tl.where(nbad > 0, float("inf"), amax)
     else:
         amax = tl.reduce(tl.abs(y), 1, _max_nan)
     poisoned = ~(amax <= 3.4028234663852886e38)

@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .jit import (apply_act, div_rn_by_scale, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn, route_local_experts,
-                  to_act)
+from .jit import (apply_act, div_rn_by_scale, finite_abs, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn,
+                  route_local_experts, tile_amax, to_act)
 
 __all__ = ["fused_moe_kernel", "act_quant_kernel", "moe_sum_kernel", "permute_rows_kernel",
            "QMODE_NONE", "QMODE_FP8_GROUP", "QMODE_FP8_TOKEN", "QMODE_INT8_TOKEN", "QMODE_FP8_STATIC",
@@ -369,7 +369,7 @@ def _moe_tile(
             # (one per program; the zeros were written before the launch)
             tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
             ok = (token_mask & row_mask)[:, None] & n_mask[None, :]
-            amax, nbad = _tile_amax(tl.where(ok, y.to(tl.float32), 0.0))
+            amax, nbad = tile_amax(tl.where(ok, y.to(tl.float32), 0.0))
             tl.atomic_max(cs_ptr, tl.max(amax, axis=0))
             tl.atomic_max(cs_ptr + stride_csg, (tl.max(nbad, axis=0) > 0).to(tl.float32))
         elif OUT_QUANT == 3:
@@ -377,7 +377,7 @@ def _moe_tile(
             # before the launch (every slot is written by its tile, or by fused_moe_kernel for a tile it skips)
             tl.store(c_ptrs, y, mask=row_mask[:, None] & n_mask[None, :])
             ok = (token_mask & row_mask)[:, None] & n_mask[None, :]
-            amax, nbad = _tile_amax(tl.where(ok, y.to(tl.float32), 0.0))
+            amax, nbad = tile_amax(tl.where(ok, y.to(tl.float32), 0.0))
             slot = tile_id.to(tl.int64) * (tl.cdiv(tl.cdiv(N, BLOCK_N), N_TILES) * N_TILES) + pid_n
             bad = (tl.max(nbad, axis=0) > 0).to(tl.float32)
             if SPLIT_K > 1:  # one store per tile: by the program that summed the partials
@@ -652,24 +652,9 @@ def _act_load_at(base, cols, mask, UP_OFF, alpha, beta, limit,
 
 
 @triton.jit
-def _finite_abs(y):
-    """``(|y| with NaN / inf as 0, 1 where NaN / inf)`` elementwise: what the row amax and its poisoning read."""
-    ay = tl.abs(y)
-    badv = (y != y) | (ay == float("inf"))
-    return tl.where(badv, 0.0, ay), badv.to(tl.int32)
-
-
-@triton.jit
-def _tile_amax(y):
-    """Per row of a tile: (largest finite |y|, count of NaN / inf)."""
-    ay, bad = _finite_abs(y)
-    return tl.max(ay, axis=1), tl.sum(bad, axis=1)
-
-
-@triton.jit
 def _tile_amax3(y):
     """Per row of a ``[rows, chunks, cols]`` tile: (largest finite |y|, count of NaN / inf)."""
-    ay, bad = _finite_abs(y)
+    ay, bad = finite_abs(y)
     return tl.max(tl.max(ay, axis=2), axis=1), tl.sum(tl.sum(bad, axis=2), axis=1)
 
 
@@ -854,7 +839,7 @@ def act_quant_kernel(
             mask = rmask[:, None] & (cols < NC)[None, :]
             y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
                           SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
-            amax, nbad = _tile_amax(y)
+            amax, nbad = tile_amax(y)
         else:
             amax = tl.zeros([BLOCK_R], dtype=tl.float32)
             nbad = tl.zeros([BLOCK_R], dtype=tl.int32)
@@ -863,7 +848,7 @@ def act_quant_kernel(
                 mask = rmask[:, None] & (cols < NC)[None, :]
                 y = _act_load(x_ptr, row64, cols, mask, stride_xm, UP_OFF, alpha, beta, limit,
                               SPLIT, ACT, HAS_LIMIT, ACT_DT, EMU)
-                a, n = _tile_amax(y)
+                a, n = tile_amax(y)
                 amax = tl.maximum(amax, a)
                 nbad += n
         if QMODE == 6:
