@@ -495,3 +495,42 @@ def test_fast_division_codes_equal_the_division_on_every_pair(dtype):
     worst = torch.tensor([worst_bits], dtype=torch.int32).view(torch.float32).item()
     assert bad8 == 0, f"{bad8} FP8 codes of the FAST quotient differ from the IEEE division's"
     assert worst < 2.0 ** -64, f"{bad32} fp32 quotients differ, the largest {worst} (only those near underflow may)"
+
+
+@pytest.mark.parametrize("act_name, warps", [("SILU", 8), ("SILU", 4), ("SWIGLUOAI", 8)])
+def test_packed_gate_up_rounding_equals_the_per_value_one(monkeypatch, act_name, warps):
+    """``fused_moe_kernel``'s gated epilogue with gate and up rounded to bf16 two values an instruction
+    (``jit.act_rounded``'s ``PACKED`` form, ``cvt.rn.bf16x2.f32``) against one value an instruction, on the same
+    tiles: the activations (``taps``) and the output are equal bit for bit, NaN rows included (a token of NaN input,
+    a token of inf input), in gated SiLU and interleaved SwiGLU-OAI, on the 8-warp 128 x 128 tiles the rule packs
+    and on a 4-warp tile it leaves alone (forced here). The halves' order in the packed register is the point: a
+    swapped pair would put each column's neighbour's value in it."""
+    from backends.triton import experts as tx
+    from reference.activation import MoEActivation
+
+    g = torch.Generator().manual_seed(11)
+    E, K, I, topk, M = 8, 1024, 384, 2, 300
+    act = getattr(MoEActivation, act_name)
+    w1 = (torch.randn(E, 2 * I, K, generator=g) * K ** -0.5).bfloat16().cuda()
+    w2 = (torch.randn(E, K, I, generator=g) * I ** -0.5).bfloat16().cuda()
+    x = (torch.randn(M, K, generator=g) * 3).bfloat16()
+    x[5], x[77, :7] = float("nan"), float("inf")
+    w, ids = torch.rand(M, topk, generator=g), torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(M)])
+    bm = 128 if warps == 8 else 64
+    cfg = {"gemm1": dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=warps,
+                         num_stages=3),
+           "gemm2": dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, num_warps=4, num_stages=3)}
+    runs = {}
+    for packed in (False, True):
+        monkeypatch.setattr(tx, "_pack_round", lambda cfg, packed=packed: packed)
+        taps = {}
+        with tx.strict_kernels():
+            out = tx.fused_experts(x.cuda(), w1, w2, w.cuda(), ids.to(torch.int32).cuda(), activation=act,
+                                   config=cfg, taps=taps)
+        runs[packed] = (taps["activation"], out)
+    for i, name in enumerate(("activation", "output")):
+        a, b = runs[False][i], runs[True][i]
+        assert a.isnan().any(), f"no NaN in the {name}: the NaN rows were not exercised"
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
+            f"packed rounding changes the {name} at {int((a.view(torch.int16) != b.view(torch.int16)).sum())} "
+            f"elements")

@@ -469,6 +469,15 @@ def _gemm_gluon(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
     return None
 
 
+def _pack_round(cfg: dict) -> bool:
+    """Whether ``fused_moe_kernel``'s gated epilogue rounds gate and up to bf16 two values an instruction
+    (``jit.act_rounded``; the same bits either way, tests/test_triton_gpu.py): on the 8-warp tiles only. H200, two
+    interleaved rounds (docs/notes/triton.md, twenty-eighth session): the 8-warp 128 x 128 GEMM1s 1.0-1.2% faster
+    (Mixtral bf16 M 1024, Qwen3-235B M 4096, gpt-oss M 4096); DeepSeek-V3 TP8's 4-warp 64 x 64 GEMM1s 0.8-1.2% slower
+    packed (the pair's operands and widening cost registers and issue slots the smaller epilogue does not win back)."""
+    return cfg.get("num_warps", 4) >= 8
+
+
 def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpilogue, cfg: dict, *,
                  pdl_trigger: bool = False, pdl_wait: bool = False):
     """Launch one grouped GEMM: ``fused_moe_kernel`` (see its docstring for the modes), or the Gluon kernel table
@@ -589,7 +598,7 @@ def launch_gemm(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Ge
         UE8M0_EXACT=rp["UE8M0_EXACT"] if rp else False, SCALE_INV=rp["SCALE_INV"] if rp else False,
         RECIP_MUL=rp["RECIP_MUL"] if rp else False,
         # programmatic dependent launch
-        PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait,
+        PDL_TRIGGER=pdl_trigger, PDL_WAIT=pdl_wait, PACK_ROUND=_pack_round(cfg),
         **({"local_ptr": layout.local_ids, "num_ids": layout.num_ids, "ROUTE_TILES": layout.route_tiles}
            if layout.route_tiles else {}),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **FP_FUSION,

@@ -50,7 +50,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import configs as _configs
 from .host import OUT_AMAX_SLOTS, Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
-from .jit import ACT_SILU, FP_FUSION
+from .jit import ACT_SILU, BF16X2_ROUND_ASM, FP_FUSION
 from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids, cp_async_load, tma_load
 
 GROUP_C = gl.constexpr(GROUP)  # the 128x128 weight block, inside kernels
@@ -665,14 +665,12 @@ def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, s
 @gluon.jit
 def _rounded(x, dt: gl.constexpr):
     """``x.to(dt).to(float32)``: fp32 ``x`` rounded to nearest even in C's dtype, as fp32. bf16: two values per
-    conversion (``cvt.rn.bf16x2.f32``, whose halves are ``cvt.rn.bf16.f32``'s bits, NaN canonical alike), widened by
-    a shift and a mask. Why: the per-value form compiles to one ``F2F.BF16.F32`` a value, on sm_90's slow conversion
+    conversion (``jit.BF16X2_ROUND_ASM``: ``cvt.rn.bf16x2.f32``, whose halves are ``cvt.rn.bf16.f32``'s bits, NaN
+    canonical alike), widened by a shift and a mask (``jit.act_rounded``, the same for ``fused_moe_kernel``). Why: the per-value form compiles to one ``F2F.BF16.F32`` a value, on sm_90's slow conversion
     pipe beside SiLU's two ``MUFU``, in an epilogue the tensor cores idle through; packed, the FP8 prefill GEMM1s ran
     2-3.6% faster on the H200, bit for bit the same (docs/notes/triton.md, twenty-sixth session)."""
     if dt == gl.bfloat16:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $3, $2; shl.b32 $0, p, 16; and.b32 $1, p, 0xffff0000; }",
-            "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
+        return gl.inline_asm_elementwise(BF16X2_ROUND_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
     else:
         return x.to(dt).to(gl.float32)
 

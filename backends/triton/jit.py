@@ -62,6 +62,26 @@ def to_act(x, DT: tl.constexpr, EMU: tl.constexpr):
     return x.to(DT)
 
 
+# fp32 -> bf16 -> fp32 for two values an instruction: cvt.rn.bf16x2.f32 puts $3's bf16 in the high half and $2's in
+# the low half (each half cvt.rn.bf16.f32's bits, NaN canonical alike); a shift and a mask widen them back
+BF16X2_ROUND_ASM = tl.constexpr(
+    "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $3, $2; shl.b32 $0, p, 16; and.b32 $1, p, 0xffff0000; }")
+
+
+@triton.jit
+def act_rounded(x, DT: tl.constexpr, EMU: tl.constexpr, PACKED: tl.constexpr):
+    """``to_act(x, DT, EMU).to(float32)``: fp32 ``x`` rounded once to the activation dtype, as the fp32 value the next
+    step computes with (the same bits either way). ``PACKED`` (bf16 on the GPU): two values per conversion
+    (``BF16X2_ROUND_ASM``) instead of one ``F2F.BF16.F32`` a value, which issues on sm_90's slow conversion pipe
+    beside the activation's ``MUFU`` (docs/notes/triton.md, twenty-sixth and twenty-eighth sessions)."""
+    if EMU:
+        return to_act(x, DT, EMU).to(tl.float32)
+    elif PACKED and DT == tl.bfloat16:
+        return tl.inline_asm_elementwise(BF16X2_ROUND_ASM, "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
 @triton.jit
 def mul_rn(a, b, EMU: tl.constexpr):
     """IEEE fp32 product, never contracted into an FMA by the compiler (``mul.rn.f32`` on the GPU)."""

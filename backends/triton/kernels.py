@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .jit import (apply_act, div_rn_by_scale, finite_abs, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn,
+from .jit import (act_rounded, apply_act, div_rn_by_scale, finite_abs, fp8_quant_rows, fp8e4m3_code, int8_code, mul_rn,
                   route_local_experts, tile_amax, to_act)
 
 __all__ = ["fused_moe_kernel", "act_quant_kernel", "moe_sum_kernel", "permute_rows_kernel",
@@ -84,7 +84,7 @@ def _moe_tile(
     # epilogue
     HAS_BIAS: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_DT: tl.constexpr,
     OUT_QUANT: tl.constexpr, USE_UE8M0: tl.constexpr, UE8M0_EXACT: tl.constexpr, SCALE_INV: tl.constexpr,
-    RECIP_MUL: tl.constexpr, ROUTE_TILES: tl.constexpr = 0,
+    RECIP_MUL: tl.constexpr, ROUTE_TILES: tl.constexpr = 0, PACK_ROUND: tl.constexpr = 0,
 ):
     """``N_TILES`` ``BLOCK_M x BLOCK_N`` output tiles of expert ``e``: sorted rows ``[row0, row0 + BLOCK_M)``,
     output columns of N tiles ``pid_ng * N_TILES + j`` (see :func:`fused_moe_kernel` for the modes); with
@@ -348,8 +348,8 @@ def _moe_tile(
                 g = accf
                 u = accf
             # GEMM1 rounding point (h), then the activation in fp32 and its rounding point (g)
-            g = to_act(g, ACT_DT, EMU).to(tl.float32)
-            u = to_act(u, ACT_DT, EMU).to(tl.float32)
+            g = act_rounded(g, ACT_DT, EMU, PACK_ROUND)
+            u = act_rounded(u, ACT_DT, EMU, PACK_ROUND)
             y = to_act(apply_act(g, u, ACT, alpha, beta, limit, HAS_LIMIT), ACT_DT, EMU)
 
         offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -492,6 +492,8 @@ def fused_moe_kernel(
     PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
     # decode without a route layout (ROUTE_TILES): the local expert of each route out (GEMM1), the id space
     local_ptr=None, num_ids=0, ROUTE_TILES: tl.constexpr = 0,
+    # the gated epilogue's bf16 roundings two values an instruction (jit.act_rounded; the same bits)
+    PACK_ROUND: tl.constexpr = 0,
 ):
     """The grouped expert GEMM: ``C[rows, n] = epilogue(A[rows] @ W[e, n, :]^T)`` over the route layout.
 
@@ -621,7 +623,7 @@ def fused_moe_kernel(
                       A_SCALE, B_SCALE, B_SCALAR, GROUP_N, GROUP_K, INT8, PROMOTE, SWAP_AB, DOT_PREC,
                       EVEN_K, TMA_A, TMA_B, EMU,
                       HAS_BIAS, FUSE, ACT, HAS_LIMIT, ACT_DT, OUT_QUANT, USE_UE8M0, UE8M0_EXACT, SCALE_INV, RECIP_MUL,
-                      ROUTE_TILES)
+                      ROUTE_TILES, PACK_ROUND)
 
 
 @triton.jit
