@@ -156,18 +156,23 @@ def _cell(entries: list[dict], notes: dict[str, int]) -> str:
     if passed:
         parts.append(f"pass {passed}/{n}" + _margin_text(entries))
     if unsupported:
-        reason = unsupported[0].get("reason", "")
-        ref = notes.setdefault(reason, len(notes) + 1)
-        parts.append(f"unsupported[^{ref}]")
+        parts.append("unsupported" + _refs([e.get("reason", "") for e in unsupported], notes))
     if xfailed:
         parts.append(f"known failure {len(xfailed)}")
     rest = n - passed - len(failed) - len(unsupported) - len(xfailed)
     if rest > 0:
-        reason = next((e.get("reason", "") for e in entries if e["outcome"] == "skipped" and e.get("reason")
-                       and e.get("support") != "unsupported" and not e.get("xfail")), "skipped")
-        ref = notes.setdefault(reason, len(notes) + 1)
-        parts.append(f"skipped {rest}[^{ref}]")
+        reasons = [e.get("reason") or "skipped" for e in entries if e["outcome"] == "skipped"
+                   and e.get("support") != "unsupported" and not e.get("xfail")]
+        parts.append(f"skipped {rest}" + _refs(reasons or ["skipped"], notes))
     return ", ".join(parts)
+
+
+def _refs(reasons: list[str], notes: dict[str, int]) -> str:
+    """Footnote marks for every distinct reason of a cell, the commonest first (ties by text): the same report
+    whatever order the cases ran in (pytest-xdist), and no reason hidden behind another's."""
+    counts = {r: reasons.count(r) for r in set(reasons)}
+    order = sorted(counts, key=lambda r: (-counts[r], r))
+    return "".join(f"[^{notes.setdefault(r, len(notes) + 1)}]" for r in order)
 
 
 def _tokens(entries: list[dict]) -> str:

@@ -172,3 +172,16 @@ def test_header_counts_a_known_failure_apart_from_the_skips():
                       reason="unsupported")]
     header = [line for line in render(_payload(entries)).splitlines() if line.startswith("- cases:")]
     assert header == ["- cases: 1 passed, 1 skipped, 1 xfailed"]
+
+
+def test_a_cell_cites_every_skip_reason_whatever_the_order():
+    """A cell whose cases skipped for different reasons cites each reason once (the commonest first), and the
+    report is the same text whichever order the cases ran in (pytest-xdist reorders them)."""
+    def entries():
+        return [_entry("e::a", component="experts", model="m", scheme="bf16", tokens=4, experts_class="X"),
+                *(_entry(f"e::s{i}", "skipped", component="experts", model="m", scheme="bf16", tokens=4,
+                         experts_class="X", reason="no op A" if i < 2 else "no op B") for i in range(5))]
+    md = render(_payload(entries()))
+    assert "| m | 4 | pass 1/6, skipped 5[^1][^2] |" in md
+    assert "[^1]: no op B" in md and "[^2]: no op A" in md
+    assert render(_payload(entries()[::-1])) == md
