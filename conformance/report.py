@@ -21,7 +21,7 @@ import argparse
 import json
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 __all__ = ["render", "main", "parse_failure", "merge", "margin", "output_name", "outcome_counts"]
@@ -170,7 +170,7 @@ def _cell(entries: list[dict], notes: dict[str, int]) -> str:
 def _refs(reasons: list[str], notes: dict[str, int]) -> str:
     """Footnote marks for every distinct reason of a cell, the commonest first (ties by text): the same report
     whatever order the cases ran in (pytest-xdist), and no reason hidden behind another's."""
-    counts = {r: reasons.count(r) for r in set(reasons)}
+    counts = Counter(reasons)
     order = sorted(counts, key=lambda r: (-counts[r], r))
     return "".join(f"[^{notes.setdefault(r, len(notes) + 1)}]" for r in order)
 

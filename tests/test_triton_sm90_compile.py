@@ -145,7 +145,6 @@ def test_warp_specialized_epilogues_convert_two_values_per_instruction(compiled)
     assert not unpacked, f"warp-specialized GEMMs rounding one value per conversion: {unpacked}"
 
 
-
 def test_eight_warp_fused_epilogues_convert_two_values_per_instruction(compiled):
     """``fused_moe_kernel`` on 8-warp tiles rounds gate and up to bf16 with packed conversions only
     (``experts._pack_round``, ``jit.act_rounded``: the three 8-warp prefill GEMM1s 1.0-1.2% faster on the H200,
@@ -155,6 +154,7 @@ def test_eight_warp_fused_epilogues_convert_two_values_per_instruction(compiled)
         pytest.skip("no table entry runs fused_moe_kernel on 8 warps")
     unpacked = [(r["shape"], r["M"], r["ops"]["F2F_BF16"]) for r in rows if r["ops"].get("F2F_BF16")]
     assert not unpacked, f"8-warp fused_moe_kernel tiles rounding one value per conversion: {unpacked}"
+
 
 GLUON_VARIANTS = r"""
 import json, sys, torch

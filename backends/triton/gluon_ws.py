@@ -666,8 +666,9 @@ def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, s
 def _rounded(x, dt: gl.constexpr):
     """``x.to(dt).to(float32)``: fp32 ``x`` rounded to nearest even in C's dtype, as fp32. bf16: two values per
     conversion (``jit.BF16X2_ROUND_ASM``: ``cvt.rn.bf16x2.f32``, whose halves are ``cvt.rn.bf16.f32``'s bits, NaN
-    canonical alike), widened by a shift and a mask (``jit.act_rounded``, the same for ``fused_moe_kernel``). Why: the per-value form compiles to one ``F2F.BF16.F32`` a value, on sm_90's slow conversion
-    pipe beside SiLU's two ``MUFU``, in an epilogue the tensor cores idle through; packed, the FP8 prefill GEMM1s ran
+    canonical alike), widened by a shift and a mask (``jit.act_rounded``, the same for ``fused_moe_kernel``). Why:
+    the per-value form compiles to one ``F2F.BF16.F32`` a value, on sm_90's slow conversion pipe beside SiLU's two
+    ``MUFU``, in an epilogue the tensor cores idle through; packed, the FP8 prefill GEMM1s ran
     2-3.6% faster on the H200, bit for bit the same (docs/notes/triton.md, twenty-sixth session)."""
     if dt == gl.bfloat16:
         return gl.inline_asm_elementwise(BF16X2_ROUND_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
