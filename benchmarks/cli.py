@@ -23,7 +23,8 @@ What runs is data: ``benchmarks/suites.toml`` (shapes, token counts, the peer, r
    stage alone, which the peers' figures time): ``variants(shape, M, inputs, device) -> [(name, call(i))]``,
    ``extra(shape, inputs) -> {column: text}``, ``gate_variants(gate_shape, M, sets) -> [(name, call(i))]``, each
    optional;
-4. timing by ``benchmarks.timing.measure`` (the whole call captured in a CUDA graph and replayed, median of rounds;
+4. timing by ``benchmarks.timing`` (the whole call captured in a CUDA graph and replayed, median of rounds; a row's
+   columns round for round in turn, ``timing.measure_interleaved``, unless ``--timing sequential``;
    a call that cannot be captured is timed eagerly between CUDA events and the reason is printed and recorded in
    ``graph_errors``; wall clock on CPU); floor and roofline by ``benchmarks.roofline`` on the ceilings
    ``benchmarks.timing.measure_ceilings`` measures in the same run. ``step / gemms`` (suites that compare
@@ -84,6 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prepare", choices=("backend", "reference"), default="backend",
                     help="the step's activation quantizers in prepare: the backend's own ops (default: what a "
                          "serving user runs) or the reference's torch ops (the same for every backend)")
+    ap.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
+                    help="interleaved (default): a row's columns (step, gemms, the peer) timed round for round in "
+                         "turn, so a speedup is taken under the same clocks, with a 95%% interval from the paired "
+                         "rounds; sequential: each column's rounds in one block, one column after the other")
     ap.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
                     help="stop starting new (shape, M) rows after this many seconds (default: the suite's budget_s)")
     ap.add_argument("--json", default=None, help="write the results here (default: $OUT/benchmark-<backend>.json "
@@ -176,7 +181,7 @@ def main(argv=None) -> int:
                f"not available, no `{vllm.chain_title}` column: {vllm.ops_error}"))
     doc = run_suite(backend, suite, experts, ms, gates, gate_ms, check=not args.no_check,
                     peer_mode="vllm" if vllm is not None else "none" if args.peer != "stored" else "stored",
-                    vllm=vllm, prepare=args.prepare)
+                    vllm=vllm, prepare=args.prepare, timing_mode=args.timing)
     from benchmarks import report
 
     path = args.json or (os.path.join(os.environ["OUT"], f"benchmark-{args.backend}.json")
@@ -195,10 +200,12 @@ def main(argv=None) -> int:
 
 
 def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True, peer_mode: str = "stored",
-              vllm=None, prepare: str = "backend") -> dict:
+              vllm=None, prepare: str = "backend", timing_mode: str = "interleaved") -> dict:
     """Measure ``experts`` x ``ms`` (and the gate shapes) for ``backend``; the results document. ``peer_mode``:
     ``stored`` (the suite's peers.toml figures), ``vllm`` (``vllm``, a ``benchmarks.peer_vllm.VllmTriton``, timed
-    live on every row) or ``none``; ``prepare``: the step's quantizers (``benchmarks.harness._prepare_for``)."""
+    live on every row) or ``none``; ``prepare``: the step's quantizers (``benchmarks.harness._prepare_for``);
+    ``timing_mode``: ``interleaved`` (a row's columns round for round in turn, ``timing.measure_interleaved``) or
+    ``sequential`` (each column's rounds in one block, one column after the other)."""
     import torch
 
     from benchmarks import harness, report, roofline, suites, timing, variants
@@ -226,7 +233,7 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
            "peer": None if peer is None else {k: getattr(peer, k) for k in ("name", "title", "device", "source",
                                                                              "measures", "unit")},
            "compare": suite.compare, "experts": [], "gate": [], "failures": [], "notes": [],
-           "prepare_mode": prepare}
+           "prepare_mode": prepare, "timing_mode": timing_mode}
     if vllm is not None:
         doc["peer"] = {"name": "vllm_live", "title": f"vLLM {vllm.version} (live)", "device": info.get("name"),
                        "source": f"{vllm.fused_moe_path} (fused_moe_kernel, tuned configs of its configs/; per row: "
@@ -291,33 +298,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 timed += _beside(other, shape, M, inp, row, fail, prepare)
             if vllm is not None and claimed:
                 timed += _vllm_peer(vllm, shape, M, inp, device, row, doc, check and M <= suite.check_max_M)
-            for name, call, key, cls in timed:
-                row["times_s"][name] = None
-                try:
-                    if cls is not None and check and M <= suite.check_max_M:
-                        c = _check(shape, M, cls, inp, call(0))
-                        row["checks"][name] = c.text
-                        if not c.ok:
-                            doc["failures"].append(f"check {shape.id} M={M} {cls.__name__}: {c.text}")
-                            log(f"  {shape.id} M={M} {name}: {c.text} (not timed)")
-                            continue
-                    m = timing.measure(call, len(inp.sets), device, settings,
-                                       graph_key=f"{backend.name}.{key}.{shape.scheme}", clocks=settings.clocks)
-                    row["times_s"][name], row["methods"][name] = m.seconds, m.method
-                    if m.clocks is not None:
-                        row.setdefault("clocks", {})[name] = m.clocks
-                    elif m.clocks_error and device.type == "cuda" and not doc.get("clocks_error"):
-                        doc["clocks_error"] = m.clocks_error
-                        doc["notes"].append(f"clocks not sampled: {m.clocks_error} (pip install nvidia-ml-py)")
-                    if device.type == "cuda" and m.method != "cuda-graph":
-                        row["graph_errors"][name] = m.graph_error or f"timed by {m.method}"
-                        log(f"  {shape.id} M={M} {name}: not captured in a CUDA graph, timed eagerly "
-                            f"(launch gaps included): {row['graph_errors'][name]}")
-                    used = _prepare_ops(call)
-                    if used is not None:
-                        row["prepare_ops"][name] = used
-                except Exception as exc:  # noqa: BLE001
-                    fail(f"{shape.id} M={M} {name}", exc)
+            _time_row(timed, row, doc, shape, M, inp, device, settings, backend.name, fail,
+                      check=check and M <= suite.check_max_M, interleave=timing_mode == "interleaved")
             if vllm is not None:  # the peer's columns and check last
                 row["times_s"][vllm.title] = row["times_s"].pop(vllm.title, None)
                 if vllm.ops is not None:
@@ -344,6 +326,67 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 fail(f"gate {shape.id} M={M}", exc)
     doc["wall_s"] = round(time.time() - t0, 1)
     return doc
+
+
+def _time_row(timed: list, row: dict, doc: dict, shape, M: int, inp, device, settings, backend_name: str, fail,
+              *, check: bool, interleave: bool) -> None:
+    """Check and time a row's columns (``timed``: ``[(column, call, graph key, class to check or None)]``) into
+    ``row``: ``times_s``, ``methods``, ``clocks``, ``graph_errors``, ``prepare_ops``; interleaved, also
+    ``rounds_s`` (each column's per-call seconds round by round, paired by index) and ``timing: "interleaved"``. A
+    column whose check fails is not timed; one that raises fails alone (``fail``)."""
+    from benchmarks import timing
+
+    runners = {}  # column -> (prepared Runner, call); sequential: measured at once instead
+    for name, call, key, cls in timed:
+        row["times_s"][name] = None
+        try:
+            if cls is not None and check:
+                c = _check(shape, M, cls, inp, call(0))
+                row["checks"][name] = c.text
+                if not c.ok:
+                    doc["failures"].append(f"check {shape.id} M={M} {cls.__name__}: {c.text}")
+                    log(f"  {shape.id} M={M} {name}: {c.text} (not timed)")
+                    continue
+            gkey = f"{backend_name}.{key}.{shape.scheme}"
+            if interleave:
+                r = timing.Runner(call, len(inp.sets), device, settings, graph_key=gkey)
+                r.prepare()
+                runners[name] = (r, call)
+            else:
+                _record(row, doc, shape, M, name, call, timing.measure(call, len(inp.sets), device, settings,
+                                                                       graph_key=gkey, clocks=settings.clocks), device)
+        except Exception as exc:  # noqa: BLE001
+            fail(f"{shape.id} M={M} {name}", exc)
+    if not runners:
+        return
+    try:
+        got = timing.measure_interleaved({k: r for k, (r, _) in runners.items()}, clocks=settings.clocks)
+    except Exception as exc:  # noqa: BLE001
+        fail(f"{shape.id} M={M} interleaved timing of {', '.join(runners)}", exc)
+        return
+    finally:
+        for r, _ in runners.values():
+            r.close()
+    row["timing"], row["rounds_s"] = "interleaved", got.rounds
+    for name, (_, call) in runners.items():
+        _record(row, doc, shape, M, name, call, got.measurements[name], device)
+
+
+def _record(row: dict, doc: dict, shape, M: int, name: str, call, m, device) -> None:
+    """One column's :class:`benchmarks.timing.Measurement` into ``row`` (and the run's clock note into ``doc``)."""
+    row["times_s"][name], row["methods"][name] = m.seconds, m.method
+    if m.clocks is not None:
+        row.setdefault("clocks", {})[name] = m.clocks
+    elif m.clocks_error and device.type == "cuda" and not doc.get("clocks_error"):
+        doc["clocks_error"] = m.clocks_error
+        doc["notes"].append(f"clocks not sampled: {m.clocks_error} (pip install nvidia-ml-py)")
+    if device.type == "cuda" and m.method != "cuda-graph":
+        row["graph_errors"][name] = m.graph_error or f"timed by {m.method}"
+        log(f"  {shape.id} M={M} {name}: not captured in a CUDA graph, timed eagerly "
+            f"(launch gaps included): {row['graph_errors'][name]}")
+    used = _prepare_ops(call)
+    if used is not None:
+        row["prepare_ops"][name] = used
 
 
 def _prepare_ops(call) -> str | None:

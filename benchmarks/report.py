@@ -232,6 +232,7 @@ def render_suite(doc: dict) -> str:
         if compare == "gemms" and "step" in cols and "gemms" in cols:
             ratios.append(("step / gemms", "step", "gemms"))
         ratios += [(f"{c} / step", c, "step") for c in cols if c.endswith(" step") and "step" in cols]
+        peer_col = peer.get("column", peer["title"]) if peer else None
         head = ["shape", "M"] + [f"{c} us" for c in cols]
         if peer:
             head += ([] if live else [f"{peer['title']} us"]) + ["speedup"] + (["speedup (chain)"] if chain else [])
@@ -245,10 +246,11 @@ def render_suite(doc: dict) -> str:
             t_ref = t.get(ref)
             if peer:
                 p = r.get("peer_s")
-                cells += ([] if live else [_us(p)]) + [f"{p / t_ref:.2f}x" if p and t_ref else "-"]
+                cells += ([] if live else [_us(p)]) + [f"{p / t_ref:.2f}x" + _interval_text(r, peer_col, ref)
+                                                       if p and t_ref else "-"]
                 if chain:
                     pc = r.get("peer_chain_s")
-                    cells.append(f"{pc / t_ref:.2f}x" if pc and t_ref else "-")
+                    cells.append(f"{pc / t_ref:.2f}x" + _interval_text(r, chain, ref) if pc and t_ref else "-")
             cells += [f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "-" for _, a, b in ratios]
             floor = r.get("floor_s")
             cells += [_us(floor), f"{100 * floor / t_ref:.0f}%" if floor and t_ref else "-",
@@ -261,6 +263,11 @@ def render_suite(doc: dict) -> str:
                      + (f" (speedup = {peer['title']} time / `{ref}` time)" if peer else "")
                      + "; check = worst metric / its error-model bound against the reference ((e): timed eagerly, "
                        "graph capture failed).")
+        if any(r.get("timing") == "interleaved" and len(r.get("rounds_s", {})) > 1 for r in rows):
+            lines.append("timing: interleaved (--timing): a row's columns were timed round for round in turn, so each "
+                         "ratio was taken under the same clocks; a speedup's (low-high) is the 95% interval of the "
+                         "median of the paired rounds' ratios (distribution-free, `timing.median_interval`): an "
+                         "interval across 1.00x is a tie within this run's noise.")
         if doc.get("prepare") and any(c == "step" or c.startswith("step:") for c in cols):
             # the step's prepare quantizes the activations: with the backend's own ops (python -m benchmarks'
             # default) or the reference's torch ops (several kernels, most of a decode step's time)
@@ -289,7 +296,7 @@ def render_suite(doc: dict) -> str:
                          f"{_geomean(pre_c):.3f}x over {len(pre_c)} points")
         if dec:
             lines.append(f"decode (M 8..64) % of floor of {ref}: min {min(dec):.0f}%, mean {sum(dec) / len(dec):.0f}%")
-        lines += _criteria(rows, ref, peer, ratios, chain)
+        lines += _criteria(rows, ref, peer, ratios, chain, peer_col)
         lines += _clock_lines(rows, ref, [c for c in (peer and peer.get("column", peer["title"]), chain) if c])
     gates = doc.get("gate", [])
     if gates:
@@ -313,12 +320,31 @@ def render_suite(doc: dict) -> str:
 STEP_OVER_GEMMS_BAR = 1.3
 
 
-def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None = None) -> list[str]:
+def paired_speedup(r: dict, peer: str, ref: str) -> tuple[float, float, float] | None:
+    """``(median, low, high)`` of an interleaved row's paired rounds' ``peer / ref`` ratios
+    (``timing.median_interval``, 95%), or None where the row was not timed interleaved or lacks either column."""
+    from benchmarks.timing import median_interval
+
+    rs = r.get("rounds_s") or {}
+    a, b = rs.get(peer), rs.get(ref)
+    if not a or not b or len(a) != len(b):
+        return None
+    return median_interval([x / y for x, y in zip(a, b)])
+
+
+def _interval_text(r: dict, peer: str | None, ref: str) -> str:
+    iv = paired_speedup(r, peer, ref) if peer else None
+    return f" ({iv[1]:.2f}-{iv[2]:.2f})" if iv else ""
+
+
+def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None = None,
+              peer_col: str | None = None) -> list[str]:
     """Summary lines counted over every row of the table: rows at or above the peer (speedup >= 1.00x, the rows
-    below named; again against the peer's whole chain where there is one), the M = 4096 rows' % of the floor, and
-    ``step / gemms`` against ``STEP_OVER_GEMMS_BAR`` (the rows above it named)."""
+    below named; again against the peer's whole chain where there is one) and, for rows timed interleaved, how many
+    of the paired rounds' 95% intervals lie at or above 1.00x, reach across it or lie below it (those named); the M =
+    4096 rows' % of the floor, and ``step / gemms`` against ``STEP_OVER_GEMMS_BAR`` (the rows above it named)."""
     out = []
-    for key, title in (("peer_s", peer and peer["title"]), ("peer_chain_s", chain)):
+    for key, title, col in (("peer_s", peer and peer["title"], peer_col), ("peer_chain_s", chain, chain)):
         sp = [(r, r[key] / r["times_s"][ref]) for r in rows if r.get(key) and r.get("times_s", {}).get(ref)]
         if title and sp:
             # three decimals where two would print a row below 1 as "1.00x"
@@ -328,6 +354,16 @@ def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None 
             out.append(f"rows at or above 1.00x of {title}: {len(sp) - len(low)} of {len(sp)}"
                        + (f" ({no_peer} rows without a peer time)" if no_peer else "")
                        + (f"; below: {', '.join(low)}" if low else ""))
+            ivs = [(r, iv) for r, _ in sp if col and (iv := paired_speedup(r, col, ref)) is not None]
+            if ivs:
+                above = sum(1 for _, iv in ivs if iv[1] >= 1.0)
+                across = [f"{r['case']} M={r['M']} ({iv[1]:.3f}-{iv[2]:.3f})" for r, iv in ivs
+                          if iv[1] < 1.0 <= iv[2]]
+                below = [f"{r['case']} M={r['M']} ({iv[1]:.3f}-{iv[2]:.3f})" for r, iv in ivs if iv[2] < 1.0]
+                out.append(f"  95% intervals of the paired rounds' ratio to {title} ({len(ivs)} rows timed "
+                           f"interleaved): {above} at or above 1.00x, {len(across)} across 1.00x (a tie within the "
+                           f"noise), {len(below)} below" + (f"; across: {', '.join(across)}" if across else "")
+                           + (f"; below: {', '.join(below)}" if below else ""))
     big = [100 * r["floor_s"] / r["times_s"][ref] for r in rows if r["M"] == 4096 and r.get("floor_s")
            and r.get("times_s", {}).get(ref)]
     if big:
@@ -352,7 +388,11 @@ def _clock_lines(rows: list[dict], ref: str, peers: list[str]) -> list[str]:
     at mean clocks more than ``CLOCKS_APART`` apart. Nothing where no clocks were sampled (CPU, or no NVML)."""
     from benchmarks.timing import CLOCK_EVENTS, POWER_CAP
 
-    timings = [(r, name, c) for r in rows for name, c in r.get("clocks", {}).items()]
+    # an interleaved row's columns shared one sampler (the same stats under each column): one timing
+    timings = [(r, name, c) for r in rows
+               for name, c in (list(r.get("clocks", {}).items())[:1] if r.get("timing") == "interleaved"
+                               else r.get("clocks", {}).items())]
+    timings = [(r, "interleaved" if r.get("timing") == "interleaved" else name, c) for r, name, c in timings]
     if not timings:
         return []
     capped = sum(1 for _, _, c in timings if c.get("capped", 0.0) >= 0.5)

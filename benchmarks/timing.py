@@ -49,6 +49,9 @@ __all__ = [
     "time_samples",
     "Measurement",
     "measure",
+    "Interleaved",
+    "measure_interleaved",
+    "median_interval",
     "timed_rounds",
     "ClockSampler",
     "clock_summary",
@@ -315,6 +318,82 @@ def measure(call: Callable[[int], object], n_sets: int, device: torch.device | s
         return m, r
     r.close()
     return m
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """What :func:`measure_interleaved` measured: each implementation's :class:`Measurement` (median of its rounds)
+    and its per-call seconds round by round (``rounds[name][j]``: round ``j``, taken next to the other
+    implementations' round ``j``, so two names' lists pair up by index)."""
+
+    measurements: dict[str, Measurement]
+    rounds: dict[str, list[float]]
+
+    def ratio(self, num: str, den: str, confidence: float = 0.95) -> tuple[float, float, float]:
+        """``(median, low, high)`` of the paired rounds' ``num / den`` time ratios (:func:`median_interval`; ``num``
+        the peer and ``den`` the backend: a speedup)."""
+        return median_interval([a / b for a, b in zip(self.rounds[num], self.rounds[den])], confidence)
+
+
+def measure_interleaved(runners: dict[str, Runner], *, clocks: bool = False) -> Interleaved:
+    """Time prepared :class:`Runner` s round for round in turn (``A B C``, then ``C B A``, ...), so that clock drift,
+    the power cap's state and the neighbours' heat fall on every implementation alike: a ratio of two of them is
+    taken side by side, not minutes apart (under an H200's power cap two timings of one row a few seconds apart ran
+    at mean SM clocks up to 9% apart). Each runner gets one unmeasured round first; all get the smallest of their
+    ``rounds`` (each runner's round count is its share of the ``MOE_BENCH_SECONDS`` budget, so the whole takes at most
+    that budget per implementation). ``clocks``: one :class:`ClockSampler` over all the rounds, its stats in every
+    :class:`Measurement` (the implementations shared those clocks).
+
+    Raises:
+        ValueError: no runners.
+    """
+    if not runners:
+        raise ValueError("measure_interleaved needs at least one prepared Runner")
+    names = list(runners)
+    device = runners[names[0]].device
+    for r in runners.values():
+        r.round()  # one unmeasured round each (pytest-benchmark's warmup_rounds=1)
+    n = min(r.rounds for r in runners.values())
+    times: dict[str, list[float]] = {k: [] for k in names}
+    sampler = ClockSampler(device) if clocks else None
+    with sampler or contextlib.nullcontext():
+        for j in range(n):
+            for k in (names if j % 2 == 0 else names[::-1]):  # alternate the order: no name always goes first
+                times[k] += timed_rounds(runners[k], 1)
+    stats = sampler.stats() if sampler else None
+    error = sampler.error if sampler else None
+    ms = {}
+    for k in names:
+        r, t = runners[k], sorted(times[k])
+        ms[k] = Measurement(t[len(t) // 2], r.method, r.calls_per_round, n, r.graph_error, stats, error)
+    return Interleaved(ms, times)
+
+
+def median_interval(xs: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """``(median, low, high)`` of the samples ``xs``: the median (the upper one of an even count, as
+    :func:`measure`'s) and a distribution-free confidence interval for the population median, the order statistics
+    ``x_(k)`` and ``x_(n + 1 - k)`` with the largest ``k`` such that ``P(Binomial(n, 1/2) < k) <= (1 -
+    confidence) / 2`` (each sample falls below the median with probability 1/2, whatever the distribution; the
+    interval covers the median with probability >= ``confidence``). Below 6 samples no ``k`` reaches 95%: the
+    interval is then the samples' range (it covers with probability ``1 - 2^(1-n)``).
+
+    Raises:
+        ValueError: no samples, or ``confidence`` outside (0, 1).
+    """
+    if not xs:
+        raise ValueError("median_interval needs at least one sample")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    x = sorted(xs)
+    n = len(x)
+    tail, below, k = (1.0 - confidence) / 2.0, 0.0, 0
+    while k < n // 2:
+        below += math.comb(n, k) / 2.0**n  # P(Binomial(n, 1/2) <= k)
+        if below > tail:
+            break
+        k += 1
+    k = max(k, 1)
+    return x[n // 2], x[k - 1], x[n - k]
 
 
 _SLEEP_CYCLES_PER_S: dict[int, float] = {}

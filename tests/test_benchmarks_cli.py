@@ -22,6 +22,8 @@ def test_arguments():
     assert a.backend == "triton" and a.shapes == ["qwen3_30b_bf16", "dsv3_ep8-fp8_block128"] and a.ms == [1, 64]
     assert not a.quick and not a.no_check and a.json is None
     assert a.prepare == "backend"  # the step a serving user pays: the backend's own quantizers in prepare
+    assert a.timing == "interleaved"  # a row's columns round for round: its speedups under the same clocks
+    assert cli.parse_args(["--backend", "triton", "--timing", "sequential"]).timing == "sequential"
     assert cli.parse_args(["--backend", "triton", "--prepare", "reference"]).prepare == "reference"
     for bad in ([], ["--backend", "triton", "--ms", "1,x"], ["--backend", "triton", "--quick", "--ms", "1"],
                 ["--backend", "triton", "--prepare", "torch"]):
@@ -187,6 +189,31 @@ def test_table_reads_issue_44_criteria_per_row():
     assert lines[i + 1] == ("  - qwen3_30b-bf16 M=64 step: RuntimeError: operation not permitted when stream is "
                             "capturing")
     assert "| qwen3_30b-bf16 (8,2,4096,7168) | 64 | 300.00 (e) |" in "\n".join(lines)
+
+
+def test_table_gives_each_interleaved_speedup_its_interval():
+    """Rows timed interleaved (``rounds_s``: each column's rounds, paired by index) get the 95% interval of their
+    paired rounds' ratio beside the speedup, and the summary sorts the rows by it: at or above 1.00x, across it (a
+    tie within the run's noise), below it. Oracle: the intervals of hand-made rounds (10 pairs: the 2nd and 9th
+    ratios, `median_interval`'s order statistics for n = 10)."""
+    doc = _doc_issue44()
+    rows = doc["experts"]
+    ours = [100e-6] * 10
+    # M=1: ratios 0.80 .. 0.89 (below); M=8: 0.96 .. 1.05 (across); M=4096 and M=64 left sequential
+    rows[0]["rounds_s"] = {"gemms": ours, "vLLM 0.33.0": [(80 + i) * 1e-6 for i in range(10)]}
+    rows[1]["rounds_s"] = {"gemms": ours, "vLLM 0.33.0": [(96 + i) * 1e-6 for i in range(10)]}
+    for r in rows[:2]:
+        r["timing"] = "interleaved"
+    text = report.render_suite(doc)
+    assert "| 0.81x (0.81-0.88) |" in text and "| 1.04x (0.97-1.04) |" in text
+    assert "| 1.04x |" in text  # M=4096: no rounds, no interval
+    lines = text.splitlines()
+    assert ("  95% intervals of the paired rounds' ratio to vLLM 0.33.0 (live) (2 rows timed interleaved): 0 at or "
+            "above 1.00x, 1 across 1.00x (a tie within the noise), 1 below; across: mixtral_tp2-fp8_tensor M=8 "
+            "(0.970-1.040); below: mixtral_tp2-fp8_tensor M=1 (0.810-0.880)") in lines
+    assert any(ln.startswith("timing: interleaved (--timing)") for ln in lines)
+    doc["experts"] = rows[2:]
+    assert "95% intervals" not in report.render_suite(doc)  # sequential rows: no interval line
 
 
 def test_table_says_what_the_clocks_did():

@@ -5,6 +5,7 @@ and the per-device baseline storage."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -89,6 +90,68 @@ def test_cpu_runner_feeds_the_clock_and_plants_slowdown(monkeypatch):
         t0 = timing.measured_clock()
         r.round()
         assert lo <= timing.measured_clock() - t0 <= hi
+
+
+def test_interleaved_rounds_take_turns_and_pair_up(monkeypatch):
+    """``timing.measure_interleaved``: after one unmeasured round each, the runners' rounds alternate (A B, then B
+    A, ...) for the smallest round count of the group; each name's Measurement is the median of its own rounds, and
+    round ``j`` of two names pairs up (a drift that slows every call alike cancels in their ratio)."""
+    now, log = [0.0], []
+
+    def clock():
+        return now[0]
+
+    def make(name, base):
+        def call(i):
+            log.append(name)
+            now[0] += base * (1.0 + 0.01 * len(log))  # everything drifts slower as the run goes on
+        return call
+
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    settings = timing.Settings(budget_s=0.02, min_rounds=3)
+    runners = {}
+    for name, base in (("a", 1e-3), ("b", 2e-3)):
+        runners[name] = timing.Runner(make(name, base), 2, "cpu", settings)
+        runners[name].prepare()
+    assert runners["a"].rounds > runners["b"].rounds  # a's rounds are shorter: b's count sets the group's
+    log.clear()
+    got = timing.measure_interleaved(runners)
+    n = runners["b"].rounds
+    assert log[:2] == ["a", "b"]  # the unmeasured rounds
+    assert log[2:] == [x for j in range(n) for x in (("a", "b") if j % 2 == 0 else ("b", "a"))]
+    assert set(got.rounds) == {"a", "b"} and all(len(v) == n for v in got.rounds.values())
+    for k in ("a", "b"):
+        m = got.measurements[k]
+        assert m.rounds == n and m.method == "wall-clock" and m.seconds == sorted(got.rounds[k])[n // 2]
+    # paired: b / a is 2 x the drift between two adjacent calls, whatever the drift did over the run
+    med, lo, hi = got.ratio("b", "a")
+    assert 1.9 < lo <= med <= hi < 2.2, (lo, med, hi)
+    with pytest.raises(ValueError, match="at least one"):
+        timing.measure_interleaved({})
+
+
+def test_median_interval_covers_the_median():
+    """The distribution-free interval of ``timing.median_interval`` against an independent oracle: over 2000 draws of
+    n samples from a skewed distribution with a known median (the exponential's ln 2), it covers that median at
+    least as often as its confidence says (and not always: it is not the samples' range); its endpoints are order
+    statistics at the binomial's 2.5% quantile (n = 10: the 2nd and 9th)."""
+    import random
+
+    rng = random.Random(7)
+    for n in (10, 30, 200):
+        hits = 0
+        for _ in range(2000):
+            xs = [rng.expovariate(1.0) for _ in range(n)]
+            _, lo, hi = timing.median_interval(xs)
+            hits += lo <= math.log(2) <= hi
+        assert 0.94 <= hits / 2000 < 0.995, (n, hits)
+    xs = [float(i) for i in range(1, 11)]
+    assert timing.median_interval(list(reversed(xs))) == (6.0, 2.0, 9.0)
+    assert timing.median_interval([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)  # fewer than 6: the range
+    with pytest.raises(ValueError, match="at least one sample"):
+        timing.median_interval([])
+    with pytest.raises(ValueError, match="confidence"):
+        timing.median_interval([1.0], confidence=1.0)
 
 
 def _rec(case, M, backend, impl, t, floor=1e-4, kind="experts"):
