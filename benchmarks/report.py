@@ -245,12 +245,12 @@ def render_suite(doc: dict) -> str:
                                        else " (e)") for c in cols]
             t_ref = t.get(ref)
             if peer:
-                p = r.get("peer_s")
-                cells += ([] if live else [_us(p)]) + [f"{p / t_ref:.2f}x" + _interval_text(r, peer_col, ref)
-                                                       if p and t_ref else "-"]
+                x = row_speedup(r, "peer_s", peer_col, ref)
+                cells += ([] if live else [_us(r.get("peer_s"))]) + [
+                    f"{x:.2f}x" + _interval_text(r, peer_col, ref) if x else "-"]
                 if chain:
-                    pc = r.get("peer_chain_s")
-                    cells.append(f"{pc / t_ref:.2f}x" + _interval_text(r, chain, ref) if pc and t_ref else "-")
+                    x = row_speedup(r, "peer_chain_s", chain, ref)
+                    cells.append(f"{x:.2f}x" + _interval_text(r, chain, ref) if x else "-")
             cells += [f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "-" for _, a, b in ratios]
             floor = r.get("floor_s")
             cells += [_us(floor), f"{100 * floor / t_ref:.0f}%" if floor and t_ref else "-",
@@ -265,9 +265,9 @@ def render_suite(doc: dict) -> str:
                        "graph capture failed).")
         if any(r.get("timing") == "interleaved" and len(r.get("rounds_s", {})) > 1 for r in rows):
             lines.append("timing: interleaved (--timing): a row's columns were timed round for round in turn, so each "
-                         "ratio was taken under the same clocks; a speedup's (low-high) is the 95% interval of the "
-                         "median of the paired rounds' ratios (distribution-free, `timing.median_interval`): an "
-                         "interval across 1.00x is a tie within this run's noise.")
+                         "ratio was taken under the same clocks; a speedup is the median of the paired rounds' "
+                         "ratios and its (low-high) the 95% interval of that median (distribution-free, "
+                         "`timing.median_interval`): an interval across 1.00x is a tie within this run's noise.")
         if doc.get("prepare") and any(c == "step" or c.startswith("step:") for c in cols):
             # the step's prepare quantizes the activations: with the backend's own ops (python -m benchmarks'
             # default) or the reference's torch ops (several kernels, most of a decode step's time)
@@ -282,15 +282,13 @@ def render_suite(doc: dict) -> str:
         if graph:
             lines.append(f"not captured in a CUDA graph (timed eagerly, launch gaps included): {len(graph)}"
                          + "".join(f"\n  - {g[:200]}" for g in graph[:10]))
-        pre = [r["peer_s"] / r["times_s"][ref] for r in rows if r.get("peer_s") and r.get("times_s", {}).get(ref)
-               and r["M"] >= 1024]
+        pre = [x for r in rows if r["M"] >= 1024 and (x := row_speedup(r, "peer_s", peer_col, ref))]
         dec = [100 * r["floor_s"] / r["times_s"][ref] for r in rows if r.get("times_s", {}).get(ref)
                and r.get("floor_s") and 8 <= r["M"] <= 64]
         if pre:
             lines.append(f"prefill (M >= 1024) geometric-mean speedup of {ref} vs {peer['title']}: "
                          f"{_geomean(pre):.3f}x over {len(pre)} points")
-        pre_c = [r["peer_chain_s"] / r["times_s"][ref] for r in rows if chain and r.get("peer_chain_s")
-                 and r.get("times_s", {}).get(ref) and r["M"] >= 1024]
+        pre_c = [x for r in rows if chain and r["M"] >= 1024 and (x := row_speedup(r, "peer_chain_s", chain, ref))]
         if pre_c:
             lines.append(f"prefill (M >= 1024) geometric-mean speedup of {ref} vs {chain}: "
                          f"{_geomean(pre_c):.3f}x over {len(pre_c)} points")
@@ -332,6 +330,18 @@ def paired_speedup(r: dict, peer: str, ref: str) -> tuple[float, float, float] |
     return median_interval([x / y for x, y in zip(a, b)])
 
 
+def row_speedup(r: dict, key: str, peer: str | None, ref: str) -> float | None:
+    """A row's speedup of ``ref`` over its peer: the median of the paired rounds' ratios where the row was timed
+    interleaved (drift between rounds cancels in each pair; the median of the ratios, not the ratio of the two
+    medians, so that it lies inside its own interval), else ``row[key] / times_s[ref]`` (``key``: ``peer_s`` or
+    ``peer_chain_s``); None without both times."""
+    iv = paired_speedup(r, peer, ref) if peer else None
+    if iv is not None:
+        return iv[0]
+    p, t = r.get(key), r.get("times_s", {}).get(ref)
+    return p / t if p and t else None
+
+
 def _interval_text(r: dict, peer: str | None, ref: str) -> str:
     iv = paired_speedup(r, peer, ref) if peer else None
     return f" ({iv[1]:.2f}-{iv[2]:.2f})" if iv else ""
@@ -345,7 +355,7 @@ def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None 
     4096 rows' % of the floor, and ``step / gemms`` against ``STEP_OVER_GEMMS_BAR`` (the rows above it named)."""
     out = []
     for key, title, col in (("peer_s", peer and peer["title"], peer_col), ("peer_chain_s", chain, chain)):
-        sp = [(r, r[key] / r["times_s"][ref]) for r in rows if r.get(key) and r.get("times_s", {}).get(ref)]
+        sp = [(r, x) for r in rows if (x := row_speedup(r, key, col, ref))]
         if title and sp:
             # three decimals where two would print a row below 1 as "1.00x"
             low = [f"{r['case']} M={r['M']} {x:.3f}x" if x >= 0.995 else f"{r['case']} M={r['M']} {x:.2f}x"
