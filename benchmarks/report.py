@@ -245,12 +245,9 @@ def render_suite(doc: dict) -> str:
                                        else " (e)") for c in cols]
             t_ref = t.get(ref)
             if peer:
-                x = row_speedup(r, "peer_s", peer_col, ref)
-                cells += ([] if live else [_us(r.get("peer_s"))]) + [
-                    f"{x:.2f}x" + _interval_text(r, peer_col, ref) if x else "-"]
+                cells += ([] if live else [_us(r.get("peer_s"))]) + [_speedup_cell(r, "peer_s", peer_col, ref)]
                 if chain:
-                    x = row_speedup(r, "peer_chain_s", chain, ref)
-                    cells.append(f"{x:.2f}x" + _interval_text(r, chain, ref) if x else "-")
+                    cells.append(_speedup_cell(r, "peer_chain_s", chain, ref))
             cells += [f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "-" for _, a, b in ratios]
             floor = r.get("floor_s")
             cells += [_us(floor), f"{100 * floor / t_ref:.0f}%" if floor and t_ref else "-",
@@ -295,7 +292,7 @@ def render_suite(doc: dict) -> str:
         if dec:
             lines.append(f"decode (M 8..64) % of floor of {ref}: min {min(dec):.0f}%, mean {sum(dec) / len(dec):.0f}%")
         lines += _criteria(rows, ref, peer, ratios, chain, peer_col)
-        lines += _clock_lines(rows, ref, [c for c in (peer and peer.get("column", peer["title"]), chain) if c])
+        lines += _clock_lines(rows, ref, [c for c in (peer_col, chain) if c])
     gates = doc.get("gate", [])
     if gates:
         cols = _variants(gates)
@@ -321,30 +318,35 @@ STEP_OVER_GEMMS_BAR = 1.3
 def paired_speedup(r: dict, peer: str, ref: str) -> tuple[float, float, float] | None:
     """``(median, low, high)`` of an interleaved row's paired rounds' ``peer / ref`` ratios
     (``timing.median_interval``, 95%), or None where the row was not timed interleaved or lacks either column."""
-    from benchmarks.timing import median_interval
+    from benchmarks.timing import paired_ratio
 
     rs = r.get("rounds_s") or {}
     a, b = rs.get(peer), rs.get(ref)
     if not a or not b or len(a) != len(b):
         return None
-    return median_interval([x / y for x, y in zip(a, b)])
+    return paired_ratio(a, b)
 
 
 def row_speedup(r: dict, key: str, peer: str | None, ref: str) -> float | None:
-    """A row's speedup of ``ref`` over its peer: the median of the paired rounds' ratios where the row was timed
-    interleaved (drift between rounds cancels in each pair; the median of the ratios, not the ratio of the two
-    medians, so that it lies inside its own interval), else ``row[key] / times_s[ref]`` (``key``: ``peer_s`` or
-    ``peer_chain_s``); None without both times."""
+    """A row's speedup of ``ref`` over its peer (:func:`_speedup_and_interval`'s first value)."""
+    return _speedup_and_interval(r, key, peer, ref)[0]
+
+
+def _speedup_and_interval(r: dict, key: str, peer: str | None, ref: str) -> tuple[float | None, tuple | None]:
+    """``(speedup, interval)``: the median of the paired rounds' ratios and its ``(median, low, high)`` where the
+    row was timed interleaved (drift between rounds cancels in each pair; the median of the ratios, not the ratio of
+    the two medians, so that it lies inside its own interval), else ``row[key] / times_s[ref]`` (``key``: ``peer_s``
+    or ``peer_chain_s``) and None; ``(None, None)`` without both times."""
     iv = paired_speedup(r, peer, ref) if peer else None
     if iv is not None:
-        return iv[0]
+        return iv[0], iv
     p, t = r.get(key), r.get("times_s", {}).get(ref)
-    return p / t if p and t else None
+    return (p / t if p and t else None), None
 
 
-def _interval_text(r: dict, peer: str | None, ref: str) -> str:
-    iv = paired_speedup(r, peer, ref) if peer else None
-    return f" ({iv[1]:.2f}-{iv[2]:.2f})" if iv else ""
+def _speedup_cell(r: dict, key: str, peer: str | None, ref: str) -> str:
+    x, iv = _speedup_and_interval(r, key, peer, ref)
+    return "-" if not x else f"{x:.2f}x" + (f" ({iv[1]:.2f}-{iv[2]:.2f})" if iv else "")
 
 
 def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None = None,
@@ -355,7 +357,8 @@ def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None 
     4096 rows' % of the floor, and ``step / gemms`` against ``STEP_OVER_GEMMS_BAR`` (the rows above it named)."""
     out = []
     for key, title, col in (("peer_s", peer and peer["title"], peer_col), ("peer_chain_s", chain, chain)):
-        sp = [(r, x) for r in rows if (x := row_speedup(r, key, col, ref))]
+        got = [(r, *_speedup_and_interval(r, key, col, ref)) for r in rows]
+        sp = [(r, x) for r, x, _ in got if x]
         if title and sp:
             # three decimals where two would print a row below 1 as "1.00x"
             low = [f"{r['case']} M={r['M']} {x:.3f}x" if x >= 0.995 else f"{r['case']} M={r['M']} {x:.2f}x"
@@ -364,7 +367,7 @@ def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None 
             out.append(f"rows at or above 1.00x of {title}: {len(sp) - len(low)} of {len(sp)}"
                        + (f" ({no_peer} rows without a peer time)" if no_peer else "")
                        + (f"; below: {', '.join(low)}" if low else ""))
-            ivs = [(r, iv) for r, _ in sp if col and (iv := paired_speedup(r, col, ref)) is not None]
+            ivs = [(r, iv) for r, x, iv in got if x and iv is not None]
             if ivs:
                 above = sum(1 for _, iv in ivs if iv[1] >= 1.0)
                 across = [f"{r['case']} M={r['M']} ({iv[1]:.3f}-{iv[2]:.3f})" for r, iv in ivs
@@ -398,11 +401,12 @@ def _clock_lines(rows: list[dict], ref: str, peers: list[str]) -> list[str]:
     at mean clocks more than ``CLOCKS_APART`` apart. Nothing where no clocks were sampled (CPU, or no NVML)."""
     from benchmarks.timing import CLOCK_EVENTS, POWER_CAP
 
-    # an interleaved row's columns shared one sampler (the same stats under each column): one timing
-    timings = [(r, name, c) for r in rows
-               for name, c in (list(r.get("clocks", {}).items())[:1] if r.get("timing") == "interleaved"
-                               else r.get("clocks", {}).items())]
-    timings = [(r, "interleaved" if r.get("timing") == "interleaved" else name, c) for r, name, c in timings]
+    timings = []
+    for r in rows:
+        cl = r.get("clocks", {})
+        if cl and r.get("timing") == "interleaved":  # its columns shared one sampler (the same stats): one timing
+            cl = {"interleaved": next(iter(cl.values()))}
+        timings += [(r, name, c) for name, c in cl.items()]
     if not timings:
         return []
     capped = sum(1 for _, _, c in timings if c.get("capped", 0.0) >= 0.5)

@@ -52,6 +52,7 @@ __all__ = [
     "Interleaved",
     "measure_interleaved",
     "median_interval",
+    "paired_ratio",
     "timed_rounds",
     "ClockSampler",
     "clock_summary",
@@ -308,12 +309,7 @@ def measure(call: Callable[[int], object], n_sets: int, device: torch.device | s
     settings = settings or Settings.from_env(device.type == "cuda")
     r = Runner(call, n_sets, device, settings, allow_graph=allow_graph, graph_key=graph_key)
     r.prepare()
-    r.round()  # one unmeasured round (pytest-benchmark's warmup_rounds=1)
-    sampler = ClockSampler(device) if clocks else None
-    with sampler or contextlib.nullcontext():
-        times = sorted(timed_rounds(r, r.rounds))
-    m = Measurement(times[len(times) // 2], r.method, r.calls_per_round, r.rounds, r.graph_error,
-                    sampler.stats() if sampler else None, sampler.error if sampler else None)
+    m = measure_interleaved({"call": r}, clocks=clocks).measurements["call"]  # a group of one: its own rounds
     if keep_runner:
         return m, r
     r.close()
@@ -330,9 +326,20 @@ class Interleaved:
     rounds: dict[str, list[float]]
 
     def ratio(self, num: str, den: str, confidence: float = 0.95) -> tuple[float, float, float]:
-        """``(median, low, high)`` of the paired rounds' ``num / den`` time ratios (:func:`median_interval`; ``num``
-        the peer and ``den`` the backend: a speedup)."""
-        return median_interval([a / b for a, b in zip(self.rounds[num], self.rounds[den])], confidence)
+        """:func:`paired_ratio` of two names' rounds (``num`` the peer and ``den`` the backend: a speedup)."""
+        return paired_ratio(self.rounds[num], self.rounds[den], confidence)
+
+
+def paired_ratio(num: list[float], den: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """``(median, low, high)`` of the paired rounds' ``num[j] / den[j]`` ratios (:func:`median_interval`): rounds
+    taken side by side (:func:`measure_interleaved`), so drift between rounds cancels within each pair.
+
+    Raises:
+        ValueError: the two lists differ in length, or are empty.
+    """
+    if len(num) != len(den):
+        raise ValueError(f"paired_ratio needs rounds that pair up, got {len(num)} and {len(den)}")
+    return median_interval([a / b for a, b in zip(num, den)], confidence)
 
 
 def measure_interleaved(runners: dict[str, Runner], *, clocks: bool = False) -> Interleaved:

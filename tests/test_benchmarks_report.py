@@ -128,6 +128,8 @@ def test_interleaved_rounds_take_turns_and_pair_up(monkeypatch):
     assert 1.9 < lo <= med <= hi < 2.2, (lo, med, hi)
     with pytest.raises(ValueError, match="at least one"):
         timing.measure_interleaved({})
+    with pytest.raises(ValueError, match="pair up"):
+        timing.paired_ratio([1.0], [1.0, 2.0])
 
 
 def test_median_interval_covers_the_median():
