@@ -534,3 +534,39 @@ def test_packed_gate_up_rounding_equals_the_per_value_one(monkeypatch, act_name,
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
             f"packed rounding changes the {name} at {int((a.view(torch.int16) != b.view(torch.int16)).sum())} "
             f"elements")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="gluon_ws is sm_90 only (strict kernels raise elsewhere)")
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor"])
+def test_gemm2_on_the_half_blocks_equals_the_tile_list(scheme):
+    """With GEMM1's ``HALF_TAIL`` and GEMM2's ``BLOCK_SIZE_M`` half of GEMM1's, GEMM2 runs the layout's half blocks
+    (ping-pong, a consumer's own 64-row tile) instead of the tile list (cooperative 128-row tiles and 64-row tails):
+    the same rows, each output element the same K products in the same order (FP8: the same promotion intervals,
+    ``N_HALVES``), so the layer's output is equal bit for bit. An expert map; strict kernels."""
+    from backends.triton.experts import fused_experts, strict_kernels
+    from reference.schemes import quantize_weights
+
+    w1, w2, x, w, ids = _gather_inputs(31, 6)
+    E = _GATHER_SIZES["E"]
+    emap = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+    emap[:6] = torch.arange(6, dtype=torch.int32)
+    if scheme == "bf16":  # (a cooperative 128 x 256 bf16 ring fits 3 stages of 64 K)
+        from reference.config import FUSED_MOE_UNQUANTIZED_CONFIG as qc
+        q1, q2, bk, stages, fp8 = w1, w2, 64, 3, {}
+    else:
+        q1, q2, qc = quantize_weights(scheme, w1, w2)
+        bk, stages, fp8 = 128, 4, dict(N_HALVES=1)
+    g1 = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, num_warps=4, num_stages=stages,
+              USE_TMA=1, PERMUTE_A=1, FUSE_QUANT=0, HALF_TAIL=1, COOPERATIVE=1, **fp8)
+    g2 = dict(BLOCK_SIZE_N=256, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, num_warps=4, num_stages=stages, USE_TMA=1, **fp8)
+    outs = []
+    with strict_kernels():
+        for g2x in (dict(g2, BLOCK_SIZE_M=128, COOPERATIVE=1), dict(g2, BLOCK_SIZE_M=64, PINGPONG=1)):
+            outs.append(fused_experts(x, q1, q2, w, ids, quant_config=qc, config={"gemm1": g1, "gemm2": g2x},
+                                      expert_map=emap, global_num_experts=E))
+    a, b = outs
+    assert a.isfinite().all() and a.abs().amax() > 0, "degenerate output"
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
+        f"GEMM2 on the half blocks differs from the tile list at {int((a != b).sum())} of {a.numel()} elements, max "
+        f"|diff| {(a.float() - b.float()).abs().max().item():.3g}")

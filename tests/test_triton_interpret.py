@@ -694,13 +694,15 @@ def _():
 @check("experts_half_tail")
 def _():
     """HALF_TAIL (experts padded to BLOCK_M / 2, full tiles plus one half-height tail tile per expert in one
-    launch) is close to the reference, on its own and with TMA A tiles (GEMM2; GEMM1 with PERMUTE_A), for bf16 with
-    EP, block-FP8 with the fused requantization, and INT8."""
+    launch) is close to the reference, on its own and with TMA A tiles (GEMM2; GEMM1 with PERMUTE_A), with GEMM2 on
+    the layout's half blocks (its BLOCK_M half of GEMM1's), for bf16 with EP, block-FP8 with the fused
+    requantization, and INT8."""
     DH = make(70, 4, 128, 64, 2, torch.bfloat16, ep=2)
     r = []
-    for tma, perm in ((0, 0), (1, 0), (1, 1)):
+    for tma, perm, bm2 in ((0, 0, 32), (1, 0, 32), (1, 1, 32), (1, 1, 16)):
         c = CFG(bm=32, tma=tma, half=1)
         c["gemm1"]["PERMUTE_A"] = perm
+        c["gemm2"]["BLOCK_SIZE_M"] = bm2
         r.append(experts(*DH, "bfloat16", cfg=c))
     xh = torch.randn(70, 256, generator=G).bfloat16()
     q1, q2, qc = block()

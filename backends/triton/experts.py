@@ -819,8 +819,12 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     # STEP_PDL: the top-k sum is launched during GEMM2 (which lets it start once every program of GEMM2 has) and
     # waits for it
     sum_pdl = STEP_PDL and stages == "all"
+    rows2 = gemm_rows
+    if layout.tiles is not None and g2["BLOCK_SIZE_M"] == BM:
+        # HALF_TAIL with GEMM2's BLOCK_SIZE_M half of GEMM1's: GEMM2 runs the layout's half blocks, not the tile list
+        rows2 = dict(gemm_rows, layout=layout._replace(tiles=None, num_tiles=None))
     launch_gemm(GemmOperands(c2, w2, c3, a_scale=a2_scale_arg, w_scale=qc.w2_scale, bias=w2_bias),
-                 GemmShape(n_out=K, a_gather=False, c_sorted=False, **gemm_rows), replace(scales1, a_mode=a2_mode),
+                 GemmShape(n_out=K, a_gather=False, c_sorted=False, **rows2), replace(scales1, a_mode=a2_mode),
                  GemmEpilogue(**epi_quant), g2, pdl_wait=pdl, pdl_trigger=sum_pdl)
     if taps is not None:  # C3 is by route; rows of routes not held here were never written
         taps["gemm2"] = torch.where((local >= 0)[:, None], c3, torch.zeros((), dtype=c3.dtype, device=dev)).view(
