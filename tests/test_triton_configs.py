@@ -531,3 +531,21 @@ def test_amax_slots_count_every_tile_of_the_launch():
     half = SimpleNamespace(tiles=torch.empty(9, dtype=torch.int32))
     assert amax_slots(dict(cfg, BLOCK_SIZE_M=32), GemmShape(layout=half, rows=200, num_valid=16, top_k=2, n_out=7168,
                                                             a_gather=True, c_sorted=True)) == (9, 224)
+
+
+def test_tuner_draws_gemm2_on_the_half_blocks_of_half_tail_entries():
+    """``tune --variants half_blocks``: for an entry whose GEMM1 has ``HALF_TAIL`` (128-row tiles), GEMM2 as ping-pong
+    64-row tiles over the layout's half blocks, at 3 and 4 stages, each a config the backend accepts; nothing for
+    entries without tails, or whose half blocks would be under 64 rows (a ping-pong consumer's MMA rows)."""
+    from tools.triton.tune import _half_block_variants
+
+    g = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3,
+             COOPERATIVE=1)
+    variants = _half_block_variants(dict(g, BLOCK_SIZE_N=128, HALF_TAIL=1), g)
+    assert [v2["num_stages"] for _, _, v2 in variants] == [3, 4]
+    for name, v1, v2 in variants:
+        cfg = C.sanitize_config({"gemm1": v1, "gemm2": v2})
+        assert (cfg["gemm2"]["BLOCK_SIZE_M"], cfg["gemm2"]["PINGPONG"], cfg["gemm2"].get("COOPERATIVE", 0)) == \
+            (64, 1, 0), name
+    assert _half_block_variants(dict(g, BLOCK_SIZE_N=128), g) == []
+    assert _half_block_variants(dict(g, BLOCK_SIZE_M=64, HALF_TAIL=1), dict(g, BLOCK_SIZE_M=64)) == []
