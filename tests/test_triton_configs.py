@@ -78,8 +78,13 @@ def test_gemm2_may_run_the_half_blocks_of_a_half_tail_layout():
     """GEMM2's BLOCK_SIZE_M is GEMM1's (the route layout's block), or with GEMM1's HALF_TAIL half of it: GEMM2 then
     runs the layout's half blocks instead of the tile list (experts.run_experts); any other pair is refused."""
     g = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64)
+    from backends.triton.experts import gemm2_on_half_blocks
+
     cfg = C.sanitize_config({"gemm1": dict(g, HALF_TAIL=1), "gemm2": dict(g, BLOCK_SIZE_M=64)})
     assert (cfg["gemm1"]["BLOCK_SIZE_M"], cfg["gemm2"]["BLOCK_SIZE_M"]) == (128, 64)
+    assert gemm2_on_half_blocks(cfg)
+    assert not gemm2_on_half_blocks(C.sanitize_config({"gemm1": dict(g, HALF_TAIL=1), "gemm2": g}))  # tile list
+    assert not gemm2_on_half_blocks(C.sanitize_config({"gemm1": g, "gemm2": g}))
     for g1, bm2 in ((g, 64), (dict(g, HALF_TAIL=1), 32), (dict(g, HALF_TAIL=1), 256)):
         with pytest.raises(ValueError, match="same BLOCK_SIZE_M"):
             C.sanitize_config({"gemm1": g1, "gemm2": dict(g, BLOCK_SIZE_M=bm2)})

@@ -222,6 +222,13 @@ def layout_block(cfg: dict) -> int:
     return g1["BLOCK_SIZE_M"] // 2 if g1.get("HALF_TAIL", 0) else g1["BLOCK_SIZE_M"]
 
 
+def gemm2_on_half_blocks(cfg: dict) -> bool:
+    """Whether GEMM2 runs the layout's half blocks instead of its tile list: GEMM1 has ``HALF_TAIL`` and GEMM2's
+    ``BLOCK_SIZE_M`` is the layout's block, half of GEMM1's (``configs.sanitize_config`` allows no other mismatch)."""
+    g1 = cfg["gemm1"]
+    return bool(g1.get("HALF_TAIL", 0)) and cfg["gemm2"]["BLOCK_SIZE_M"] == layout_block(cfg)
+
+
 def requantizes_in_epilogue(g1: dict, plan: QuantPlan, I: int) -> bool:
     """Whether GEMM1 of table entry ``g1`` (activation fused, ``FUSE_ACT``) requantizes its output to 1 x group FP8
     in its epilogue (``FUSE_QUANT`` with tiles of one whole group), so that no ``act_quant_kernel`` runs between
@@ -820,8 +827,7 @@ def run_experts(*, out: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor
     # waits for it
     sum_pdl = STEP_PDL and stages == "all"
     rows2 = gemm_rows
-    if layout.tiles is not None and g2["BLOCK_SIZE_M"] == BM:
-        # HALF_TAIL with GEMM2's BLOCK_SIZE_M half of GEMM1's: GEMM2 runs the layout's half blocks, not the tile list
+    if layout.tiles is not None and gemm2_on_half_blocks(cfg):  # the layout's half blocks, not the tile list
         rows2 = dict(gemm_rows, layout=layout._replace(tiles=None, num_tiles=None))
     launch_gemm(GemmOperands(c2, w2, c3, a_scale=a2_scale_arg, w_scale=qc.w2_scale, bias=w2_bias),
                  GemmShape(n_out=K, a_gather=False, c_sorted=False, **rows2), replace(scales1, a_mode=a2_mode),
