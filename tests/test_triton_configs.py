@@ -554,3 +554,22 @@ def test_tuner_draws_gemm2_on_the_half_blocks_of_half_tail_entries():
             (64, 1, 0), name
     assert _half_block_variants(dict(g, BLOCK_SIZE_N=128), g) == []
     assert _half_block_variants(dict(g, BLOCK_SIZE_M=64, HALF_TAIL=1), dict(g, BLOCK_SIZE_M=64)) == []
+
+
+@pytest.mark.parametrize("path", TABLES, ids=lambda p: p.name)
+def test_tuner_variant_paths_of_every_entry_are_valid_configs(path):
+    """``tune --variants`` builds its reference path (GEMM1 gathering on ``fused_moe_kernel``) and the half-block
+    variants from each table entry; every one must be a config the backend accepts, or the tuner stops on the shape
+    before timing anything (thirty-first session: the Qwen3-30B FP8 M = 4096 entries' ``N_HALVES`` did that)."""
+    from tools.triton.tune import _gather_path, _half_block_variants
+
+    m = NAME.match(path.name)
+    block = [int(m.group(5)), int(m.group(6))] if m and m.group(5) else None
+    for M, entry in json.loads(path.read_text()).items():
+        g1, g2 = _gather_path(entry)
+        assert not any(g1.get(k, 0) for k in ("PINGPONG", "COOPERATIVE", "GLUON", "N_HALVES", "HALF_TAIL")), (M, g1)
+        C.sanitize_config({"gemm1": g1, "gemm2": g2}, block_shape=block)
+        if g2["BLOCK_SIZE_M"] == entry["gemm2"]["BLOCK_SIZE_M"]:
+            assert g2 == entry["gemm2"], M  # the entry's own GEMM2 where it runs GEMM1's row tiles
+        for name, v1, v2 in _half_block_variants(entry["gemm1"], entry["gemm2"]):
+            C.sanitize_config({"gemm1": v1, "gemm2": v2}, block_shape=block)

@@ -517,6 +517,23 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
         _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats)
 
 
+def _gather_path(entry):
+    """``(gemm1, gemm2)`` of the variants' reference path for a table entry: GEMM1 on ``fused_moe_kernel`` gathering
+    its rows (no Gluon kernel: those need ``PERMUTE_A`` or ``GATHER_A``; nor ``gluon_ws``'s ``N_HALVES``, which
+    ``configs.sanitize_config`` rejects without it), with the entry's GEMM2 where that GEMM2 runs GEMM1's row tiles;
+    a GEMM2 on the half blocks of GEMM1's ``HALF_TAIL`` (half its ``BLOCK_SIZE_M``) has no such layout here and runs
+    ``fused_moe_kernel`` on GEMM1's tiles instead."""
+    from backends.triton.experts import GLUON_KEYS
+
+    g1 = {k: v for k, v in entry["gemm1"].items()
+          if k not in ("PERMUTE_A", "GATHER_A", "HALF_TAIL", "PERSISTENT", "N_HALVES") + GLUON_KEYS}
+    g2 = dict(entry["gemm2"])
+    if g2["BLOCK_SIZE_M"] != g1["BLOCK_SIZE_M"]:
+        g2 = {k: v for k, v in g2.items() if k not in ("N_HALVES",) + GLUON_KEYS}
+        g2["BLOCK_SIZE_M"] = g1["BLOCK_SIZE_M"]
+    return g1, g2
+
+
 def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
     from backends.triton import configs as C
     from tools.triton.common import draw_inputs, make_weights, time_us
@@ -535,10 +552,8 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             log(f"{sh.name} M={M}: no entry")
             continue
         entry = {k: dict(v) for k, v in table[str(M)].items()}
+        g1, g2_path = _gather_path(entry)
         g2 = entry["gemm2"]
-        # the reference path: fused_moe_kernel gathering its rows (no Gluon kernel: those need PERMUTE_A or GATHER_A)
-        g1 = {k: v for k, v in entry["gemm1"].items()
-              if k not in ("PERMUTE_A", "GATHER_A", "HALF_TAIL", "PERSISTENT") + GLUON_KEYS}
         bm = g1["BLOCK_SIZE_M"]
         R = 4
         xs, routes, a1s = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=77 * M)
@@ -551,7 +566,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
         if "joint" in families and sh.activation != "swigluoai":  # gate / up halves: also as one joint tile
             flip = 1 - g1.get("JOINT_GATE_UP", 0)
             paths += [(f"{n}+joint" if flip else f"{n}-joint", dict(g, JOINT_GATE_UP=flip)) for n, g in paths]
-        variants = [(n, g, g2) for n, g in paths]
+        variants = [(n, g, g2_path) for n, g in paths]
         if entry["gemm1"] != g1 and not set(families) >= {"input", "half_tail"}:
             variants.append(("entry", entry["gemm1"], g2))  # the entry's own input path, timed against the others
         if "half_tail" in families and bm >= 64:
