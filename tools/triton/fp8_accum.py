@@ -261,9 +261,9 @@ def timing(dev, Ms=TIME_MS, repeats=2, budget_s=0.25, variants=None, shapes=None
                 if times[name]:
                     reps = ", ".join(f"{t:.1f}" for t in times[name])
                     log(f"time {sh.name} M={M:5d} {name:32s} {us:9.2f} us  (repeats {reps})")
-            del xs, routes, ref
+            xs = routes = ref = None  # frees the GPU memory (rebound, not del: the closures name them)
             torch.cuda.empty_cache()
-        del w1, w2, qc
+        w1 = w2 = qc = None
         torch.cuda.empty_cache()
     return rows
 

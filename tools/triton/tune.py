@@ -280,7 +280,7 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
             log(f"{sh.name} M={M} BM={key}: gemm1 {t1:.2f} us {g1b} | gemm2 {t2:.2f} us {g2b}")
             if best is None or t1 + t2 < best[0]:
                 best = (t1 + t2, {"gemm1": g1b, "gemm2": g2b})
-            del ws13, ws2, lays, tiles
+            ws13 = ws2 = lays = tiles = None  # frees the GPU memory (rebound, not del: `timed` names them)
             torch.cuda.empty_cache()
         if best is not None and t_entry is not None and t_entry <= best[0]:
             log(f"BEST {sh.name} M={M}: the entry kept ({t_entry:.2f} us; best candidate {best[0]:.2f} us)")
