@@ -573,3 +573,47 @@ def test_tuner_variant_paths_of_every_entry_are_valid_configs(path):
             assert g2 == entry["gemm2"], M  # the entry's own GEMM2 where it runs GEMM1's row tiles
         for name, v1, v2 in _half_block_variants(entry["gemm1"], entry["gemm2"]):
             C.sanitize_config({"gemm1": v1, "gemm2": v2}, block_shape=block)
+
+
+def test_tuner_keeps_the_entry_unless_a_variant_is_faster_beyond_the_noise():
+    """``tune --variants`` picks from interleaved rounds (``_pick``): a variant replaces the entry only if the 95%
+    interval of its paired ratio to the entry lies below 1.00. Rounds drawn under a drifting clock (the power cap)
+    that the pairing cancels: a variant 2% faster in every pair is taken; one whose median is lower only by the noise
+    of its rounds, or the best of whose rounds is lower (what the old best-of-N picked), is not."""
+    import random
+
+    from tools.triton.tune import _pick
+
+    rng = random.Random(5)
+    drift = [1.0 + 0.04 * j / 30 for j in range(30)]  # clocks slowing over the run: 4% by its end
+    entry = [100e-6 * d * (1 + rng.gauss(0, 0.003)) for d in drift]
+    faster = [e * 0.98 * (1 + rng.gauss(0, 0.003)) for e in entry]
+    noisy = [e * (0.985, 0.998, 1.012)[j % 3] for j, e in enumerate(entry)]  # paired ratios spread across 1
+    noisy[0] = entry[0] * 0.9  # one lucky round: its minimum is the lowest of all
+    assert min(noisy) < min(faster) < min(entry)
+    assert sorted(noisy)[15] < sorted(entry)[15]  # and its median is lower, by less than its noise
+
+    name, why = _pick({"entry": entry, "noisy": noisy}, "entry")
+    assert name == "entry" and "a tie" in why, why
+    name, why = _pick({"entry": entry, "noisy": noisy, "faster": faster}, "entry")
+    assert name == "faster" and "below 1.00" in why, why
+    assert _pick({"entry": entry, "faster": faster}, None)[0] == "faster"  # no entry timed: the fastest median
+    assert _pick({"entry": entry, "slower": [t * 1.05 for t in entry]}, "entry")[0] == "entry"
+
+
+def test_time_interleaved_reports_a_failing_runner_and_times_the_others():
+    """``tools.triton.common.time_interleaved``: a call that raises while its runner is prepared is reported by name
+    (the tuner logs it as skipped) and the others are still timed, side by side (the CPU path: wall-clock rounds)."""
+    from tools.triton.common import time_interleaved
+
+    def ok(i):
+        return sum(range(200))
+
+    def bad(i):
+        raise RuntimeError("no kernel for this config")
+
+    inter, failed = time_interleaved({"a": ok, "bad": bad, "b": ok}, 2, "cpu", budget_s=0.01)
+    assert set(failed) == {"bad"} and "RuntimeError: no kernel" in failed["bad"]
+    assert set(inter.measurements) == {"a", "b"}
+    assert len(inter.rounds["a"]) == len(inter.rounds["b"]) >= 5
+    assert time_interleaved({"bad": bad}, 2, "cpu", budget_s=0.01)[0] is None

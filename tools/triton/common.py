@@ -14,7 +14,7 @@ from functools import cache
 
 import torch
 
-__all__ = ["Shape", "shapes", "shape", "make_weights", "make_routing", "draw_inputs", "time_us"]
+__all__ = ["Shape", "shapes", "shape", "make_weights", "make_routing", "draw_inputs", "time_us", "time_interleaved"]
 
 
 @dataclass(frozen=True)
@@ -111,3 +111,30 @@ def time_us(call, n_sets: int, dev, budget_s: float = 0.4, *, keep_runner: bool 
         m, runner = measure(call, n_sets, dev, settings, keep_runner=True)
         return m.us, runner
     return measure(call, n_sets, dev, settings).us
+
+
+def time_interleaved(calls: dict, n_sets: int, dev, budget_s: float = 0.4):
+    """Time several implementations of one step side by side: each ``calls[name](i)`` (``i`` in ``range(n_sets)``) is
+    prepared as a :class:`benchmarks.timing.Runner` (CUDA graph of >= ``n_sets`` calls) and all are timed round for
+    round in turn (``benchmarks.timing.measure_interleaved``: A B C, then C B A, ...), ``budget_s`` of rounds each, so
+    that the power cap's state falls on all of them alike (the bench's own method; timed one after the other, the
+    same config read 5% apart on an H200). Returns ``(interleaved, failed)``: the
+    :class:`benchmarks.timing.Interleaved` of those that prepared (None if none did) and ``{name: "Type: message"}``
+    of those whose preparation raised."""
+    from benchmarks.timing import Runner, Settings, measure_interleaved
+
+    settings = Settings(budget_s=budget_s, min_rounds=5, max_rounds=60)
+    runners, failed = {}, {}
+    for name, call in calls.items():
+        r = Runner(call, n_sets, dev, settings)
+        try:
+            r.prepare()
+        except Exception as exc:  # noqa: BLE001 - reported by name, the others are still timed
+            failed[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            continue
+        runners[name] = r
+    try:
+        return (measure_interleaved(runners) if runners else None), failed
+    finally:
+        for r in runners.values():
+            r.close()

@@ -25,7 +25,8 @@ kernel of ``gluon_sm90.py`` (``gluon``: ``GLUON``, unfused or gated, one program
 warp-specialized kernel of ``gluon_ws.py`` (``ws``: ``PINGPONG`` / ``COOPERATIVE``, bf16 and block FP8), and with
 programmatic dependent launch between the GEMMs (``pdl``: ``PDL``), and decode GEMM2s computing several N tiles
 per program (``ntiles``: ``N_TILES``, ``FLATTEN``); outputs must agree (see ``tune_variants``), the
-fastest of ``--repeats`` round-robin timings is kept. ``--variants half_tail`` (for example) tries only that family
+variants whose output passes are timed side by side, round for round in turn (the bench's interleaved method), and the
+fastest replaces the entry only if its paired rounds put it below the entry's time beyond the noise (``_pick``). ``--variants half_tail`` (for example) tries only that family
 against the entry.
 """
 
@@ -506,7 +507,8 @@ def tune_variants(sh, Ms, dev, out_dir, reps_s=0.3, families=VARIANT_FAMILIES, r
     - ``half_blocks`` (GEMM1 with ``HALF_TAIL``): GEMM2 on the layout's half blocks as ping-pong tiles
       (``_half_block_variants``);
 
-    and keep the fastest (best of ``repeats`` round-robin timings) whose output is bitwise equal to the gathering
+    and keep the fastest (timed interleaved, ``repeats`` x ``reps_s`` of rounds each; it replaces the entry only if
+    faster beyond the rounds' noise: ``_pick``) whose output is bitwise equal to the gathering
     one (the input path changes no arithmetic) or, where it differs (another MMA shape, accumulation schedule or
     order of the fp32 sums), within the error model's bound against the reference for the call (``_reference_judge``:
     the one rule of the conformance suite and the benchmark's check)."""
@@ -536,7 +538,8 @@ def _gather_path(entry):
 
 def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
     from backends.triton import configs as C
-    from tools.triton.common import draw_inputs, make_weights, time_us
+    from benchmarks.timing import paired_ratio
+    from tools.triton.common import draw_inputs, make_weights, time_interleaved
     from backends.triton.experts import GLUON_KEYS, plan_quant, requantizes_in_epilogue, run_experts, step_layout
     from backends.triton.kernels import QMODE_FP8_TENSOR_AMAX
 
@@ -611,6 +614,8 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
         if "ws" in families and sh.activation == "silu" and not sh.bias and plan.kind in ("none", "fp8"):
             # FP8 per-tensor / per-channel too (issue 44: Mixtral TP2 fp8_tensor prefill), on the FP8 tile list
             variants += _ws_variants(entry["gemm1"], g1, g2, plan.kind == "fp8")
+        entry_cfg = C.sanitize_config(entry, block_shape=plan.block_shape)
+        entry_name = None
         for name, v1, v2 in variants:
             cand = {"gemm1": v1, "gemm2": v2}
             cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
@@ -635,23 +640,55 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
                     ok = check.ok
                     verdict = f"differs from gather: max_norm {d:.2e}; vs reference: {check.text}" + (
                         "" if ok else " (REJECTED)")
-                t = time_us(call, 4, dev, reps_s)
             except Exception as exc:  # noqa: BLE001
                 log(f"  skip {name}: {type(exc).__name__}: {str(exc)[:160]}")
                 continue
-            log(f"{sh.name} M={M} BM={bm} {name}: {t:.2f} us {verdict}")
+            log(f"{sh.name} M={M} BM={bm} {name}: {verdict}")
             if ok:
-                res.append([t, name, cand, call])
-        # the same configuration timed twice in one run differed by up to ~4% (clocks): every kept variant is timed
-        # again, round-robin, and keeps its best median
-        for _ in range(repeats - 1):
-            for r in res:
-                r[0] = min(r[0], time_us(r[3], 4, dev, reps_s))
-        if res:
-            t, name, cand, _ = min(res, key=lambda r: r[0])
-            table[str(M)] = cand
-            log(f"BEST {sh.name} M={M}: {name} {t:.2f} us; " + ", ".join(f"{r[1]} {r[0]:.2f}" for r in res))
-            _write_table(fname, table)  # after every M: a run cut by its time limit keeps what it finished
+                res.append((name, cand, call))
+                if entry_name is None and cfg == entry_cfg:
+                    entry_name = name
+        if not res:
+            continue
+        # timed side by side, round for round in turn (the bench's method): timed one after the other, the same
+        # config read 5% apart under the power cap, and a best-of-N favoured whichever variant met the coolest clock
+        inter, failed = time_interleaved({name: call for name, _, call in res}, 4, dev, reps_s * repeats)
+        for name, why in failed.items():
+            log(f"  skip {name}: {why}")
+        if inter is None:
+            continue
+        cands = {name: cand for name, cand, _ in res}
+        for name, m in inter.measurements.items():
+            vs = ""
+            if entry_name in inter.rounds and name != entry_name:
+                r, lo, hi = paired_ratio(inter.rounds[name], inter.rounds[entry_name])
+                vs = f"  {r:.3f}x the entry's time ({lo:.3f}-{hi:.3f})"
+            log(f"time {sh.name} M={M} {name:32s} {m.us:9.2f} us{vs}" + (" (the entry)" if name == entry_name else ""))
+        name, why = _pick(inter.rounds, entry_name)
+        table[str(M)] = cands[name]
+        log(f"BEST {sh.name} M={M}: {name} {inter.measurements[name].us:.2f} us ({why}; {inter.measurements[name].rounds}"
+            " interleaved rounds each)")
+        _write_table(fname, table)  # after every M: a run cut by its time limit keeps what it finished
+
+
+def _pick(rounds, entry):
+    """``(name, why)``: the variant a table takes from interleaved timings (``rounds[name]``: per-call seconds, round
+    ``j`` of every name taken side by side). The fastest by median replaces the entry (``entry``: its name, or None
+    when the entry's own config was not among them) only if the 95% interval of its paired rounds' ratio to the
+    entry's lies wholly below 1.00 (``benchmarks.timing.paired_ratio``): a difference the rounds' noise could explain
+    keeps the entry."""
+    from benchmarks.timing import paired_ratio
+
+    med = {k: sorted(v)[len(v) // 2] for k, v in rounds.items()}
+    best = min(med, key=med.get)
+    if entry is None or entry not in rounds:
+        return best, "the fastest median; the entry's own config was not timed"
+    if best == entry:
+        return entry, "the entry is the fastest"
+    r, lo, hi = paired_ratio(rounds[best], rounds[entry])
+    if hi < 1.0:
+        return best, f"{r:.3f}x the entry's time ({lo:.3f}-{hi:.3f}), below 1.00"
+    return entry, f"the entry kept: the fastest, {best}, is {r:.3f}x its time ({lo:.3f}-{hi:.3f}), a tie within the noise"
 
 
 def parse_shape(spec):
@@ -683,7 +720,7 @@ def main(argv=None):
                     help="without --variants: time each M's existing entry too and keep it unless a candidate is "
                          "faster")
     ap.add_argument("--repeats", type=int, default=2,
-                    help="with --variants: round-robin timings per variant, the best kept (default 2)")
+                    help="with --variants: the interleaved rounds' budget, in units of 0.3 s per variant (default 2)")
     args = ap.parse_args(argv)
     families = tuple(args.variants.split(",")) if args.variants else ()
     if set(families) - set(VARIANT_FAMILIES):
