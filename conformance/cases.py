@@ -6,6 +6,7 @@ The seed is the first 8 bytes of sha256(id), so a case draws the same inputs on 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
@@ -60,12 +61,14 @@ class ExpertsCase:
     ep_size: int
     ep_rank: int
     chunk_size: int | None = None
+    tp_size: int = 1  # > 1: one TP rank's shard of every expert (``model.intermediate_size`` is then the shard's I)
     origin: str = field(default="spec", compare=False)
     regime: str = field(default="decode", compare=False)
 
     @property
     def id(self) -> str:
         s = f"{self.model.name}-{self.scheme}-M{self.tokens}-ep{self.ep_size}r{self.ep_rank}"
+        s += f"-tp{self.tp_size}" if self.tp_size > 1 else ""
         s += f"-chunk{self.chunk_size}" if self.chunk_size else ""
         # A claim case may run a model with another claimed activation than its own.
         spec = load_models().get(self.model.name)
@@ -139,21 +142,51 @@ def experts_cases(include_gpu_only: bool = False) -> list[ExpertsCase]:
         if extra.get("gpu_only") and not include_gpu_only:
             continue
         m = models[extra["model"]]
-        cases.append(ExpertsCase(m, extra.get("scheme", "bf16"), extra["tokens"], extra.get("ep_size", m.cpu_ep_size),
-                                 extra.get("ep_rank", 0), extra.get("chunk_size")))
+        ep_size, tp_size = extra.get("ep_size", m.cpu_ep_size), extra.get("tp_size", 1)
+        if tp_size > 1:
+            m = tp_shard(m, tp_size, ep_size)
+        cases.append(ExpertsCase(m, extra.get("scheme", "bf16"), extra["tokens"], ep_size, extra.get("ep_rank", 0),
+                                 extra.get("chunk_size"), tp_size=tp_size))
     return cases
 
 
+def tp_shard(model: ModelSpec, tp_size: int, ep_size: int = 1) -> ModelSpec:
+    """``model`` as one TP rank holds it: every expert's intermediate size split ``tp_size`` ways (vLLM's
+    ``intermediate_size_per_partition``; the shapes of the tuned tables' TP entries, e.g. Mixtral TP2: E=8, N=7168).
+    The rank's output is its partial sum, which the all-reduce after the layer completes: the reference computes
+    the same partial sum on the same shard.
+
+    Raises:
+        ValueError: ``tp_size`` does not divide the intermediate size, or ``ep_size`` > 1 (vLLM shards the experts by
+            EP or their intermediate size by TP, not both: with EP on, its ``tp_size`` is 1).
+    """
+    if ep_size != 1:
+        raise ValueError(f"{model.name}: tp_size {tp_size} needs ep_size 1, got {ep_size} (with EP on, vLLM shards "
+                         "whole experts and its tp_size is 1)")
+    if model.intermediate_size % tp_size:
+        raise ValueError(f"{model.name}: tp_size {tp_size} does not divide intermediate_size "
+                         f"{model.intermediate_size}")
+    return dataclasses.replace(model, intermediate_size=model.intermediate_size // tp_size)
+
+
+def parallel_config(case: ExpertsCase):
+    """The case's ``FusedMoEParallelConfig``: its EP rank, or its TP size (``tp_shard``)."""
+    from reference.config import FusedMoEParallelConfig
+
+    if case.tp_size > 1:
+        return FusedMoEParallelConfig(tp_size=case.tp_size)
+    return FusedMoEParallelConfig.make_ep(case.ep_size, case.ep_rank)
+
+
 def _claimed(cls, case: ExpertsCase) -> bool:
-    from reference.config import FusedMoEConfig, FusedMoEParallelConfig
+    from reference.config import FusedMoEConfig
     from reference.schemes import get_scheme
 
     m = case.model
     cfg = FusedMoEConfig(num_experts=m.num_experts, experts_per_token=m.top_k, hidden_dim=m.hidden_size,
                          intermediate_size_per_partition=m.intermediate_size,
                          num_local_experts=m.num_experts // case.ep_size, activation=case.activation,
-                         in_dtype=case.dtype, moe_parallel_config=FusedMoEParallelConfig.make_ep(case.ep_size,
-                                                                                                 case.ep_rank),
+                         in_dtype=case.dtype, moe_parallel_config=parallel_config(case),
                          has_bias=m.expert_bias, **situ_params(case.activation))
     w, a = get_scheme(case.scheme).quant_keys()
     ok, _ = cls.is_supported_config(cls, cfg, w, a, cls.activation_format())

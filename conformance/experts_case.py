@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance.cases import ExpertsCase, situ_params
+from conformance.cases import ExpertsCase, parallel_config, situ_params
 from conformance.inputs import ExpertsInputs, make_experts_inputs
-from reference.config import FusedMoEConfig, FusedMoEParallelConfig
+from reference.config import FusedMoEConfig
 from reference.error_model import ErrorBound, experts_error_bound
 from reference.experts import fused_experts_with_heavy
 
@@ -34,7 +34,7 @@ def weights_key(case: ExpertsCase) -> tuple:
     """What ``conformance.inputs`` caches per worker: the model's bf16 weights per EP shard, then the scheme's codes;
     cases sorted by it share their weights."""
     m = case.model
-    return (m.name, m.activation, str(case.dtype), case.ep_size, case.ep_rank, case.scheme)
+    return (m.name, m.activation, str(case.dtype), case.ep_size, case.ep_rank, case.tp_size, case.scheme)
 
 
 def _router_weight_rounding(experts_cls) -> str:
@@ -119,7 +119,7 @@ def moe_config_for(case: ExpertsCase) -> FusedMoEConfig:
         num_experts=m.num_experts, experts_per_token=m.top_k, hidden_dim=m.hidden_size,
         intermediate_size_per_partition=m.intermediate_size, num_local_experts=m.num_experts // case.ep_size,
         activation=case.activation, in_dtype=case.dtype,
-        moe_parallel_config=FusedMoEParallelConfig.make_ep(case.ep_size, case.ep_rank), has_bias=m.expert_bias,
+        moe_parallel_config=parallel_config(case), has_bias=m.expert_bias,
         **situ_params(case.activation),
     )
 

@@ -65,7 +65,7 @@ def test_experts(backend, experts_cls, case: ExpertsCase, tolerances, repro, rec
     claimed, reason = experts_cls.is_supported_config(experts_cls, moe_config, qc.weight_key, qc.activation_key, fmt)
     record(model=case.model.name, scheme=case.scheme, component="experts", tokens=case.tokens,
            experts_class=experts_cls.__name__, origin=case.origin, regime=case.regime,
-           activation=case.activation.name, ep_size=case.ep_size, ep_rank=case.ep_rank,
+           activation=case.activation.name, ep_size=case.ep_size, ep_rank=case.ep_rank, tp_size=case.tp_size,
            chunk_size=case.chunk_size)
     kwargs = dict(activation=case.activation, global_num_experts=inputs.global_num_experts,
                   expert_map=inputs.expert_map, apply_router_weight_on_input=case.model.apply_router_weight_on_input)
