@@ -617,3 +617,25 @@ def test_time_interleaved_reports_a_failing_runner_and_times_the_others():
     assert set(inter.measurements) == {"a", "b"}
     assert len(inter.rounds["a"]) == len(inter.rounds["b"]) >= 5
     assert time_interleaved({"bad": bad}, 2, "cpu", budget_s=0.01)[0] is None
+
+
+def test_keep_entry_replaces_the_entry_only_with_a_faster_candidate():
+    """``tune --keep-entry`` (``_entry_or_candidate``): the sweep's best candidate and the entry timed side by side
+    (here on the CPU's wall clock: calls of a known length); a candidate twice as fast replaces the entry, a slower one
+    does not, and one that fails to run is never taken while an entry that fails is replaced."""
+    import time
+
+    from tools.triton.tune import _entry_or_candidate
+
+    def sleeper(s):
+        return lambda i: time.sleep(s)
+
+    def broken(i):
+        raise RuntimeError("no such kernel")
+
+    replace, why = _entry_or_candidate(sleeper(2e-3), sleeper(1e-3), 2, "cpu", 0.05)
+    assert replace and "below 1.00" in why, why
+    replace, why = _entry_or_candidate(sleeper(1e-3), sleeper(1.5e-3), 2, "cpu", 0.05)
+    assert not replace, why  # (two equally fast would be kept too, but a tie's interval misses 1.00 1 time in 40)
+    assert _entry_or_candidate(sleeper(1e-3), broken, 2, "cpu", 0.05)[0] is False
+    assert _entry_or_candidate(broken, sleeper(1e-3), 2, "cpu", 0.05)[0] is True

@@ -178,11 +178,10 @@ def _write_table(fname, table: dict) -> None:
         json.dump(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), f, indent=1)
 
 
-def _time_entry(sh, M, entry, dev, w1, w2, qc, act, plan, routes, a1s, outs, reps_s):
-    """GEMM1 (+ its activation / requantization) + GEMM2 of a table entry (``run_experts(stages="gemms")`` on its
-    own layout), us: what a tuned candidate's ``gemm1`` + ``gemm2`` times are compared with (``--keep-entry``)."""
+def _gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs):
+    """``call(i)``: GEMM1 (+ its activation / requantization) + GEMM2 of a table entry on input set ``i % R``
+    (``run_experts(stages="gemms")`` on the entry's own layout, as the step runs it)."""
     from backends.triton import configs as C
-    from tools.triton.common import time_us
     from backends.triton.experts import run_experts, step_layout
 
     cfg = C.sanitize_config(entry, block_shape=plan.block_shape)
@@ -194,7 +193,32 @@ def _time_entry(sh, M, entry, dev, w1, w2, qc, act, plan, routes, a1s, outs, rep
         run_experts(out=outs, a1q=a1s[r][0], a1q_scale=a1s[r][1], w1=w1, w2=w2, topk_weights=routes[r][0],
                     topk_ids=routes[r][1], activation=act, expert_map=None, num_ids=sh.E, qc=qc, plan=plan, cfg=cfg,
                     layout=lays[r], stages="gemms")
-    return time_us(call, 8 if M <= 64 else 4, dev, reps_s)
+    return call
+
+
+def _time_entry(sh, M, entry, dev, w1, w2, qc, act, plan, routes, a1s, outs, reps_s):
+    """GEMM1 + GEMM2 of a table entry (``_gemms_call``), us (``--keep-entry``: logged before the sweep)."""
+    from tools.triton.common import time_us
+
+    return time_us(_gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs), 8 if M <= 64 else 4, dev,
+                   reps_s)
+
+
+def _entry_or_candidate(entry_call, cand_call, n_sets, dev, budget_s):
+    """``(replace, why)``: whether the sweep's best candidate replaces the entry (``--keep-entry``). The two are timed
+    side by side over the whole GEMM stage (``time_interleaved``; the sweep timed GEMM1 and GEMM2 apart, and the
+    entry seconds before), and the candidate wins only if the 95% interval of its paired ratio to the entry lies
+    below 1.00 (``_pick``); an entry that no longer runs is replaced, a candidate that does not run is not taken."""
+    from tools.triton.common import time_interleaved
+
+    inter, failed = time_interleaved({"entry": entry_call, "candidate": cand_call}, n_sets, dev, budget_s)
+    if "entry" in failed:
+        return "candidate" not in failed, f"the entry failed: {failed['entry']}"
+    if "candidate" in failed:
+        return False, f"the candidate failed: {failed['candidate']}"
+    name, why = _pick(inter.rounds, "entry")
+    times = ", ".join(f"{k} {m.us:.2f} us" for k, m in inter.measurements.items())
+    return name == "candidate", f"{why}; {times}"
 
 
 def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
@@ -283,9 +307,16 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
                 best = (t1 + t2, {"gemm1": g1b, "gemm2": g2b})
             ws13 = ws2 = lays = tiles = None  # frees the GPU memory (rebound, not del: `timed` names them)
             torch.cuda.empty_cache()
-        if best is not None and t_entry is not None and t_entry <= best[0]:
-            log(f"BEST {sh.name} M={M}: the entry kept ({t_entry:.2f} us; best candidate {best[0]:.2f} us)")
-        elif best is not None:
+        if best is not None and t_entry is not None:
+            replace, why = _entry_or_candidate(
+                _gemms_call(sh, table[str(M)], w1, w2, qc, act, plan, routes, a1s, outs),
+                _gemms_call(sh, best[1], w1, w2, qc, act, plan, routes, a1s, outs), 8 if M <= 64 else 4, dev,
+                2 * reps_s)
+            log(f"{sh.name} M={M} the entry against the best candidate, interleaved: {why}")
+            if not replace:
+                log(f"BEST {sh.name} M={M}: the entry kept")
+                best = None
+        if best is not None:
             table[str(M)] = best[1]
             log(f"BEST {sh.name} M={M}: {best[0]:.2f} us" + (f" (entry {t_entry:.2f} us)" if t_entry else ""))
             _write_table(fname, table)
@@ -717,8 +748,8 @@ def main(argv=None):
                     help="only revisit the existing table entries of --ms with the variant families given "
                          f"(comma-separated, default all: {','.join(VARIANT_FAMILIES)}; see tune_variants)")
     ap.add_argument("--keep-entry", action="store_true",
-                    help="without --variants: time each M's existing entry too and keep it unless a candidate is "
-                         "faster")
+                    help="without --variants: time each M's existing entry too and keep it unless the sweep's best "
+                         "candidate is faster beyond the noise, the two timed side by side")
     ap.add_argument("--repeats", type=int, default=2,
                     help="with --variants: the interleaved rounds' budget, in units of 0.3 s per variant (default 2)")
     args = ap.parse_args(argv)
