@@ -179,8 +179,9 @@ def _write_table(fname, table: dict) -> None:
 
 
 def _gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs):
-    """``call(i)``: GEMM1 (+ its activation / requantization) + GEMM2 of a table entry on input set ``i % R``
-    (``run_experts(stages="gemms")`` on the entry's own layout, as the step runs it)."""
+    """``call(i, stages="gemms")``: GEMM1 (+ its activation / requantization) + GEMM2 of a table entry on input set
+    ``i % R`` (``run_experts`` on the entry's own layout, as the step runs it; ``stages="all"`` adds the top-k sum
+    into ``outs``, for a check of the output)."""
     from backends.triton import configs as C
     from backends.triton.experts import run_experts, step_layout
 
@@ -188,11 +189,11 @@ def _gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs):
     lays = [step_layout(ids, cfg, sh.E) for _, ids in routes]
     R = len(routes)
 
-    def call(i):
+    def call(i, stages="gemms"):
         r = i % R
         run_experts(out=outs, a1q=a1s[r][0], a1q_scale=a1s[r][1], w1=w1, w2=w2, topk_weights=routes[r][0],
                     topk_ids=routes[r][1], activation=act, expert_map=None, num_ids=sh.E, qc=qc, plan=plan, cfg=cfg,
-                    layout=lays[r], stages="gemms")
+                    layout=lays[r], stages=stages)
     return call
 
 
@@ -571,7 +572,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
     from backends.triton import configs as C
     from benchmarks.timing import paired_ratio
     from tools.triton.common import draw_inputs, make_weights, time_interleaved
-    from backends.triton.experts import GLUON_KEYS, plan_quant, requantizes_in_epilogue, run_experts, step_layout
+    from backends.triton.experts import GLUON_KEYS, plan_quant, requantizes_in_epilogue
     from backends.triton.kernels import QMODE_FP8_TENSOR_AMAX
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
@@ -650,13 +651,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
         for name, v1, v2 in variants:
             cand = {"gemm1": v1, "gemm2": v2}
             cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
-            lays = [step_layout(ids, cfg, sh.E) for _, ids in routes]
-
-            def call(i, cfg=cfg, lays=lays, stages="gemms"):
-                r = i % R
-                run_experts(out=outs, a1q=a1s[r][0], a1q_scale=a1s[r][1], w1=w1, w2=w2, topk_weights=routes[r][0],
-                            topk_ids=routes[r][1], activation=act, expert_map=None, num_ids=sh.E, qc=qc, plan=plan,
-                            cfg=cfg, layout=lays[r], stages=stages)
+            call = _gemms_call(sh, cand, w1, w2, qc, act, plan, routes, a1s, outs)
             try:
                 call(0, stages="all")
                 verdict, ok = "bitwise equal", True
@@ -708,9 +703,9 @@ def _pick(rounds, entry):
     when the entry's own config was not among them) only if the 95% interval of its paired rounds' ratio to the
     entry's lies wholly below 1.00 (``benchmarks.timing.paired_ratio``): a difference the rounds' noise could explain
     keeps the entry."""
-    from benchmarks.timing import paired_ratio
+    from benchmarks.timing import median_interval, paired_ratio
 
-    med = {k: sorted(v)[len(v) // 2] for k, v in rounds.items()}
+    med = {k: median_interval(v)[0] for k, v in rounds.items()}
     best = min(med, key=med.get)
     if entry is None or entry not in rounds:
         return best, "the fastest median; the entry's own config was not timed"
