@@ -575,6 +575,35 @@ def test_tuner_variant_paths_of_every_entry_are_valid_configs(path):
             C.sanitize_config({"gemm1": v1, "gemm2": v2}, block_shape=block)
 
 
+@pytest.mark.parametrize("path", TABLES, ids=lambda p: p.name)
+def test_tuner_times_every_entry_against_its_variants(path):
+    """``tune --variants`` (every family) times each table entry's own config among its variants, so that ``_pick``
+    compares the variants against it: the thirty-second session's run had no variant equal to the half-block entries
+    (GEMM1 on ``gluon_ws``, GEMM2 on the half blocks) and replaced them with the fastest variant, never timed against
+    the entry."""
+    import dataclasses
+
+    from backends.triton.experts import plan_quant
+    from tools.triton.common import make_weights, shapes
+    from tools.triton.tune import VARIANT_FAMILIES, _sanitized, _variant_list
+
+    m = NAME.match(path.name)
+    E, I, dtype = int(m.group(1)), int(m.group(2)), m.group(4)
+    block = [int(m.group(5)), int(m.group(6))] if m.group(5) else None
+    sh = next((s for s in shapes() if (s.E, s.I) == (E, I)
+               and plan_quant(make_weights(dataclasses.replace(s, E=2, K=256, I=128), s.scheme, "cpu")[2]).cfg_dtype
+               == dtype), None)
+    if sh is None:
+        pytest.skip(f"no tuner shape has the table {path.name}")
+    plan = plan_quant(make_weights(dataclasses.replace(sh, E=2, K=256, I=128), sh.scheme, "cpu")[2])
+    for M, entry in json.loads(path.read_text()).items():
+        want = C.sanitize_config(entry, block_shape=block)
+        variants = _variant_list(sh, entry, plan, VARIANT_FAMILIES)
+        assert variants[0][0] == "gather", M
+        runs_entry = [n for n, v1, v2 in variants if _sanitized(v1, v2, block) == want]
+        assert runs_entry, (M, entry)
+
+
 def test_tuner_keeps_the_entry_unless_a_variant_is_faster_beyond_the_noise():
     """``tune --variants`` picks from interleaved rounds (``_pick``): a variant replaces the entry only if the 95%
     interval of its paired ratio to the entry lies below 1.00. Rounds drawn under a drifting clock (the power cap)
@@ -582,7 +611,7 @@ def test_tuner_keeps_the_entry_unless_a_variant_is_faster_beyond_the_noise():
     of its rounds, or the best of whose rounds is lower (what the old best-of-N picked), is not."""
     import random
 
-    from tools.triton.tune import _pick
+    from tools.triton.tune import TWIN, _pick
 
     rng = random.Random(5)
     drift = [1.0 + 0.04 * j / 30 for j in range(30)]  # clocks slowing over the run: 4% by its end
@@ -599,6 +628,16 @@ def test_tuner_keeps_the_entry_unless_a_variant_is_faster_beyond_the_noise():
     assert name == "faster" and "below 1.00" in why, why
     assert _pick({"entry": entry, "faster": faster}, None)[0] == "faster"  # no entry timed: the fastest median
     assert _pick({"entry": entry, "slower": [t * 1.05 for t in entry]}, "entry")[0] == "entry"
+
+    # the entry's twin (the same config built anew) reads 1.5% off the entry round after round: the placement's
+    # share, which a 1% faster variant does not clear and a 2% faster one does; the twin itself is never picked
+    twin = [e * 1.015 for e in entry]
+    one = [e * 0.99 for e in entry]
+    name, why = _pick({"entry": entry, TWIN: twin, "one": one}, "entry", TWIN)
+    assert name == "entry" and "twin" in why, why
+    name, why = _pick({"entry": entry, TWIN: twin, "faster": faster}, "entry", TWIN)
+    assert name == "faster" and "below 0.985" in why, why
+    assert _pick({"entry": entry, TWIN: [e * 0.9 for e in entry]}, "entry", TWIN)[0] == "entry"
 
 
 def test_time_interleaved_reports_a_failing_runner_and_times_the_others():
@@ -636,6 +675,8 @@ def test_keep_entry_replaces_the_entry_only_with_a_faster_candidate():
     replace, why = _entry_or_candidate(sleeper(2e-3), sleeper(1e-3), 2, "cpu", 0.05)
     assert replace and "below 1.00" in why, why
     replace, why = _entry_or_candidate(sleeper(1e-3), sleeper(1.5e-3), 2, "cpu", 0.05)
-    assert not replace, why  # (two equally fast would be kept too, but a tie's interval misses 1.00 1 time in 40)
+    assert not replace, why
+    replace, why = _entry_or_candidate(sleeper(2e-3), sleeper(1e-3), 2, "cpu", 0.05, twin_call=sleeper(2e-3))
+    assert replace and "twin" in why, why  # a twin timed beside them, its spread a margin the candidate clears  # (two equally fast would be kept too, but a tie's interval misses 1.00 1 time in 40)
     assert _entry_or_candidate(sleeper(1e-3), broken, 2, "cpu", 0.05)[0] is False
     assert _entry_or_candidate(broken, sleeper(1e-3), 2, "cpu", 0.05)[0] is True

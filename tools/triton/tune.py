@@ -42,6 +42,8 @@ import traceback
 import torch
 
 T0 = time.time()
+# a second instance of a table entry, timed beside it and its rivals (the placement's share of a ratio: _pick)
+TWIN = "entry twin (A/A)"
 
 
 def log(*a):
@@ -205,19 +207,23 @@ def _time_entry(sh, M, entry, dev, w1, w2, qc, act, plan, routes, a1s, outs, rep
                    reps_s)
 
 
-def _entry_or_candidate(entry_call, cand_call, n_sets, dev, budget_s):
+def _entry_or_candidate(entry_call, cand_call, n_sets, dev, budget_s, twin_call=None):
     """``(replace, why)``: whether the sweep's best candidate replaces the entry (``--keep-entry``). The two are timed
     side by side over the whole GEMM stage (``time_interleaved``; the sweep timed GEMM1 and GEMM2 apart, and the
-    entry seconds before), and the candidate wins only if the 95% interval of its paired ratio to the entry lies
-    below 1.00 (``_pick``); an entry that no longer runs is replaced, a candidate that does not run is not taken."""
+    entry seconds before), with ``twin_call`` (a second instance of the entry's call) beside them when given, and
+    the candidate wins only if the 95% interval of its paired ratio to the entry lies below 1.00 by more than the
+    twin's spread (``_pick``); an entry that no longer runs is replaced, a candidate that does not run is not taken."""
     from tools.triton.common import time_interleaved
 
-    inter, failed = time_interleaved({"entry": entry_call, "candidate": cand_call}, n_sets, dev, budget_s)
+    calls = {"entry": entry_call, "candidate": cand_call}
+    if twin_call is not None:
+        calls[TWIN] = twin_call
+    inter, failed = time_interleaved(calls, n_sets, dev, budget_s)
     if "entry" in failed:
         return "candidate" not in failed, f"the entry failed: {failed['entry']}"
     if "candidate" in failed:
         return False, f"the candidate failed: {failed['candidate']}"
-    name, why = _pick(inter.rounds, "entry")
+    name, why = _pick(inter.rounds, "entry", TWIN)
     times = ", ".join(f"{k} {m.us:.2f} us" for k, m in inter.measurements.items())
     return name == "candidate", f"{why}; {times}"
 
@@ -312,7 +318,7 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
             replace, why = _entry_or_candidate(
                 _gemms_call(sh, table[str(M)], w1, w2, qc, act, plan, routes, a1s, outs),
                 _gemms_call(sh, best[1], w1, w2, qc, act, plan, routes, a1s, outs), 8 if M <= 64 else 4, dev,
-                2 * reps_s)
+                2 * reps_s, twin_call=_gemms_call(sh, table[str(M)], w1, w2, qc, act, plan, routes, a1s, outs))
             log(f"{sh.name} M={M} the entry against the best candidate, interleaved: {why}")
             if not replace:
                 log(f"BEST {sh.name} M={M}: the entry kept")
@@ -568,12 +574,88 @@ def _gather_path(entry):
     return g1, g2
 
 
+def _variant_list(sh, entry, plan, families):
+    """``[(name, gemm1, gemm2)]``: the variants of ``families`` that ``tune --variants`` times for a table entry
+    (``entry``: ``{"gemm1", "gemm2"}``; ``plan``: ``experts.plan_quant``'s), the gathering reference path first and the
+    entry's own config always among them (as ``"entry"`` when no variant runs it: ``_pick`` compares against it; the
+    thirty-second session's run replaced two half-block entries it had never timed)."""
+    from backends.triton import configs as C
+    from backends.triton.experts import GLUON_KEYS, requantizes_in_epilogue
+    from backends.triton.kernels import QMODE_FP8_TENSOR_AMAX
+
+    g1, g2_path = _gather_path(entry)
+    g2 = entry["gemm2"]
+    bm = g1["BLOCK_SIZE_M"]
+    paths = [("gather", g1)]
+    if "input" in families:
+        paths += [("permute", dict(g1, PERMUTE_A=1)), ("permute+tma", dict(g1, PERMUTE_A=1, USE_TMA=1))]
+    if "joint" in families and sh.activation != "swigluoai":  # gate / up halves: also as one joint tile
+        flip = 1 - g1.get("JOINT_GATE_UP", 0)
+        paths += [(f"{n}+joint" if flip else f"{n}-joint", dict(g, JOINT_GATE_UP=flip)) for n, g in paths]
+    variants = [(n, g, g2_path) for n, g in paths]
+    if "half_tail" in families and bm >= 64:
+        variants += [(f"{n}+half_tail", dict(g, HALF_TAIL=1), g2) for n, g in paths]
+        if bm == 64:  # same 32-row padding as the entry, but 128-row tiles where an expert has them
+            variants += [(f"{n}+bm128+half_tail", dict(g, BLOCK_SIZE_M=128, HALF_TAIL=1, num_warps=8),
+                          dict(g2, BLOCK_SIZE_M=128, num_warps=8))
+                         for n, g in paths if n in ("gather", "permute+tma")]
+    if "gluon" in families and plan.block_shape is not None:
+        variants += _gluon_variants(g1, g2)
+    if "pdl" in families and not any(g.get(k, 0) for g in entry.values() for k in GLUON_KEYS):
+        # GEMM2 (and the requantization before it) launched during GEMM1's last wave
+        variants.append(("pdl", entry["gemm1"], dict(g2, PDL=1 - g2.get("PDL", 0))))
+    if "ntiles" in families:
+        variants += _ntiles_variants(entry["gemm1"], g2)
+    if "splitk" in families:
+        variants += _splitk_variants(entry["gemm1"], g2, sh.K, sh.I, fp8=plan.kind == "fp8")
+    if "quant_warps" in families and plan.kind != "none" and not requantizes_in_epilogue(entry["gemm1"], plan,
+                                                                                           sh.I):
+        # the requantization kernel between the GEMMs at 4 / 8 / 16 warps per program (the others than the
+        # entry's): the same arithmetic, so bitwise equal
+        variants += [(f"quant_warps{w}", entry["gemm1"], dict(g2, QUANT_WARPS=w)) for w in (4, 8, 16)
+                     if g2.get("QUANT_WARPS", 4) != w]
+    on_gluon = any(g.get(k, 0) for g in (entry["gemm1"], g2) for k in GLUON_KEYS)
+    if "amax" in families and plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and not entry["gemm1"].get("GLUON", 0):
+        # the per-tensor amax found by its own pass (0), GEMM1's epilogue (1), GEMM1's slots with GEMM2
+        # quantizing on load (2) or GEMM1's slots reduced by the requantization's one pass (3); after 2 and 3
+        # GEMM2 may take PDL. The same codes, so bitwise equal. With a warp-specialized GEMM (prefill) only 0
+        # and 3 (gluon_ws's consumers write slots of their own; 1 / 2 and PDL are fused_moe_kernel's)
+        cur = entry["gemm1"].get("AMAX_EPILOGUE", 0)
+        for v in ((0, 3) if on_gluon else (0, 1, 2, 3)):
+            if v != cur:  # (GEMM2's PDL works only after the slots paths: a dead key is dropped elsewhere)
+                variants.append((f"amax{v}", dict(entry["gemm1"], AMAX_EPILOGUE=v),
+                                 g2 if v in (2, 3) else {k: x for k, x in g2.items() if k != "PDL"}))
+            if v in (2, 3) and not on_gluon:
+                variants.append((f"amax{v}-pdl", dict(entry["gemm1"], AMAX_EPILOGUE=v),
+                                 dict(g2, PDL=1 - g2.get("PDL", 0))))
+    if "swap" in families and plan.kind == "fp8":
+        variants += _swap_variants(entry["gemm1"], g2)
+    if "half_blocks" in families:
+        variants += _half_block_variants(entry["gemm1"], g2)
+    if "ws" in families and sh.activation == "silu" and not sh.bias and plan.kind in ("none", "fp8"):
+        # FP8 per-tensor / per-channel too (issue 44: Mixtral TP2 fp8_tensor prefill), on the FP8 tile list
+        variants += _ws_variants(entry["gemm1"], g1, g2, plan.kind == "fp8")
+    entry_cfg = C.sanitize_config(entry, block_shape=plan.block_shape)
+    if not any(_sanitized(v1, v2, plan.block_shape) == entry_cfg for _, v1, v2 in variants):
+        variants.append(("entry", entry["gemm1"], g2))
+    return variants
+
+
+def _sanitized(gemm1, gemm2, block_shape):
+    """``configs.sanitize_config`` of a variant, or None where the backend rejects the pair."""
+    from backends.triton import configs as C
+
+    try:
+        return C.sanitize_config({"gemm1": gemm1, "gemm2": gemm2}, block_shape=block_shape)
+    except ValueError:
+        return None
+
+
 def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
     from backends.triton import configs as C
     from benchmarks.timing import paired_ratio
     from tools.triton.common import draw_inputs, make_weights, time_interleaved
-    from backends.triton.experts import GLUON_KEYS, plan_quant, requantizes_in_epilogue
-    from backends.triton.kernels import QMODE_FP8_TENSOR_AMAX
+    from backends.triton.experts import plan_quant
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
     plan = plan_quant(qc)
@@ -587,72 +669,20 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             log(f"{sh.name} M={M}: no entry")
             continue
         entry = {k: dict(v) for k, v in table[str(M)].items()}
-        g1, g2_path = _gather_path(entry)
-        g2 = entry["gemm2"]
-        bm = g1["BLOCK_SIZE_M"]
+        bm = _gather_path(entry)[0]["BLOCK_SIZE_M"]
         R = 4
         xs, routes, a1s = draw_inputs(sh, M, dev, plan, qc, dt, R, seed=77 * M)
         judge = _reference_judge(sh, M, xs[0], routes[0], w1, w2, qc, act, dt)
         outs = torch.empty(M, sh.K, device=dev, dtype=dt)
         res, first = [], None
-        paths = [("gather", g1)]
-        if "input" in families:
-            paths += [("permute", dict(g1, PERMUTE_A=1)), ("permute+tma", dict(g1, PERMUTE_A=1, USE_TMA=1))]
-        if "joint" in families and sh.activation != "swigluoai":  # gate / up halves: also as one joint tile
-            flip = 1 - g1.get("JOINT_GATE_UP", 0)
-            paths += [(f"{n}+joint" if flip else f"{n}-joint", dict(g, JOINT_GATE_UP=flip)) for n, g in paths]
-        variants = [(n, g, g2_path) for n, g in paths]
-        if entry["gemm1"] != g1 and not set(families) >= {"input", "half_tail"}:
-            variants.append(("entry", entry["gemm1"], g2))  # the entry's own input path, timed against the others
-        if "half_tail" in families and bm >= 64:
-            variants += [(f"{n}+half_tail", dict(g, HALF_TAIL=1), g2) for n, g in paths]
-            if bm == 64:  # same 32-row padding as the entry, but 128-row tiles where an expert has them
-                variants += [(f"{n}+bm128+half_tail", dict(g, BLOCK_SIZE_M=128, HALF_TAIL=1, num_warps=8),
-                              dict(g2, BLOCK_SIZE_M=128, num_warps=8))
-                             for n, g in paths if n in ("gather", "permute+tma")]
-        if "gluon" in families and plan.block_shape is not None:
-            variants += _gluon_variants(g1, g2)
-        if "pdl" in families and not any(g.get(k, 0) for g in entry.values() for k in GLUON_KEYS):
-            # GEMM2 (and the requantization before it) launched during GEMM1's last wave
-            variants.append(("pdl", entry["gemm1"], dict(g2, PDL=1 - g2.get("PDL", 0))))
-        if "ntiles" in families:
-            variants += _ntiles_variants(entry["gemm1"], g2)
-        if "splitk" in families:
-            variants += _splitk_variants(entry["gemm1"], g2, sh.K, sh.I, fp8=plan.kind == "fp8")
-        if "quant_warps" in families and plan.kind != "none" and not requantizes_in_epilogue(entry["gemm1"], plan,
-                                                                                               sh.I):
-            # the requantization kernel between the GEMMs at 4 / 8 / 16 warps per program (the others than the
-            # entry's): the same arithmetic, so bitwise equal
-            variants += [(f"quant_warps{w}", entry["gemm1"], dict(g2, QUANT_WARPS=w)) for w in (4, 8, 16)
-                         if g2.get("QUANT_WARPS", 4) != w]
-        on_gluon = any(g.get(k, 0) for g in (entry["gemm1"], g2) for k in GLUON_KEYS)
-        if "amax" in families and plan.a2_qmode == QMODE_FP8_TENSOR_AMAX and not entry["gemm1"].get("GLUON", 0):
-            # the per-tensor amax found by its own pass (0), GEMM1's epilogue (1), GEMM1's slots with GEMM2
-            # quantizing on load (2) or GEMM1's slots reduced by the requantization's one pass (3); after 2 and 3
-            # GEMM2 may take PDL. The same codes, so bitwise equal. With a warp-specialized GEMM (prefill) only 0
-            # and 3 (gluon_ws's consumers write slots of their own; 1 / 2 and PDL are fused_moe_kernel's)
-            cur = entry["gemm1"].get("AMAX_EPILOGUE", 0)
-            for v in ((0, 3) if on_gluon else (0, 1, 2, 3)):
-                if v != cur:  # (GEMM2's PDL works only after the slots paths: a dead key is dropped elsewhere)
-                    variants.append((f"amax{v}", dict(entry["gemm1"], AMAX_EPILOGUE=v),
-                                     g2 if v in (2, 3) else {k: x for k, x in g2.items() if k != "PDL"}))
-                if v in (2, 3) and not on_gluon:
-                    variants.append((f"amax{v}-pdl", dict(entry["gemm1"], AMAX_EPILOGUE=v),
-                                     dict(g2, PDL=1 - g2.get("PDL", 0))))
-        if "swap" in families and plan.kind == "fp8":
-            variants += _swap_variants(entry["gemm1"], g2)
-        if "half_blocks" in families:
-            variants += _half_block_variants(entry["gemm1"], g2)
-        if "ws" in families and sh.activation == "silu" and not sh.bias and plan.kind in ("none", "fp8"):
-            # FP8 per-tensor / per-channel too (issue 44: Mixtral TP2 fp8_tensor prefill), on the FP8 tile list
-            variants += _ws_variants(entry["gemm1"], g1, g2, plan.kind == "fp8")
+        variants = _variant_list(sh, entry, plan, families)
         entry_cfg = C.sanitize_config(entry, block_shape=plan.block_shape)
         entry_name = None
         for name, v1, v2 in variants:
             cand = {"gemm1": v1, "gemm2": v2}
-            cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
-            call = _gemms_call(sh, cand, w1, w2, qc, act, plan, routes, a1s, outs)
-            try:
+            try:  # a pair the backend rejects (e.g. a GEMM1-only variant beside a GEMM2 on half blocks) is skipped
+                cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
+                call = _gemms_call(sh, cand, w1, w2, qc, act, plan, routes, a1s, outs)
                 call(0, stages="all")
                 verdict, ok = "bitwise equal", True
                 if first is None:
@@ -678,43 +708,56 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             continue
         # timed side by side, round for round in turn (the bench's method): timed one after the other, the same
         # config read 5% apart under the power cap, and a best-of-N favoured whichever variant met the coolest clock
-        inter, failed = time_interleaved({name: call for name, _, call in res}, 4, dev, reps_s * repeats)
+        cands = {name: cand for name, cand, _ in res}
+        calls = {name: call for name, _, call in res}
+        if entry_name is not None:  # the placement's share of a ratio (_pick): the entry again, built anew
+            calls[TWIN] = _gemms_call(sh, cands[entry_name], w1, w2, qc, act, plan, routes, a1s, outs)
+        inter, failed = time_interleaved(calls, 4, dev, reps_s * repeats)
         for name, why in failed.items():
             log(f"  skip {name}: {why}")
         if inter is None:
             continue
-        cands = {name: cand for name, cand, _ in res}
         for name, m in inter.measurements.items():
             vs = ""
             if entry_name in inter.rounds and name != entry_name:
                 r, lo, hi = paired_ratio(inter.rounds[name], inter.rounds[entry_name])
                 vs = f"  {r:.3f}x the entry's time ({lo:.3f}-{hi:.3f})"
             log(f"time {sh.name} M={M} {name:32s} {m.us:9.2f} us{vs}" + (" (the entry)" if name == entry_name else ""))
-        name, why = _pick(inter.rounds, entry_name)
+        name, why = _pick(inter.rounds, entry_name, TWIN)
         table[str(M)] = cands[name]
         log(f"BEST {sh.name} M={M}: {name} {inter.measurements[name].us:.2f} us ({why}; {inter.measurements[name].rounds}"
             " interleaved rounds each)")
         _write_table(fname, table)  # after every M: a run cut by its time limit keeps what it finished
 
 
-def _pick(rounds, entry):
+def _pick(rounds, entry, twin=None):
     """``(name, why)``: the variant a table takes from interleaved timings (``rounds[name]``: per-call seconds, round
     ``j`` of every name taken side by side). The fastest by median replaces the entry (``entry``: its name, or None
     when the entry's own config was not among them) only if the 95% interval of its paired rounds' ratio to the
     entry's lies wholly below 1.00 (``benchmarks.timing.paired_ratio``): a difference the rounds' noise could explain
-    keeps the entry."""
+    keeps the entry. ``twin``: the name of a second instance of the entry (its own closure, CUDA graph and
+    workspaces), never picked; the farthest end of its interval from 1.00 is the placement's share of a ratio, which
+    the rounds' interval does not hold (thirty-second session, H200: identical copies of Qwen3-30B fp8_channel_token
+    M = 1's entry read 0.992-1.024x of one another, each interval 0.001 wide), and the variant must beat 1.00 by
+    more than that."""
     from benchmarks.timing import median_interval, paired_ratio
 
-    med = {k: median_interval(v)[0] for k, v in rounds.items()}
+    med = {k: median_interval(v)[0] for k, v in rounds.items() if k != twin}
     best = min(med, key=med.get)
     if entry is None or entry not in rounds:
         return best, "the fastest median; the entry's own config was not timed"
     if best == entry:
         return entry, "the entry is the fastest"
     r, lo, hi = paired_ratio(rounds[best], rounds[entry])
-    if hi < 1.0:
-        return best, f"{r:.3f}x the entry's time ({lo:.3f}-{hi:.3f}), below 1.00"
-    return entry, f"the entry kept: the fastest, {best}, is {r:.3f}x its time ({lo:.3f}-{hi:.3f}), a tie within the noise"
+    margin, aa = 0.0, ""
+    if twin is not None and twin in rounds:
+        _, tlo, thi = paired_ratio(rounds[twin], rounds[entry])
+        margin = max(abs(1.0 - tlo), abs(1.0 - thi))
+        aa = f"; the entry's twin {tlo:.3f}-{thi:.3f}x"
+    if hi < 1.0 - margin:
+        return best, f"{r:.3f}x the entry's time ({lo:.3f}-{hi:.3f}), below {1.0 - margin:.3f}{aa}"
+    return entry, (f"the entry kept: the fastest, {best}, is {r:.3f}x its time ({lo:.3f}-{hi:.3f}), a tie within the "
+                   f"noise{aa}")
 
 
 def parse_shape(spec):
