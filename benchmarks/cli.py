@@ -24,7 +24,8 @@ What runs is data: ``benchmarks/suites.toml`` (shapes, token counts, the peer, r
    ``extra(shape, inputs) -> {column: text}``, ``gate_variants(gate_shape, M, sets) -> [(name, call(i))]``, each
    optional;
 4. timing by ``benchmarks.timing`` (the whole call captured in a CUDA graph and replayed, median of rounds; a row's
-   columns round for round in turn, ``timing.measure_interleaved``, unless ``--timing sequential``;
+   columns round for round in turn, ``timing.measure_interleaved``, unless ``--timing sequential``; with ``--aa``
+   an A/A twin of the compared column, built anew, in the same rounds, whose spread widens each speedup's interval;
    a call that cannot be captured is timed eagerly between CUDA events and the reason is printed and recorded in
    ``graph_errors``; wall clock on CPU); floor and roofline by ``benchmarks.roofline`` on the ceilings
    ``benchmarks.timing.measure_ceilings`` measures in the same run. ``step / gemms`` (suites that compare
@@ -89,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="interleaved (default): a row's columns (step, gemms, the peer) timed round for round in "
                          "turn, so a speedup is taken under the same clocks, with a 95%% interval from the paired "
                          "rounds; sequential: each column's rounds in one block, one column after the other")
+    ap.add_argument("--aa", action="store_true",
+                    help="A/A: in every row also time a second instance of the compared column (`gemms`, else the "
+                         "step), its call built anew (its own CUDA graph and workspaces), and widen each speedup's "
+                         "interval by the two instances' spread: the placement's share of a ratio, which the paired "
+                         "rounds do not hold (an H200 read identical 16 us GEMM stages 0.992-1.024x of one another)")
     ap.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
                     help="stop starting new (shape, M) rows after this many seconds (default: the suite's budget_s)")
     ap.add_argument("--json", default=None, help="write the results here (default: $OUT/benchmark-<backend>.json "
@@ -98,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--quick and --ms are exclusive")
     if args.vllm_src is not None and args.peer != "vllm":
         ap.error("--vllm-src goes with --peer vllm")
+    if args.aa and args.timing != "interleaved":
+        ap.error("--aa needs --timing interleaved (the twin is paired round for round with its column)")
     return args
 
 
@@ -181,7 +189,7 @@ def main(argv=None) -> int:
                f"not available, no `{vllm.chain_title}` column: {vllm.ops_error}"))
     doc = run_suite(backend, suite, experts, ms, gates, gate_ms, check=not args.no_check,
                     peer_mode="vllm" if vllm is not None else "none" if args.peer != "stored" else "stored",
-                    vllm=vllm, prepare=args.prepare, timing_mode=args.timing)
+                    vllm=vllm, prepare=args.prepare, timing_mode=args.timing, aa=args.aa)
     from benchmarks import report
 
     path = args.json or (os.path.join(os.environ["OUT"], f"benchmark-{args.backend}.json")
@@ -200,12 +208,13 @@ def main(argv=None) -> int:
 
 
 def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True, peer_mode: str = "stored",
-              vllm=None, prepare: str = "backend", timing_mode: str = "interleaved") -> dict:
+              vllm=None, prepare: str = "backend", timing_mode: str = "interleaved", aa: bool = False) -> dict:
     """Measure ``experts`` x ``ms`` (and the gate shapes) for ``backend``; the results document. ``peer_mode``:
     ``stored`` (the suite's peers.toml figures), ``vllm`` (``vllm``, a ``benchmarks.peer_vllm.VllmTriton``, timed
     live on every row) or ``none``; ``prepare``: the step's quantizers (``benchmarks.harness._prepare_for``);
     ``timing_mode``: ``interleaved`` (a row's columns round for round in turn, ``timing.measure_interleaved``) or
-    ``sequential`` (each column's rounds in one block, one column after the other)."""
+    ``sequential`` (each column's rounds in one block, one column after the other); ``aa``: an A/A twin of the
+    compared column in every row (``_aa_twin``; interleaved only)."""
     import torch
 
     from benchmarks import harness, report, roofline, suites, timing, variants
@@ -296,6 +305,8 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                     fail(f"{shape.id} M={M} variants", exc)
             for other in suite.beside if claimed else ():
                 timed += _beside(other, shape, M, inp, row, fail, prepare)
+            if aa and claimed and timing_mode == "interleaved":
+                timed += _aa_twin(timed, suite.compare, backend, hook, shape, M, inp, device, prepare, fail)
             if vllm is not None and claimed:
                 timed += _vllm_peer(vllm, shape, M, inp, device, row, doc, check and M <= suite.check_max_M)
             _time_row(timed, row, doc, shape, M, inp, device, settings, backend.name, fail,
@@ -326,6 +337,31 @@ def run_suite(backend, suite, experts, ms, gates, gate_ms, *, check: bool = True
                 fail(f"gate {shape.id} M={M}", exc)
     doc["wall_s"] = round(time.time() - t0, 1)
     return doc
+
+
+def _aa_twin(timed: list, compare: str | None, backend, hook, shape, M: int, inp, device, prepare: str, fail) -> list:
+    """``[(report.aa_column(ref), call, graph key, None)]``: a second instance of the row's compared column ``ref``
+    (``compare`` where the row times it, else its first step column), the call built anew as the first was (the
+    backend's ``variants`` hook, or ``harness.make_experts_call``): its own closure, CUDA graph and workspaces, so
+    that the two read apart by what an instance's placement does to the time (``report.aa_spread``); ``[]`` where
+    there is nothing to twin or the rebuild fails (``fail``)."""
+    from benchmarks import harness, report
+    from benchmarks.harness import ExpertsParam
+
+    names = [t[0] for t in timed]
+    ref = compare if compare in names else next((n for n in names if n.startswith("step")), None)
+    if ref is None:
+        return []
+    _, _, key, cls = timed[names.index(ref)]
+    try:
+        if cls is None:  # a variant of the backend's hook (``gemms``)
+            call = dict(hook.variants(shape, M, inp, device))[ref]
+        else:
+            call, _ = harness.make_experts_call(ExpertsParam(shape, M, backend.name, cls), inp, prepare=prepare)
+    except Exception as exc:  # noqa: BLE001
+        fail(f"{shape.id} M={M} A/A twin of {ref}", exc)
+        return []
+    return [(report.aa_column(ref), call, key, None)]
 
 
 def _time_row(timed: list, row: dict, doc: dict, shape, M: int, inp, device, settings, backend_name: str, fail,

@@ -164,12 +164,33 @@ def _us(seconds: float | None) -> str:
 
 
 def _variants(rows: list[dict]) -> list[str]:
+    """The timed columns of ``rows`` in first-seen order, without A/A twins (``aa_column``: shown as a ratio)."""
     cols: list[str] = []
     for r in rows:
         for k in r.get("times_s", {}):
-            if k not in cols:
+            if k not in cols and not k.endswith(AA):
                 cols.append(k)
     return cols
+
+
+#: the suffix of an A/A twin's column (``python -m benchmarks --aa``)
+AA = " (A/A)"
+
+
+def aa_column(name: str) -> str:
+    """The column of ``name``'s A/A twin: a second instance of the same call, built anew (``cli._aa_twin``)."""
+    return name + AA
+
+
+def aa_spread(r: dict, ref: str) -> tuple[float, float, float, float] | None:
+    """``(median, low, high, spread)`` of an interleaved row's A/A: the paired rounds' ratio of ``ref``'s twin to
+    ``ref`` (``timing.paired_ratio``, 95%) and ``spread``, the farthest end of that interval from 1.00: how far two
+    instances of one call read apart by their placement (their memory, their graph), which the paired rounds of one
+    instance do not hold. None where the row has no twin."""
+    iv = paired_speedup(r, aa_column(ref), ref)
+    if iv is None:
+        return None
+    return (*iv, max(abs(1.0 - iv[1]), abs(iv[2] - 1.0)))
 
 
 def _geomean(xs: list[float]) -> float:
@@ -236,7 +257,9 @@ def render_suite(doc: dict) -> str:
         head = ["shape", "M"] + [f"{c} us" for c in cols]
         if peer:
             head += ([] if live else [f"{peer['title']} us"]) + ["speedup"] + (["speedup (chain)"] if chain else [])
-        head += [r[0] for r in ratios] + ["floor us", "% of floor", "check"] + extra
+        twins = any(aa_spread(r, ref) for r in rows)
+        head += [r[0] for r in ratios] + ([f"A/A of {ref}"] if twins else []) + ["floor us", "% of floor",
+                                                                               "check"] + extra
         lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
             t = r.get("times_s", {})
@@ -249,6 +272,9 @@ def render_suite(doc: dict) -> str:
                 if chain:
                     cells.append(_speedup_cell(r, "peer_chain_s", chain, ref))
             cells += [f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "-" for _, a, b in ratios]
+            if twins:
+                aa = aa_spread(r, ref)
+                cells.append(f"{aa[0]:.3f} ({aa[1]:.3f}-{aa[2]:.3f})" if aa else "-")
             floor = r.get("floor_s")
             cells += [_us(floor), f"{100 * floor / t_ref:.0f}%" if floor and t_ref else "-",
                       "; ".join(r.get("checks", {}).values()) or "-"]
@@ -265,6 +291,13 @@ def render_suite(doc: dict) -> str:
                          "ratio was taken under the same clocks; a speedup is the median of the paired rounds' "
                          "ratios and its (low-high) the 95% interval of that median (distribution-free, "
                          "`timing.median_interval`): an interval across 1.00x is a tie within this run's noise.")
+        if twins:
+            lines.append(f"A/A (--aa): `{aa_column(ref)}` = a second instance of `{ref}`, its call built anew (its own "
+                         "CUDA graph and workspaces) and timed in the same rounds; column `A/A of "
+                         f"{ref}` = its paired ratio to `{ref}` (1.000 for a method without a placement effect), and "
+                         "each speedup's interval is widened by the farthest end s of that interval from 1.00: "
+                         "(low (1 - s), high (1 + s)), the share of a ratio that one instance's placement carries "
+                         "and its rounds do not.")
         if doc.get("prepare") and any(c == "step" or c.startswith("step:") for c in cols):
             # the step's prepare quantizes the activations: with the backend's own ops (python -m benchmarks'
             # default) or the reference's torch ops (several kernels, most of a decode step's time)
@@ -335,10 +368,14 @@ def row_speedup(r: dict, key: str, peer: str | None, ref: str) -> float | None:
 def _speedup_and_interval(r: dict, key: str, peer: str | None, ref: str) -> tuple[float | None, tuple | None]:
     """``(speedup, interval)``: the median of the paired rounds' ratios and its ``(median, low, high)`` where the
     row was timed interleaved (drift between rounds cancels in each pair; the median of the ratios, not the ratio of
-    the two medians, so that it lies inside its own interval), else ``row[key] / times_s[ref]`` (``key``: ``peer_s``
-    or ``peer_chain_s``) and None; ``(None, None)`` without both times."""
+    the two medians, so that it lies inside its own interval; with an A/A twin of ``ref`` the interval is widened
+    to ``(low (1 - s), high (1 + s))``, ``s`` its ``aa_spread``), else ``row[key] / times_s[ref]`` (``key``:
+    ``peer_s`` or ``peer_chain_s``) and None; ``(None, None)`` without both times."""
     iv = paired_speedup(r, peer, ref) if peer else None
     if iv is not None:
+        aa = aa_spread(r, ref)
+        if aa is not None:  # widened by the placement's share (the peer's instance is one draw as ours is)
+            iv = (iv[0], iv[1] * (1.0 - aa[3]), iv[2] * (1.0 + aa[3]))
         return iv[0], iv
     p, t = r.get(key), r.get("times_s", {}).get(ref)
     return (p / t if p and t else None), None
@@ -373,8 +410,10 @@ def _criteria(rows: list[dict], ref: str, peer, ratios: list, chain: str | None 
                 across = [f"{r['case']} M={r['M']} ({iv[1]:.3f}-{iv[2]:.3f})" for r, iv in ivs
                           if iv[1] < 1.0 <= iv[2]]
                 below = [f"{r['case']} M={r['M']} ({iv[1]:.3f}-{iv[2]:.3f})" for r, iv in ivs if iv[2] < 1.0]
+                widened = sum(1 for r, _ in ivs if aa_spread(r, ref))
                 out.append(f"  95% intervals of the paired rounds' ratio to {title} ({len(ivs)} rows timed "
-                           f"interleaved): {above} at or above 1.00x, {len(across)} across 1.00x (a tie within the "
+                           f"interleaved" + (f", {widened} widened by their A/A spread" if widened else "")
+                           + f"): {above} at or above 1.00x, {len(across)} across 1.00x (a tie within the "
                            f"noise), {len(below)} below" + (f"; across: {', '.join(across)}" if across else "")
                            + (f"; below: {', '.join(below)}" if below else ""))
     big = [100 * r["floor_s"] / r["times_s"][ref] for r in rows if r["M"] == 4096 and r.get("floor_s")

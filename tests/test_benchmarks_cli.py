@@ -3,6 +3,7 @@ renderer on synthetic figures, the suites' data, and the FLOP / byte / roofline 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,83 @@ def test_table_gives_each_interleaved_speedup_its_interval():
     assert any(ln.startswith("timing: interleaved (--timing)") for ln in lines)
     doc["experts"] = rows[2:]
     assert "95% intervals" not in report.render_suite(doc)  # sequential rows: no interval line
+
+
+def test_table_widens_each_interval_by_the_aa_spread():
+    """``--aa``: a row with an A/A twin of ``gemms`` (a second instance, built anew) shows the twin's paired ratio to
+    ``gemms`` and widens its speedup's interval by the farthest end s of that ratio's interval from 1.00, to
+    ``(low (1 - s), high (1 + s))``; the summary sorts by the widened interval. Oracle: hand-made rounds, the twin
+    1.5% slower in every round (s = 0.015), vLLM's ratios 0.986 .. 0.995 (interval 0.987-0.994: below 1.00 alone,
+    0.972-1.009 widened: across)."""
+    doc = _doc_issue44()
+    rows = doc["experts"]
+    ours = [100e-6] * 10
+    rows[0]["rounds_s"] = {"gemms": ours, "vLLM 0.33.0": [(98.6 + 0.1 * i) * 1e-6 for i in range(10)],
+                           report.aa_column("gemms"): [101.5e-6] * 10}
+    rows[0]["times_s"][report.aa_column("gemms")] = 101.5e-6
+    rows[1]["rounds_s"] = {"gemms": ours, "vLLM 0.33.0": [(80 + i) * 1e-6 for i in range(10)]}  # no twin: as before
+    for r in rows[:2]:
+        r["timing"] = "interleaved"
+    text = report.render_suite(doc)
+    lines = text.splitlines()
+    head = next(ln for ln in lines if ln.startswith("| shape"))
+    assert "| A/A of gemms |" in head and "gemms (A/A) us" not in head  # the twin as a ratio, not a column of times
+    assert "| 0.99x (0.97-1.01) |" in text and "| 1.015 (1.015-1.015) |" in text
+    assert "| 0.85x (0.81-0.88) |" in text
+    assert ("  95% intervals of the paired rounds' ratio to vLLM 0.33.0 (live) (2 rows timed interleaved, 1 widened "
+            "by their A/A spread): 0 at or above 1.00x, 1 across 1.00x (a tie within the noise), 1 below; across: "
+            "mixtral_tp2-fp8_tensor M=1 (0.972-1.009); below: mixtral_tp2-fp8_tensor M=8 (0.810-0.880)") in lines
+    assert any(ln.startswith("A/A (--aa): `gemms (A/A)` = a second instance of `gemms`") for ln in lines)
+    assert report.aa_spread(rows[1], "gemms") is None
+    rows[0]["rounds_s"][report.aa_column("gemms")] = list(ours)  # a twin that reads the same: nothing widened
+    assert "| 0.99x (0.99-0.99) |" in report.render_suite(doc)
+
+
+def test_aa_twin_builds_the_compared_column_anew():
+    """``cli._aa_twin``: the compared column (``gemms`` where the row has it, else its first step) is built again the
+    way it was (the backend's variants hook asked anew; a step's ``make_experts_call``), so the twin is another
+    instance, not the same call; a failing rebuild is reported (``fail``) and leaves the row without a twin."""
+    from types import SimpleNamespace
+
+    built = []
+
+    def variants(shape, M, inp, device):
+        call = lambda i: None  # noqa: E731
+        built.append(call)
+        return [("gemms", call), ("other", call)]
+
+    first = lambda i: None  # noqa: E731
+    timed = [("step", first, "TritonExperts", object), ("gemms", first, "gemms", None)]
+    shape = SimpleNamespace(id="x")
+    twin = cli._aa_twin(timed, "gemms", None, SimpleNamespace(variants=variants), shape, 1, None, "cpu", "backend",
+                        None)
+    assert [(n, k, c) for n, _, k, c in twin] == [("gemms (A/A)", "gemms", None)]
+    assert twin[0][1] is built[0] and twin[0][1] is not first
+    failed = []
+
+    def broken(shape, M, inp, device):
+        raise RuntimeError("no kernel")
+
+    assert cli._aa_twin(timed, "gemms", None, SimpleNamespace(variants=broken), shape, 1, None, "cpu", "backend",
+                        lambda what, exc: failed.append(what)) == []
+    assert failed == ["x M=1 A/A twin of gemms"]
+    assert cli._aa_twin([("peer", first, "p", None)], "gemms", None, None, shape, 1, None, "cpu", "backend",
+                        None) == []  # nothing of ours to twin
+
+
+def test_torch_backend_aa_on_cpu(capsys, tmp_path):
+    """``--aa`` end to end on the CPU: the step's twin is timed in the same rounds (as many as the step's), its
+    ratio is a column of the table; with ``--timing sequential`` the flag is refused."""
+    out = tmp_path / "r.json"
+    rc = cli.main(["--backend", "torch", "--shapes", "qwen3_30b-bf16-cpu_small", "--ms", "1", "--aa", "--json",
+                   str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    row = json.loads(out.read_text())["experts"][0]
+    assert len(row["rounds_s"]["step (A/A)"]) == len(row["rounds_s"]["step"]) >= 5
+    assert "| A/A of step |" in text
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--backend", "torch", "--aa", "--timing", "sequential"])
 
 
 def test_table_says_what_the_clocks_did():
