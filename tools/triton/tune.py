@@ -180,10 +180,22 @@ def _write_table(fname, table: dict) -> None:
         json.dump(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), f, indent=1)
 
 
-def _gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs):
+def workspaces(sh, M, cfg, dev):
+    """``(ws13, ws2)``: byte buffers for ``run_experts``'s workspaces that fit a config's layout at ``M`` tokens (the
+    sweep's, and ``tools/diag/aa_timing.py --shared-ws``: copies of one call on the same addresses)."""
+    from backends.triton.experts import layout_block, layout_rows
+
+    rows = layout_rows(M * sh.topk, sh.E, layout_block(cfg))
+    ws13 = torch.empty(rows * sh.I * 4 + rows * (sh.I // 128 + 1) * 4 + 1024, dtype=torch.uint8, device=dev)
+    ws2 = torch.empty(max(rows * 2 * sh.I, M * sh.topk * sh.K) * 4 + 1024, dtype=torch.uint8, device=dev)
+    return ws13, ws2
+
+
+def _gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs, ws=None):
     """``call(i, stages="gemms")``: GEMM1 (+ its activation / requantization) + GEMM2 of a table entry on input set
     ``i % R`` (``run_experts`` on the entry's own layout, as the step runs it; ``stages="all"`` adds the top-k sum
-    into ``outs``, for a check of the output)."""
+    into ``outs``, for a check of the output); ``ws``: ``(ws13, ws2)`` to run on (``workspaces``), else
+    ``run_experts`` allocates its own."""
     from backends.triton import configs as C
     from backends.triton.experts import run_experts, step_layout
 
@@ -191,11 +203,13 @@ def _gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs):
     lays = [step_layout(ids, cfg, sh.E) for _, ids in routes]
     R = len(routes)
 
+    ws13, ws2 = ws if ws is not None else (None, None)
+
     def call(i, stages="gemms"):
         r = i % R
         run_experts(out=outs, a1q=a1s[r][0], a1q_scale=a1s[r][1], w1=w1, w2=w2, topk_weights=routes[r][0],
                     topk_ids=routes[r][1], activation=act, expert_map=None, num_ids=sh.E, qc=qc, plan=plan, cfg=cfg,
-                    layout=lays[r], stages=stages)
+                    ws13=ws13, ws2=ws2, layout=lays[r], stages=stages)
     return call
 
 
@@ -234,8 +248,7 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
     (so a re-tune never replaces a variant-tuned entry, e.g. one on the Gluon kernels, by a slower sweep winner)."""
     from backends.triton import configs as C
     from tools.triton.common import make_weights, time_us
-    from backends.triton.experts import (layout_block, layout_rows, plan_quant, route_layout, route_tiles_apply,
-                                         route_tiles_layout, run_experts)
+    from backends.triton.experts import plan_quant, route_layout, route_tiles_apply, route_tiles_layout, run_experts
 
     w1, w2, qc, act, dt = make_weights(sh, sh.scheme, dev)
     plan = plan_quant(qc)
@@ -261,10 +274,8 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
                                           plan.kind != "none", swap=plan.kind == "fp8").items():
             bm = g1s[0]["BLOCK_SIZE_M"]
             lay_cfg = {"gemm1": {"BLOCK_SIZE_M": bm, "HALF_TAIL": g1s[0].get("HALF_TAIL", 0)}}
-            rows = layout_rows(M * sh.topk, sh.E, layout_block(lay_cfg))
             lays = [route_layout(ids, lay_cfg, sh.E) for _, ids in routes]
-            ws13 = torch.empty(rows * sh.I * 4 + rows * (sh.I // 128 + 1) * 4 + 1024, dtype=torch.uint8, device=dev)
-            ws2 = torch.empty(max(rows * 2 * sh.I, M * sh.topk * sh.K) * 4 + 1024, dtype=torch.uint8, device=dev)
+            ws13, ws2 = workspaces(sh, M, lay_cfg, dev)
 
             # at decode the step runs most candidates without a layout (experts.step_layout): timed so too
             tiles = [route_tiles_layout(ids, None, sh.E) for _, ids in routes]
