@@ -296,6 +296,22 @@ def test_torch_backend_aa_on_cpu(capsys, tmp_path):
         cli.parse_args(["--backend", "torch", "--aa", "--timing", "sequential"])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the triton suite's GEMM stage (gemms)")
+def test_triton_gemms_twin_on_gpu(capsys, tmp_path):
+    """``--aa`` on the triton suite: the twin of ``gemms`` (the variants hook asked anew) is captured and timed in
+    the same rounds, and its ratio to ``gemms`` is a column of the table (run on the GPU by
+    ``tools/gpu/gpu_session.sh tests-benchmarks_cli``)."""
+    out = tmp_path / "r.json"
+    rc = cli.main(["--backend", "triton", "--shapes", "qwen3_30b-bf16", "--ms", "1", "--aa", "--peer", "none",
+                   "--no-gate", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    row = json.loads(out.read_text())["experts"][0]
+    assert len(row["rounds_s"]["gemms (A/A)"]) == len(row["rounds_s"]["gemms"]) >= 5
+    assert row["methods"]["gemms (A/A)"] == "cuda-graph"
+    assert "| A/A of gemms |" in text
+
+
 def test_table_says_what_the_clocks_did():
     """The clocks sampled during each timing (``timing.ClockSampler``): how many ran under the software power cap
     (reason bit 0x4) for most of their samples, the lowest mean clock and where, other clock-event reasons met, and the
