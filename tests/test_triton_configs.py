@@ -658,13 +658,15 @@ def test_time_interleaved_reports_a_failing_runner_and_times_the_others():
     assert time_interleaved({"bad": bad}, 2, "cpu", budget_s=0.01)[0] is None
 
 
-def test_keep_entry_replaces_the_entry_only_with_a_faster_candidate():
-    """``tune --keep-entry`` (``_entry_or_candidate``): the sweep's best candidate and the entry timed side by side
-    (here on the CPU's wall clock: calls of a known length); a candidate twice as fast replaces the entry, a slower one
-    does not, and one that fails to run is never taken while an entry that fails is replaced."""
+def test_sweep_picks_among_its_candidates_side_by_side():
+    """The sweep's last step (``_choose``): each ``BLOCK_SIZE_M``'s winners timed side by side over the whole GEMM
+    stage (here on the CPU's wall clock: calls of a known length). Without an entry the fastest is taken; with
+    ``--keep-entry`` a candidate twice as fast replaces the entry, a slower one does not, one beside an A/A twin of
+    the entry clears its spread; a candidate that fails to run is never taken, an entry that fails is replaced, and
+    nothing that runs gives no pick."""
     import time
 
-    from tools.triton.tune import _entry_or_candidate
+    from tools.triton.tune import _choose
 
     def sleeper(s):
         return lambda i: time.sleep(s)
@@ -672,11 +674,15 @@ def test_keep_entry_replaces_the_entry_only_with_a_faster_candidate():
     def broken(i):
         raise RuntimeError("no such kernel")
 
-    replace, why = _entry_or_candidate(sleeper(2e-3), sleeper(1e-3), 2, "cpu", 0.05)
-    assert replace and "below 1.00" in why, why
-    replace, why = _entry_or_candidate(sleeper(1e-3), sleeper(1.5e-3), 2, "cpu", 0.05)
-    assert not replace, why
-    replace, why = _entry_or_candidate(sleeper(2e-3), sleeper(1e-3), 2, "cpu", 0.05, twin_call=sleeper(2e-3))
-    assert replace and "twin" in why, why  # a twin timed beside them, its spread a margin the candidate clears  # (two equally fast would be kept too, but a tie's interval misses 1.00 1 time in 40)
-    assert _entry_or_candidate(sleeper(1e-3), broken, 2, "cpu", 0.05)[0] is False
-    assert _entry_or_candidate(broken, sleeper(1e-3), 2, "cpu", 0.05)[0] is True
+    name, why = _choose({"BM=16": sleeper(2e-3), "BM=32": sleeper(1e-3)}, 2, "cpu", 0.05)
+    assert name == "BM=32" and why.startswith("the fastest median"), why
+    name, why = _choose({"BM=16": sleeper(1e-3)}, 2, "cpu", 0.05, entry_call=sleeper(2e-3))
+    assert name == "BM=16" and "below 1.00" in why, why
+    name, why = _choose({"BM=16": sleeper(1.5e-3)}, 2, "cpu", 0.05, entry_call=sleeper(1e-3))
+    assert name == "entry", why  # (two equally fast would be kept too, but a tie's interval misses 1.00 1 time in 40)
+    name, why = _choose({"BM=16": sleeper(1e-3)}, 2, "cpu", 0.05, entry_call=sleeper(2e-3), twin_call=sleeper(2e-3))
+    assert name == "BM=16" and "twin" in why, why
+    assert _choose({"BM=16": broken}, 2, "cpu", 0.05, entry_call=sleeper(1e-3))[0] == "entry"
+    assert _choose({"BM=16": sleeper(1e-3), "BM=32": broken}, 2, "cpu", 0.05, entry_call=broken)[0] == "BM=16"
+    name, why = _choose({"BM=16": broken}, 2, "cpu", 0.05)
+    assert name is None and "BM=16 failed" in why, why

@@ -11,7 +11,9 @@ fp8_block128, fp8_tensor, fp8_channel_token, int8_channel_token). For each shape
    ``HALF_TAIL``, i.e. over a 64-row padding), times GEMM1 (with its fused activation /
    requantization, or the separate kernel when unfused) over the GEMM1 candidates with GEMM2 fixed, then GEMM2 over
    its candidates with the best GEMM1 (CUDA graphs of the calls, median of replays),
-3. keeps the BLOCK_SIZE_M with the best GEMM1 + GEMM2 time,
+3. times each BLOCK_SIZE_M's pair of winners over the whole GEMM stage, side by side, round for round in turn (the
+   bench's interleaved method; with ``--keep-entry`` the table's entry and an A/A twin of it beside them) and keeps
+   the fastest (over the entry only beyond the noise and the twin's spread: ``_pick``),
 
 and merges the winners into ``E={E},N={I},device_name={GPU}[,dtype=..][,block_shape=[..]].json`` (existing entries
 for other M are kept). A candidate that fails to compile or launch is skipped. Stops starting new shapes / Ms after
@@ -221,25 +223,36 @@ def _time_entry(sh, M, entry, dev, w1, w2, qc, act, plan, routes, a1s, outs, rep
                    reps_s)
 
 
-def _entry_or_candidate(entry_call, cand_call, n_sets, dev, budget_s, twin_call=None):
-    """``(replace, why)``: whether the sweep's best candidate replaces the entry (``--keep-entry``). The two are timed
-    side by side over the whole GEMM stage (``time_interleaved``; the sweep timed GEMM1 and GEMM2 apart, and the
-    entry seconds before), with ``twin_call`` (a second instance of the entry's call) beside them when given, and
-    the candidate wins only if the 95% interval of its paired ratio to the entry lies below 1.00 by more than the
-    twin's spread (``_pick``); an entry that no longer runs is replaced, a candidate that does not run is not taken."""
+def _choose(cands: dict, n_sets, dev, budget_s, entry_call=None, twin_call=None):
+    """``(name, why)``: which of the sweep's candidates (``cands``: ``{name: call}``, one per ``BLOCK_SIZE_M``, each
+    its GEMM1 and GEMM2 winners) a table takes, or ``"entry"`` to keep the entry (``--keep-entry``: ``entry_call``,
+    with ``twin_call`` a second instance of it). All are timed side by side over the whole GEMM stage
+    (``time_interleaved``; the sweep timed GEMM1 and GEMM2 apart, one candidate after the other, under whatever
+    clock the power cap left each), and the fastest wins, over an entry only if the 95% interval of its paired
+    ratio to the entry lies below 1.00 by more than the twin's spread (``_pick``). An entry that no longer runs is
+    replaced, a candidate that does not run is never taken; ``(None, why)`` when none of the candidates runs and
+    there is no entry to keep."""
     from tools.triton.common import time_interleaved
 
-    calls = {"entry": entry_call, "candidate": cand_call}
-    if twin_call is not None:
-        calls[TWIN] = twin_call
+    calls = dict(cands)
+    if entry_call is not None:
+        calls["entry"] = entry_call
+        if twin_call is not None:
+            calls[TWIN] = twin_call
     inter, failed = time_interleaved(calls, n_sets, dev, budget_s)
-    if "entry" in failed:
-        return "candidate" not in failed, f"the entry failed: {failed['entry']}"
-    if "candidate" in failed:
-        return False, f"the candidate failed: {failed['candidate']}"
-    name, why = _pick(inter.rounds, "entry", TWIN)
+    notes = "".join(f"; {k} failed: {v}" for k, v in failed.items())
+    if inter is None or not set(inter.rounds) - {"entry", TWIN}:
+        return ("entry" if inter is not None and "entry" in inter.rounds else None), f"no candidate ran{notes}"
+    if "entry" in inter.rounds:
+        name, why = _pick(inter.rounds, "entry", TWIN)
+    else:  # no entry, or it failed: the fastest candidate by median
+        from benchmarks.timing import median_interval
+
+        med = {k: median_interval(v)[0] for k, v in inter.rounds.items() if k != TWIN}
+        name = min(med, key=med.get)
+        why = "the fastest median" + ("" if entry_call is None else " (the entry did not run)")
     times = ", ".join(f"{k} {m.us:.2f} us" for k, m in inter.measurements.items())
-    return name == "candidate", f"{why}; {times}"
+    return name, f"{why}; {times}{notes}"
 
 
 def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
@@ -262,7 +275,7 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
         R = 4
         routes, a1s = _draw_inputs(sh, M, dev, plan, qc, dt, R)
         outs = torch.empty(M, sh.K, device=dev, dtype=dt)
-        best = None
+        per_key = {}  # "BM=..": the key's GEMM1 and GEMM2 winners (timed together and side by side after the sweep)
         t_entry = None
         if keep_entry and str(M) in table:
             try:
@@ -321,23 +334,25 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
                 continue
             t2, g2b = min(res2, key=lambda r: r[0])
             log(f"{sh.name} M={M} BM={key}: gemm1 {t1:.2f} us {g1b} | gemm2 {t2:.2f} us {g2b}")
-            if best is None or t1 + t2 < best[0]:
-                best = (t1 + t2, {"gemm1": g1b, "gemm2": g2b})
+            per_key[f"BM={key}"] = {"gemm1": g1b, "gemm2": g2b}
             ws13 = ws2 = lays = tiles = None  # frees the GPU memory (rebound, not del: `timed` names them)
             torch.cuda.empty_cache()
-        if best is not None and t_entry is not None:
-            replace, why = _entry_or_candidate(
-                _gemms_call(sh, table[str(M)], w1, w2, qc, act, plan, routes, a1s, outs),
-                _gemms_call(sh, best[1], w1, w2, qc, act, plan, routes, a1s, outs), 8 if M <= 64 else 4, dev,
-                2 * reps_s, twin_call=_gemms_call(sh, table[str(M)], w1, w2, qc, act, plan, routes, a1s, outs))
-            log(f"{sh.name} M={M} the entry against the best candidate, interleaved: {why}")
-            if not replace:
-                log(f"BEST {sh.name} M={M}: the entry kept")
-                best = None
-        if best is not None:
-            table[str(M)] = best[1]
-            log(f"BEST {sh.name} M={M}: {best[0]:.2f} us" + (f" (entry {t_entry:.2f} us)" if t_entry else ""))
-            _write_table(fname, table)
+        if not per_key:
+            continue
+        def mk(cfg):
+            return _gemms_call(sh, cfg, w1, w2, qc, act, plan, routes, a1s, outs)
+
+        keep = t_entry is not None
+        name, why = _choose({k: mk(c) for k, c in per_key.items()}, 8 if M <= 64 else 4, dev, 2 * reps_s,
+                            entry_call=mk(table[str(M)]) if keep else None,
+                            twin_call=mk(table[str(M)]) if keep else None)
+        log(f"{sh.name} M={M} the candidates{' and the entry' if keep else ''}, interleaved: {why}")
+        if name is None or name == "entry":
+            log(f"BEST {sh.name} M={M}: " + ("the entry kept" if name else "nothing ran"))
+            continue
+        table[str(M)] = per_key[name]
+        log(f"BEST {sh.name} M={M}: {name} {per_key[name]}" + (f" (entry {t_entry:.2f} us)" if keep else ""))
+        _write_table(fname, table)
     log(f"wrote {fname}")
 
 
@@ -797,8 +812,8 @@ def main(argv=None):
                     help="only revisit the existing table entries of --ms with the variant families given "
                          f"(comma-separated, default all: {','.join(VARIANT_FAMILIES)}; see tune_variants)")
     ap.add_argument("--keep-entry", action="store_true",
-                    help="without --variants: time each M's existing entry too and keep it unless the sweep's best "
-                         "candidate is faster beyond the noise, the two timed side by side")
+                    help="without --variants: time each M's existing entry (and an A/A twin of it) beside the sweep's "
+                         "candidates and keep it unless one is faster beyond the noise and the twin's spread")
     ap.add_argument("--repeats", type=int, default=2,
                     help="with --variants: the interleaved rounds' budget, in units of 0.3 s per variant (default 2)")
     args = ap.parse_args(argv)
