@@ -339,6 +339,7 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
             torch.cuda.empty_cache()
         if not per_key:
             continue
+
         def mk(cfg):
             return _gemms_call(sh, cfg, w1, w2, qc, act, plan, routes, a1s, outs)
 
