@@ -61,6 +61,21 @@ def test_table_ab_writes_each_variant_over_the_committed_tables(tmp_path):
     assert others and all((merged / f).read_bytes() == (CONFIGS / f).read_bytes() for f in others)
 
 
+def test_table_ab_reads_each_row_with_its_aa():
+    """``table_ab.row_result``: a bench row's ``gemms`` and ``step`` in us and, from a run with ``--aa``, the twin's
+    paired ratio to ``gemms`` (hand-made rounds: the twin 1% slower in every round); a row whose ``gemms`` was not
+    timed gives None."""
+    from tools.triton.table_ab import row_result
+
+    row = {"M": 1, "times_s": {"step": 20e-6, "gemms": 16e-6, "gemms (A/A)": 16.16e-6}, "timing": "interleaved",
+           "rounds_s": {"gemms": [16e-6] * 10, "gemms (A/A)": [16.16e-6] * 10}}
+    g, s, aa = row_result(row)
+    assert (round(g, 6), round(s, 6), round(aa, 6)) == (16.0, 20.0, 1.01)
+    del row["rounds_s"]["gemms (A/A)"]
+    assert row_result(row)[2] is None  # a run without --aa
+    assert row_result({"M": 1, "times_s": {"step": 20e-6}}) is None
+
+
 def test_table_ab_refuses_an_entry_the_backend_would_replace_by_its_default(tmp_path):
     """An entry ``configs.sanitize_config`` rejects (GEMM1 and GEMM2 on different ``BLOCK_SIZE_M``, a SPLIT_K out of
     range) would be replaced by the default config when the backend loads the table, and the A / B would time the

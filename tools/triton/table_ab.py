@@ -11,7 +11,10 @@ SPEC (JSON): ``{"name": {"shape": "qwen3_30b-fp8_channel_token", "table": "E=...
 "entries": {"8": {"gemm1": {...}, "gemm2": {...}}}, "merge": true}}``; ``merge`` (default true) updates the
 committed entry's keys, false replaces the entry. A variant named ``base`` per shape is added (the committed
 tables). Output: a line per (shape, M, variant) with the median ``gemms`` and ``step`` over the rounds, and
-``OUT/table_ab.json``; each variant's tables stay in ``OUT/table_ab/<variant>/`` to be committed by hand.
+``OUT/table_ab.json``; with ``--aa`` each bench run also times an A/A twin of ``gemms`` (``python -m benchmarks
+--aa``: a second instance of the same call) and its ratio to ``gemms`` is shown beside each row (a variant's gain
+inside that spread is the placement of one instance, not the config: an H200 read identical 16 us stages up to 2.4%
+apart); each variant's tables stay in ``OUT/table_ab/<variant>/`` to be committed by hand.
 Variants whose table is another GPU's are skipped (one spec may hold the H100's and the H200's); an entry the
 backend's config check rejects stops the run before anything is timed.
 """
@@ -77,11 +80,26 @@ def for_device(spec: dict, device: str) -> tuple[dict, list[str]]:
     return kept, other
 
 
+def row_result(row: dict) -> tuple[float, float, float | None] | None:
+    """``(gemms us, step us, A/A ratio or None)`` of one bench row (``python -m benchmarks``' JSON), the ratio that
+    of ``gemms``' twin to ``gemms`` where the run had ``--aa`` (``benchmarks.report.aa_spread``'s median); None
+    where ``gemms`` was not timed (a class whose check failed)."""
+    from benchmarks.report import aa_spread
+
+    t = row["times_s"]
+    if "gemms" not in t or t["gemms"] is None:
+        return None
+    aa = aa_spread(row, "gemms")
+    return t["gemms"] * 1e6, (t.get("step") or float("nan")) * 1e6, (aa[0] if aa else None)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("spec", help="JSON file of variants (see above)")
     ap.add_argument("--rounds", type=int, default=2, help="times each variant runs, interleaved (default 2)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"), help="where tables and results go")
+    ap.add_argument("--aa", action="store_true", help="each bench run also times an A/A twin of gemms (python -m "
+                                                       "benchmarks --aa), its ratio shown beside each row")
     args = ap.parse_args(argv)
     spec = json.loads(Path(args.spec).read_text())
     from backends.triton.configs import device_name
@@ -101,11 +119,13 @@ def main(argv=None) -> int:
     variants.update(spec)
     dirs = {name: write_tables(out, name.replace(":", "_"), var) for name, var in variants.items()}
     times: dict = {}
+    aas: dict = {}  # (shape, M, variant) -> each round's A/A ratio (--aa)
     for r in range(args.rounds):
         for name, var in variants.items():
             js = out / f"{name.replace(':', '_')}-{r}.json"
             cmd = [sys.executable, "-m", "benchmarks", "--backend", "triton", "--peer", "none", "--no-gate",
-                   "--shapes", var["shape"], "--ms", ",".join(map(str, var["ms"])), "--json", str(js)]
+                   "--shapes", var["shape"], "--ms", ",".join(map(str, var["ms"])), "--json", str(js)] + (
+                ["--aa"] if args.aa else [])
             env = dict(os.environ, MOE_TRITON_CONFIG_DIR=str(dirs[name]))
             js.unlink(missing_ok=True)
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -115,13 +135,15 @@ def main(argv=None) -> int:
             res = json.loads(js.read_text())
             got = []
             for row in res["experts"]:
-                t = row["times_s"]
-                if "gemms" not in t:  # a class whose check failed is not timed
+                got_row = row_result(row)
+                if got_row is None:  # a class whose check failed is not timed
                     got.append(f"M={row['M']} not timed")
                     continue
-                g, s = t["gemms"] * 1e6, t.get("step", float("nan")) * 1e6
+                g, s, aa = got_row
                 times.setdefault((var["shape"], row["M"], name), []).append((g, s))
-                got.append(f"M={row['M']} {g:.2f} / {s:.2f}")
+                if aa is not None:
+                    aas.setdefault((var["shape"], row["M"], name), []).append(aa)
+                got.append(f"M={row['M']} {g:.2f} / {s:.2f}" + (f" (A/A {aa:.3f})" if aa is not None else ""))
             for f in res.get("failures", []):
                 print(f"[round {r}] {name}: check failed: {f}", flush=True)
             # as each run ends (a cut call keeps what it printed): gemms / step, us
@@ -130,9 +152,12 @@ def main(argv=None) -> int:
     for (shape, m, name), ts in sorted(times.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         g = statistics.median(x[0] for x in ts)
         s = statistics.median(x[1] for x in ts)
-        summary.append(dict(shape=shape, M=m, variant=name, gemms_us=g, step_us=s, rounds=[list(x) for x in ts]))
+        aa = aas.get((shape, m, name))
+        summary.append(dict(shape=shape, M=m, variant=name, gemms_us=g, step_us=s, rounds=[list(x) for x in ts],
+                            **({"aa": aa} if aa else {})))
         print(f"{shape:34s} M={m:<5d} {name:28s} gemms {g:8.2f} us  step {s:8.2f} us  "
-              f"({', '.join(f'{x[0]:.2f}' for x in ts)})", flush=True)
+              f"({', '.join(f'{x[0]:.2f}' for x in ts)})"
+              + (f"  A/A {min(aa):.3f}-{max(aa):.3f}" if aa else ""), flush=True)
     (Path(args.out) / "table_ab.json").write_text(json.dumps(summary, indent=1))
     return 0
 
