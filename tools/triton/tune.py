@@ -243,14 +243,8 @@ def _choose(cands: dict, n_sets, dev, budget_s, entry_call=None, twin_call=None)
     notes = "".join(f"; {k} failed: {v}" for k, v in failed.items())
     if inter is None or not set(inter.rounds) - {"entry", TWIN}:
         return ("entry" if inter is not None and "entry" in inter.rounds else None), f"no candidate ran{notes}"
-    if "entry" in inter.rounds:
-        name, why = _pick(inter.rounds, "entry", TWIN)
-    else:  # no entry, or it failed: the fastest candidate by median
-        from benchmarks.timing import median_interval
-
-        med = {k: median_interval(v)[0] for k, v in inter.rounds.items() if k != TWIN}
-        name = min(med, key=med.get)
-        why = "the fastest median" + ("" if entry_call is None else " (the entry did not run)")
+    # no entry, or one that failed: _pick takes the fastest candidate by median
+    name, why = _pick(inter.rounds, "entry" if "entry" in inter.rounds else None, TWIN)
     times = ", ".join(f"{k} {m.us:.2f} us" for k, m in inter.measurements.items())
     return name, f"{why}; {times}{notes}"
 
@@ -772,7 +766,7 @@ def _pick(rounds, entry, twin=None):
     med = {k: median_interval(v)[0] for k, v in rounds.items() if k != twin}
     best = min(med, key=med.get)
     if entry is None or entry not in rounds:
-        return best, "the fastest median; the entry's own config was not timed"
+        return best, "the fastest median (no entry among them)"
     if best == entry:
         return entry, "the entry is the fastest"
     r, lo, hi = paired_ratio(rounds[best], rounds[entry])
