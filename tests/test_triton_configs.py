@@ -598,10 +598,11 @@ def test_tuner_times_every_entry_against_its_variants(path):
     plan = plan_quant(make_weights(dataclasses.replace(sh, E=2, K=256, I=128), sh.scheme, "cpu")[2])
     for M, entry in json.loads(path.read_text()).items():
         want = C.sanitize_config(entry, block_shape=block)
-        variants = _variant_list(sh, entry, plan, VARIANT_FAMILIES)
+        variants, entry_names = _variant_list(sh, entry, plan, VARIANT_FAMILIES)
         assert variants[0][0] == "gather", M
-        runs_entry = [n for n, v1, v2 in variants if _sanitized(v1, v2, block) == want]
+        runs_entry = {n for n, v1, v2 in variants if _sanitized(v1, v2, block) == want}
         assert runs_entry, (M, entry)
+        assert entry_names == runs_entry, (M, entry_names, runs_entry)  # what _tune_variants compares against
 
 
 def test_tuner_keeps_the_entry_unless_a_variant_is_faster_beyond_the_noise():

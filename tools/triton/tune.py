@@ -215,12 +215,13 @@ def _gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs, ws=None):
     return call
 
 
-def _time_entry(sh, M, entry, dev, w1, w2, qc, act, plan, routes, a1s, outs, reps_s):
-    """GEMM1 + GEMM2 of a table entry (``_gemms_call``), us (``--keep-entry``: logged before the sweep)."""
-    from tools.triton.common import time_us
-
-    return time_us(_gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs), 8 if M <= 64 else 4, dev,
-                   reps_s)
+def _entry_call(sh, M, entry, dev, w1, w2, qc, act, plan, routes, a1s, outs):
+    """``--keep-entry``: GEMM1 + GEMM2 of a table entry (``_gemms_call``), called once to show that it still runs
+    (raises otherwise); ``_choose`` times it beside the candidates."""
+    call = _gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs)
+    call(0)
+    torch.cuda.synchronize(dev)
+    return call
 
 
 def _choose(cands: dict, n_sets, dev, budget_s, entry_call=None, twin_call=None):
@@ -270,11 +271,12 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
         routes, a1s = _draw_inputs(sh, M, dev, plan, qc, dt, R)
         outs = torch.empty(M, sh.K, device=dev, dtype=dt)
         per_key = {}  # "BM=..": the key's GEMM1 and GEMM2 winners (timed together and side by side after the sweep)
-        t_entry = None
+        keep = False
         if keep_entry and str(M) in table:
             try:
-                t_entry = _time_entry(sh, M, table[str(M)], dev, w1, w2, qc, act, plan, routes, a1s, outs, reps_s)
-                log(f"{sh.name} M={M} entry: {t_entry:.2f} us {table[str(M)]}")
+                _entry_call(sh, M, table[str(M)], dev, w1, w2, qc, act, plan, routes, a1s, outs)
+                keep = True
+                log(f"{sh.name} M={M} entry (runs; timed beside the candidates after the sweep): {table[str(M)]}")
             except Exception as exc:  # noqa: BLE001 - an entry that no longer runs is replaced
                 log(f"  entry of M={M} failed: {type(exc).__name__}: {str(exc)[:160]}")
         for key, (g1s, g2s) in candidates(M, sh.E, sh.topk, plan.block_shape is not None,
@@ -337,7 +339,6 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
         def mk(cfg):
             return _gemms_call(sh, cfg, w1, w2, qc, act, plan, routes, a1s, outs)
 
-        keep = t_entry is not None
         name, why = _choose({k: mk(c) for k, c in per_key.items()}, 8 if M <= 64 else 4, dev, 2 * reps_s,
                             entry_call=mk(table[str(M)]) if keep else None,
                             twin_call=mk(table[str(M)]) if keep else None)
@@ -346,7 +347,7 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
             log(f"BEST {sh.name} M={M}: " + ("the entry kept" if name else "nothing ran"))
             continue
         table[str(M)] = per_key[name]
-        log(f"BEST {sh.name} M={M}: {name} {per_key[name]}" + (f" (entry {t_entry:.2f} us)" if keep else ""))
+        log(f"BEST {sh.name} M={M}: {name} {per_key[name]}")
         _write_table(fname, table)
     log(f"wrote {fname}")
 
@@ -596,9 +597,10 @@ def _gather_path(entry):
 
 
 def _variant_list(sh, entry, plan, families):
-    """``[(name, gemm1, gemm2)]``: the variants of ``families`` that ``tune --variants`` times for a table entry
-    (``entry``: ``{"gemm1", "gemm2"}``; ``plan``: ``experts.plan_quant``'s), the gathering reference path first and the
-    entry's own config always among them (as ``"entry"`` when no variant runs it: ``_pick`` compares against it; the
+    """``([(name, gemm1, gemm2)], entry_names)``: the variants of ``families`` that ``tune --variants`` times for a
+    table entry (``entry``: ``{"gemm1", "gemm2"}``; ``plan``: ``experts.plan_quant``'s), the gathering reference path
+    first, and the names of those that run the entry's own config (``configs.sanitize_config`` equal). The entry is
+    always among them (appended as ``"entry"`` when no variant runs it: ``_pick`` compares against it; the
     thirty-second session's run replaced two half-block entries it had never timed)."""
     from backends.triton import configs as C
     from backends.triton.experts import GLUON_KEYS, requantizes_in_epilogue
@@ -657,9 +659,11 @@ def _variant_list(sh, entry, plan, families):
         # FP8 per-tensor / per-channel too (issue 44: Mixtral TP2 fp8_tensor prefill), on the FP8 tile list
         variants += _ws_variants(entry["gemm1"], g1, g2, plan.kind == "fp8")
     entry_cfg = C.sanitize_config(entry, block_shape=plan.block_shape)
-    if not any(_sanitized(v1, v2, plan.block_shape) == entry_cfg for _, v1, v2 in variants):
+    entry_names = {n for n, v1, v2 in variants if _sanitized(v1, v2, plan.block_shape) == entry_cfg}
+    if not entry_names:
         variants.append(("entry", entry["gemm1"], g2))
-    return variants
+        entry_names = {"entry"}
+    return variants, entry_names
 
 
 def _sanitized(gemm1, gemm2, block_shape):
@@ -696,13 +700,12 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
         judge = _reference_judge(sh, M, xs[0], routes[0], w1, w2, qc, act, dt)
         outs = torch.empty(M, sh.K, device=dev, dtype=dt)
         res, first = [], None
-        variants = _variant_list(sh, entry, plan, families)
-        entry_cfg = C.sanitize_config(entry, block_shape=plan.block_shape)
-        entry_name = None
+        variants, entry_names = _variant_list(sh, entry, plan, families)
+        entry_name = None  # the first of entry_names that runs and passes: the one the others are compared with
         for name, v1, v2 in variants:
             cand = {"gemm1": v1, "gemm2": v2}
             try:  # a pair the backend rejects (e.g. a GEMM1-only variant beside a GEMM2 on half blocks) is skipped
-                cfg = C.sanitize_config(cand, block_shape=plan.block_shape)
+                C.sanitize_config(cand, block_shape=plan.block_shape)
                 call = _gemms_call(sh, cand, w1, w2, qc, act, plan, routes, a1s, outs)
                 call(0, stages="all")
                 verdict, ok = "bitwise equal", True
@@ -723,7 +726,7 @@ def _tune_variants(sh, Ms, dev, out_dir, reps_s, families, repeats):
             log(f"{sh.name} M={M} BM={bm} {name}: {verdict}")
             if ok:
                 res.append((name, cand, call))
-                if entry_name is None and cfg == entry_cfg:
+                if entry_name is None and name in entry_names:
                     entry_name = name
         if not res:
             continue
