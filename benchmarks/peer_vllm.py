@@ -637,13 +637,15 @@ def _prepare(vt: VllmTriton, shape, M: int, inp, device) -> _Prepared:
         # TritonExperts' workspace: intermediate_cache2 (M * topk, N / 2), reused across calls
         c2s = [torch.empty(M * topk, N // 2, device=device, dtype=shape.dtype) for _ in sets]
 
-        def stage(i):  # vLLM's fused_experts_impl from GEMM1 to GEMM2 (fused_moe.py), its own ops between them
+        def chain_stage(i):  # vLLM's fused_experts_impl from GEMM1 to GEMM2 (fused_moe.py), its own ops between them
             qc = copies[i % nw][2]
             gemm1(i)
             vllm_ops.activation(vt.ops, shape.activation, c2s[i], caches[i][0].view(-1, N), qc)
             a2 = (vllm_ops.quantize(vt.ops, c2s[i], qc.a2_scale, per_act_token=flags["per_channel_quant"],
                                     block_shape=flags["block_shape"]) if flags["use_fp8_w8a8"] else (c2s[i], None))
             gemm2(i, a2)
+
+        stage = chain_stage
 
     def chain(i, compiled: bool = False):
         if compiled:  # the stage chain_variant times

@@ -754,7 +754,7 @@ class CutlassExpertsFp8(_CutlassExpertsBase):
                                    a1q_scale, a2_scale, apply_router_weight_on_input, scale_b1, scale_b2, per_token)
             return
         # 1. The plan, and every token row read once, quantized if it is bf16, and written to its routes' rows.
-        R, topk, dev = topk_ids.numel(), topk_ids.shape[1], hidden_states.device
+        R, dev = topk_ids.numel(), hidden_states.device
         a = torch.empty((R, K), dtype=FP8, device=dev)
         sa1 = torch.empty(R, dtype=torch.float32, device=dev)
         x = hidden_states.contiguous()

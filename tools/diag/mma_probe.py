@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         dtype = getattr(torch, dname)
         vec = vectors(dtype)
         print(f"\n## {dname}: (got - exact) / 2^-j; 0 = exact, -15 / -16 = the tail lost")
-        print(f"| engine | family | " + " | ".join(f"j={j}" for j in JS) + " |")
+        print("| engine | family | " + " | ".join(f"j={j}" for j in JS) + " |")
         print("|---|---|" + "---|" * len(JS))
         for name, fn in engines(args.emulate).items():
             for fam, rows in vec.items():

@@ -170,7 +170,7 @@ def compile_only(gpu_name: str = "NVIDIA_H200"):
     import triton.compiler
     from triton.runtime.driver import driver
 
-    from backends.triton import host, align, configs, experts, quant, routing
+    from backends.triton import align, configs, experts, quant, routing
     from backends.triton.jit import INTERPRET
 
     if INTERPRET:
