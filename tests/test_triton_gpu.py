@@ -570,3 +570,55 @@ def test_gemm2_on_the_half_blocks_equals_the_tile_list(scheme):
     assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
         f"GEMM2 on the half blocks differs from the tile list at {int((a != b).sum())} of {a.numel()} elements, max "
         f"|diff| {(a.float() - b.float()).abs().max().item():.3g}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="gluon_ws is sm_90 only (strict kernels raise elsewhere)")
+@pytest.mark.parametrize("case", ["pingpong", "coop-tail-gather", "coop-gather-map"])
+def test_swigluoai_with_bias_on_gluon_ws_equals_fused_moe_kernel(case):
+    """gpt-oss's layer (interleaved SWIGLUOAI gate / up rows, alpha 1.702, limit 7, expert biases on both GEMMs) on
+    ``gluon_ws`` (thirty-third session: W viewed ``(E * I, 2 K)`` so that the gate and up rows load as the halves' two
+    TMA boxes, the biases added to the fp32 accumulator before the rounding, the clamped activation operation for
+    operation ``jit.apply_act``'s) against ``fused_moe_kernel``'s FUSE 2 epilogue: the same sums in the same K
+    order and the same epilogue arithmetic, so bitwise equal, at an I that is not a multiple of BLOCK_N (a last,
+    partial N tile, whose columns past N are not stored and whose bias loads are masked), with gathered rows,
+    half-height tails and an expert map; strict kernels (a fallback to ``fused_moe_kernel`` raises). Three calls."""
+    from backends.triton import configs as C
+    from backends.triton.experts import fused_experts, strict_kernels
+    from benchmarks.harness import draw_routing, make_weights
+    from reference.activation import MoEActivation
+
+    E, topk, K, I, M = 8, 4, 512, 320, 300
+    local = 6 if case.endswith("map") else None
+    g = torch.Generator(device="cuda").manual_seed(33)
+    w1, w2, qc = make_weights(local or E, 2 * I, K, I, "bf16", torch.bfloat16, "cuda", g, bias=True,
+                              gemm1_alpha=1.702, gemm1_clamp_limit=7.0)
+    assert qc.w1_bias is not None and qc.w2_bias is not None
+    x = (torch.randn(M, K, device="cuda", generator=g) * 2).bfloat16()
+    w, ids = draw_routing(M, E, topk, "cuda", g)
+    emap = None
+    if local is not None:
+        emap = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+        emap[:local] = torch.arange(local, dtype=torch.int32)
+    base = dict(BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=4, USE_TMA=1)
+    ref_cfg = {"gemm1": dict(base, BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, USE_TMA=0),
+               "gemm2": dict(base, BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, USE_TMA=0)}
+    if case == "pingpong":
+        cfg = {"gemm1": dict(base, BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, PINGPONG=1, PERMUTE_A=1),
+               "gemm2": dict(base, BLOCK_SIZE_M=64, BLOCK_SIZE_N=256, PINGPONG=1)}
+    else:
+        ref_cfg = {k: dict(v, BLOCK_SIZE_M=128) for k, v in ref_cfg.items()}
+        cfg = {"gemm1": dict(base, BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, COOPERATIVE=1, GATHER_A=1,
+                             HALF_TAIL=int(case == "coop-tail-gather"), num_stages=3),
+               "gemm2": dict(base, BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, COOPERATIVE=1, num_stages=3)}
+    ref_cfg, cfg = C.sanitize_config(ref_cfg), C.sanitize_config(cfg)
+    args = (x, w1, w2, w, ids)
+    kw = dict(activation=MoEActivation.SWIGLUOAI, quant_config=qc, expert_map=emap, global_num_experts=E)
+    with strict_kernels():
+        want = fused_experts(*args, config=ref_cfg, **kw)
+        for call in range(3):
+            got = fused_experts(*args, config=cfg, **kw)
+            assert got.isfinite().all(), f"call {call}: non-finite output from finite inputs"
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+                f"call {call}: gluon_ws differs from fused_moe_kernel at {(got != want).sum().item()} of "
+                f"{got.numel()} elements, max |diff| {(got.float() - want.float()).abs().max().item():.3g}")

@@ -208,7 +208,8 @@ SHAPES = shapes()
 from backends.triton.experts import fused_experts, strict_kernels
 
 for name, M in (("qwen3_30b_bf16", 1024), ("qwen3_30b_bf16", 4096), ("qwen3_30b_fp8blk", 1024),
-                ("dsv3_ep8_fp8blk", 4096), ("mixtral_tp2_fp8_tensor", 4096), ("qwen3_30b_fp8_channel_token", 1024)):
+                ("dsv3_ep8_fp8blk", 4096), ("mixtral_tp2_fp8_tensor", 4096), ("qwen3_30b_fp8_channel_token", 1024),
+                ("gpt_oss_120b_bf16", 4096)):
     sh = next(s for s in SHAPES if s.name == name)
     w1, w2, qc, act = sm90._weights(sh)
     x = torch.empty(M, sh.K, dtype=torch.bfloat16)
@@ -259,6 +260,9 @@ def test_every_warp_specialized_variant_compiles():
     # GATHER_A twins of the GEMM1 variants (the producer a warpgroup gathering by route), block FP8 included
     assert {"ws12-coop-bm128+gather", "ws12-halves-coop-bm128+half_tail+gather"} <= names, names
     assert any(r["variant"].endswith("+gather") and r["shape"] == "dsv3_ep8_fp8blk" for r in kernels)
+    # gpt-oss (interleaved SWIGLUOAI, expert biases, I = 2880: a last, partial N tile): GEMM1 and GEMM2 on the kernel
+    gpt = {r["variant"] for r in kernels if r["shape"] == "gpt_oss_120b_bf16"}
+    assert {"ws12-coop-bm128", "ws12-pingpong-bm64+gather", "ws2-pingpong"} <= gpt, gpt
     # FP8 per-tensor / per-channel (issue 44): every variant of the FP8 tile list runs on the kernel (strict_kernels
     # raised for none), GEMM1 and GEMM2 both where the variant puts both there
     for shape in ("mixtral_tp2_fp8_tensor", "qwen3_30b_fp8_channel_token"):

@@ -32,7 +32,8 @@ K tile ``k - 1`` overlapping K tile ``k``'s wgmma (two register sets, as ``gluon
 SiLU-and-mul: the gate rows ``n`` and up rows ``UP_OFF + n`` of an N tile as one ``[2 * BLOCK_N, BLOCK_K]`` weight
 tile) then rounds gate and up to C's dtype, computes ``silu(g) * u`` in fp32 and rounds again, as ``fused_moe_kernel``'s
 ``FUSE`` 1 / 4 epilogue. What it covers (see :func:`supported`): bf16 / fp16 or block-FP8 operands; contiguous A rows
-(GEMM2, or GEMM1 after ``PERMUTE_A``); a plain or SiLU-gated epilogue without bias, clamp or fused requantization;
+(GEMM2, or GEMM1 after ``PERMUTE_A``); a plain or SiLU-gated epilogue without clamp or fused requantization, or
+(unscaled operands) gpt-oss's interleaved SWIGLUOAI with its clamp, and expert biases;
 ``HALF_TAIL`` tile lists (128-row tiles, 64-row tails: ping-pong runs them as 64-row MMAs; cooperative on consumer 0
 alone); an sm_90 GPU. The layout's bookkeeping (``sorted_token_ids``,
 ``expert_ids``, ``num_tokens_post_padded``, the tile list) is ``reference.align``'s / ``align.align_routes``'.
@@ -50,10 +51,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import configs as _configs
 from .host import OUT_AMAX_SLOTS, Fusion, GemmEpilogue, GemmOperands, GemmScales, GemmShape, ScaleMode
-from .jit import ACT_SILU, BF16X2_ROUND_ASM, FP_FUSION
+from .jit import ACT_SILU, ACT_SWIGLUOAI, BF16X2_ROUND_ASM, FP_FUSION
 from .gluon_sm90 import GROUP, _k_tile_scales, _store_rows, _tile_pids, cp_async_load, tma_load
 
 GROUP_C = gl.constexpr(GROUP)  # the 128x128 weight block, inside kernels
+SWIGLUOAI_C = gl.constexpr(ACT_SWIGLUOAI)
 
 __all__ = ["ws_moe_gemm_kernel", "supported", "launch"]
 
@@ -81,6 +83,8 @@ def ws_moe_gemm_kernel(
     COOP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, A_EPI: gl.constexpr = 0,
     B_EPI: gl.constexpr = 0, amax_ptr=None, AMAX: gl.constexpr = False, N_HALVES: gl.constexpr = False,
     a_ptr=None, stride_am=0, TOP_K: gl.constexpr = 1, GATHER_A: gl.constexpr = False,
+    bias_ptr=None, stride_biase=0, bias_step=0, bias_up=0, HAS_BIAS: gl.constexpr = False,
+    ACT: gl.constexpr = ACT_SILU, alpha=1.0, limit=0.0, UP_KOFF=0,
 ):
     """``C[rows, n] = epilogue(sum_k A[rows, k] W[e, n, k] (x scales))`` over the route layout's tiles (one expert
     each).
@@ -109,9 +113,15 @@ def ws_moe_gemm_kernel(
     states in token order, and the producer warpgroup gathers a tile's rows by route (sorted row ``r`` holds route
     ``sorted_token_ids[r]``, token ``route // TOP_K``; padding rows zero-filled) with asynchronous copies into the
     same swizzled stages TMA fills (``a_desc`` then only names their layout); per-token / block scales ``a_scale``
-    are then in token order too, read by each row's token. Padding rows count too: GEMM1 runs
-    here only on zero padding rows (``PERMUTE_A``'s copy, or the gather's zero fill), without bias and with
-    SiLU-and-mul, so they store zeros."""
+    are then in token order too, read by each row's token. ``UP_KOFF``: the up rows' K offset in W's view (0; the
+    interleaved SWIGLUOAI rows ``2n`` / ``2n + 1`` are viewed ``(E * I, 2 K)``, gate row ``n`` in columns ``[0, K)``
+    and its up row in ``[K, 2 K)``, ``UP_OFF`` 0). ``ACT`` (``GATED``): ``jit.ACT_SILU``, or ``jit.ACT_SWIGLUOAI``
+    (gate clamped to ``<= limit``, up to ``[-limit, limit]``, ``(u + 1) g sigmoid(alpha g)``: ``jit.apply_act``'s
+    formula, operation for operation). ``HAS_BIAS`` (unscaled GEMMs): ``bias[e, .]`` added to the fp32 accumulator
+    before the rounding, MMA column ``c`` of N tile ``n0`` reading ``bias_ptr + e stride_biase + (n0 + c) bias_step``
+    (``GATED``: the up columns ``c - BLOCK_N`` plus ``bias_up``; both offsets in elements, strides folded in).
+    Padding rows count too: GEMM1 runs here only on zero padding rows (``PERMUTE_A``'s copy, or the gather's zero
+    fill), so without bias they store act(0, 0) = 0 (with bias, act(bias); GEMM2 stores no padding row)."""
     BN_MMA: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN_MMA, BLOCK_K], b_desc.layout)
@@ -132,15 +142,18 @@ def ws_moe_gemm_kernel(
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
                      GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 0, A_EPI, B_EPI, amax_ptr, AMAX,
-                     N_HALVES, TOP_K if GATHER_A else 0)),
+                     N_HALVES, TOP_K if GATHER_A else 0, bias_ptr, stride_biase, bias_step, bias_up, HAS_BIAS, ACT,
+                     alpha, limit)),
         (_consumer, (c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      tiles_ptr, num_tiles_ptr, N, K, num_valid_tokens, UP_OFF, stride_cm, stride_asm, stride_ask,
                      stride_bse, stride_bsn, stride_bsk, a_smem, b_smem, ready, empty, order, BLOCK_M, BLOCK_N, BLOCK_K,
                      GROUP_M, HALF_TAIL, C_SORTED, GATED, SCALED, COOP, STAGES, 1, A_EPI, B_EPI, amax_ptr, AMAX,
-                     N_HALVES, TOP_K if GATHER_A else 0)),
+                     N_HALVES, TOP_K if GATHER_A else 0, bias_ptr, stride_biase, bias_step, bias_up, HAS_BIAS, ACT,
+                     alpha, limit)),
         (_producer, (a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_ptr, tiles_ptr, num_tiles_ptr,
                      N, K, NW, UP_OFF, a_smem, b_smem, ready, empty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HALF_TAIL,
-                     GATED, STAGES, a_ptr, stride_am, sorted_token_ids_ptr, num_valid_tokens, TOP_K, GATHER_A)),
+                     GATED, STAGES, a_ptr, stride_am, sorted_token_ids_ptr, num_valid_tokens, TOP_K, GATHER_A,
+                     UP_KOFF)),
     ], [CONSUMER_WARPS, GATHER_WARPS if GATHER_A else 1], [CONSUMER_REGS, GATHER_REGS if GATHER_A else PRODUCER_REGS])
 
 
@@ -199,7 +212,7 @@ def _producer(a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_p
               NW, UP_OFF, a_smem, b_smem, ready, empty, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr, GATED: gl.constexpr,
               STAGES: gl.constexpr, a_ptr, stride_am, sorted_token_ids_ptr, num_valid_tokens, TOP_K: gl.constexpr,
-              GATHER_A: gl.constexpr):
+              GATHER_A: gl.constexpr, UP_KOFF):
     """The TMA warp: the program's tiles' K tiles, in order, into the ring: load ``j`` into stage ``j % STAGES``
     once its previous occupant, load ``j - STAGES``, has been released (a tail tile loads ``BLOCK_M / 2`` rows of A
     into the stage's first half). ``GATHER_A``: a warpgroup; each thread copies its 16-byte pieces of the tile's A
@@ -250,7 +263,7 @@ def _producer(a_desc, a_desc_h, b_desc, expert_ids_ptr, num_tokens_post_padded_p
             if GATED:
                 b_st = b_smem.index(s)
                 tma_load(b_desc, [b_row0, k * BLOCK_K], bar, b_st.slice(0, BLOCK_N))
-                tma_load(b_desc, [b_row0 + UP_OFF, k * BLOCK_K], bar, b_st.slice(BLOCK_N, BLOCK_N))
+                tma_load(b_desc, [b_row0 + UP_OFF, UP_KOFF + k * BLOCK_K], bar, b_st.slice(BLOCK_N, BLOCK_N))
             else:
                 tma_load(b_desc, [b_row0, k * BLOCK_K], bar, b_smem.index(s))
             j += 1
@@ -268,7 +281,8 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, HALF_TAIL: gl.constexpr,
               C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, COOP: gl.constexpr,
               STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, amax_ptr,
-              AMAX: gl.constexpr, N_HALVES: gl.constexpr, A_TOP_K: gl.constexpr):
+              AMAX: gl.constexpr, N_HALVES: gl.constexpr, A_TOP_K: gl.constexpr, bias_ptr, stride_biase, bias_step,
+              bias_up, HAS_BIAS: gl.constexpr, ACT: gl.constexpr, alpha, limit):
     """Consumer ``C`` (0 or 1). Ping-pong: the program's tiles ``i`` with ``i % 2 == C``, the mainloop of tile ``i``
     after the other consumer's of tile ``i - 1`` (its ``(i - 1) // 2``-th arrival on ``order[1 - C]``).
     Cooperative: rows ``[C BLOCK_M / 2, (C + 1) BLOCK_M / 2)`` of every tile. ``AMAX``: its amax slot at the end."""
@@ -297,7 +311,8 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                                stride_ask, stride_bse, stride_bsn, stride_bsk, C * (BLOCK_M // 2), BLOCK_M // 2,
                                BLOCK_M, BLOCK_N, C_SORTED, GATED, SCALED, False, STAGES, C, A_EPI, B_EPI, AMAX,
-                               N_HALVES, A_TOP_K)
+                               N_HALVES, A_TOP_K, bias_ptr, stride_biase, bias_step, bias_up, HAS_BIAS, ACT, alpha,
+                               limit)
                 if AMAX:
                     amax = gl.maximum(amax, t_amax)
         elif i % 2 == C:
@@ -310,14 +325,15 @@ def _consumer(c_ptr, a_scale_ptr, b_scale_ptr, sorted_token_ids_ptr, expert_ids_
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                                stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M // 2, BLOCK_M, BLOCK_N,
                                C_SORTED, GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES,
-                               A_TOP_K)
+                               A_TOP_K, bias_ptr, stride_biase, bias_step, bias_up, HAS_BIAS, ACT, alpha, limit)
                 if AMAX:  # half the running rows: folded as one value (a reduction across warps, tails only)
                     amax = gl.maximum(amax, gl.max(h_amax, axis=0))
             else:
                 t_amax = _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_scale_ptr,
                                sorted_token_ids_ptr, row0, n0, e, N, num_valid_tokens, UP_OFF, stride_cm, stride_asm,
                                stride_ask, stride_bse, stride_bsn, stride_bsk, 0, BLOCK_M, BLOCK_M, BLOCK_N, C_SORTED,
-                               GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES, A_TOP_K)
+                               GATED, SCALED, True, STAGES, C, A_EPI, B_EPI, AMAX, N_HALVES, A_TOP_K, bias_ptr,
+                               stride_biase, bias_step, bias_up, HAS_BIAS, ACT, alpha, limit)
                 if AMAX:
                     amax = gl.maximum(amax, t_amax)
         tile = _next(tile + nprog, num_tiles, nprog, expert_ids_ptr, tiles_ptr, num_pid_m, num_pid_n, BLOCK_M,
@@ -348,7 +364,8 @@ def _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_s
           ROW_OFF: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           C_SORTED: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, ORDERED: gl.constexpr,
           STAGES: gl.constexpr, C: gl.constexpr, A_EPI: gl.constexpr, B_EPI: gl.constexpr, AMAX: gl.constexpr,
-          N_HALVES: gl.constexpr, A_TOP_K: gl.constexpr):
+          N_HALVES: gl.constexpr, A_TOP_K: gl.constexpr, bias_ptr, stride_biase, bias_step, bias_up,
+          HAS_BIAS: gl.constexpr, ACT: gl.constexpr, alpha, limit):
     """This consumer's ``ROWS x BLOCK_N`` output rows ``[row0 + ROW_OFF, + ROWS)`` of a tile: mainloop, epilogue;
     returns with ``AMAX`` the largest |value| stored in each of its ``ROWS`` rows (see :func:`_epilogue`), else 0.
     ``A_TOP_K``: 0, or (``GATHER_A``) the top-k: A's row scales are then read by token (:func:`_scale_rows`)."""
@@ -374,8 +391,10 @@ def _tile(base, nk, a_smem, b_smem, ready, empty, order, c_ptr, a_scale_ptr, b_s
     else:
         acc = _mainloop(base, nk, a_smem, b_smem, ready, empty, order, ROW_OFF, ROWS, BLOCK_M, BLOCK_N, GATED, ORDERED,
                         STAGES, C)
+    if HAS_BIAS:
+        acc = _add_bias(acc, bias_ptr, e, n0, N, stride_biase, bias_step, bias_up, BLOCK_N, GATED)
     return _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0 + ROW_OFF, n0, N, num_valid_tokens, stride_cm, ROWS,
-                     BLOCK_N, C_SORTED, GATED, AMAX)
+                     BLOCK_N, C_SORTED, GATED, AMAX, ACT, alpha, limit)
 
 
 # ---- N_HALVES: a consumer's MMA columns as two halves, one MMA register set, the promotion serialized ----------
@@ -648,18 +667,40 @@ def _apply_scales(acc, a_scale_ptr, rows, w_s, wrow, stride_asm, stride_bsn, A_E
 
 @gluon.jit
 def _epilogue(acc, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS: gl.constexpr,
-              BLOCK_N: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr, AMAX: gl.constexpr = False):
-    """One rounding (GATED: h, then SiLU-and-mul in fp32 and its rounding) and 16-byte row-contiguous stores.
+              BLOCK_N: gl.constexpr, C_SORTED: gl.constexpr, GATED: gl.constexpr, AMAX: gl.constexpr = False,
+              ACT: gl.constexpr = ACT_SILU, alpha=1.0, limit=0.0):
+    """One rounding (GATED: h, then the gated activation ``ACT`` in fp32 and its rounding) and 16-byte
+    row-contiguous stores.
     Returns, with ``AMAX``, the largest |value| stored in each row (``[ROWS]``; NaN / inf counted as inf: no load of
     the route ids in the epilogue; see the kernel's docstring for why padding rows may count), else 0."""
     out_layout: gl.constexpr = _out_layout(BLOCK_N)
     if GATED:  # columns [0, BLOCK_N) are gate, [BLOCK_N, 2 BLOCK_N) up: a thread holds both of a pair
         g, u = _rounded(acc, c_ptr.dtype.element_ty).reshape([ROWS, 2, BLOCK_N]).permute(0, 2, 1).split()
-        out = gl.convert_layout(_silu_mul(g, u, c_ptr.dtype.element_ty), out_layout)
+        if ACT == SWIGLUOAI_C:
+            out = gl.convert_layout(_swigluoai(g, u, alpha, limit, c_ptr.dtype.element_ty), out_layout)
+        else:
+            out = gl.convert_layout(_silu_mul(g, u, c_ptr.dtype.element_ty), out_layout)
     else:
         out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
     _store_rows(out, c_ptr, sorted_token_ids_ptr, row0, n0, N, num_valid_tokens, stride_cm, ROWS, BLOCK_N, C_SORTED)
     return _stored_amax(out, AMAX)
+
+
+@gluon.jit
+def _add_bias(acc, bias_ptr, e, n0, N, stride_biase, bias_step, bias_up, BLOCK_N: gl.constexpr,
+              GATED: gl.constexpr):
+    """``acc + bias[e, .]`` in fp32 (``fused_moe_kernel``'s ``HAS_BIAS``: after the MMAs, before the rounding), MMA
+    column ``c`` reading ``(n0 + c) bias_step`` (``GATED``: the up columns ``c >= BLOCK_N`` read ``(n0 + c - BLOCK_N)
+    bias_step + bias_up``); see the kernel's docstring. Output columns past ``N`` (a last, partial N tile) add 0:
+    they are not stored."""
+    BN_MMA: gl.constexpr = acc.shape[1]
+    cols = gl.arange(0, BN_MMA, layout=gl.SliceLayout(0, acc.type.layout))
+    n = n0 + (cols % BLOCK_N if GATED else cols)
+    off = n * bias_step
+    if GATED:
+        off += gl.where(cols >= BLOCK_N, bias_up, 0)
+    b = gl.load(bias_ptr + e.to(gl.int64) * stride_biase + off, mask=n < N, other=0.0)
+    return acc + b.to(gl.float32)[None, :]
 
 
 @gluon.jit
@@ -681,6 +722,16 @@ def _silu_mul(g, u, dt: gl.constexpr):
     """``silu(g) * u`` in fp32 (gate and up already rounded to C's dtype), rounded to ``dt`` (``jit.apply_act``,
     SILU)."""
     return (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(dt)
+
+
+@gluon.jit
+def _swigluoai(g, u, alpha, limit, dt: gl.constexpr):
+    """gpt-oss's SwiGLU (``jit.apply_act``, ACT 4, the same operations in the same order): the gate clamped to
+    ``<= limit``, up to ``[-limit, limit]``, ``(u + 1) * g * sigmoid(alpha g)`` in fp32 (gate and up already rounded
+    to C's dtype), rounded to ``dt``."""
+    g = gl.minimum(g, limit)
+    u = gl.minimum(gl.maximum(u, -limit), limit)
+    return ((u + 1.0) * g * (1.0 / (1.0 + gl.exp(-(alpha * g))))).to(dt)
 
 
 @gluon.jit
@@ -733,7 +784,8 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
     per_tensor_or_row = (ScaleMode.TENSOR, ScaleMode.ROW)
     epi_scales = a_mode in per_tensor_or_row and b_mode in per_tensor_or_row
     scaled = block or epi_scales
-    gated = fuse.halves
+    interleaved = fuse == Fusion.INTERLEAVED  # SWIGLUOAI's rows 2n / 2n + 1: W viewed (E * I, 2 K)
+    gated = fuse.halves or interleaved
     bn_mma = 2 * BN if gated else BN
     rows = BM // 2 if coop else BM  # a consumer's rows
     mma_cols = bn_mma // 2 if halves else bn_mma  # one MMA's columns
@@ -765,18 +817,25 @@ def supported(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: Gemm
         (not shape.a_gather or gather,
          "A rows must be contiguous (GEMM2, or GEMM1 with PERMUTE_A) or gathered by the producer (GATHER_A)"),
         (not gather or shape.a_gather and shape.c_sorted, "GATHER_A: GEMM1 without PERMUTE_A only"),
-        (fuse == Fusion.NONE or (gated and epi.act == ACT_SILU and not epi.has_limit),
-         "plain epilogue, or gate / up halves with SiLU (no clamp) only"),
-        (bias is None and (not epi.out_quant or epi.out_quant == OUT_AMAX_SLOTS and shape.c_sorted),
-         "no bias, no fused requantization (only GEMM1's amax slots, OUT_AMAX_SLOTS)"),
+        (fuse == Fusion.NONE or (fuse.halves and epi.act == ACT_SILU and not epi.has_limit)
+         or (interleaved and epi.act == ACT_SWIGLUOAI and not scaled),
+         "plain epilogue, gate / up halves with SiLU (no clamp), or interleaved gate / up with SWIGLUOAI (unscaled "
+         "operands) only"),
+        (bias is None or not scaled and bias.dim() == 2 and tuple(bias.shape) == tuple(w.shape[:2]),
+         "bias only with unscaled (bf16 / fp16) operands, shaped (E, weight rows)"),
+        (not epi.out_quant or epi.out_quant == OUT_AMAX_SLOTS and shape.c_sorted,
+         "no fused requantization (only GEMM1's amax slots, OUT_AMAX_SLOTS)"),
         (not half_tail or BM == 128, "HALF_TAIL needs BLOCK_M = 128 (64-row tail MMAs)"),
         (BM in (64, 128) and rows >= 64 and bn_mma <= 256 and BN >= 32 and BK in (32, 64, 128),
          "BLOCK_M in (64, 128) (a consumer's rows >= 64), MMA columns <= 256, BLOCK_K in (32, 64, 128)"),
         (acc_regs <= (192 if scaled else 128), f"a consumer's accumulators ({acc_regs} registers per thread) must fit "
          "its warpgroup: at most 128 x 128 MMA columns x rows (FP8 with promotion: 64 x 128, or 64 x 256 with "
          "N_HALVES)"),
-        (K % BK == 0 and n_out % BN == 0 and (not gated or w.shape[1] == 2 * n_out),
-         "K % BLOCK_K == 0, N % BLOCK_N == 0 (gated: w1 rows = 2 I)"),
+        (K % BK == 0 and (n_out % BN == 0 or not scaled and not epi.out_quant)
+         and (not gated or w.shape[1] == 2 * n_out) and (not interleaved or (2 * K * w.element_size()) % 16 == 0),
+         "K % BLOCK_K == 0, N % BLOCK_N == 0 unless unscaled without fused quantization (a last, partial N tile: its "
+         "columns past N are not stored; the amax slots would count them) (gated: w1 rows = 2 I; interleaved: 2 K "
+         "rows 16-byte aligned)"),
         (not (block and gated) or n_out % GROUP == 0, "block-FP8 gate / up halves need I % 128 == 0"),
         (not halves or cfg.get("num_stages", 4) >= _halves_k_tiles(cfg, K, epi_scales),
          "N_HALVES: num_stages >= the K tiles per promotion (PROMOTE_K / BLOCK_K: a consumer holds them all)"),
@@ -807,8 +866,14 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
     a_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], dt)
     a_desc = TensorDescriptor.from_tensor(a, [BM, BK], a_layout)
     a_desc_h = TensorDescriptor.from_tensor(a, [BM // 2, BK], a_layout) if half_tail else a_desc
-    b_desc = TensorDescriptor.from_tensor(w.view(E * NW, K), [BN, BK],
-                                          gl.NVMMASharedLayout.get_default_for([BN, BK], dt))
+    interleaved = epi.fuse == Fusion.INTERLEAVED
+    # interleaved gate / up (SWIGLUOAI, rows 2n / 2n + 1): W viewed (E * I, 2 K), gate row n in columns [0, K), its up
+    # row in [K, 2 K): the halves' two TMA boxes a tile, as for rows n / I + n
+    w_rows, nw = (w.view(E * NW // 2, 2 * K), NW // 2) if interleaved else (w.view(E * NW, K), NW)
+    b_desc = TensorDescriptor.from_tensor(w_rows, [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], dt))
+    bias = ops.bias
+    # bias offsets in elements: MMA column c of N tile n0 reads (n0 + c) * step (+ up for the up columns)
+    b_step, b_up = ((2, 1) if interleaved else (1, n_out if epi.fuse.halves else 0)) if bias is not None else (0, 0)
     grid = (_grid(shape, cfg, a.device), )
     amax = epi.out_quant == OUT_AMAX_SLOTS
     if amax and (ops.cs is None or tuple(ops.cs.shape) != (2 * grid[0], 2) or ops.cs.stride() != (1, 2 * grid[0])
@@ -824,13 +889,18 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
         layout.sorted_token_ids, layout.expert_ids, layout.num_tokens_post_padded,
         layout.tiles if half_tail else layout.expert_ids,
         layout.num_tiles if half_tail else layout.num_tokens_post_padded,
-        n_out, K, shape.num_valid, NW, n_out if epi.fuse.halves else 0, c.stride(0), *sa, *sw,
+        n_out, K, shape.num_valid, nw, n_out if epi.fuse.halves else 0, c.stride(0), *sa, *sw,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), HALF_TAIL=half_tail,
-        C_SORTED=shape.c_sorted, GATED=epi.fuse.halves, SCALED=scaled, COOP=bool(cfg.get("COOPERATIVE", 0)),
+        C_SORTED=shape.c_sorted, GATED=epi.fuse.halves or interleaved, SCALED=scaled, COOP=bool(cfg.get("COOPERATIVE", 0)),
         STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS, A_EPI=int(a_mode) if epi_scales else 0,
         B_EPI=int(b_mode) if epi_scales else 0, amax_ptr=ops.cs if amax else c, AMAX=amax,
         N_HALVES=_halves_k_tiles(cfg, K, epi_scales),
         a_ptr=a, stride_am=a.stride(0), TOP_K=shape.top_k, GATHER_A=shape.a_gather,
+        bias_ptr=bias if bias is not None else c, stride_biase=bias.stride(0) if bias is not None else 0,
+        bias_step=b_step * (bias.stride(1) if bias is not None else 0),
+        bias_up=b_up * (bias.stride(1) if bias is not None else 0), HAS_BIAS=bias is not None,
+        ACT=epi.act if epi.fuse else ACT_SILU, alpha=float(epi.alpha), limit=float(epi.limit),
+        UP_KOFF=K if interleaved else 0,
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)
         maxnreg=LAUNCH_MAXNREG, **FP_FUSION,
     )

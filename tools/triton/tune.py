@@ -655,8 +655,10 @@ def _variant_list(sh, entry, plan, families):
         variants += _swap_variants(entry["gemm1"], g2)
     if "half_blocks" in families:
         variants += _half_block_variants(entry["gemm1"], g2)
-    if "ws" in families and sh.activation == "silu" and not sh.bias and plan.kind in ("none", "fp8"):
-        # FP8 per-tensor / per-channel too (issue 44: Mixtral TP2 fp8_tensor prefill), on the FP8 tile list
+    if "ws" in families and (sh.activation == "silu" and not sh.bias and plan.kind in ("none", "fp8")
+                             or sh.activation == "swigluoai" and plan.kind == "none"):
+        # FP8 per-tensor / per-channel too (issue 44: Mixtral TP2 fp8_tensor prefill), on the FP8 tile list; and
+        # gpt-oss's bf16 GEMMs (interleaved SWIGLUOAI, expert bias: thirty-third session)
         variants += _ws_variants(entry["gemm1"], g1, g2, plan.kind == "fp8")
     entry_cfg = C.sanitize_config(entry, block_shape=plan.block_shape)
     entry_names = {n for n, v1, v2 in variants if _sanitized(v1, v2, plan.block_shape) == entry_cfg}
