@@ -114,6 +114,49 @@ def test_gather_a_is_a_gluon_ws_gemm1_key():
     assert _supported(gluon_ws, dict(_ws_args("gemm1", coop8, fp8), a_gather=True)) is None  # block scales by token
 
 
+def test_warp_specialized_kernel_covers_gpt_oss_and_names_what_it_does_not():
+    """gpt-oss's GEMMs on ``gluon_ws`` (thirty-third session): GEMM1 with interleaved SWIGLUOAI gate / up rows
+    (``Fusion.INTERLEAVED``, its clamp) and expert biases, GEMM2 with its bias, at I = K = 2880 (a last, partial N tile
+    of 128 / 256 columns) are covered; refused, each with its reason: SWIGLUOAI on FP8 operands, a bias with FP8
+    scales, a bias of the wrong shape, another activation on interleaved rows, and a partial N tile where the
+    operands are scaled (FP8: the amax slots would count the columns past N)."""
+    import torch
+
+    from backends.triton import gluon_ws
+    from backends.triton.jit import ACT_SILU, ACT_SWIGLUOAI
+    from tools.triton.common import shapes
+
+    gpt = next(s for s in shapes() if s.name == "gpt_oss_120b_bf16")
+    fp8 = next(s for s in shapes() if s.name == "mixtral_tp2_fp8_tensor")
+    pp = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, num_warps=4, num_stages=4, PINGPONG=1,
+              GATHER_A=1)
+    g2 = dict(pp, BLOCK_SIZE_N=256, GATHER_A=0)
+    K, I, E = gpt.K, gpt.I, gpt.E
+    assert I % pp["BLOCK_SIZE_N"] and K % g2["BLOCK_SIZE_N"]  # partial last N tiles on both GEMMs
+    gemm1 = dict(_ws_args("gemm1", pp, gpt), fuse=2, act=ACT_SWIGLUOAI, has_limit=True, a_gather=True,
+                 bias=torch.empty(E, 2 * I, dtype=torch.bfloat16, device="meta"))
+    gemm2 = dict(_ws_args("gemm2", g2, gpt), bias=torch.empty(E, K, dtype=torch.bfloat16, device="meta"))
+    assert _supported(gluon_ws, gemm1) is None
+    assert _supported(gluon_ws, gemm2) is None
+    assert _supported(gluon_ws, dict(gemm1, cfg=dict(pp, COOPERATIVE=1, PINGPONG=0, BLOCK_SIZE_M=128,
+                                                     HALF_TAIL=1, num_stages=3), half_tail=True)) is None
+    f8 = dict(_ws_args("gemm1", dict(pp, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, FUSE_QUANT=0), fp8), a_mode=1, b_mode=1,
+              a_gather=True)
+    assert _supported(gluon_ws, f8) is None
+    for what, args, reason in (
+        ("SWIGLUOAI on FP8 operands", dict(f8, fuse=2, act=ACT_SWIGLUOAI, has_limit=True), "SWIGLUOAI (unscaled"),
+        ("a bias with FP8 scales", dict(f8, bias=torch.empty(fp8.E, 2 * fp8.I, device="meta")), "bias only"),
+        ("a bias of the wrong shape", dict(gemm2, bias=torch.empty(E, K + 1, device="meta")), "bias only"),
+        ("SiLU on interleaved rows", dict(gemm1, act=ACT_SILU, has_limit=False), "SWIGLUOAI"),
+        ("a partial N tile with FP8 scales", dict(f8, n_out=fp8.I + 32,
+                                            w=torch.empty(fp8.E, 2 * fp8.I + 64, fp8.K, dtype=torch.float8_e4m3fn,
+                                                          device="meta")),
+         "N % BLOCK_N == 0 unless unscaled"),
+    ):
+        why = _supported(gluon_ws, args)
+        assert why is not None and reason in why, f"{what}: {why!r}"
+
+
 def test_ntiles_tuner_variants():
     """The tuner's ntiles family: decode GEMM2s with 2 / 3 / 4 N tiles per program, with and without FLATTEN, at the
     entry's BLOCK_SIZE_N and 64; nothing for prefill (BLOCK_SIZE_M > 32) or Gluon GEMM2s."""
