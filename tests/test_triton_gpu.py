@@ -574,25 +574,28 @@ def test_gemm2_on_the_half_blocks_equals_the_tile_list(scheme):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="gluon_ws is sm_90 only (strict kernels raise elsewhere)")
-@pytest.mark.parametrize("case", ["pingpong", "coop-tail-gather", "coop-gather-map"])
-def test_swigluoai_with_bias_on_gluon_ws_equals_fused_moe_kernel(case):
+@pytest.mark.parametrize("act, case", [("swigluoai", "pingpong"), ("swigluoai", "coop-tail-gather"),
+                                       ("swigluoai", "coop-gather-map"), ("silu", "pingpong"),
+                                       ("silu", "coop-tail-gather")])
+def test_biases_and_partial_n_tiles_on_gluon_ws_equal_fused_moe_kernel(act, case):
     """gpt-oss's layer (interleaved SWIGLUOAI gate / up rows, alpha 1.702, limit 7, expert biases on both GEMMs) on
     ``gluon_ws`` (thirty-third session: W viewed ``(E * I, 2 K)`` so that the gate and up rows load as the halves' two
     TMA boxes, the biases added to the fp32 accumulator before the rounding, the clamped activation operation for
-    operation ``jit.apply_act``'s) against ``fused_moe_kernel``'s FUSE 2 epilogue: the same sums in the same K
-    order and the same epilogue arithmetic, so bitwise equal, at an I that is not a multiple of BLOCK_N (a last,
-    partial N tile, whose columns past N are not stored and whose bias loads are masked), with gathered rows,
-    half-height tails and an expert map; strict kernels (a fallback to ``fused_moe_kernel`` raises). Three calls."""
+    operation ``jit.apply_act``'s), and SiLU's gate / up halves with biases, against ``fused_moe_kernel``'s FUSE 2 /
+    FUSE 1 epilogues: the same sums in the same K order and the same epilogue arithmetic, so bitwise equal, at an I
+    and a K that are not multiples of BLOCK_N (a last, partial N tile on both GEMMs, whose columns past N are not
+    stored and whose bias loads are masked), with gathered rows, half-height tails and an expert map; strict kernels
+    (a fallback to ``fused_moe_kernel`` raises). Three calls."""
     from backends.triton import configs as C
     from backends.triton.experts import fused_experts, strict_kernels
     from benchmarks.harness import draw_routing, make_weights
     from reference.activation import MoEActivation
 
-    E, topk, K, I, M = 8, 4, 512, 320, 300
+    E, topk, K, I, M = 8, 4, 576, 320, 300  # N tiles of 128 / 256: I = 2.5, K = 2.25 of them
     local = 6 if case.endswith("map") else None
     g = torch.Generator(device="cuda").manual_seed(33)
-    w1, w2, qc = make_weights(local or E, 2 * I, K, I, "bf16", torch.bfloat16, "cuda", g, bias=True,
-                              gemm1_alpha=1.702, gemm1_clamp_limit=7.0)
+    oai = dict(gemm1_alpha=1.702, gemm1_clamp_limit=7.0) if act == "swigluoai" else {}
+    w1, w2, qc = make_weights(local or E, 2 * I, K, I, "bf16", torch.bfloat16, "cuda", g, bias=True, **oai)
     assert qc.w1_bias is not None and qc.w2_bias is not None
     x = (torch.randn(M, K, device="cuda", generator=g) * 2).bfloat16()
     w, ids = draw_routing(M, E, topk, "cuda", g)
@@ -613,7 +616,7 @@ def test_swigluoai_with_bias_on_gluon_ws_equals_fused_moe_kernel(case):
                "gemm2": dict(base, BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, COOPERATIVE=1, num_stages=3)}
     ref_cfg, cfg = C.sanitize_config(ref_cfg), C.sanitize_config(cfg)
     args = (x, w1, w2, w, ids)
-    kw = dict(activation=MoEActivation.SWIGLUOAI, quant_config=qc, expert_map=emap, global_num_experts=E)
+    kw = dict(activation=MoEActivation.from_str(act), quant_config=qc, expert_map=emap, global_num_experts=E)
     with strict_kernels():
         want = fused_experts(*args, config=ref_cfg, **kw)
         for call in range(3):
