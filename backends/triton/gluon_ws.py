@@ -873,7 +873,8 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
     b_desc = TensorDescriptor.from_tensor(w_rows, [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], dt))
     bias = ops.bias
     # bias offsets in elements: MMA column c of N tile n0 reads (n0 + c) * step (+ up for the up columns)
-    b_step, b_up = ((2, 1) if interleaved else (1, n_out if epi.fuse.halves else 0)) if bias is not None else (0, 0)
+    sb_e, sb_n = bias.stride() if bias is not None else (0, 0)
+    b_step, b_up = (2, 1) if interleaved else (1, n_out if epi.fuse.halves else 0)
     grid = (_grid(shape, cfg, a.device), )
     amax = epi.out_quant == OUT_AMAX_SLOTS
     if amax and (ops.cs is None or tuple(ops.cs.shape) != (2 * grid[0], 2) or ops.cs.stride() != (1, 2 * grid[0])
@@ -891,14 +892,14 @@ def launch(ops: GemmOperands, shape: GemmShape, scales: GemmScales, epi: GemmEpi
         layout.num_tiles if half_tail else layout.num_tokens_post_padded,
         n_out, K, shape.num_valid, nw, n_out if epi.fuse.halves else 0, c.stride(0), *sa, *sw,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.get("GROUP_SIZE_M", 1), HALF_TAIL=half_tail,
-        C_SORTED=shape.c_sorted, GATED=epi.fuse.halves or interleaved, SCALED=scaled, COOP=bool(cfg.get("COOPERATIVE", 0)),
+        C_SORTED=shape.c_sorted, GATED=epi.fuse.halves or interleaved, SCALED=scaled,
+        COOP=bool(cfg.get("COOPERATIVE", 0)),
         STAGES=cfg.get("num_stages", 4), num_warps=CONSUMER_WARPS, A_EPI=int(a_mode) if epi_scales else 0,
         B_EPI=int(b_mode) if epi_scales else 0, amax_ptr=ops.cs if amax else c, AMAX=amax,
         N_HALVES=_halves_k_tiles(cfg, K, epi_scales),
         a_ptr=a, stride_am=a.stride(0), TOP_K=shape.top_k, GATHER_A=shape.a_gather,
-        bias_ptr=bias if bias is not None else c, stride_biase=bias.stride(0) if bias is not None else 0,
-        bias_step=b_step * (bias.stride(1) if bias is not None else 0),
-        bias_up=b_up * (bias.stride(1) if bias is not None else 0), HAS_BIAS=bias is not None,
+        bias_ptr=bias if bias is not None else c, stride_biase=sb_e, bias_step=b_step * sb_n, bias_up=b_up * sb_n,
+        HAS_BIAS=bias is not None,
         ACT=epi.act if epi.fuse else ACT_SILU, alpha=float(epi.alpha), limit=float(epi.limit),
         UP_KOFF=K if interleaved else 0,
         num_stages=cfg.get("num_stages", 4),  # not used by Gluon; recorded in the kernel's metadata (sm90.py)

@@ -215,9 +215,9 @@ def _gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs, ws=None):
     return call
 
 
-def _entry_call(sh, M, entry, dev, w1, w2, qc, act, plan, routes, a1s, outs):
+def _entry_call(sh, entry, dev, w1, w2, qc, act, plan, routes, a1s, outs):
     """``--keep-entry``: GEMM1 + GEMM2 of a table entry (``_gemms_call``), called once to show that it still runs
-    (raises otherwise); ``_choose`` times it beside the candidates."""
+    (raises otherwise); returned for ``_choose`` to time beside the candidates."""
     call = _gemms_call(sh, entry, w1, w2, qc, act, plan, routes, a1s, outs)
     call(0)
     torch.cuda.synchronize(dev)
@@ -271,11 +271,10 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
         routes, a1s = _draw_inputs(sh, M, dev, plan, qc, dt, R)
         outs = torch.empty(M, sh.K, device=dev, dtype=dt)
         per_key = {}  # "BM=..": the key's GEMM1 and GEMM2 winners (timed together and side by side after the sweep)
-        keep = False
+        entry_call = None
         if keep_entry and str(M) in table:
             try:
-                _entry_call(sh, M, table[str(M)], dev, w1, w2, qc, act, plan, routes, a1s, outs)
-                keep = True
+                entry_call = _entry_call(sh, table[str(M)], dev, w1, w2, qc, act, plan, routes, a1s, outs)
                 log(f"{sh.name} M={M} entry (runs; timed beside the candidates after the sweep): {table[str(M)]}")
             except Exception as exc:  # noqa: BLE001 - an entry that no longer runs is replaced
                 log(f"  entry of M={M} failed: {type(exc).__name__}: {str(exc)[:160]}")
@@ -339,9 +338,9 @@ def tune_shape(sh, Ms, dev, out_dir, budget_s, reps_s=0.25, keep_entry=False):
         def mk(cfg):
             return _gemms_call(sh, cfg, w1, w2, qc, act, plan, routes, a1s, outs)
 
+        keep = entry_call is not None
         name, why = _choose({k: mk(c) for k, c in per_key.items()}, 8 if M <= 64 else 4, dev, 2 * reps_s,
-                            entry_call=mk(table[str(M)]) if keep else None,
-                            twin_call=mk(table[str(M)]) if keep else None)
+                            entry_call=entry_call, twin_call=mk(table[str(M)]) if keep else None)
         log(f"{sh.name} M={M} the candidates{' and the entry' if keep else ''}, interleaved: {why}")
         if name is None or name == "entry":
             log(f"BEST {sh.name} M={M}: " + ("the entry kept" if name else "nothing ran"))
